@@ -1,0 +1,1 @@
+"""Varuna profiler package."""

@@ -1,0 +1,1 @@
+"""Varuna simulator package."""
