@@ -1,0 +1,33 @@
+"""varuna: pipeline + data-parallel training of large models on cheap, preemptible VMs.
+
+Exports are lazy so that ``import varuna.schedule`` (used by the simulator) never imports torch.
+
+    >>> import varuna
+    >>> varuna.CutPoint  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "CutPoint": "varuna.cutpoint",
+    "Engine": "varuna.engine",
+    "VarunaConfig": "varuna.engine",
+    "StepResult": "varuna.engine",
+    "balanced_partition": "varuna.partition",
+    "keyed_seed": "varuna.split",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'varuna' has no attribute {name!r}")
+    return getattr(importlib.import_module(mod), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -57,6 +57,8 @@ BACKWARD = "B"
 #: Schedule kinds the runtime can execute. ``1f1b`` is PipeDream-Flush.
 SCHEDULE_KINDS = ("varuna", "gpipe", "1f1b")
 
+_OP_CODE = {FORWARD: 0, RECOMPUTE: 1, BACKWARD: 2}
+
 # Unit costs used to derive the varuna lists (paper §3.2).
 _UNIT_F, _UNIT_R, _UNIT_B = 1, 1, 2
 
@@ -375,15 +377,24 @@ class StagePolicy:
     Task(op='F', microbatch=0)
     """
 
-    __slots__ = ("tasks", "stage", "num_stages", "opportunistic", "_done", "_recomputed",
-                 "_act", "_grad", "_awaiting_b", "_head", "_next_f", "executed")
+    # Note [StagePolicy speed]: the simulator drives one policy per stage and replica for every
+    # task of a mini-batch (P=36, Nm=228: ~25k tasks in a 50 ms budget), so the bookkeeping is
+    # integer-keyed: a position table instead of hashing Task objects, and the opportunistic
+    # search looks only at the tasks that can be ready — F of the next micro-batch, and R/B of the
+    # micro-batches whose forward is done and whose gradient has arrived (on the last stage:
+    # whose forward is done) — taking the earliest in list order. That is exactly the task the
+    # plain scan of the remaining list would return (tests/test_simulator.py checks it against
+    # that scan on random arrival orders).
+
+    __slots__ = ("tasks", "stage", "num_stages", "opportunistic", "_recomputed",
+                 "_act", "_grad", "_awaiting_b", "_head", "_next_f", "executed",
+                 "_pos", "_done_pos", "_extra_done", "_ndone", "_f_done", "_r_done", "_b_done", "_cand")
 
     def __init__(self, tasks: Sequence[Task], stage: int, num_stages: int, opportunistic: bool = True):
         self.tasks = tuple(tasks)
         self.stage = stage
         self.num_stages = num_stages
         self.opportunistic = opportunistic
-        self._done: set[Task] = set()
         self._recomputed = _recomputed(self.tasks)
         self._act: set[int] = set()
         self._grad: set[int] = set()
@@ -392,6 +403,24 @@ class StagePolicy:
         self._next_f = 0
         #: tasks in the order they were run (for tests and timelines)
         self.executed: list[Task] = []
+        # _pos[3*i + {F:0, R:1, B:2}] = position of that task in the list (-1: absent).
+        size = 3 * (max((t.microbatch for t in self.tasks), default=-1) + 1)
+        pos = [-1] * size
+        code = _OP_CODE
+        for p, t in enumerate(self.tasks):
+            j = 3 * t.microbatch + code[t.op]
+            if pos[j] < 0:
+                pos[j] = p
+        self._pos = pos
+        self._done_pos = bytearray(len(self.tasks))  # by list position
+        self._extra_done: set[Task] = set()  # completed tasks that are not in the list
+        self._ndone = 0
+        self._f_done: set[int] = set()
+        self._r_done: set[int] = set()
+        self._b_done: set[int] = set()
+        # Micro-batches whose R or B may be ready: forward done, backward not, and (except on
+        # the last stage) gradient arrived.
+        self._cand: set[int] = set()
 
     @property
     def is_first(self) -> bool:
@@ -403,53 +432,123 @@ class StagePolicy:
 
     @property
     def finished(self) -> bool:
-        return len(self._done) == len(self.tasks)
+        return self._ndone == len(self.tasks)
+
+    def _position(self, task: Task) -> int:
+        j = 3 * task.microbatch + _OP_CODE.get(task.op, 0)
+        if 0 <= j < len(self._pos):
+            p = self._pos[j]
+            if p >= 0:
+                t = self.tasks[p]
+                if t is task or t == task:
+                    return p
+        return -1
+
+    def is_done(self, task: Task) -> bool:
+        p = self._position(task)
+        return self._done_pos[p] == 1 if p >= 0 else task in self._extra_done
 
     def arrived(self, kind: str, microbatch: int) -> None:
         """Record an input: ``kind`` "F" for an activation, "B" for a gradient."""
-        (self._act if kind == FORWARD else self._grad).add(microbatch)
+        if kind == FORWARD:
+            self._act.add(microbatch)
+            return
+        self._grad.add(microbatch)
+        if microbatch in self._f_done and microbatch not in self._b_done:
+            self._cand.add(microbatch)
 
     def ready(self, task: Task) -> bool:
         i = task.microbatch
-        if task in self._done:
+        if self.is_done(task):
             return False
         if task.op == FORWARD:
-            return i == self._next_f and (self.is_first or i in self._act)
+            return i == self._next_f and (self.stage == 0 or i in self._act)
         if task.op == RECOMPUTE:
-            return Task(FORWARD, i) in self._done
-        if Task(FORWARD, i) not in self._done:
+            return i in self._f_done
+        if i not in self._f_done:
             return False
-        if i in self._recomputed and Task(RECOMPUTE, i) not in self._done:
+        if i in self._recomputed and i not in self._r_done:
             return False
-        return self.is_last or i in self._grad
+        return self.stage == self.num_stages - 1 or i in self._grad
 
     def next_task(self) -> Task | None:
+        tasks, done_pos = self.tasks, self._done_pos
         if self._awaiting_b is not None:  # rule (2)
-            b = Task(BACKWARD, self._awaiting_b)
-            return b if self.ready(b) else None
-        tasks, done = self.tasks, self._done
-        while self._head < len(tasks) and tasks[self._head] in done:
-            self._head += 1
-        if self._head == len(tasks):
+            i = self._awaiting_b
+            j = 3 * i + 2
+            p = self._pos[j] if j < len(self._pos) else -1
+            if p < 0:  # B_i is not in the list (a malformed list): the general check
+                b = Task(BACKWARD, i)
+                return b if self.ready(b) else None
+            if (not done_pos[p] and i in self._f_done and (i not in self._recomputed or i in self._r_done)
+                    and (self.stage == self.num_stages - 1 or i in self._grad)):
+                return tasks[p]
             return None
-        head = tasks[self._head]
-        if self.ready(head):
-            return head
+        n = len(tasks)
+        head = self._head
+        while head < n and done_pos[head]:
+            head += 1
+        self._head = head
+        if head == n:
+            return None
+        first = tasks[head]
+        # ready(first), inlined (hot path); ``first`` is not done.
+        i, op = first.microbatch, first.op
+        if op == FORWARD:
+            if i == self._next_f and (self.stage == 0 or i in self._act):
+                return first
+        elif op == RECOMPUTE:
+            if i in self._f_done:
+                return first
+        elif (i in self._f_done and (i not in self._recomputed or i in self._r_done)
+              and (self.stage == self.num_stages - 1 or i in self._grad)):
+            return first
         if not self.opportunistic:
             return None
-        for t in tasks[self._head + 1:]:
-            if t in done or not self.ready(t):
+        # Earliest ready task after the head (the head is not ready, and all before it are done);
+        # see Note [StagePolicy speed].
+        pos, size = self._pos, len(self._pos)
+        best = n
+        i = self._next_f
+        j = 3 * i
+        if j < size and pos[j] >= 0 and not done_pos[pos[j]] and (self.stage == 0 or i in self._act):
+            best = pos[j]
+        grad, recomputed, r_done = self._grad, self._recomputed, self._r_done
+        for i in self._cand:
+            j = 3 * i
+            if j >= size:
                 continue
-            if t.op == RECOMPUTE and t.microbatch not in self._grad:
-                continue
-            return t
-        return None
+            p = pos[j + 1]  # R_i: F_i done; opportunistically only once its gradient is here
+            if 0 <= p < best and not done_pos[p] and i in grad:
+                best = p
+            p = pos[j + 2]  # B_i: F_i done, R_i done if listed, gradient here (or last stage)
+            if 0 <= p < best and not done_pos[p] and (i not in recomputed or i in r_done):
+                best = p
+        return tasks[best] if best < n else None
 
     def complete(self, task: Task) -> None:
-        if task in self._done:
-            raise RuntimeError(f"task {task} completed twice on stage {self.stage}")
-        self._done.add(task)
+        p = self._position(task)
+        if p >= 0:
+            if self._done_pos[p]:
+                raise RuntimeError(f"task {task} completed twice on stage {self.stage}")
+            self._done_pos[p] = 1
+        else:  # not in the list: the executor ran something else; remember it all the same
+            if task in self._extra_done:
+                raise RuntimeError(f"task {task} completed twice on stage {self.stage}")
+            self._extra_done.add(task)
+        self._ndone += 1
         self.executed.append(task)
-        if task.op == FORWARD:
+        i, op = task.microbatch, task.op
+        if op == FORWARD:
             self._next_f += 1
-        self._awaiting_b = task.microbatch if task.op == RECOMPUTE else None
+            self._f_done.add(i)
+            if (self.stage == self.num_stages - 1 or i in self._grad) and i not in self._b_done:
+                self._cand.add(i)
+            self._awaiting_b = None
+        elif op == RECOMPUTE:
+            self._r_done.add(i)
+            self._awaiting_b = i
+        else:
+            self._b_done.add(i)
+            self._cand.discard(i)
+            self._awaiting_b = None

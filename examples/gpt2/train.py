@@ -1,0 +1,97 @@
+"""Train the GPT example with varuna at any P×D.
+
+    varuna-launch --procs 4 --pipeline-depth 2 examples/gpt2/train.py --steps 20
+    python examples/gpt2/train.py --steps 20        # one process (P = D = 1)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from data import ByteBatches  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+import varuna  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=20, help="total optimizer steps")
+    p.add_argument("--global-batch-size", type=int, default=32)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--schedule", default="varuna", choices=["varuna", "gpipe", "1f1b"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--metrics-out", type=Path, help="JSON Lines, one object per step")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--eval-every", type=int, default=10, help="steps between validation losses (0: never)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
+    args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error("--steps must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    data = ByteBatches(args.block_size, seed=args.seed)
+    cfg = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
+                    n_embd=args.n_embd, dropout=args.dropout)
+    torch.manual_seed(args.seed)
+    model = GPT(cfg)
+    engine = varuna.Engine(
+        model,
+        varuna.VarunaConfig(
+            global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+            schedule=args.schedule, seed=args.seed, precision=args.precision,
+            max_grad_norm=args.max_grad_norm,
+        ),
+        example_batch=data.get("train", 0, args.global_batch_size),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0),
+    )
+    info = engine.describe()
+    leader = engine.layout.rank == 0
+    if leader:
+        print(f"varuna: P={info['P']} D={info['D']} m={info['m']} Nm={info['Nm']} stages={info['stage_ranges']} "
+              f"schedule={args.schedule} corpus={data.fingerprint}", flush=True)
+    out = open(args.metrics_out, "a") if (leader and args.metrics_out) else None
+    try:
+        for step in range(engine.step_count + 1, args.steps + 1):
+            r = engine.train_step(data.get("train", step, args.global_batch_size))
+            row = {"step": r.step, "loss": r.loss, "samples_per_s": r.samples_per_s, "P": info["P"],
+                   "D": info["D"], "m": info["m"], "Nm": sum(info["Nm"]), "wall_time": r.wall_time,
+                   "grad_norm": r.grad_norm, "skipped": r.skipped}
+            if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+                row["val_loss"] = engine.evaluate(data.get("val", step, args.global_batch_size))
+            if leader:
+                extra = f" val {row['val_loss']:.4f}" if "val_loss" in row else ""
+                print(f"step {r.step:5d}/{args.steps} loss {r.loss:.4f}{extra} |g| {r.grad_norm:.3f} "
+                      f"{r.samples_per_s:8.1f} samples/s", flush=True)
+                if out:
+                    out.write(json.dumps(row) + "\n")
+                    out.flush()
+    finally:
+        if out:
+            out.close()
+        engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())

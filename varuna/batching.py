@@ -1,0 +1,79 @@
+"""How a mini-batch is cut into micro-batches and shared among data-parallel replicas.
+
+Micro-batches are defined globally, independent of D: the M_total examples are cut into
+ceil(M_total / m) micro-batches of m (the last may be smaller), numbered 0, 1, ... Replica d
+takes a contiguous run of them (counts differ by at most one). Randomness is keyed by the
+*global* micro-batch index, so the same mini-batch sees the same dropout masks at any P×D.
+
+Example::
+
+    >>> plan_microbatches(10, 4, 2)
+    [[MicroBatch(index=0, start=0, end=4), MicroBatch(index=1, start=4, end=8)], [MicroBatch(index=2, start=8, end=10)]]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MicroBatch", "plan_microbatches", "slice_batch", "batch_size_of"]
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatch:
+    index: int  # global micro-batch index within the mini-batch
+    start: int  # first example (inclusive)
+    end: int  # last example (exclusive)
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+def plan_microbatches(global_batch_size: int, micro_batch_size: int, data_parallel: int) -> list[list[MicroBatch]]:
+    """Per replica, its micro-batches (see module docstring)."""
+    M, m, D = global_batch_size, micro_batch_size, data_parallel
+    if m < 1 or M < 1 or D < 1:
+        raise ValueError(f"batch sizes and D must be >= 1 (global {M}, micro {m}, D {D})")
+    if M < D:
+        raise ValueError(
+            f"global batch size {M} is smaller than data-parallel degree D={D}: some replica would get "
+            f"nothing; use --global-batch-size >= {D} or fewer replicas"
+        )
+    n = -(-M // m)
+    if n < D:
+        raise ValueError(
+            f"global batch {M} at micro-batch size {m} gives {n} micro-batch(es), fewer than D={D} replicas; "
+            f"use --micro-batch-size <= {M // D}"
+        )
+    mbs = [MicroBatch(i, i * m, min((i + 1) * m, M)) for i in range(n)]
+    out, pos = [], 0
+    for d in range(D):
+        cnt = n // D + (1 if d < n % D else 0)
+        out.append(mbs[pos: pos + cnt])
+        pos += cnt
+    return out
+
+
+def batch_size_of(batch) -> int:
+    """Leading dimension shared by every tensor of ``batch`` (tensor, tuple/list or dict)."""
+    import torch
+
+    leaves = list(batch.values()) if isinstance(batch, dict) else list(batch) if isinstance(batch, (list, tuple)) else [batch]
+    sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(f"every tensor of a batch must share its first (batch) dimension; got sizes {sorted(sizes)}")
+    return sizes.pop()
+
+
+def slice_batch(batch, start: int, end: int):
+    """Examples ``start:end`` of every tensor in ``batch``; other values are passed through."""
+    import torch
+
+    def cut(x):
+        return x[start:end] if isinstance(x, torch.Tensor) and x.dim() > 0 else x
+
+    if isinstance(batch, dict):
+        return {k: cut(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(cut(v) for v in batch)
+    return cut(batch)

@@ -1,0 +1,642 @@
+"""The training engine: one process = one stage of one replica pipeline.
+
+Example (the same script runs at any P×D under ``varuna-launch``)::
+
+    engine = varuna.Engine(
+        model,
+        varuna.VarunaConfig(global_batch_size=32, micro_batch_size=4),
+        example_batch=first_batch,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4),
+    )
+    for batch in batches:               # each batch holds the whole mini-batch (M_total examples)
+        result = engine.train_step(batch)
+        print(result.step, result.loss)
+    engine.close()
+
+What happens in ``train_step`` (Note [Step]): the mini-batch is cut into micro-batches (see
+:mod:`varuna.batching`); the stage runs its schedule's tasks through the shared
+:class:`~varuna.schedule.StagePolicy` while sender/receiver threads move activations and
+gradients; then gradients are summed over each stage's replicas (and, for parameters that live
+on several stages such as tied embeddings, over every copy); one small all-reduce over all
+ranks agrees on the global gradient norm, on whether any gradient overflowed and on the loss;
+finally every rank steps its optimizer — or every rank skips the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import queue
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from varuna.batching import MicroBatch, batch_size_of, plan_microbatches, slice_batch
+from varuna.comm import Arrival, LinkReceiver, LinkSender
+from varuna.cutpoint import CutPoint, ForwardRun, SplitState, StopForward
+from varuna.loss_scale import DynamicLossScale
+from varuna.partition import balanced_partition, stage_of_segment
+from varuna.schedule import BACKWARD, FORWARD, RECOMPUTE, SCHEDULE_KINDS, Task, get_schedule
+from varuna.split import ModelProfile, keyed_seed, materialize_stage, profile_model
+
+__all__ = ["VarunaConfig", "Engine", "StepResult"]
+
+_PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(kw_only=True)
+class VarunaConfig:
+    """Engine configuration. P and D default to the launcher's environment (1 when absent)."""
+
+    global_batch_size: int
+    """M_total: examples per optimizer step, whatever P×D; hyper-parameters depend on it only."""
+    micro_batch_size: int
+    """m: examples per micro-batch."""
+    pipeline_depth: int | None = None
+    """P; defaults to $VARUNA_PIPELINE_DEPTH or 1."""
+    data_parallel: int | None = None
+    """D; defaults to $VARUNA_DATA_PARALLEL or WORLD_SIZE // P."""
+    schedule: str = "varuna"
+    """One of varuna, gpipe, 1f1b."""
+    recompute: bool = True
+    """Activation recompute for gpipe/1f1b (varuna always recomputes except on its last stage)."""
+    seed: int = 0
+    """Keys dropout masks (with step, micro-batch and segment) and parameter init."""
+    precision: str = "fp32"
+    """fp32, bf16 (autocast) or fp16 (autocast + dynamic loss scaling)."""
+    max_grad_norm: float | None = None
+    """Clip by the global gradient norm over all stages (shared parameters counted once)."""
+    stage_ranges: list[tuple[int, int]] | None = None
+    """Explicit segment ranges per stage; default: balanced on costs measured in a dry run."""
+    comm_timeout_s: float = 300.0
+    """Every wait on another process gives up after this long."""
+    dry_run_reps: int = 2
+    record_timeline: bool = False
+    """Record (stage, op, micro-batch, start, end) of every task, for traces."""
+    device: str | None = None
+    """Default: cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    loss_scale: float = 2.0**16
+    loss_scale_growth_interval: int = 2000
+
+    def validate(self) -> None:
+        if self.schedule not in SCHEDULE_KINDS:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULE_KINDS)}")
+        if self.precision not in _PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; choose fp32, bf16 or fp16")
+        if self.micro_batch_size < 1 or self.global_batch_size < 1:
+            raise ValueError("--global-batch-size and --micro-batch-size must be >= 1")
+
+
+@dataclass
+class StepResult:
+    """What one ``train_step`` did. ``loss`` is the mean over the whole mini-batch (all replicas)."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    skipped: bool
+    loss_scale: float
+    samples_per_s: float
+    wall_time: float
+
+
+@dataclass
+class _Layout:
+    world: int
+    rank: int
+    P: int
+    D: int
+
+    @property
+    def stage(self) -> int:
+        return self.rank % self.P
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.P
+
+    def rank_of(self, stage: int, replica: int) -> int:
+        return replica * self.P + stage
+
+
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name)
+    return int(v) if v not in (None, "") else None
+
+
+class Engine:
+    """Pipeline- and data-parallel training of an unmodified model annotated with CutPoints.
+
+    ``model``: the user's ``nn.Module`` (on CPU, or on ``meta`` for models too big for a host).
+    ``example_batch``: one batch in the format ``train_step`` takes (only the first micro-batch
+    is used, for the dry run). ``optimizer``: builds the stage's optimizer from its parameters.
+    ``loss_fn(output, microbatch)``: the scalar *mean* loss of a micro-batch; default: the model
+    returns it. ``param_init(module_name, module)``: how a ``meta`` model's modules are
+    initialised (default: ``reset_parameters``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: VarunaConfig,
+        *,
+        example_batch,
+        optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+        loss_fn: Callable | None = None,
+        param_init: Callable[[str, nn.Module], None] | None = None,
+    ) -> None:
+        config.validate()
+        self.config = config
+        self.loss_fn = loss_fn or _model_returns_loss
+        self._owns_pg = False
+        self.layout = self._init_distributed(config)
+        P, D = self.layout.P, self.layout.D
+        self.micro_plan = plan_microbatches(config.global_batch_size, config.micro_batch_size, D)
+        self.device = self._pick_device(config)
+        self.model = model
+        self._split = SplitState()
+
+        first = slice_batch(example_batch, 0, min(config.micro_batch_size, batch_size_of(example_batch)))
+        measure = self.layout.rank == 0 and config.stage_ranges is None and P > 1
+        self.profile: ModelProfile = profile_model(
+            model, first, self.loss_fn, timing_reps=config.dry_run_reps, measure=measure
+        )
+        K = self.profile.num_cutpoints
+        if P > 1 and K == 0:
+            raise ValueError(
+                f"the model has no CutPoint, so it cannot be split into {P} pipeline stages; call "
+                "varuna.CutPoint() on activations at stage boundaries, or use --pipeline-depth 1"
+            )
+        if P > K + 1:
+            raise ValueError(
+                f"pipeline depth {P} exceeds the {K + 1} segments defined by the model's {K} CutPoints; "
+                f"use --pipeline-depth <= {K + 1} or add CutPoints"
+            )
+        self.stage_ranges = self._assign_stages(config)
+        self.first_segment, self.last_segment = self.stage_ranges[self.stage]
+        self._cutpoints = [m for m in model.modules() if isinstance(m, CutPoint)]
+        for cp in self._cutpoints:
+            cp._varuna_state = self._split
+        self._order = self._cut_order(model)
+        self.stage_params = materialize_stage(
+            model, self.profile, self.first_segment, self.last_segment, self._split,
+            device=self.device, seed=config.seed, param_init=param_init,
+        )
+        self._trainable = {n: p for n, p in self.stage_params.items() if p.requires_grad}
+        self.optimizer = optimizer(list(self._trainable.values()))
+        self.scaler = DynamicLossScale(
+            scale=config.loss_scale if config.precision == "fp16" else 1.0,
+            growth_interval=config.loss_scale_growth_interval,
+        )
+        self._build_groups()
+        self._inbox: queue.Queue = queue.Queue()
+        self._start_comm()
+        self.step_count = 0
+        self.executed_orders: list[list[Task]] = []
+        self.timeline: list[tuple[int, int, str, int, float, float]] = []
+        self._t0 = time.perf_counter()
+
+    # ------------------------------------------------------------------ setup
+
+    @property
+    def stage(self) -> int:
+        return self.layout.stage
+
+    @property
+    def replica(self) -> int:
+        return self.layout.replica
+
+    @property
+    def num_stages(self) -> int:
+        return self.layout.P
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.layout.P - 1
+
+    def _init_distributed(self, cfg: VarunaConfig) -> _Layout:
+        world = dist.get_world_size() if dist.is_initialized() else (_env_int("WORLD_SIZE") or 1)
+        P = cfg.pipeline_depth or _env_int("VARUNA_PIPELINE_DEPTH") or 1
+        D = cfg.data_parallel or _env_int("VARUNA_DATA_PARALLEL") or max(world // P, 1)
+        if P < 1 or D < 1:
+            raise ValueError(f"pipeline depth and data parallelism must be >= 1 (got P={P}, D={D})")
+        if world != P * D:
+            raise ValueError(
+                f"world size {world} != pipeline depth {P} x data parallel {D}; launch P×D processes "
+                f"(varuna-launch --procs {P * D} --pipeline-depth {P}) or change P/D"
+            )
+        if world > 1 and not dist.is_initialized():
+            backend = "nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo"
+            dist.init_process_group(backend, timeout=timedelta(seconds=cfg.comm_timeout_s))
+            self._owns_pg = True
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return _Layout(world=world, rank=rank, P=P, D=D)
+
+    def _pick_device(self, cfg: VarunaConfig) -> torch.device:
+        if cfg.device:
+            return torch.device(cfg.device)
+        if torch.cuda.is_available():
+            dev = torch.device("cuda", _env_int("LOCAL_RANK") or 0)
+            torch.cuda.set_device(dev)
+            return dev
+        return torch.device("cpu")
+
+    def _assign_stages(self, cfg: VarunaConfig) -> list[tuple[int, int]]:
+        P, nseg = self.layout.P, self.profile.num_segments
+        if cfg.stage_ranges is not None:
+            ranges = [tuple(r) for r in cfg.stage_ranges]
+            flat = [s for a, b in ranges for s in range(a, b + 1)]
+            if len(ranges) != P or flat != list(range(nseg)):
+                raise ValueError(
+                    f"stage_ranges {ranges} must be {P} contiguous ranges covering segments 0..{nseg - 1}"
+                )
+            return ranges
+        costs = [f + b for f, b in zip(self.profile.fwd_cost, self.profile.bwd_cost)]
+        ranges = balanced_partition(costs, P) if P > 1 else [(0, nseg - 1)]
+        if self.layout.world > 1:
+            # Timings differ between processes: rank 0's split is the one everybody uses.
+            t = torch.tensor([x for r in ranges for x in r], dtype=torch.int64)
+            dist.broadcast(t, src=0)
+            v = t.tolist()
+            ranges = [(v[2 * i], v[2 * i + 1]) for i in range(P)]
+        return ranges
+
+    def _cut_order(self, model: nn.Module) -> list[CutPoint]:
+        by_name = dict(model.named_modules())
+        return [by_name[n] for n in self.profile.cutpoint_names]
+
+    def _build_groups(self) -> None:
+        """Create every process group in the same order on every rank (a collective)."""
+        L = self.layout
+        P, D = L.P, L.D
+        self._dp_group = None
+        self._act_groups: dict[tuple[int, int], object] = {}
+        self._grad_groups: dict[tuple[int, int], object] = {}
+        self._shared_groups: list[tuple[object, list[str]]] = []
+        self._norm_elsewhere: set[str] = set()
+        if L.world == 1:
+            return
+        for k in range(P):
+            ranks = [L.rank_of(k, d) for d in range(D)]
+            g = dist.new_group(ranks) if D > 1 else None
+            if k == L.stage:
+                self._dp_group = g
+        for d in range(D):
+            for k in range(P - 1):
+                pair = [L.rank_of(k, d), L.rank_of(k + 1, d)]
+                ga = dist.new_group(pair)
+                gg = dist.new_group(pair)
+                if L.rank in pair:
+                    self._act_groups[(k, d)] = ga
+                    self._grad_groups[(k, d)] = gg
+        seg_stage = stage_of_segment(self.stage_ranges)
+        by_stages: dict[tuple[int, ...], list[str]] = {}
+        for name, segs in sorted(self.profile.shared_params().items()):
+            stages = tuple(sorted({seg_stage[s] for s in segs}))
+            if len(stages) > 1:
+                by_stages.setdefault(stages, []).append(name)
+        for stages, names in sorted(by_stages.items()):
+            ranks = sorted(L.rank_of(k, d) for k in stages for d in range(D))
+            g = dist.new_group(ranks)
+            if L.stage in stages:
+                self._shared_groups.append((g, names))
+                if stages[0] != L.stage:
+                    self._norm_elsewhere.update(names)
+
+    def _shared_names(self) -> set[str]:
+        return {n for _, names in self._shared_groups for n in names}
+
+    def _start_comm(self) -> None:
+        L, t = self.layout, self.config.comm_timeout_s
+        k, d = L.stage, L.replica
+        self._act_out = self._grad_out = self._act_in = self._grad_in = None
+        if k < L.P - 1:
+            nxt = L.rank_of(k + 1, d)
+            self._act_out = LinkSender(f"act-send-{k}", nxt, self._act_groups[(k, d)], self.device, self._inbox, t)
+            self._grad_in = LinkReceiver(f"grad-recv-{k}", BACKWARD, nxt, self._grad_groups[(k, d)],
+                                         self.device, self._inbox, t)
+        if k > 0:
+            prv = L.rank_of(k - 1, d)
+            self._act_in = LinkReceiver(f"act-recv-{k}", FORWARD, prv, self._act_groups[(k - 1, d)],
+                                        self.device, self._inbox, t)
+            self._grad_out = LinkSender(f"grad-send-{k}", prv, self._grad_groups[(k - 1, d)],
+                                        self.device, self._inbox, t)
+
+    # ------------------------------------------------------------------ public API
+
+    def parameters(self) -> Iterable[nn.Parameter]:
+        """This stage's trainable parameters (what its optimizer updates)."""
+        return self._trainable.values()
+
+    def named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
+        """This stage's trainable parameters keyed by the original model's names."""
+        return self._trainable.items()
+
+    def describe(self) -> dict:
+        """The resolved configuration (P, D, m, Nm, stage ranges...), JSON-serialisable."""
+        return {
+            **asdict(self.config),
+            "P": self.layout.P,
+            "D": self.layout.D,
+            "m": self.config.micro_batch_size,
+            "Nm": [len(p) for p in self.micro_plan],
+            "stage_ranges": self.stage_ranges,
+            "cutpoints": self.profile.cutpoint_names,
+            "shared_params": {k: list(v) for k, v in self.profile.shared_params().items()},
+        }
+
+    def train_step(self, batch) -> StepResult:
+        """Run one mini-batch (M_total examples) through the pipeline and step the optimizer."""
+        t_start = time.perf_counter()
+        self._check_batch(batch)
+        self.step_count += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        mbs = self.micro_plan[self.replica]
+        local_loss = self._run_pipeline(batch, mbs, train=True)
+        grad_norm, skipped = self._finish_step(local_loss)
+        loss = self._last_loss
+        wall = time.perf_counter() - t_start
+        return StepResult(
+            step=self.step_count, loss=loss, grad_norm=grad_norm, skipped=skipped,
+            loss_scale=self.scaler.scale, samples_per_s=self.config.global_batch_size / wall,
+            wall_time=time.time(),
+        )
+
+    @torch.no_grad()
+    def evaluate(self, batch) -> float:
+        """Mean loss of ``batch`` (M_total examples) in eval mode, without touching parameters."""
+        self._check_batch(batch)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            local = self._run_pipeline(batch, self.micro_plan[self.replica], train=False)
+            return self._allreduce_scalars(torch.tensor([0.0, 0.0, local], dtype=torch.float64))[2]
+        finally:
+            self.model.train(was_training)
+
+    def close(self) -> None:
+        """Stop communication threads and, if the engine created it, the process group."""
+        for w in (self._act_out, self._grad_out, self._act_in, self._grad_in):
+            if w is not None:
+                w.close()
+        if self._owns_pg and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_pg = False
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the pipeline
+
+    def _check_batch(self, batch) -> None:
+        n = batch_size_of(batch)
+        if n != self.config.global_batch_size:
+            raise ValueError(
+                f"train_step got a batch of {n} examples but global_batch_size is "
+                f"{self.config.global_batch_size}; pass the whole mini-batch on every rank"
+            )
+
+    def _reseed(self, microbatch: int) -> Callable[[int], None]:
+        seed, step = self.config.seed, self.step_count
+        return lambda segment: torch.manual_seed(keyed_seed(seed, step, microbatch, segment))
+
+    def _autocast(self):
+        dt = _PRECISIONS[self.config.precision]
+        if dt is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dt)
+
+    def _forward(self, batch, mb: MicroBatch, inputs, with_grad: bool):
+        """Run the user's forward for this stage; returns the loss (last stage) or outputs."""
+        data = slice_batch(batch, mb.start, mb.end)
+        reseed = self._reseed(mb.index)
+        run = ForwardRun(
+            cutpoints=self._order, first_segment=self.first_segment,
+            last_segment=self.last_segment if not self.is_last_stage else len(self._order),
+            num_segments=self.profile.num_segments, inputs=inputs, on_segment=reseed,
+        )
+        devices = [self.device] if self.device.type == "cuda" else []
+        self._split.run = run
+        try:
+            with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(with_grad), self._autocast():
+                reseed(0)
+                try:
+                    out = _call(self.model, data)
+                except StopForward as stop:
+                    return stop.outputs
+                if not self.is_last_stage:
+                    raise RuntimeError(
+                        f"stage {self.stage}'s forward returned without reaching CutPoint #{self.last_segment}; "
+                        "the forward must pass every CutPoint on every call"
+                    )
+                return self.loss_fn(out, data)
+        finally:
+            self._split.run = None
+
+    def _run_pipeline(self, batch, mbs: list[MicroBatch], *, train: bool) -> float:
+        P, k = self.layout.P, self.stage
+        n = len(mbs)
+        if train:
+            sched = get_schedule(self.config.schedule, P, n, self.config.recompute)
+            policy = sched.policy(k)
+            recomputed = sched.recomputed(k)
+        else:
+            from varuna.schedule import StagePolicy
+
+            policy = StagePolicy([Task(FORWARD, i) for i in range(n)], k, P, opportunistic=False)
+            recomputed = frozenset(range(n))  # forward-only: never keep a graph
+        if self._act_in is not None:
+            self._act_in.expect(n)
+        if self._grad_in is not None and train:
+            self._grad_in.expect(n)
+        acts: dict[int, tuple[torch.Tensor, ...]] = {}
+        grads: dict[int, tuple[torch.Tensor, ...]] = {}
+        stash: dict[int, tuple[torch.Tensor, ...] | None] = {}
+        graphs: dict[int, tuple] = {}
+        M = self.config.global_batch_size
+        scale = self.scaler.scale
+        loss_sum = 0.0
+        timeout = self.config.comm_timeout_s
+        record = self.config.record_timeline
+        while not policy.finished:
+            self._drain(policy, acts, grads, block=False, timeout=timeout)
+            task = policy.next_task()
+            if task is None:
+                self._drain(policy, acts, grads, block=True, timeout=timeout)
+                continue
+            t0 = time.perf_counter()
+            i, mb = task.microbatch, mbs[task.microbatch]
+            if task.op == FORWARD:
+                inputs = acts.pop(i, None)
+                keep_graph = train and i not in recomputed
+                if inputs is not None and keep_graph:
+                    inputs = tuple(_leaf(x) for x in inputs)
+                out = self._forward(batch, mb, inputs, with_grad=keep_graph)
+                if self.is_last_stage:
+                    loss_sum += float(out.detach()) * mb.size / M
+                    if keep_graph:
+                        graphs[i] = (inputs, out)
+                    elif train:
+                        stash[i] = inputs
+                else:
+                    self._act_out.send(i, tuple(x.detach() for x in out))
+                    if keep_graph:
+                        graphs[i] = (inputs, out)
+                    elif train:
+                        stash[i] = inputs
+            elif task.op == RECOMPUTE:
+                inputs = stash.pop(i)
+                if inputs is not None:
+                    inputs = tuple(_leaf(x) for x in inputs)
+                out = self._forward(batch, mb, inputs, with_grad=True)
+                graphs[i] = (inputs, out)
+            else:
+                inputs, out = graphs.pop(i)
+                if self.is_last_stage:
+                    (out * (mb.size / M * scale)).backward()
+                else:
+                    g = grads.pop(i)
+                    pairs = [(o, gi) for o, gi in zip(out, g) if o.requires_grad]
+                    if pairs:
+                        torch.autograd.backward([o for o, _ in pairs], [gi for _, gi in pairs])
+                if self._grad_out is not None:
+                    self._grad_out.send(i, tuple(
+                        (x.grad if x.grad is not None else torch.zeros_like(x))
+                        for x in inputs if x.is_floating_point()
+                    ))
+                del inputs, out
+            policy.complete(task)
+            if record:
+                self.timeline.append((k, self.replica, task.op, mb.index, t0, time.perf_counter()))
+        self.executed_orders.append(list(policy.executed))
+        return loss_sum
+
+    def _drain(self, policy, acts, grads, *, block: bool, timeout: float) -> None:
+        while True:
+            try:
+                item = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                if block:
+                    raise TimeoutError(
+                        f"stage {self.stage} replica {self.replica} waited {timeout:.0f}s for an activation or "
+                        "gradient; a peer process is stuck or gone (raise VarunaConfig.comm_timeout_s if "
+                        "steps are legitimately this slow)"
+                    ) from None
+                return
+            if isinstance(item, Exception):
+                raise RuntimeError(f"communication thread failed: {item}") from item
+            assert isinstance(item, Arrival)
+            (acts if item.kind == FORWARD else grads)[item.microbatch] = item.tensors
+            policy.arrived(item.kind, item.microbatch)
+            block = False
+
+    # ------------------------------------------------------------------ gradient sync & step
+
+    def _allreduce_scalars(self, v: torch.Tensor) -> list[float]:
+        if self.layout.world > 1:
+            dist.all_reduce(v)
+        return v.tolist()
+
+    def _reduce_grads(self) -> None:
+        params = self._trainable
+        shared = self._shared_names()
+        for p in params.values():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        plain = [p for n, p in params.items() if n not in shared]
+        if self._dp_group is not None:
+            _allreduce_bucketed([p.grad for p in plain], self._dp_group)
+        for group, names in self._shared_groups:
+            _allreduce_bucketed([params[n].grad for n in names if n in params], group)
+
+    def _finish_step(self, local_loss: float) -> tuple[float, bool]:
+        self._reduce_grads()
+        params = self._trainable
+        grads = [p.grad for p in params.values()]
+        # Each gradient counts once in the global norm: replica 0 only, and a parameter held by
+        # several stages only on the first of them.
+        counted = [p.grad for n, p in params.items() if self.replica == 0 and n not in self._norm_elsewhere]
+        sumsq = torch.zeros((), dtype=torch.float64)
+        nonfinite = 0.0
+        if grads:
+            norms = torch._foreach_norm(grads)
+            all_sq = torch.stack([x.double() ** 2 for x in norms]).sum()
+            nonfinite = 0.0 if bool(torch.isfinite(all_sq)) else 1.0
+            if counted:
+                sumsq = torch.stack([x.double() ** 2 for x in torch._foreach_norm(counted)]).sum()
+        v = torch.tensor([float(sumsq) if nonfinite == 0 else 0.0, nonfinite, local_loss], dtype=torch.float64)
+        total_sq, overflow, loss = self._allreduce_scalars(v)
+        self._last_loss = loss
+        scale = self.scaler.scale
+        skipped = overflow > 0
+        if self.config.precision == "fp16":
+            self.scaler.update(found_inf=skipped)
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+            return math.inf, True
+        norm = math.sqrt(total_sq) / scale
+        coef = 1.0 / scale
+        if self.config.max_grad_norm is not None:
+            # Same rule as torch.nn.utils.clip_grad_norm_ (coefficient clamped to 1).
+            coef *= min(1.0, self.config.max_grad_norm / (norm + 1e-6))
+        if coef != 1.0 and grads:
+            torch._foreach_mul_(grads, coef)
+        self.optimizer.step()
+        return norm, False
+
+
+def _allreduce_bucketed(tensors: list[torch.Tensor], group, bucket_bytes: int = 32 << 20) -> None:
+    """Sum ``tensors`` across ``group`` in flat buckets (few large messages beat many small)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+
+    def flush():
+        if not bucket:
+            return
+        flat = _flatten_dense_tensors(bucket)
+        dist.all_reduce(flat, group=group)
+        for t, r in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            t.copy_(r)
+        bucket.clear()
+
+    for t in tensors:
+        bucket.append(t)
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            flush()
+            size = 0
+    flush()
+
+
+def _leaf(x: torch.Tensor) -> torch.Tensor:
+    t = x.detach()
+    if t.is_floating_point():
+        t.requires_grad_(True)
+    return t
+
+
+def _call(model: nn.Module, batch):
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def _model_returns_loss(output, batch):
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return output
+    raise TypeError(
+        "the model's forward must return a scalar loss, or pass loss_fn=lambda output, batch: ... to Engine"
+    )
+

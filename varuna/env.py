@@ -1,0 +1,269 @@
+"""The environment contract between ``varuna-launch`` and its worker processes.
+
+The launcher starts P×D workers and tells each one who it is through environment variables;
+workers read them back with :meth:`WorkerEnv.from_env`. The torchrun-compatible variables
+(``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``)
+mean ``torch.distributed.init_process_group(init_method="env://")`` works unchanged; the
+``VARUNA_*`` variables add the pipeline layout. This module is pure Python (no torch import) so
+the launcher, the manager and the simulator can use it anywhere.
+
+Rank layout (fixed; see Note [Rank layout])::
+
+    rank = replica * pipeline_depth + stage
+
+Example::
+
+    >>> env = WorkerEnv(master_addr="127.0.0.1", master_port=29500, rank=3, world_size=4,
+    ...                 local_rank=3, local_world_size=4, pipeline_depth=2, data_parallel=2)
+    >>> (env.stage, env.replica)
+    (1, 1)
+    >>> WorkerEnv.from_env(env.to_env()) == env
+    True
+
+Note [Rank layout]: consecutive ranks are consecutive stages of one replica pipeline, so
+replica d owns ranks [d*P, (d+1)*P). Hosts are given contiguous rank ranges, so when a host has
+several slots the stages that exchange activations every micro-batch (the heavy, latency-bound
+traffic) share the host, while the gradient all-reduce (once per mini-batch, between equal
+stages of different replicas) crosses hosts. The same stage of all replicas is
+``{stage + d*P for d in range(D)}``: that set is the stage's data-parallel group.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+__all__ = [
+    "CONTRACT_VARS",
+    "PASSTHROUGH_PREFIX",
+    "WorkerEnv",
+    "rank_of",
+    "stage_and_replica",
+]
+
+#: Variables the launcher always sets; any other ``VARUNA_*`` variable is passed through as is.
+CONTRACT_VARS = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "VARUNA_PIPELINE_DEPTH",
+    "VARUNA_DATA_PARALLEL",
+    "VARUNA_STAGE",
+    "VARUNA_REPLICA",
+    "VARUNA_HOST_ID",
+)
+
+#: Launcher environment variables with this prefix (other than the contract ones) reach every
+#: worker unchanged, e.g. ``VARUNA_NETEM``, ``VARUNA_RESUME``, ``VARUNA_CHECKPOINT_DIR``.
+PASSTHROUGH_PREFIX = "VARUNA_"
+
+# Hint appended to "variable missing" errors: the usual cause is running a worker script by hand.
+_HOW_TO_LAUNCH = "start workers with varuna-launch (see docs/launch.md)"
+
+
+def rank_of(*, stage: int, replica: int, pipeline_depth: int) -> int:
+    """Global rank of ``stage`` in ``replica`` (Note [Rank layout]).
+
+    Example::
+
+        >>> rank_of(stage=1, replica=2, pipeline_depth=4)
+        9
+    """
+    return replica * pipeline_depth + stage
+
+
+def stage_and_replica(rank: int, pipeline_depth: int) -> tuple[int, int]:
+    """Inverse of :func:`rank_of`: ``(stage, replica)`` of a global rank.
+
+    Example::
+
+        >>> stage_and_replica(9, 4)
+        (1, 2)
+    """
+    replica, stage = divmod(rank, pipeline_depth)
+    return stage, replica
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerEnv:
+    """Identity of one worker process, as passed by the launcher in environment variables.
+
+    Construction validates the fields and raises ``ValueError`` with a one-line message.
+
+    Example::
+
+        >>> env = WorkerEnv(master_addr="127.0.0.1", master_port=29500, rank=1, world_size=2,
+        ...                 local_rank=1, local_world_size=2, pipeline_depth=2, data_parallel=1,
+        ...                 extra={"VARUNA_NETEM": "delay=5ms"})
+        >>> env.to_env()["VARUNA_STAGE"], env.netem
+        ('1', 'delay=5ms')
+    """
+
+    master_addr: str
+    """Address of rank 0's rendezvous store (``MASTER_ADDR``)."""
+    master_port: int
+    """TCP port of the rendezvous store (``MASTER_PORT``)."""
+    rank: int
+    """Global rank, ``replica * pipeline_depth + stage`` (``RANK``)."""
+    world_size: int
+    """Number of workers, ``pipeline_depth * data_parallel`` (``WORLD_SIZE``)."""
+    local_rank: int
+    """Index of this worker among the workers on its host (``LOCAL_RANK``)."""
+    local_world_size: int
+    """Number of workers on this worker's host (``LOCAL_WORLD_SIZE``)."""
+    pipeline_depth: int
+    """P, the number of pipeline stages (``VARUNA_PIPELINE_DEPTH``)."""
+    data_parallel: int
+    """D, the number of replicas of each stage (``VARUNA_DATA_PARALLEL``)."""
+    host_id: int = 0
+    """Index of this worker's host in the launcher's host list (``VARUNA_HOST_ID``)."""
+    extra: Mapping[str, str] = field(default_factory=dict, hash=False)  # a dict is unhashable
+    """Passed-through ``VARUNA_*`` variables that are not part of the contract (their owners
+    define their formats), e.g. ``VARUNA_NETEM``."""
+
+    def __post_init__(self) -> None:
+        for name in ("pipeline_depth", "data_parallel", "world_size", "local_world_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"WorkerEnv: {name} must be >= 1, got {getattr(self, name)}")
+        if self.world_size != self.pipeline_depth * self.data_parallel:
+            raise ValueError(
+                f"WorkerEnv: WORLD_SIZE={self.world_size} is not VARUNA_PIPELINE_DEPTH={self.pipeline_depth}"
+                f" × VARUNA_DATA_PARALLEL={self.data_parallel}; relaunch with matching values"
+            )
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"WorkerEnv: RANK={self.rank} is outside [0, WORLD_SIZE={self.world_size})")
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise ValueError(
+                f"WorkerEnv: LOCAL_RANK={self.local_rank} is outside"
+                f" [0, LOCAL_WORLD_SIZE={self.local_world_size})"
+            )
+        if self.local_world_size > self.world_size:
+            raise ValueError(
+                f"WorkerEnv: LOCAL_WORLD_SIZE={self.local_world_size} exceeds WORLD_SIZE={self.world_size}"
+            )
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"WorkerEnv: MASTER_PORT={self.master_port} is not a TCP port (1..65535)")
+        if not self.master_addr:
+            raise ValueError("WorkerEnv: MASTER_ADDR is empty; " + _HOW_TO_LAUNCH)
+        if self.host_id < 0:
+            raise ValueError(f"WorkerEnv: VARUNA_HOST_ID={self.host_id} must be >= 0")
+        for key in self.extra:
+            if not key.startswith(PASSTHROUGH_PREFIX) or key in CONTRACT_VARS:
+                raise ValueError(f"WorkerEnv: extra variable {key!r} must be a non-contract VARUNA_* name")
+        # Freeze a private copy so later changes to the caller's dict cannot leak in.
+        object.__setattr__(self, "extra", dict(self.extra))
+
+    @property
+    def stage(self) -> int:
+        """Pipeline stage of this worker, ``rank % pipeline_depth``."""
+        return stage_and_replica(self.rank, self.pipeline_depth)[0]
+
+    @property
+    def replica(self) -> int:
+        """Data-parallel replica of this worker, ``rank // pipeline_depth``."""
+        return stage_and_replica(self.rank, self.pipeline_depth)[1]
+
+    @property
+    def netem(self) -> str | None:
+        """``VARUNA_NETEM``: network emulation config string, or None when not set."""
+        return self.extra.get("VARUNA_NETEM")
+
+    @property
+    def resume(self) -> str | None:
+        """``VARUNA_RESUME``, or None when not set (format owned by the checkpoint code)."""
+        return self.extra.get("VARUNA_RESUME")
+
+    @property
+    def checkpoint_dir(self) -> str | None:
+        """``VARUNA_CHECKPOINT_DIR``, or None when not set."""
+        return self.extra.get("VARUNA_CHECKPOINT_DIR")
+
+    def to_env(self) -> dict[str, str]:
+        """The variables to add to a worker's environment (contract plus ``extra``).
+
+        Example::
+
+            >>> env = WorkerEnv(master_addr="h0", master_port=29500, rank=0, world_size=1,
+            ...                 local_rank=0, local_world_size=1, pipeline_depth=1, data_parallel=1)
+            >>> env.to_env()["WORLD_SIZE"]
+            '1'
+        """
+        out = dict(self.extra)
+        out.update(
+            {
+                "MASTER_ADDR": self.master_addr,
+                "MASTER_PORT": str(self.master_port),
+                "RANK": str(self.rank),
+                "WORLD_SIZE": str(self.world_size),
+                "LOCAL_RANK": str(self.local_rank),
+                "LOCAL_WORLD_SIZE": str(self.local_world_size),
+                "VARUNA_PIPELINE_DEPTH": str(self.pipeline_depth),
+                "VARUNA_DATA_PARALLEL": str(self.data_parallel),
+                "VARUNA_STAGE": str(self.stage),
+                "VARUNA_REPLICA": str(self.replica),
+                "VARUNA_HOST_ID": str(self.host_id),
+            }
+        )
+        return out
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
+        """Read and validate a worker's identity from ``environ`` (default ``os.environ``).
+
+        Raises ``ValueError`` with a one-line message when a variable is missing, not an
+        integer, or inconsistent with the others (e.g. ``VARUNA_STAGE`` disagrees with ``RANK``).
+
+        Example::
+
+            >>> WorkerEnv.from_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "RANK": "2",
+            ...     "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4",
+            ...     "VARUNA_PIPELINE_DEPTH": "2", "VARUNA_DATA_PARALLEL": "2"}).replica
+            1
+        """
+        environ = os.environ if environ is None else environ
+
+        def get_int(name: str, default: int | None = None) -> int:
+            raw = environ.get(name)
+            if raw is None:
+                if default is not None:
+                    return default
+                raise ValueError(f"WorkerEnv: environment variable {name} is not set; " + _HOW_TO_LAUNCH)
+            try:
+                return int(raw)
+            except ValueError:
+                raise ValueError(f"WorkerEnv: {name}={raw!r} is not an integer") from None
+
+        if "MASTER_ADDR" not in environ:
+            raise ValueError("WorkerEnv: environment variable MASTER_ADDR is not set; " + _HOW_TO_LAUNCH)
+        env = cls(
+            master_addr=environ["MASTER_ADDR"],
+            master_port=get_int("MASTER_PORT"),
+            rank=get_int("RANK"),
+            world_size=get_int("WORLD_SIZE"),
+            # torchrun-style scripts sometimes run with only the global variables set: treat the
+            # job as single-host then rather than refusing.
+            local_rank=get_int("LOCAL_RANK", get_int("RANK")),
+            local_world_size=get_int("LOCAL_WORLD_SIZE", get_int("WORLD_SIZE")),
+            pipeline_depth=get_int("VARUNA_PIPELINE_DEPTH"),
+            data_parallel=get_int("VARUNA_DATA_PARALLEL"),
+            host_id=get_int("VARUNA_HOST_ID", 0),
+            extra={
+                k: v
+                for k, v in environ.items()
+                if k.startswith(PASSTHROUGH_PREFIX) and k not in CONTRACT_VARS
+            },
+        )
+        # VARUNA_STAGE / VARUNA_REPLICA are redundant with RANK; when present they must agree, which
+        # catches a launcher and a worker that disagree on the rank layout.
+        for name, derived in (("VARUNA_STAGE", env.stage), ("VARUNA_REPLICA", env.replica)):
+            if name in environ and get_int(name) != derived:
+                raise ValueError(
+                    f"WorkerEnv: {name}={environ[name]} is inconsistent with RANK={env.rank} and"
+                    f" VARUNA_PIPELINE_DEPTH={env.pipeline_depth} (rank = replica * P + stage gives"
+                    f" stage {env.stage}, replica {env.replica})"
+                )
+        return env

@@ -1,0 +1,412 @@
+"""Splitting an unmodified model into pipeline stages without rewriting its forward.
+
+Two steps:
+
+1. :func:`profile_model` — a *dry run* of the whole forward (and backward, for timing) in one
+   process. It records the order of the CutPoints, which segment uses each parameter (a
+   ``TorchFunctionMode`` sees every parameter passed to a torch function, so raw
+   ``nn.Parameter``\\ s used in glue code and tied weights are found too), which modules contain
+   boundaries, the activation shapes at each boundary, and a per-segment cost (measured time,
+   or FLOPs for a model on the ``meta`` device).
+
+2. :func:`materialize_stage` — turns the model into one stage's executable model in place. See
+   Note [Placeholders].
+
+Note [Placeholders]: every stage runs the user's forward unchanged. Modules whose calls happen
+in segments outside the stage do not compute; they return zero tensors of the right shape,
+found by running the module on meta tensors (cached per input shape). Glue code between modules
+therefore keeps running on real tensors (masks, position ids, residual adds), and no user code
+ever sees ``None``. Parameters used only outside the stage are replaced by stride-0 expanded
+zeros: glue code can still read them (``x + self.pos_emb``), they cost a few bytes, and they
+never mix meta with real tensors. The stage's input CutPoint swaps in the received activation,
+so the placeholder values never influence results.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from varuna.cutpoint import CutPoint, DryRun, SplitState
+
+__all__ = ["ModelProfile", "profile_model", "materialize_stage", "resident_param_bytes", "keyed_seed"]
+
+
+def keyed_seed(*parts: object) -> int:
+    """A 63-bit seed derived from ``parts`` (stable across processes and Python runs).
+
+    >>> keyed_seed(0, "wte") == keyed_seed(0, "wte")
+    True
+    """
+    h = 1469598103934665603  # FNV-1a, so the value does not depend on PYTHONHASHSEED
+    for p in parts:
+        for b in repr(p).encode():
+            h = ((h ^ b) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+        h = ((h ^ 0x1F) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return h & 0x7FFFFFFFFFFFFFFF
+
+
+@dataclass
+class ModelProfile:
+    """What the dry run learned about a model (identical on every rank for the same model)."""
+
+    cutpoint_names: list[str]
+    #: canonical parameter name -> sorted segments whose computation reads it
+    param_segments: dict[str, tuple[int, ...]]
+    #: per cut-point: [(shape, dtype)] of each tensor crossing it, at the dry run's batch
+    act_meta: list[list[tuple[tuple[int, ...], torch.dtype]]]
+    #: per segment: forward and backward cost (seconds, or FLOPs when cost_unit == "flop")
+    fwd_cost: list[float]
+    bwd_cost: list[float]
+    cost_unit: str
+    #: modules whose forward contains a boundary (they always run: they are glue)
+    spanning_modules: set[str] = field(default_factory=set)
+    param_bytes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_cutpoints(self) -> int:
+        return len(self.cutpoint_names)
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.cutpoint_names) + 1
+
+    def shared_params(self) -> dict[str, tuple[int, ...]]:
+        """Parameters read by more than one segment (e.g. tied input/output embeddings)."""
+        return {n: s for n, s in self.param_segments.items() if len(s) > 1}
+
+    def segment_param_bytes(self) -> list[int]:
+        out = [0] * self.num_segments
+        for name, segs in self.param_segments.items():
+            out[segs[0]] += self.param_bytes.get(name, 0)
+        return out
+
+
+class _ParamUse(TorchFunctionMode):
+    """Records, for every torch function call, which parameters it reads and in which segment."""
+
+    def __init__(self, param_ids: dict[int, str], state: SplitState, uses: dict[str, set[int]]):
+        super().__init__()
+        self.param_ids, self.state, self.uses = param_ids, state, uses
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        run = self.state.run
+        if run is not None:
+            for leaf in tree_flatten((args, kwargs))[0]:
+                name = self.param_ids.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
+                if name is not None:
+                    self.uses.setdefault(name, set()).add(run.segment)
+        return func(*args, **kwargs)
+
+
+def _named_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    return dict(model.named_parameters())  # remove_duplicate=True: tied tensors get one name
+
+
+def _call(model: nn.Module, batch):
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def _to_meta(tree):
+    leaves, spec = tree_flatten(tree)
+    return tree_unflatten(
+        [torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x for x in leaves],
+        spec,
+    )
+
+
+def profile_model(
+    model: nn.Module,
+    batch,
+    loss_fn: Callable,
+    *,
+    timing_reps: int = 2,
+    measure: bool = True,
+) -> ModelProfile:
+    """Dry-run ``model`` on ``batch`` (one micro-batch) and return its :class:`ModelProfile`.
+
+    ``loss_fn(output, batch)`` maps the model output to a scalar loss. With ``measure`` and a
+    model on a real device, segment costs are the median of ``timing_reps`` timed
+    forward+backward runs; otherwise (or for a ``meta`` model) they are FLOP counts.
+    """
+    cut_names = {id(m): n for n, m in model.named_modules() if isinstance(m, CutPoint)}
+    cps = [m for m in model.modules() if isinstance(m, CutPoint)]
+    state = SplitState()
+    for cp in cps:
+        cp._varuna_state = state
+    params = _named_params(model)
+    on_meta = any(p.is_meta for p in params.values())
+    if on_meta:
+        batch = _to_meta(batch)
+    param_ids = {id(p): n for n, p in params.items()}
+    uses: dict[str, set[int]] = {}
+    spanning: set[str] = set()
+    entry: dict[int, list[int]] = {}
+    handles = []
+    mod_names = {id(m): n for n, m in model.named_modules()}
+
+    def pre(mod, args):
+        entry.setdefault(id(mod), []).append(state.run.segment if state.run else 0)
+
+    def post(mod, args, out):
+        start = entry[id(mod)].pop()
+        if state.run is not None and state.run.segment != start:
+            spanning.add(mod_names[id(mod)])
+
+    for m in model.modules():
+        if not isinstance(m, CutPoint):
+            handles.append(m.register_forward_pre_hook(pre))
+            handles.append(m.register_forward_hook(post))
+    from torch.utils.flop_counter import FlopCounterMode
+
+    flops_at: list[float] = []
+    counter = FlopCounterMode(display=False)
+    dry = DryRun(cutpoint_names=cut_names, on_segment=lambda s: flops_at.append(counter.get_total_flops()))
+    state.run = dry
+    try:
+        with torch.no_grad(), counter, _ParamUse(param_ids, state, uses):
+            loss_fn(_call(model, batch), batch)
+        total_flops = counter.get_total_flops()
+    finally:
+        state.run = None
+        for h in handles:
+            h.remove()
+    order = dry.order
+    for i, cp in enumerate(order):
+        if cp._varuna_state is not state:
+            raise ValueError(f"CutPoint #{i} is not a submodule of the model; create it in __init__")
+    names = [cut_names[id(cp)] for cp in order]
+    marks = [0.0, *flops_at, total_flops]
+    fwd_flops = [max(marks[i + 1] - marks[i], 0.0) for i in range(len(marks) - 1)]
+    profile = ModelProfile(
+        cutpoint_names=names,
+        param_segments={n: tuple(sorted(s)) for n, s in uses.items()},
+        act_meta=dry.act_meta,
+        fwd_cost=fwd_flops,
+        bwd_cost=[2.0 * f for f in fwd_flops],
+        cost_unit="flop",
+        spanning_modules=spanning,
+        param_bytes={n: p.numel() * p.element_size() for n, p in params.items()},
+    )
+    # Cut-points not reached by the forward are dropped from the model's order; CutPoints that
+    # are registered but never called stay identities.
+    if measure and not on_meta and timing_reps > 0:
+        fwd, bwd = _time_segments(model, batch, loss_fn, state, cut_names, timing_reps)
+        if fwd is not None:
+            profile.fwd_cost, profile.bwd_cost, profile.cost_unit = fwd, bwd, "s"
+    return profile
+
+
+def _time_segments(model, batch, loss_fn, state, cut_names, reps):
+    fwd_runs, bwd_runs = [], []
+    for _ in range(reps + 1):  # the first run warms up allocators and kernels
+        dry = DryRun(cutpoint_names=cut_names)
+        grad_times: dict[int, float] = {}
+        state.run = dry
+        try:
+            t0 = time.perf_counter()
+            loss = loss_fn(_call(model, batch), batch)
+            t1 = time.perf_counter()
+        finally:
+            state.run = None
+        if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+            return None, None
+        for i, xs in enumerate(dry.crossing_tensors):
+            t = next((x for x in xs if x.requires_grad), None)
+            if t is not None:
+                t.register_hook(lambda g, i=i: grad_times.__setitem__(i, time.perf_counter()))
+        tb0 = time.perf_counter()
+        loss.backward()
+        tb1 = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        marks = [t0, *dry.cross_times, t1]
+        fwd_runs.append([marks[i + 1] - marks[i] for i in range(len(marks) - 1)])
+        k = len(dry.cross_times)
+        if len(grad_times) == k:
+            bmarks = [tb1, *[grad_times[i] for i in range(k)], tb0]
+            bwd_runs.append([max(bmarks[i] - bmarks[i + 1], 0.0) for i in range(k + 1)])
+        else:
+            bwd_runs.append([2 * f for f in fwd_runs[-1]])
+    fwd = [statistics.median(r[i] for r in fwd_runs[1:]) for i in range(len(fwd_runs[0]))]
+    bwd = [statistics.median(r[i] for r in bwd_runs[1:]) for i in range(len(bwd_runs[0]))]
+    return fwd, bwd
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage materialization
+
+
+def default_param_init(module_name: str, module: nn.Module) -> None:
+    """Initialise the parameters a module owns directly: its ``reset_parameters`` if it has one,
+    else N(0, 0.02) for matrices and zeros for vectors. Called under a generator seeded by the
+    module's qualified name, so every layout (and a single process) gets identical weights."""
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+        return
+    with torch.no_grad():
+        for p in module.parameters(recurse=False):
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02)
+            else:
+                p.zero_()
+
+
+def _wrap_candidates(model: nn.Module, spanning: set[str]) -> list[tuple[str, nn.Module]]:
+    """Outermost modules whose calls never contain a boundary (see Note [Placeholders])."""
+    out = []
+
+    def visit(prefix: str, mod: nn.Module) -> None:
+        for name, child in mod.named_children():
+            q = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, CutPoint):
+                continue
+            if q in spanning:
+                visit(q, child)
+            else:
+                out.append((q, child))
+
+    visit("", model)
+    return out
+
+
+class _Skipper:
+    """Replaces a module's forward: real compute inside the stage, placeholders outside."""
+
+    def __init__(self, module: nn.Module, state: SplitState, device: torch.device):
+        self.module, self.state, self.device = module, state, device
+        self.orig = module.forward
+        self.meta = {
+            n: torch.empty(t.shape, dtype=t.dtype, device="meta")
+            for n, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers()]
+        }
+        self.cache: dict = {}
+
+    def __call__(self, *args, **kwargs):
+        state = self.state
+        run = state.run
+        if run is None or state.in_placeholder or run.in_stage():
+            return self.orig(*args, **kwargs)
+        return self.placeholder(args, kwargs)
+
+    def placeholder(self, args, kwargs):
+        leaves, spec = tree_flatten((args, kwargs))
+        try:
+            key = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves)
+            hash(key)
+        except TypeError:
+            key = None
+        out = self.cache.get(key) if key is not None else None
+        if out is None:
+            margs, mkwargs = _to_meta((args, kwargs))
+            self.state.in_placeholder = True
+            try:
+                res = torch.func.functional_call(self.module, self.meta, margs, mkwargs)
+            finally:
+                self.state.in_placeholder = False
+            rl, rspec = tree_flatten(res)
+            out = ([(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else _Const(x) for x in rl], rspec)
+            if key is not None:
+                self.cache[key] = out
+        descs, rspec = out
+        return tree_unflatten(
+            [d.value if isinstance(d, _Const) else torch.zeros(d[0], dtype=d[1], device=self.device) for d in descs],
+            rspec,
+        )
+
+
+@dataclass(frozen=True)
+class _Const:
+    value: object
+
+
+def materialize_stage(
+    model: nn.Module,
+    profile: ModelProfile,
+    first_segment: int,
+    last_segment: int,
+    state: SplitState,
+    *,
+    device: torch.device,
+    seed: int = 0,
+    param_init: Callable[[str, nn.Module], None] | None = None,
+) -> dict[str, nn.Parameter]:
+    """Turn ``model`` (in place) into the executable model of segments [first, last].
+
+    Returns the stage's parameters by canonical name. Parameters the stage does not read are
+    replaced by stride-0 zeros; modules outside the stage return placeholders (Note
+    [Placeholders]). A ``meta`` model gets its stage's parameters created on ``device`` and
+    initialised by ``param_init(module_name, module)`` under a per-module-name seed.
+    """
+    segs = range(first_segment, last_segment + 1)
+    params = _named_params(model)
+    keep = {n for n, s in profile.param_segments.items() if any(x in segs for x in s)}
+    # Wrap first: the meta shape dictionaries need the original parameter shapes.
+    for qname, mod in _wrap_candidates(model, profile.spanning_modules):
+        mod.forward = _Skipper(mod, state, device)
+    canon_of = {id(p): n for n, p in params.items()}
+    new: dict[int, nn.Parameter] = {}
+    owners: dict[str, tuple[str, nn.Module]] = {}
+    for mname, mod in model.named_modules():
+        for pname, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            canon = canon_of.get(id(p))
+            if id(p) not in new:
+                if canon in keep:
+                    if p.is_meta:
+                        t = torch.empty(p.shape, dtype=p.dtype, device=device)
+                        owners.setdefault(canon, (mname, mod))
+                    else:
+                        t = p.detach().to(device)
+                    new[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
+                else:
+                    z = torch.zeros((), dtype=p.dtype, device=device).expand(p.shape)
+                    new[id(p)] = nn.Parameter(z, requires_grad=False)
+            mod._parameters[pname] = new[id(p)]
+    for mod in model.modules():
+        for bname, b in list(mod._buffers.items()):
+            if b is not None:
+                if b.is_meta:
+                    mod._buffers[bname] = torch.zeros(b.shape, dtype=b.dtype, device=device)
+                else:
+                    mod._buffers[bname] = b.to(device)
+    if owners:
+        init = param_init or default_param_init
+        # Initialise each owning module once, seeded by its name, so any stage split gives the
+        # same values as a single process that materialises everything.
+        done: set[str] = set()
+        for canon, (mname, mod) in sorted(owners.items()):
+            if mname in done:
+                continue
+            done.add(mname)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(keyed_seed(seed, "init", mname))
+                init(mname, mod)
+    stage = {n: p for n, p in _named_params(model).items() if n in keep}
+    return stage
+
+
+def resident_param_bytes(model: nn.Module) -> int:
+    """Bytes of parameter storage actually held (stride-0 placeholders count a few bytes)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.is_meta:
+            continue
+        s = p.untyped_storage()
+        if s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+    return total
