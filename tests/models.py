@@ -51,6 +51,31 @@ class GlueNet(nn.Module):
         return F.mse_loss(self.out(h).squeeze(-1), y) + aux
 
 
+class OneCut(nn.Module):
+    """Two segments (one CutPoint)."""
+
+    def __init__(self, calls: int = 1):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
+        self.cut = varuna.CutPoint()
+        self.calls = calls
+
+    def forward(self, x, y):
+        h = self.a(x)
+        for _ in range(self.calls):
+            h = self.cut(h)
+        return F.mse_loss(self.b(h).squeeze(-1), y)
+
+
+class NoCut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 1)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.a(x).squeeze(-1), y)
+
+
 def build_model(kind: str, *, dropout: float = 0.1, meta: bool = False) -> nn.Module:
     torch.manual_seed(1234)
     if kind == "gpt":
@@ -63,6 +88,12 @@ def build_model(kind: str, *, dropout: float = 0.1, meta: bool = False) -> nn.Mo
         return GPT(cfg)
     if kind == "glue":
         return GlueNet()
+    if kind == "onecut":
+        return OneCut()
+    if kind == "twice":
+        return OneCut(calls=2)
+    if kind == "nocut":
+        return NoCut()
     raise ValueError(kind)
 
 
@@ -71,7 +102,7 @@ def make_batch(kind: str, size: int):
     if kind == "gpt":
         idx = torch.randint(0, 256, (size, 17), generator=g)
         return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
-    x = torch.randn(size, 8, generator=g)
+    x = torch.randn(size, 8, generator=g)  # glue, onecut, twice, nocut
     return x, torch.randn(size, generator=g)
 
 

@@ -45,6 +45,7 @@ from varuna.loss_scale import DynamicLossScale
 from varuna.partition import balanced_partition, stage_of_segment
 from varuna.schedule import BACKWARD, FORWARD, RECOMPUTE, SCHEDULE_KINDS, Task, get_schedule
 from varuna.split import ModelProfile, keyed_seed, materialize_stage, profile_model
+from varuna.timeline import Timeline
 
 __all__ = ["VarunaConfig", "Engine", "StepResult"]
 
@@ -84,6 +85,9 @@ class VarunaConfig:
     """Default: cuda:LOCAL_RANK when CUDA is available, else cpu."""
     loss_scale: float = 2.0**16
     loss_scale_growth_interval: int = 2000
+    stop_signals: tuple[str, ...] = ("SIGUSR1", "SIGTERM")
+    """Signals that ask for a graceful stop: every rank finishes the current mini-batch, runs the
+    stop callbacks (e.g. writes a checkpoint) and exits 0. Empty: install no handler."""
 
     def validate(self) -> None:
         if self.schedule not in SCHEDULE_KINDS:
@@ -196,12 +200,24 @@ class Engine:
             growth_interval=config.loss_scale_growth_interval,
         )
         self._build_groups()
+        self._netem = None
+        if self.layout.world > 1:
+            from varuna.netem import NetworkConfig, emulate_network
+
+            netcfg = NetworkConfig.from_env()
+            if netcfg is not None:  # $VARUNA_NETEM: emulate a slow network for this process
+                self._netem = emulate_network(netcfg)
+                self._netem.__enter__()
         self._inbox: queue.Queue = queue.Queue()
         self._start_comm()
         self.step_count = 0
         self.executed_orders: list[list[Task]] = []
-        self.timeline: list[tuple[int, int, str, int, float, float]] = []
-        self._t0 = time.perf_counter()
+        self.timeline = Timeline()
+        #: set by a stop signal on this rank; agreed by all ranks at the end of the next step
+        self.stop_requested = False
+        #: called (with the engine) on every rank after the step that agreed to stop
+        self.stop_callbacks: list[Callable[[Engine], None]] = []
+        self._install_stop_handlers(config.stop_signals)
 
     # ------------------------------------------------------------------ setup
 
@@ -329,6 +345,20 @@ class Engine:
             self._grad_out = LinkSender(f"grad-send-{k}", prv, self._grad_groups[(k - 1, d)],
                                         self.device, self._inbox, t)
 
+    def _install_stop_handlers(self, names: tuple[str, ...]) -> None:
+        import signal
+        import threading
+
+        if not names or threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum, frame):
+            # Only a flag: the step in flight finishes, then all ranks agree (Note [Step]).
+            self.stop_requested = True
+
+        for name in names:
+            signal.signal(getattr(signal, name), handler)
+
     # ------------------------------------------------------------------ public API
 
     def parameters(self) -> Iterable[nn.Parameter]:
@@ -360,14 +390,24 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         mbs = self.micro_plan[self.replica]
         local_loss = self._run_pipeline(batch, mbs, train=True)
-        grad_norm, skipped = self._finish_step(local_loss)
+        grad_norm, skipped, stop = self._finish_step(local_loss)
         loss = self._last_loss
         wall = time.perf_counter() - t_start
-        return StepResult(
+        result = StepResult(
             step=self.step_count, loss=loss, grad_norm=grad_norm, skipped=skipped,
             loss_scale=self.scaler.scale, samples_per_s=self.config.global_batch_size / wall,
             wall_time=time.time(),
         )
+        if stop:
+            self._stop()
+        return result
+
+    def _stop(self) -> None:
+        """Graceful stop agreed by every rank: callbacks (checkpoint), clean shutdown, exit 0."""
+        for cb in self.stop_callbacks:
+            cb(self)
+        self.close()
+        raise SystemExit(0)
 
     @torch.no_grad()
     def evaluate(self, batch) -> float:
@@ -377,7 +417,7 @@ class Engine:
         self.model.eval()
         try:
             local = self._run_pipeline(batch, self.micro_plan[self.replica], train=False)
-            return self._allreduce_scalars(torch.tensor([0.0, 0.0, local], dtype=torch.float64))[2]
+            return self._allreduce_scalars(torch.tensor([0.0, 0.0, local, 0.0], dtype=torch.float64))[2]
         finally:
             self.model.train(was_training)
 
@@ -386,6 +426,9 @@ class Engine:
         for w in (self._act_out, self._grad_out, self._act_in, self._grad_in):
             if w is not None:
                 w.close()
+        if self._netem is not None:
+            self._netem.__exit__(None, None, None)
+            self._netem = None
         if self._owns_pg and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_pg = False
@@ -517,7 +560,7 @@ class Engine:
                 del inputs, out
             policy.complete(task)
             if record:
-                self.timeline.append((k, self.replica, task.op, mb.index, t0, time.perf_counter()))
+                self.timeline.add(k, self.replica, task.op, mb.index, t0, time.perf_counter())
         self.executed_orders.append(list(policy.executed))
         return loss_sum
 
@@ -559,8 +602,11 @@ class Engine:
         for group, names in self._shared_groups:
             _allreduce_bucketed([params[n].grad for n in names if n in params], group)
 
-    def _finish_step(self, local_loss: float) -> tuple[float, bool]:
+    def _finish_step(self, local_loss: float) -> tuple[float, bool, bool]:
+        t0 = time.perf_counter()
         self._reduce_grads()
+        if self.config.record_timeline:
+            self.timeline.add(self.stage, self.replica, "AR", None, t0, time.perf_counter())
         params = self._trainable
         grads = [p.grad for p in params.values()]
         # Each gradient counts once in the global norm: replica 0 only, and a parameter held by
@@ -574,8 +620,11 @@ class Engine:
             nonfinite = 0.0 if bool(torch.isfinite(all_sq)) else 1.0
             if counted:
                 sumsq = torch.stack([x.double() ** 2 for x in torch._foreach_norm(counted)]).sum()
-        v = torch.tensor([float(sumsq) if nonfinite == 0 else 0.0, nonfinite, local_loss], dtype=torch.float64)
-        total_sq, overflow, loss = self._allreduce_scalars(v)
+        t_ar = time.perf_counter()
+        v = torch.tensor([float(sumsq) if nonfinite == 0 else 0.0, nonfinite, local_loss,
+                          float(self.stop_requested)], dtype=torch.float64)
+        total_sq, overflow, loss, stop = self._allreduce_scalars(v)
+        stop = stop > 0
         self._last_loss = loss
         scale = self.scaler.scale
         skipped = overflow > 0
@@ -583,7 +632,7 @@ class Engine:
             self.scaler.update(found_inf=skipped)
         if skipped:
             self.optimizer.zero_grad(set_to_none=True)
-            return math.inf, True
+            return math.inf, True, stop
         norm = math.sqrt(total_sq) / scale
         coef = 1.0 / scale
         if self.config.max_grad_norm is not None:
@@ -592,7 +641,9 @@ class Engine:
         if coef != 1.0 and grads:
             torch._foreach_mul_(grads, coef)
         self.optimizer.step()
-        return norm, False
+        if self.config.record_timeline:
+            self.timeline.add(self.stage, self.replica, "OPT", None, t_ar, time.perf_counter())
+        return norm, False, stop
 
 
 def _allreduce_bucketed(tensors: list[torch.Tensor], group, bucket_bytes: int = 32 << 20) -> None:

@@ -313,11 +313,12 @@ def _varuna_decide(k, P, N, t, est, act_arrival, grad_arrival, next_f, next_r, p
 # Validation helpers
 
 
-def validate_stage_tasks(tasks: Sequence[Task], num_microbatches: int, *, last_stage: bool) -> None:
+def validate_stage_tasks(tasks: Sequence[Task], num_microbatches: int, *, forbid_recompute: bool = False) -> None:
     """Raise ValueError unless ``tasks`` is a well-formed list for one stage.
 
     Every micro-batch has exactly one F and one B, F before B, at most one R placed between them,
-    and (rule 2) an R is immediately followed by its own B. The last stage never recomputes.
+    and (rule 2) an R is immediately followed by its own B. ``forbid_recompute``: no R at all
+    (varuna's last stage).
     """
     seen: dict[Task, int] = {}
     for pos, t in enumerate(tasks):
@@ -333,8 +334,8 @@ def validate_stage_tasks(tasks: Sequence[Task], num_microbatches: int, *, last_s
         if seen[f] > seen[b]:
             raise ValueError(f"B{i} comes before F{i}")
         if r in seen:
-            if last_stage:
-                raise ValueError(f"the last stage must not recompute (found R{i})")
+            if forbid_recompute:
+                raise ValueError(f"this stage must not recompute (found R{i})")
             if not seen[f] < seen[r] < seen[b]:
                 raise ValueError(f"R{i} must lie between F{i} and B{i}")
             if seen[b] != seen[r] + 1:
@@ -527,7 +528,15 @@ class StagePolicy:
         return tasks[best] if best < n else None
 
     def complete(self, task: Task) -> None:
-        p = self._position(task)
+        i, op = task.microbatch, task.op
+        # self._position(task), inlined (hot path).
+        pos = self._pos
+        j = 3 * i + _OP_CODE.get(op, 0)
+        p = pos[j] if 0 <= j < len(pos) else -1
+        if p >= 0:
+            t = self.tasks[p]
+            if t is not task and t != task:
+                p = -1
         if p >= 0:
             if self._done_pos[p]:
                 raise RuntimeError(f"task {task} completed twice on stage {self.stage}")
@@ -538,7 +547,6 @@ class StagePolicy:
             self._extra_done.add(task)
         self._ndone += 1
         self.executed.append(task)
-        i, op = task.microbatch, task.op
         if op == FORWARD:
             self._next_f += 1
             self._f_done.add(i)
