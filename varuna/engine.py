@@ -88,6 +88,19 @@ class VarunaConfig:
     stop_signals: tuple[str, ...] = ("SIGUSR1", "SIGTERM")
     """Signals that ask for a graceful stop: every rank finishes the current mini-batch, runs the
     stop callbacks (e.g. writes a checkpoint) and exits 0. Empty: install no handler."""
+    # ---- checkpoints (see varuna/checkpoint.py and docs/checkpoints.md)
+    checkpoint_dir: str | None = None
+    """Global checkpoint store (shared filesystem or mounted blob); default $VARUNA_CHECKPOINT_DIR.
+    When set, a graceful stop (SIGUSR1/SIGTERM) checkpoints before exiting."""
+    checkpoint_every: int = 0
+    """Save every N steps (0: only on a graceful stop or an explicit ``save_checkpoint``)."""
+    keep_checkpoints: int = 2
+    """How many complete checkpoints to keep (the newest complete one is never deleted first)."""
+    local_checkpoint_dir: str | None = None
+    """Fast local disk where files are written before the background copy; default a tmp dir."""
+    resume: str | bool | None = None
+    """"1"/True: load the newest complete checkpoint (error if none); "auto": if there is one;
+    "0"/False: never. None: $VARUNA_RESUME (default never)."""
 
     def validate(self) -> None:
         if self.schedule not in SCHEDULE_KINDS:
@@ -218,6 +231,11 @@ class Engine:
         #: called (with the engine) on every rank after the step that agreed to stop
         self.stop_callbacks: list[Callable[[Engine], None]] = []
         self._install_stop_handlers(config.stop_signals)
+        # ---- checkpoints (see varuna/checkpoint.py): save on stop, periodic saves, resume
+        from varuna.checkpoint import Checkpointer
+
+        self.checkpointer = Checkpointer(self)
+        self.checkpointer.attach()  # a collective when resuming: every rank loads the same step
 
     # ------------------------------------------------------------------ setup
 
@@ -391,6 +409,7 @@ class Engine:
         mbs = self.micro_plan[self.replica]
         local_loss = self._run_pipeline(batch, mbs, train=True)
         grad_norm, skipped, stop = self._finish_step(local_loss)
+        self.checkpointer.after_step()  # periodic checkpoint at this mini-batch boundary, if configured
         loss = self._last_loss
         wall = time.perf_counter() - t_start
         result = StepResult(
@@ -451,7 +470,18 @@ class Engine:
 
     def _reseed(self, microbatch: int) -> Callable[[int], None]:
         seed, step = self.config.seed, self.step_count
-        return lambda segment: torch.manual_seed(keyed_seed(seed, step, microbatch, segment))
+        # Seed only the generators this process draws from: torch.manual_seed would also queue
+        # lazy seeding of every accelerator backend (with a captured stack), per segment.
+        gens = [torch.default_generator]
+        if self.device.type == "cuda":
+            gens.append(torch.cuda.default_generators[self.device.index or 0])
+
+        def reseed(segment: int) -> None:
+            s = keyed_seed(seed, step, microbatch, segment)
+            for g in gens:
+                g.manual_seed(s)
+
+        return reseed
 
     def _autocast(self):
         dt = _PRECISIONS[self.config.precision]
@@ -468,10 +498,9 @@ class Engine:
             last_segment=self.last_segment if not self.is_last_stage else len(self._order),
             num_segments=self.profile.num_segments, inputs=inputs, on_segment=reseed,
         )
-        devices = [self.device] if self.device.type == "cuda" else []
         self._split.run = run
         try:
-            with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(with_grad), self._autocast():
+            with torch.set_grad_enabled(with_grad), self._autocast():
                 reseed(0)
                 try:
                     out = _call(self.model, data)
@@ -502,6 +531,15 @@ class Engine:
             self._act_in.expect(n)
         if self._grad_in is not None and train:
             self._grad_in.expect(n)
+        # Dropout draws are keyed by work (Note [Step]); the user's RNG stream is restored after.
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            loss_sum = self._execute(batch, mbs, policy, recomputed, train)
+        self.executed_orders.append(list(policy.executed))
+        return loss_sum
+
+    def _execute(self, batch, mbs: list[MicroBatch], policy, recomputed: frozenset[int], train: bool) -> float:
+        k = self.stage
         acts: dict[int, tuple[torch.Tensor, ...]] = {}
         grads: dict[int, tuple[torch.Tensor, ...]] = {}
         stash: dict[int, tuple[torch.Tensor, ...] | None] = {}
@@ -561,7 +599,6 @@ class Engine:
             policy.complete(task)
             if record:
                 self.timeline.add(k, self.replica, task.op, mb.index, t0, time.perf_counter())
-        self.executed_orders.append(list(policy.executed))
         return loss_sum
 
     def _drain(self, policy, acts, grads, *, block: bool, timeout: float) -> None:

@@ -94,4 +94,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except ValueError as e:  # bad input: one line naming the problem and the fix
+        print(f"train.py: error: {e}", file=sys.stderr)
+        sys.exit(2)

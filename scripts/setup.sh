@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Idempotent install of everything varuna and its tests need, on a fresh Debian machine.
+# torch is pinned to the CPU wheel first so that resolving the project never pulls the CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null; then
+    "$PY" -m pip install -q torch==2.13.0
+fi
+"$PY" -m pip install -q numpy
+"$PY" -m pip install -q -e ".[test]"
+# OpenSSH server: the remote-launch tests start a real sshd on loopback.
+if ! [ -x /usr/sbin/sshd ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server openssh-client >/dev/null) \
+        || echo "setup.sh: could not install openssh-server; remote-launch tests will be skipped" >&2
+fi

@@ -1,0 +1,199 @@
+"""Emulated devices: model layers that *take the time* of an accelerator without using the CPU.
+
+Schedule experiments need many pipeline stages, but development machines have 2 cores. An
+:class:`EmulatedBlock` stands in for a block of a real model: its forward sleeps ``fwd_s`` and its
+backward sleeps ``bwd_factor * fwd_s``, around a tiny real op (``x * scale + bias``, elementwise,
+shape preserving) so autograd flows and gradients can be checked exactly. ``time.sleep`` releases
+the GIL and burns no CPU, like a process waiting on its accelerator, so dozens of emulated stages
+fit on 2 cores and the wall-clock behaviour of a schedule (bubbles, overlap with communication)
+is what the real hardware would show for those per-block costs.
+
+Used by tests, the simulator's validation runs and the benchmark scripts; together with
+:mod:`varuna.netem` (emulated network) it gives an emulated cluster on one machine.
+
+Example::
+
+    >>> import torch
+    >>> block = EmulatedBlock(fwd_s=0.01, width=4)        # 10 ms forward, 20 ms backward
+    >>> x = torch.randn(2, 4, requires_grad=True)
+    >>> block(x).sum().backward()
+    >>> (block.num_forward, block.num_backward, tuple(x.grad.shape))
+    (1, 1, (2, 4))
+
+What it models: per-block compute time (forward, backward, and recompute, which re-runs the
+forward and so sleeps ``fwd_s`` again) and activation memory (the input is saved for backward,
+as a real block saves its activations). What it does not model: FLOPs, memory bandwidth, kernel
+launch overheads, contention between processes sharing one real device, or the real numerics of
+the model being stood in for. On ``meta`` tensors (shape inference, placeholders) it does not
+sleep: no device work happens there.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["EmulatedBlock", "EmulatedModel", "emulated_model"]
+
+
+class _EmulatedOp(torch.autograd.Function):
+    """``x * scale + bias`` whose forward sleeps ``block.fwd_s`` and backward ``block.bwd_s``."""
+
+    @staticmethod
+    def forward(
+        x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, block: EmulatedBlock
+    ) -> torch.Tensor:
+        if not x.is_meta:
+            block.num_forward += 1
+            if block.fwd_s > 0:
+                time.sleep(block.fwd_s)  # releases the GIL: an accelerator busy, not the CPU
+        return x * scale + bias
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        x, scale, bias, block = inputs
+        ctx.block = block
+        ctx.bias_shape = bias.shape
+        # Saving the input keeps one activation alive until backward, as a real block would.
+        ctx.save_for_backward(x, scale)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        x, scale = ctx.saved_tensors
+        block: EmulatedBlock = ctx.block
+        if not grad_out.is_meta:
+            block.num_backward += 1
+            if block.bwd_s > 0:
+                time.sleep(block.bwd_s)
+        grad_x = grad_out * scale if ctx.needs_input_grad[0] else None
+        # sum_to_size undoes the broadcasting of the (width,) parameters over the batch dims.
+        grad_scale = (grad_out * x).sum_to_size(scale.shape) if ctx.needs_input_grad[1] else None
+        grad_bias = grad_out.sum_to_size(ctx.bias_shape) if ctx.needs_input_grad[2] else None
+        return grad_x, grad_scale, grad_bias, None
+
+
+class EmulatedBlock(nn.Module):
+    """A model block that takes ``fwd_s`` forward and ``bwd_factor * fwd_s`` backward (sleeping).
+
+    The real computation is ``x * scale + bias`` over the last dimension (``width``), so the
+    output has the input's shape and gradients for ``x``, ``scale`` and ``bias`` are exact.
+    ``num_forward`` / ``num_backward`` count calls (recompute shows up as an extra forward);
+    :meth:`reset_counts` zeroes them.
+
+    Example::
+
+        >>> block = EmulatedBlock(fwd_s=0.0, width=3)
+        >>> block(torch.ones(5, 3)).shape
+        torch.Size([5, 3])
+    """
+
+    def __init__(
+        self, fwd_s: float, width: int, *, bwd_factor: float = 2.0,
+        device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if not (math.isfinite(fwd_s) and fwd_s >= 0):
+            raise ValueError(f"fwd_s must be a finite number of seconds >= 0, got {fwd_s!r}")
+        if not (math.isfinite(bwd_factor) and bwd_factor >= 0):
+            raise ValueError(f"bwd_factor must be >= 0, got {bwd_factor!r}")
+        if width < 1:
+            raise ValueError(f"width must be >= 1, got {width}")
+        self.fwd_s = float(fwd_s)
+        self.bwd_factor = float(bwd_factor)
+        self.width = width
+        self.scale = nn.Parameter(torch.empty(width, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(width, device=device, dtype=dtype))
+        self.num_forward = 0
+        self.num_backward = 0
+        self.reset_parameters()
+
+    @property
+    def bwd_s(self) -> float:
+        """Backward time in seconds: ``bwd_factor * fwd_s``."""
+        return self.bwd_factor * self.fwd_s
+
+    def reset_parameters(self) -> None:
+        """Scale near 1 and bias near 0 (global RNG, like ``nn.Linear``): activations stay O(1)
+        through many blocks while every block still gets a distinct, non-trivial gradient."""
+        with torch.no_grad():
+            nn.init.uniform_(self.scale, 0.9, 1.1)
+            nn.init.uniform_(self.bias, -0.1, 0.1)
+
+    def reset_counts(self) -> None:
+        self.num_forward = 0
+        self.num_backward = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1:] != (self.width,):
+            raise ValueError(f"EmulatedBlock(width={self.width}) got an input of shape {tuple(x.shape)}; "
+                             f"the last dimension must be {self.width}")
+        return _EmulatedOp.apply(x, self.scale, self.bias, self)
+
+    def extra_repr(self) -> str:
+        return f"fwd_s={self.fwd_s}, bwd_s={self.bwd_s}, width={self.width}"
+
+
+class EmulatedModel(nn.Module):
+    """``blocks[0] → cut → blocks[1] → cut → … → blocks[-1]``, then the MSE loss against ``target``.
+
+    ``forward(x, target)`` returns the scalar loss, so the model can be trained directly or handed
+    to the engine. Build it with :func:`emulated_model`.
+    """
+
+    def __init__(self, blocks: Sequence[EmulatedBlock], cut_points: Sequence[nn.Module]) -> None:
+        super().__init__()
+        if len(cut_points) != max(0, len(blocks) - 1):
+            raise ValueError(f"need one cut point between consecutive blocks: {len(blocks)} blocks, "
+                             f"{len(cut_points)} cut points")
+        self.blocks = nn.ModuleList(blocks)
+        self.cut_points = nn.ModuleList(cut_points)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        for index, block in enumerate(self.blocks):
+            x = block(x)
+            if index < len(self.cut_points):
+                x = self.cut_points[index](x)
+        return F.mse_loss(x, target)
+
+    def reset_counts(self) -> None:
+        for block in self.blocks:
+            block.reset_counts()
+
+
+def emulated_model(
+    num_blocks: int, fwd_s: float | Sequence[float], width: int, *, bwd_factor: float = 2.0,
+    device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+) -> EmulatedModel:
+    """A trainable model of ``num_blocks`` emulated blocks with a ``varuna.CutPoint`` between
+    consecutive blocks: ``num_blocks - 1`` cut-points, so ``num_blocks`` segments of one block
+    each (the last segment also computes the loss).
+
+    ``fwd_s`` is one forward time for all blocks or one per block (e.g. a heavier first block).
+    Inputs and targets have shape ``(batch, width)`` (or any ``(..., width)``).
+
+    Example::
+
+        >>> model = emulated_model(num_blocks=4, fwd_s=0.001, width=8)
+        >>> loss = model(torch.randn(2, 8), torch.zeros(2, 8))
+        >>> loss.backward()          # takes about 4 * (1 + 2) ms
+    """
+    # Imported here, not at module level: varuna.testing must import without the engine.
+    from varuna.cutpoint import CutPoint
+
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    if isinstance(fwd_s, (int, float)):
+        times = [float(fwd_s)] * num_blocks
+    else:
+        times = [float(t) for t in fwd_s]
+        if len(times) != num_blocks:
+            raise ValueError(f"fwd_s has {len(times)} entries for {num_blocks} blocks; give one "
+                             f"number or one per block")
+    blocks = [EmulatedBlock(t, width, bwd_factor=bwd_factor, device=device, dtype=dtype) for t in times]
+    return EmulatedModel(blocks, [CutPoint() for _ in range(num_blocks - 1)])
