@@ -2,6 +2,7 @@
 
     python scripts/bench_step.py [--steps 12] [--n-layer 4] [--n-embd 128]
 
+Also times the engine in deterministic mode (canonical reductions; goal <= 1.1x the default).
 Both run the GPT example (dropout on) on the same mini-batches with AdamW, one thread, in one
 process; runs alternate in rounds so drift of the machine affects both equally. Prints a table;
 goal: engine overhead <= 3%.
@@ -54,6 +55,10 @@ def main() -> int:
     torch.manual_seed(0)
     engine = varuna.Engine(GPT(cfg), varuna.VarunaConfig(global_batch_size=M, micro_batch_size=m),
                            example_batch=batches[0], optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    torch.manual_seed(0)
+    det = varuna.Engine(GPT(cfg), varuna.VarunaConfig(global_batch_size=M, micro_batch_size=m, deterministic=True),
+                        example_batch=batches[0], optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    torch.use_deterministic_algorithms(False)  # only the deterministic engine's steps need it
 
     def timed(fn) -> list[float]:
         fn(batches[0])  # warm-up
@@ -64,11 +69,20 @@ def main() -> int:
             out.append(time.perf_counter() - t)
         return out
 
-    times = {"plain PyTorch loop": [], "varuna engine 1x1": []}
+    def det_step(batch):
+        torch.use_deterministic_algorithms(True)
+        try:
+            det.train_step(batch)
+        finally:
+            torch.use_deterministic_algorithms(False)
+
+    times = {"plain PyTorch loop": [], "varuna engine 1x1": [], "varuna deterministic": []}
     for _ in range(a.rounds):
         times["plain PyTorch loop"] += timed(plain_step)
         times["varuna engine 1x1"] += timed(engine.train_step)
+        times["varuna deterministic"] += timed(det_step)
     engine.close()
+    det.close()
     base = statistics.median(times["plain PyTorch loop"])
     print(f"GPT n_layer={a.n_layer} n_embd={a.n_embd} M={M} m={m}, {a.rounds}x{a.steps} steps each, 1 thread")
     print(f"{'system':<22}{'median step (s)':>16}{'samples/s':>12}{'overhead':>10}")
@@ -77,6 +91,8 @@ def main() -> int:
         print(f"{name:<22}{med:>16.4f}{M / med:>12.1f}{(med / base - 1) * 100:>9.1f}%")
     ov = statistics.median(times["varuna engine 1x1"]) / base - 1
     print(f"goal: overhead <= 3% -> {'met' if ov <= 0.03 else 'MISSED'} ({ov * 100:.1f}%)")
+    dr = statistics.median(times["varuna deterministic"]) / statistics.median(times["varuna engine 1x1"])
+    print(f"goal: deterministic <= 1.1x default -> {'met' if dr <= 1.1 else 'MISSED'} ({dr:.3f}x)")
     return 0
 
 

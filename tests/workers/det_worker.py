@@ -1,0 +1,65 @@
+"""Worker: train the tiny GPT (dropout on, AdamW, clipping) for N steps; dump per-step losses and the
+sha256 of every parameter this rank holds."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+
+import varuna  # noqa: E402
+from models import build_model  # noqa: E402
+
+
+def batch_for(step: int, size: int, salt: int = 0):
+    g = torch.Generator().manual_seed(1000 * step + salt)
+    idx = torch.randint(0, 256, (size, 17), generator=g)
+    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--global-batch-size", type=int, default=12)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--no-canonical", action="store_true")
+    p.add_argument("--unkeyed-rng", action="store_true")
+    p.add_argument("--unkeyed-data", action="store_true")
+    p.add_argument("--no-deterministic", action="store_true")
+    a = p.parse_args()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo")
+    model = build_model("gpt", dropout=0.1)
+    M = a.global_batch_size
+    engine = varuna.Engine(
+        model,
+        varuna.VarunaConfig(global_batch_size=M, micro_batch_size=a.micro_batch_size, seed=3,
+                            max_grad_norm=1.0, deterministic=not a.no_deterministic,
+                            canonical_reduction=not a.no_canonical, rng_keyed=not a.unkeyed_rng),
+        example_batch=batch_for(0, M),
+        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    )
+    losses = []
+    for step in range(1, a.steps + 1):
+        # Negative control for data keying: each replica reads data seeded by its own index.
+        salt = engine.replica if a.unkeyed_data else 0
+        losses.append(engine.train_step(batch_for(step, M, salt)).loss)
+    digests = {n: hashlib.sha256(q.detach().contiguous().numpy().tobytes()).hexdigest()
+               for n, q in engine.named_parameters()}
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / f"rank{engine.layout.rank}.json").write_text(json.dumps({"losses": losses, "digests": digests}))
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

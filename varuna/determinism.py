@@ -1,0 +1,279 @@
+"""Deterministic mode: weights bit-for-bit identical whatever P×D, across morphs.
+
+Note [Canonical reduction]: floating-point addition is not associative, so a gradient summed
+over micro-batches in execution order, then all-reduced over a ring of D replicas, depends on D
+and on the order tasks happened to run. In deterministic mode every sum has one fixed shape:
+
+* Per parameter, the mini-batch gradient is the sum of the per-micro-batch gradients g_0..g_{N-1}
+  (N = global micro-batch count, fixed because m and M_total are fixed) along a canonical binary
+  tree: node (level l, index k) covers micro-batches [k·2^l, (k+1)·2^l) and its value is
+  left + right (a node whose right half is empty passes its left child through). A replica owning
+  micro-batches [a, b) computes every node inside [a, b) locally, as each backward finishes
+  (:class:`TreeAccumulator`, O(log N) partial sums alive), leaving the nodes that straddle replica
+  boundaries.
+* Across replicas (:func:`canonical_allreduce`): the flat gradient is cut into D shards; an
+  all-to-all gives replica j every replica's partial nodes for shard j; replica j finishes the tree
+  on its shard; an all-gather reassembles the result — a reduce-scatter + all-gather, like a ring
+  all-reduce, but the additions follow the tree, not the ring. Cost: each partial node travels once
+  (≤ 2·log2 N of them per replica instead of one buffer), and that many gradient copies in memory.
+* A parameter read by several segments (tied embeddings) gets one autograd leaf per segment
+  (aliases sharing its storage), so each segment's contribution is tree-summed on its own; the
+  totals are then added in segment order — the same formula at 1×1 and at any P.
+* The global gradient norm and the reported loss use a one-contributor-per-slot all-reduce: each
+  segment's sum of squares (and each micro-batch's loss) is produced by exactly one rank, others
+  add zeros, which is exact; the slots are then summed in segment (micro-batch) order.
+
+Example::
+
+    >>> import torch
+    >>> acc = TreeAccumulator(num_leaves=3, lo=0, hi=3)
+    >>> for i in (2, 0, 1):  # any arrival order gives the same bits
+    ...     acc.add(i, torch.tensor([float(i)]))
+    >>> acc.result().item()
+    3.0
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["TreeAccumulator", "combine_nodes", "canonical_allreduce", "tree_levels"]
+
+
+def tree_levels(num_leaves: int) -> int:
+    """Height of the canonical tree over ``num_leaves`` leaves (root level)."""
+    return max(num_leaves - 1, 0).bit_length()
+
+
+def _span(level: int, index: int, n: int) -> tuple[int, int]:
+    return index << level, min((index + 1) << level, n)
+
+
+def combine_nodes(nodes: dict[tuple[int, int], torch.Tensor], num_leaves: int) -> torch.Tensor:
+    """Finish the canonical tree given nodes that partition [0, num_leaves)."""
+    nodes = dict(nodes)
+    root = (tree_levels(num_leaves), 0)
+    while root not in nodes:
+        level, index = min(nodes)  # lowest level first: its sibling cannot still be split
+        value = nodes.pop((level, index))
+        sib = (level, index ^ 1)
+        lo, hi = _span(level, index ^ 1, num_leaves)
+        if lo >= hi:
+            merged = value  # empty right half: pass through
+        else:
+            other = nodes.pop(sib)
+            merged = value + other if index % 2 == 0 else other + value
+        nodes[(level + 1, index >> 1)] = merged
+    return nodes[root]
+
+
+class TreeAccumulator:
+    """Sums per-micro-batch values along the canonical tree; this replica owns leaves [lo, hi)."""
+
+    def __init__(self, num_leaves: int, lo: int, hi: int):
+        self.n, self.lo, self.hi = num_leaves, lo, hi
+        self.root = (tree_levels(num_leaves), 0)
+        self.nodes: dict[tuple[int, int], torch.Tensor] = {}
+
+    def add(self, leaf: int, value: torch.Tensor) -> None:
+        if not self.lo <= leaf < self.hi:
+            raise ValueError(f"micro-batch {leaf} is not in this replica's range [{self.lo}, {self.hi})")
+        level, index = 0, leaf
+        while (level, index) != self.root:
+            plo, phi = _span(level + 1, index >> 1, self.n)
+            if plo < self.lo or phi > self.hi:
+                break  # the parent straddles another replica: finished across replicas
+            slo, shi = _span(level, index ^ 1, self.n)
+            if slo < shi:
+                other = self.nodes.pop((level, index ^ 1), None)
+                if other is None:
+                    break  # sibling not computed yet
+                value = value + other if index % 2 == 0 else other + value
+            level, index = level + 1, index >> 1
+        self.nodes[(level, index)] = value
+
+    def partial_nodes(self) -> dict[tuple[int, int], torch.Tensor]:
+        return dict(self.nodes)
+
+    def result(self) -> torch.Tensor:
+        """The root (only when this replica owns every leaf)."""
+        return combine_nodes(self.nodes, self.n)
+
+
+def canonical_allreduce(
+    nodes: dict[tuple[int, int], torch.Tensor], num_leaves: int, group, group_size: int, my_index: int
+) -> torch.Tensor:
+    """Canonical-tree sum over replicas of flat 1-D partial nodes (see Note [Canonical reduction])."""
+    if group_size == 1:
+        return combine_nodes(nodes, num_leaves)
+    numel = next(iter(nodes.values())).numel()
+    dtype = next(iter(nodes.values())).dtype
+    maxn = 2 * (tree_levels(num_leaves) + 1)
+    ids = torch.full((maxn, 2), -1, dtype=torch.int64)
+    stacked = torch.zeros(maxn, numel, dtype=dtype)
+    for row, (key, t) in enumerate(sorted(nodes.items())):
+        ids[row, 0], ids[row, 1] = key
+        stacked[row] = t
+    all_ids = [torch.empty_like(ids) for _ in range(group_size)]
+    dist.all_gather(all_ids, ids, group=group)
+    bounds = [(numel * j) // group_size for j in range(group_size + 1)]
+    send = torch.cat([stacked[:, bounds[j]:bounds[j + 1]].reshape(-1) for j in range(group_size)])
+    mine = bounds[my_index + 1] - bounds[my_index]
+    recv = torch.empty(maxn * mine * group_size, dtype=dtype)
+    dist.all_to_all_single(
+        recv, send,
+        output_split_sizes=[maxn * mine] * group_size,
+        input_split_sizes=[maxn * (bounds[j + 1] - bounds[j]) for j in range(group_size)],
+        group=group,
+    )
+    blocks = recv.view(group_size, maxn, mine)
+    shard_nodes = {}
+    for r in range(group_size):
+        for row in range(maxn):
+            level, index = all_ids[r][row].tolist()
+            if level >= 0:
+                shard_nodes[(level, index)] = blocks[r, row]
+    shard = combine_nodes(shard_nodes, num_leaves)
+    width = max(bounds[j + 1] - bounds[j] for j in range(group_size))
+    padded = torch.zeros(width, dtype=dtype)
+    padded[:mine] = shard
+    gathered = [torch.empty(width, dtype=dtype) for _ in range(group_size)]
+    dist.all_gather(gathered, padded, group=group)
+    return torch.cat([gathered[j][: bounds[j + 1] - bounds[j]] for j in range(group_size)])
+
+
+class DeterministicGrads:
+    """The engine side of deterministic mode (Note [Canonical reduction]).
+
+    Owns the per-segment aliases of shared parameters, captures each micro-batch's gradients
+    into a :class:`TreeAccumulator`, and replaces the engine's gradient all-reduce, norm and loss
+    reduction with canonical-order versions.
+    """
+
+    def __init__(self, engine) -> None:
+        from torch import nn
+
+        self.e = engine
+        prof = engine.profile
+        first, last = engine.first_segment, engine.last_segment
+        self.aliases: dict[str, dict[int, nn.Parameter]] = {}
+        for n, p in engine._trainable.items():
+            segs = prof.param_segments.get(n, ())
+            if len(segs) > 1:
+                # One autograd leaf per reading segment, sharing the parameter's storage: the
+                # optimizer's in-place update of the parameter is seen by every alias.
+                self.aliases[n] = {s: nn.Parameter(p.detach(), requires_grad=True)
+                                   for s in segs if first <= s <= last}
+        owners = {id(p): n for n, p in engine._trainable.items() if n in self.aliases}
+        self.regs: dict[str, list[tuple[nn.Module, str]]] = {n: [] for n in self.aliases}
+        for mod in engine.model.modules():
+            for attr, p in mod._parameters.items():
+                if p is not None and id(p) in owners:
+                    self.regs[owners[id(p)]].append((mod, attr))
+        self.leaves: list[tuple[str, int | None, torch.Tensor]] = []
+        for n, p in engine._trainable.items():
+            if n in self.aliases:
+                self.leaves += [(n, s, a) for s, a in sorted(self.aliases[n].items())]
+            else:
+                self.leaves.append((n, None, p))
+        self.acc: TreeAccumulator | None = None
+        self.losses: dict[int, float] = {}
+
+    # -- forward: route each segment's reads of a shared parameter to that segment's alias
+    def on_segment(self, segment: int) -> None:
+        for n, per_seg in self.aliases.items():
+            target = per_seg.get(segment, self.e._trainable[n])
+            for mod, attr in self.regs[n]:
+                mod._parameters[attr] = target
+
+    def restore(self) -> None:
+        for n in self.aliases:
+            for mod, attr in self.regs[n]:
+                mod._parameters[attr] = self.e._trainable[n]
+
+    # -- backward: one tree leaf per micro-batch
+    def begin_step(self, mbs, num_microbatches: int) -> None:
+        self.acc = TreeAccumulator(num_microbatches, mbs[0].index, mbs[-1].index + 1)
+        self.losses = {}
+        self.n = num_microbatches
+
+    def capture(self, microbatch: int) -> None:
+        flat = torch.cat([(t.grad if t.grad is not None else torch.zeros_like(t)).reshape(-1)
+                          for _, _, t in self.leaves])
+        for _, _, t in self.leaves:
+            t.grad = None
+        self.acc.add(microbatch, flat)
+
+    def reduce(self) -> None:
+        """Canonical mini-batch gradients into every trainable parameter's ``.grad``."""
+        e = self.e
+        flat = canonical_allreduce(self.acc.partial_nodes(), self.n, e._dp_group, e.layout.D, e.replica)
+        per_seg: dict[str, dict[int, torch.Tensor]] = {}
+        pos = 0
+        for n, s, t in self.leaves:
+            g = flat[pos: pos + t.numel()].view_as(t)
+            pos += t.numel()
+            if s is None:
+                e._trainable[n].grad = g.clone()
+            else:
+                per_seg.setdefault(n, {})[s] = g
+        for n, rows in per_seg.items():
+            segs = e.profile.param_segments[n]
+            rows = self._gather_segments(n, segs, rows)
+            total = rows[segs[0]].clone()
+            for s in segs[1:]:
+                total = total + rows[s]  # segment order, at any P
+            e._trainable[n].grad = total
+        self.acc = None
+
+    def _gather_segments(self, n, segs, rows):
+        e = self.e
+        if all(s in rows for s in segs):
+            return rows
+        from varuna.partition import stage_of_segment
+
+        seg_stage = stage_of_segment(e.stage_ranges)
+        stages = sorted({seg_stage[s] for s in segs})
+        ranks = sorted(e.layout.rank_of(k, d) for k in stages for d in range(e.layout.D))
+        group = next(g for g, names in e._shared_groups if n in names)
+        like = next(iter(rows.values()))
+        mine = torch.zeros(len(segs), *like.shape, dtype=like.dtype)
+        for i, s in enumerate(segs):
+            if s in rows:
+                mine[i] = rows[s]
+        out = [torch.empty_like(mine) for _ in ranks]
+        dist.all_gather(out, mine, group=group)
+        full = {}
+        for i, s in enumerate(segs):
+            src = ranks.index(next(r for r in ranks if seg_stage[s] == r % e.layout.P))
+            full[s] = out[src][i]
+        return full
+
+    def scalar_slots(self, nonfinite: bool, stop: bool, norm_elsewhere: set[str]) -> torch.Tensor:
+        """[per-segment sum of squares..., nonfinite, stop, per-micro-batch loss...] with exactly
+        one contributing rank per slot, so a SUM all-reduce is exact."""
+        e = self.e
+        nseg = e.profile.num_segments
+        v = torch.zeros(nseg + 2 + self.n, dtype=torch.float64)
+        if e.replica == 0:
+            for n, p in e._trainable.items():
+                if n in norm_elsewhere:
+                    continue
+                s0 = e.profile.param_segments.get(n, (e.first_segment,))[0]
+                v[s0] += torch.linalg.vector_norm(p.grad).double() ** 2
+        v[nseg] = float(nonfinite)
+        v[nseg + 1] = float(stop)
+        for g, loss in self.losses.items():
+            v[nseg + 2 + g] = loss
+        return v
+
+    def read_slots(self, v: list[float], mb_sizes: list[int], global_batch: int) -> tuple[float, bool, float, bool]:
+        nseg = self.e.profile.num_segments
+        total_sq = 0.0
+        for s in range(nseg):
+            total_sq += v[s]
+        loss = 0.0
+        for g in range(self.n):
+            loss += v[nseg + 2 + g] * mb_sizes[g] / global_batch
+        return total_sq, v[nseg] > 0, loss, v[nseg + 1] > 0
