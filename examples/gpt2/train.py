@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--eval-every", type=int, default=10, help="steps between validation losses (0: never)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
+    p.add_argument("--trace", type=Path, help="write the last step's task timeline (Chrome trace JSON) here")
+    p.add_argument("--deterministic", action="store_true",
+                   help="bit-identical weights at any P×D and across morphs (docs/determinism.md)")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
@@ -59,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         varuna.VarunaConfig(
             global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
             schedule=args.schedule, seed=args.seed, precision=args.precision,
-            max_grad_norm=args.max_grad_norm,
+            max_grad_norm=args.max_grad_norm, deterministic=args.deterministic,
+            record_timeline=args.trace is not None,
+            deterministic_threads=args.threads,
         ),
         example_batch=data.get("train", 0, args.global_batch_size),
         optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0),
@@ -72,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     out = open(args.metrics_out, "a") if (leader and args.metrics_out) else None
     try:
         for step in range(engine.step_count + 1, args.steps + 1):
+            if args.trace is not None:
+                engine.timeline.events.clear()  # keep only the last step's events
             r = engine.train_step(data.get("train", step, args.global_batch_size))
             row = {"step": r.step, "loss": r.loss, "samples_per_s": r.samples_per_s, "P": info["P"],
                    "D": info["D"], "m": info["m"], "Nm": sum(info["Nm"]), "wall_time": r.wall_time,
@@ -85,6 +92,13 @@ def main(argv: list[str] | None = None) -> int:
                 if out:
                     out.write(json.dumps(row) + "\n")
                     out.flush()
+        if args.trace is not None:
+            tl = engine.gather_timeline()
+            if tl is not None:
+                args.trace.parent.mkdir(parents=True, exist_ok=True)
+                tl.to_chrome_trace(args.trace)
+                tl.plot_gantt(args.trace.with_suffix(".png"), title=f"GPT example, P={info['P']} D={info['D']}")
+                print(f"wrote {args.trace} and {args.trace.with_suffix('.png')}", flush=True)
     finally:
         if out:
             out.close()
