@@ -116,6 +116,9 @@ BLOCKING_WORKER = textwrap.dedent(
         signal.signal(signal.SIGUSR1, record_and_exit)
     elif mode == "ignore_int":
         signal.signal(signal.SIGINT, record_only)
+    elif mode == "slow_stop":
+        # A "checkpoint" that never ends: only a second signal to the launcher can stop it.
+        signal.signal(signal.SIGUSR1, record_only)
     elif mode == "leave_child":
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         put("grandchild", str(child.pid))
@@ -547,6 +550,35 @@ def test_sigusr1_is_forwarded(tmp_path: Path, blocking_worker: tuple[Path, Path]
         assert launcher.wait(timeout=20) == 0
         assert (out / "SIGUSR10").exists() and (out / "SIGUSR11").exists()
         assert _wait_gone(pids) == []
+    finally:
+        launcher.kill()
+        launcher.wait(timeout=10)
+        _kill_leftovers(pids)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_second_signal_after_sigusr1_kills_at_once(
+    tmp_path: Path, blocking_worker: tuple[Path, Path]
+) -> None:
+    script, out = blocking_worker
+    launcher = _start_cli(
+        tmp_path, ["--procs", "2", "--pipeline-depth", "2", str(script), str(out), "slow_stop"]
+    )
+    pids: list[int] = []
+    try:
+        _wait_files([out / "pid0", out / "pid1"])
+        pids = _read_pids(out, ["pid0", "pid1"])
+        launcher.send_signal(signal.SIGUSR1)
+        _wait_files([out / "SIGUSR10", out / "SIGUSR11"])  # forwarded; the workers keep "saving"
+        assert launcher.poll() is None, "no deadline after SIGUSR1: a checkpoint takes what it takes"
+        launcher.send_signal(signal.SIGUSR1)
+        assert launcher.wait(timeout=20) == 128 + signal.SIGUSR1
+        assert _wait_gone(pids) == []
+        assert (
+            "received SIGUSR1 after SIGUSR1; killing 2 worker(s) now"
+            in (tmp_path / "launcher.err").read_text()
+        )
     finally:
         launcher.kill()
         launcher.wait(timeout=10)

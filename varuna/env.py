@@ -36,7 +36,9 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "CONTRACT_VARS",
+    "LAUNCHER_VARS",
     "PASSTHROUGH_PREFIX",
+    "is_passthrough",
     "WorkerEnv",
     "rank_of",
     "stage_and_replica",
@@ -60,6 +62,22 @@ CONTRACT_VARS = (
 #: Launcher environment variables with this prefix (other than the contract ones) reach every
 #: worker unchanged, e.g. ``VARUNA_NETEM``, ``VARUNA_RESUME``, ``VARUNA_CHECKPOINT_DIR``.
 PASSTHROUGH_PREFIX = "VARUNA_"
+
+#: ``VARUNA_*`` variables that configure the launcher itself (ssh credentials); they are never
+#: passed to workers, so a key path does not end up in every worker's environment and logs.
+LAUNCHER_VARS = ("VARUNA_SSH_KEY", "VARUNA_SSH_KNOWN_HOSTS")
+
+
+def is_passthrough(name: str) -> bool:
+    """Whether the launcher passes variable ``name`` through to every worker unchanged.
+
+    Example::
+
+        >>> [is_passthrough(n) for n in ("VARUNA_NETEM", "VARUNA_STAGE", "VARUNA_SSH_KEY", "HOME")]
+        [True, False, False, False]
+    """
+    return name.startswith(PASSTHROUGH_PREFIX) and name not in CONTRACT_VARS and name not in LAUNCHER_VARS
+
 
 # Hint appended to "variable missing" errors: the usual cause is running a worker script by hand.
 _HOW_TO_LAUNCH = "start workers with varuna-launch (see docs/launch.md)"
@@ -251,11 +269,7 @@ class WorkerEnv:
             pipeline_depth=get_int("VARUNA_PIPELINE_DEPTH"),
             data_parallel=get_int("VARUNA_DATA_PARALLEL"),
             host_id=get_int("VARUNA_HOST_ID", 0),
-            extra={
-                k: v
-                for k, v in environ.items()
-                if k.startswith(PASSTHROUGH_PREFIX) and k not in CONTRACT_VARS
-            },
+            extra={k: v for k, v in environ.items() if is_passthrough(k)},
         )
         # VARUNA_STAGE / VARUNA_REPLICA are redundant with RANK; when present they must agree, which
         # catches a launcher and a worker that disagree on the rank layout.

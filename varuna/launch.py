@@ -1,14 +1,16 @@
-"""``varuna-launch``: start and supervise the P×D worker processes of a job on this machine.
+"""``varuna-launch``: start and supervise the P×D worker processes of a job, on this machine
+(``--procs N``) or on several hosts through one agent per host (``--hosts``).
 
 Each worker runs ``python SCRIPT ARGS`` (or ``python -m MODULE ARGS``) with the environment
 contract of :mod:`varuna.env` (torchrun-compatible ``RANK``/``WORLD_SIZE``/... plus the pipeline
-layout). The launcher prefixes every output line with ``[rank r stage k replica d]``, stops the
-whole job when one worker fails, forwards SIGINT/SIGTERM/SIGUSR1, and leaves no process behind
-on any exit path (Note [No orphans]).
+layout). The launcher prefixes every output line with ``[rank r stage k replica d]`` (preceded by
+the host with ``--hosts``), stops the whole job when one worker fails, forwards
+SIGINT/SIGTERM/SIGUSR1, and leaves no process behind on any exit path (Note [No orphans]).
 
 Command line::
 
     varuna-launch --procs 4 --pipeline-depth 2 train.py --lr 3e-4
+    varuna-launch --hosts hosts.txt --procs-per-host 4 --pipeline-depth 4 --checkpoint-dir /ckpt train.py
 
 Python API (what tests and the manager use)::
 
@@ -18,12 +20,23 @@ Python API (what tests and the manager use)::
     0
 
 Structure: :func:`plan_workers` turns a config and a list of hosts into one :class:`WorkerSpec`
-per rank; a host (:class:`LocalHost` here; an ssh host with a per-host agent later) spawns a spec
-and returns a :class:`WorkerHandle`; the :class:`Supervisor` only talks to handles, so it does
-not care where a worker runs.
+per rank; a host (:class:`LocalHost` for ``--procs``, :class:`varuna.hosts.AgentHost` for a
+per-host agent started locally or over ssh) spawns specs and returns :class:`WorkerHandle` s;
+the :class:`Supervisor` only talks to handles, so it does not care where a worker runs. With
+``--hosts``, :func:`main` validates the host entries (:mod:`varuna.hosts`), probes the ssh
+hosts, picks P×D for what answered (:func:`resolve_layout`, auto-config from a calibration when
+P is not given) and runs :func:`launch_on_hosts`.
+
+Note [Stop protocol]: the engine treats SIGUSR1 and SIGTERM as "finish the current mini-batch,
+run the stop callbacks (a checkpoint), exit 0". The launcher forwards SIGUSR1 (through the
+agents on other hosts) with no deadline, so the job ends with the workers' code, 0 after a
+complete checkpoint; SIGINT/SIGTERM are forwarded with a SIGKILL deadline (``--stop-timeout``)
+and the launcher exits 128+N. Any second signal (SIGUSR1, SIGINT, SIGTERM) while stopping kills
+every worker at once.
 
 Exit codes: 0 all workers exited 0; 1 a worker failed (the message names its rank and exit
-code) or could not be started; 2 bad usage; 128+N the launcher was stopped by signal N (130 for
+code) or could not be started, an agent failed, or the job does not fit the reachable hosts; 2
+bad usage; 128+N the launcher was stopped by signal N (130 for
 SIGINT, 143 for SIGTERM).
 
 Note [No orphans]: every worker is started in its own session (``start_new_session=True``), so
@@ -44,9 +57,13 @@ import argparse
 import collections
 import contextlib
 import ctypes
+import dataclasses
 import functools
+import ipaddress
+import itertools
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -57,9 +74,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Protocol, TextIO
+from typing import IO, TYPE_CHECKING, Protocol, TextIO
 
-from varuna.env import CONTRACT_VARS, PASSTHROUGH_PREFIX, WorkerEnv
+from varuna.env import CONTRACT_VARS, PASSTHROUGH_PREFIX, WorkerEnv, is_passthrough
+
+if TYPE_CHECKING:  # varuna.hosts imports this module; at run time it is imported where needed
+    from varuna.hosts import HostEntry, SshOptions
 
 __all__ = [
     "EXIT_OK",
@@ -268,11 +288,7 @@ def plan_workers(
             f" slots but the hosts have {capacity}; add hosts or use a smaller --procs"
         )
     launcher_environ = os.environ if launcher_environ is None else launcher_environ
-    passthrough = {
-        k: v
-        for k, v in {**launcher_environ, **config.worker_env}.items()
-        if k.startswith(PASSTHROUGH_PREFIX) and k not in CONTRACT_VARS
-    }
+    passthrough = {k: v for k, v in {**launcher_environ, **config.worker_env}.items() if is_passthrough(k)}
     plain_vars = {k: v for k, v in config.worker_env.items() if not k.startswith(PASSTHROUGH_PREFIX)}
     master_addr = config.master_addr or hosts[0].address
     argv = config.worker_argv()
@@ -484,6 +500,12 @@ class LocalHost:
 # ----------------------------------------------------------------------------------------------
 
 
+def _where(worker: WorkerHandle) -> str:
+    """``rank r stage k replica d``, preceded by the host for workers of a multi-host job."""
+    host_label = getattr(worker, "host_label", None)
+    return f"{host_label} {worker.spec.label}" if host_label else worker.spec.label
+
+
 def _describe_exit(returncode: int) -> str:
     if returncode >= 0:
         return f"exited with code {returncode}"
@@ -513,6 +535,7 @@ class Supervisor:
         stdout: TextIO | None = None,
         stderr: TextIO | None = None,
         log_dir: str | None = None,
+        out_lock: threading.Lock | None = None,
     ) -> None:
         self._specs = list(specs)
         self._hosts = list(hosts)
@@ -526,8 +549,9 @@ class Supervisor:
         self._cause: tuple[str, object] | None = None
         self._kill_at: float | None = None  # monotonic time to SIGKILL stragglers after a stop
         self._killed_at: float | None = None
+        self._graceful_stop = False  # SIGUSR1 was forwarded (Note [Stop protocol])
         # One lock for all output, so lines from different workers never interleave mid-line.
-        self._out_lock = threading.Lock()
+        self._out_lock = out_lock if out_lock is not None else threading.Lock()
         self._broken_sinks: set[int] = set()
         self._readers: list[threading.Thread] = []
         self._log_files: dict[int, IO[str]] = {}
@@ -551,15 +575,26 @@ class Supervisor:
         workers already started; :meth:`wait` still has to be called."""
         if self._log_dir is not None:
             self._log_dir.mkdir(parents=True, exist_ok=True)
-        for spec in self._specs:
+        for host_id, group in itertools.groupby(self._specs, key=lambda s: s.env.host_id):
             if self._cause is not None:
                 break
-            try:
-                worker = self._hosts[spec.env.host_id].spawn(spec)
-            except (OSError, subprocess.SubprocessError) as exc:
-                self._fail(f"{spec.label} could not be started: {exc}")
-                break
-            self.workers.append(worker)
+            host = self._hosts[host_id]
+            batch = list(group)
+            spawn_many = getattr(host, "spawn_many", None)
+            if spawn_many is not None:
+                # A host with an agent starts its workers in one request (one round trip).
+                started, failure = spawn_many(batch)
+                self.workers.extend(started)
+                if failure is not None:
+                    self._fail(f"{failure[0].label} could not be started {failure[1]}")
+                continue
+            for spec in batch:
+                try:
+                    worker = host.spawn(spec)
+                except (OSError, subprocess.SubprocessError) as exc:
+                    self._fail(f"{spec.label} could not be started: {exc}")
+                    break
+                self.workers.append(worker)
         # Readers start only after all forks: preexec_fn runs between fork and exec, which is
         # only safe while no other thread of ours may hold a lock the child needs.
         for worker in self.workers:
@@ -569,7 +604,7 @@ class Supervisor:
             for stream, sink in zip(worker.output_streams, (self._stdout, self._stderr)):
                 thread = threading.Thread(
                     target=self._relay,
-                    args=(worker.spec, stream, sink),
+                    args=(worker, stream, sink),
                     name=f"varuna-launch-relay-{worker.spec.env.rank}",
                     daemon=True,  # never keep the launcher alive for a stuck pipe
                 )
@@ -640,7 +675,8 @@ class Supervisor:
         self._exit_codes[worker.spec.env.rank] = code
         # Non-zero codes after we began stopping are our own doing (SIGTERM/SIGKILL), not failures.
         if code != 0 and self._cause is None:
-            self._fail(f"{worker.spec.label} {_describe_exit(code)}")
+            detail = getattr(worker, "exit_detail", None) or _describe_exit(code)
+            self._fail(f"{_where(worker)} {detail}")
 
     def _fail(self, what: str) -> None:
         self._cause = ("failed", what)  # before `what` gets the "stopping ..." suffix
@@ -654,10 +690,24 @@ class Supervisor:
 
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
+        if self._graceful_stop and (signum in _STOP_SIGNALS or signum == signal.SIGUSR1):
+            # The workers were already asked to finish their mini-batch and checkpoint: a second
+            # request means "now" (Note [Stop protocol]).
+            self._message(f"received {name} after SIGUSR1; killing {len(self._running())} worker(s) now")
+            if self._cause is None:
+                self._cause = ("signal", signum)
+            self._kill_all()
+            return
         if signum not in _STOP_SIGNALS:
-            # e.g. SIGUSR1 ("checkpoint and exit" in a later issue): relay only; the workers'
-            # exit codes decide the outcome.
-            self._message(f"received {name}; forwarding it to {len(self._running())} worker(s)")
+            # SIGUSR1: relay only, without a SIGKILL deadline (a checkpoint takes as long as it
+            # takes); the workers' exit codes (0 after a graceful stop) decide the outcome.
+            self._graceful_stop = signum == signal.SIGUSR1
+            what = (
+                ": finish the mini-batch, checkpoint, exit (a second signal kills them at once)"
+                if self._graceful_stop
+                else ""
+            )
+            self._message(f"received {name}; forwarding it to {len(self._running())} worker(s){what}")
             for worker in self._running():
                 worker.send_signal(signum)
             return
@@ -697,10 +747,10 @@ class Supervisor:
         self._message(f"job failed: {detail}")
         return EXIT_WORKER_FAILED
 
-    def _relay(self, spec: WorkerSpec, stream: IO[bytes], sink: TextIO) -> None:
+    def _relay(self, worker: WorkerHandle, stream: IO[bytes], sink: TextIO) -> None:
         """Copy one worker stream to ``sink`` line by line, prefixed; runs in a reader thread."""
-        prefix = f"[{spec.label}] "
-        rank = spec.env.rank
+        prefix = f"[{_where(worker)}] "
+        rank = worker.spec.env.rank
         try:
             for raw in iter(stream.readline, b""):
                 text = raw.decode("utf-8", errors="replace")
@@ -807,7 +857,11 @@ def check_local_script(config: LaunchConfig) -> None:
 
 
 def _write_launch_json(
-    config: LaunchConfig, specs: Sequence[WorkerSpec], sup: Supervisor, path: Path
+    config: LaunchConfig,
+    specs: Sequence[WorkerSpec],
+    sup: Supervisor,
+    path: Path,
+    extra: Mapping[str, object] | None = None,
 ) -> None:
     """The resolved config beside the run's logs, so a run can be understood (and repeated) later."""
     pids = {w.spec.env.rank: w.pid for w in sup.workers}
@@ -828,8 +882,281 @@ def _write_launch_json(
             }
             for s in specs
         ],
+        **(extra or {}),
     }
     path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+
+
+# ----------------------------------------------------------------------------------------------
+# Several hosts: layout, agents
+# ----------------------------------------------------------------------------------------------
+
+
+_LAYOUT_REQUIRED = (
+    "argument required: --pipeline-depth P (or --calibration FILE --global-batch-size M for auto-config)"
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """P×D (and, from auto-config, m) chosen for the slots that are available.
+
+    Example::
+
+        >>> resolve_layout(slots=[2, 2, 1], pipeline_depth=2)
+        Layout(pipeline_depth=2, data_parallel=2, micro_batch_size=None, note='')
+    """
+
+    pipeline_depth: int
+    data_parallel: int
+    micro_batch_size: int | None = None
+    """m picked by auto-config (exported to workers as ``VARUNA_MICRO_BATCH_SIZE``), else None."""
+    note: str = ""
+    """How auto-config chose it, for the launcher's log."""
+
+
+def auto_configure(
+    calibration: str,
+    *,
+    gpus: int,
+    global_batch_size: int,
+    host_slots: Sequence[int],
+    gpu_memory_bytes: int | None = None,
+) -> Layout:
+    """The simulator's fastest P×D (and m) for ``gpus`` accelerators (``simulator.autoconfig``).
+
+    The simulator is imported here, not at module load: the launcher must work on hosts where
+    only the runtime is installed, as long as P is given explicitly. ``ValueError`` carries
+    auto-config's reason when nothing fits (e.g. the smallest P that fits in memory exceeds G).
+    """
+    try:
+        from simulator.autoconfig import autoconfigure
+    except ImportError as exc:
+        raise ValueError(
+            f"--calibration needs the simulator (simulator/autoconfig.py), which cannot be imported here"
+            f" ({exc}); give --pipeline-depth P instead"
+        ) from None
+    from varuna.calibration import Calibration
+
+    try:
+        cal = Calibration.load(calibration)
+    except OSError as exc:
+        raise ValueError(f"cannot read calibration {calibration!r}: {exc.strerror or exc}") from None
+    result = autoconfigure(
+        cal,
+        gpus=gpus,
+        global_batch_size=global_batch_size,
+        gpu_memory_bytes=gpu_memory_bytes,
+        host_slots=tuple(host_slots),
+    )
+    best = result.best
+    speed = f", simulated {best.examples_per_s:.3g} examples/s" if best.examples_per_s else ""
+    return Layout(
+        pipeline_depth=best.num_stages,
+        data_parallel=best.num_replicas,
+        micro_batch_size=best.micro_batch_size,
+        note=f"auto-config for G={gpus}: P={best.num_stages} D={best.num_replicas}"
+        f" m={best.micro_batch_size}{speed}",
+    )
+
+
+def resolve_layout(
+    *,
+    slots: Sequence[int],
+    pipeline_depth: int | None = None,
+    data_parallel: int | None = None,
+    calibration: str | None = None,
+    global_batch_size: int | None = None,
+    gpu_memory_bytes: int | None = None,
+) -> Layout:
+    """P×D for the available ``slots`` (one count per host): P and D as given; P given, D the
+    most replicas that fit; or neither, from auto-config on ``calibration``. ``ValueError``
+    says why nothing fits.
+
+    Example::
+
+        >>> resolve_layout(slots=[1, 1], pipeline_depth=4)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: the hosts hold 2 slot(s), fewer than the 4 stages of --pipeline-depth 4; ...
+    """
+    capacity = sum(slots)
+    if pipeline_depth is not None:
+        if pipeline_depth < 1:
+            raise ValueError(f"--pipeline-depth must be >= 1, got {pipeline_depth}")
+        if capacity < pipeline_depth:
+            raise ValueError(
+                f"the hosts hold {capacity} slot(s), fewer than the {pipeline_depth} stages of"
+                f" --pipeline-depth {pipeline_depth}; add hosts or use a smaller --pipeline-depth"
+            )
+        if data_parallel is None:
+            return Layout(pipeline_depth=pipeline_depth, data_parallel=capacity // pipeline_depth)
+        if data_parallel < 1:
+            raise ValueError(f"--data-parallel must be >= 1, got {data_parallel}")
+        if pipeline_depth * data_parallel > capacity:
+            raise ValueError(
+                f"P={pipeline_depth} × D={data_parallel} needs {pipeline_depth * data_parallel} slots but the"
+                f" hosts hold {capacity}; use --data-parallel {capacity // pipeline_depth} or add hosts"
+            )
+        return Layout(pipeline_depth=pipeline_depth, data_parallel=data_parallel)
+    if data_parallel is not None:
+        raise ValueError("--data-parallel needs --pipeline-depth")
+    if calibration is None:
+        raise ValueError(_LAYOUT_REQUIRED)
+    if global_batch_size is None:
+        raise ValueError("--calibration needs --global-batch-size M (the mini-batch size to plan for)")
+    return auto_configure(
+        calibration,
+        gpus=capacity,
+        global_batch_size=global_batch_size,
+        host_slots=slots,
+        gpu_memory_bytes=gpu_memory_bytes,
+    )
+
+
+def select_hosts(entries: Sequence[HostEntry], world_size: int) -> list[HostEntry]:
+    """The first hosts, in order, whose slots hold ``world_size`` workers (Note [Rank layout]).
+
+    Example::
+
+        >>> from varuna.hosts import parse_hosts_arg
+        >>> [e.display for e in select_hosts(parse_hosts_arg("a slots=2,b slots=2,c slots=2"), 3)]
+        ['a', 'b']
+    """
+    used: list[HostEntry] = []
+    capacity = 0
+    for entry in entries:
+        if capacity >= world_size:
+            break
+        used.append(entry)
+        capacity += entry.slots or 0
+    return used
+
+
+def default_pythonpath(environ: Mapping[str, str] | None = None) -> list[str]:
+    """``PYTHONPATH`` for agents and remote workers: the directory holding this ``varuna``
+    package (same path on every host: identical images or a shared file system), then the
+    launcher's own ``PYTHONPATH`` entries made absolute."""
+    environ = os.environ if environ is None else environ
+    root = str(Path(__file__).resolve().parent.parent)
+    extra = [os.path.abspath(p) for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return list(dict.fromkeys([root, *extra]))
+
+
+def launch_on_hosts(
+    config: LaunchConfig,
+    entries: Sequence[HostEntry],
+    *,
+    ssh: SshOptions | None = None,
+    job_id: str | None = None,
+    unreachable: Sequence[tuple[HostEntry, str]] = (),
+    pythonpath: Sequence[str] | None = None,
+    heartbeat_timeout_s: float | None = None,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+) -> int:
+    """Run the job on ``entries`` (:class:`varuna.hosts.HostEntry`, slots assigned) through one
+    agent per host; return the launcher's exit code. The hosts must hold ``config.world_size``
+    workers; the caller has probed them (:func:`varuna.hosts.probe_hosts`).
+
+    Signals are handled as in :func:`launch` (called from the main thread), including while the
+    agents start. Every exit path closes every agent: each kills what is left of its workers.
+    """
+    from varuna.hosts import AgentError, AgentHost, new_job_id, record_of
+
+    stderr = stderr if stderr is not None else sys.stderr
+    out_lock = threading.Lock()
+
+    def message(text: str) -> None:
+        with out_lock, contextlib.suppress(OSError, ValueError):
+            stderr.write(f"{PROG}: {text}\n")
+            stderr.flush()
+
+    if not entries:
+        raise ValueError("no hosts to run workers on")
+    if any(e.is_local for e in entries):
+        check_local_script(config)
+    job_id = job_id or new_job_id()
+    hosts = [
+        AgentHost(
+            entry,
+            host_id,
+            job_id=job_id,
+            ssh=ssh,
+            python=config.python,
+            pythonpath=default_pythonpath() if pythonpath is None else pythonpath,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            message=message,
+        )
+        for host_id, entry in enumerate(entries)
+    ]
+    # Until the supervisor exists, signals are only queued; then they are handed to it.
+    pending: collections.deque[int] = collections.deque()
+    sink: list[Callable[[int], None]] = [pending.append]
+    previous: dict[int, object] = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in _FORWARDED_SIGNALS:
+            previous[signum] = signal.signal(signum, lambda s, _frame: sink[0](s))
+    supervisor: Supervisor | None = None
+    try:
+        # All forks first, then threads (Note [No orphans]: preexec_fn with other threads).
+        for host in hosts:
+            host.start_process()
+        for host in hosts:
+            host.start_threads()
+
+        def stop_requested() -> bool:
+            return any(s in _FORWARDED_SIGNALS for s in pending)
+
+        for host in hosts:
+            if not host.wait_ready(abort=stop_requested):
+                break
+        if stop_requested():
+            # No worker runs yet, so there is nothing to forward to or to checkpoint. SIGUSR1
+            # ("stop so the job can be resumed") is then a clean stop: the relaunch resumes from
+            # the checkpoint the previous run left.
+            signum = pending[0]
+            message(f"received {signal.Signals(signum).name} while starting the agents; stopping")
+            return EXIT_OK if signum == signal.SIGUSR1 else 128 + signum
+        port = config.master_port or hosts[0].free_port
+        assert port is not None  # set by wait_ready
+        specs = plan_workers(config, hosts, master_port=port, cwd=os.getcwd())
+        supervisor = Supervisor(
+            specs,
+            hosts,
+            stop_timeout_s=config.stop_timeout_s,
+            stdout=stdout,
+            stderr=stderr,
+            log_dir=config.log_dir,
+            out_lock=out_lock,
+        )
+        sink[0] = supervisor.notify_signal
+        while pending:
+            supervisor.notify_signal(pending.popleft())
+        supervisor.start()
+        if config.log_dir is not None:
+            extra = {"job_id": job_id, **record_of(hosts, unreachable)}
+            _write_launch_json(config, specs, supervisor, Path(config.log_dir) / "launch.json", extra)
+        return supervisor.wait()
+    except AgentError as exc:
+        message(f"job failed: {exc}")
+        return EXIT_WORKER_FAILED
+    finally:
+        try:
+            if supervisor is not None:
+                supervisor.close()
+        finally:
+            try:
+                for host in hosts:
+                    host.close()
+            finally:
+                for signum, handler in previous.items():
+                    signal.signal(signum, handler if handler is not None else signal.SIG_DFL)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -842,15 +1169,51 @@ class _OneLineParser(argparse.ArgumentParser):
 def _build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(
         prog=PROG,
-        description="Start P×D pipeline/data-parallel workers on this machine and supervise them.",
+        description="Start P×D pipeline/data-parallel workers on this machine (--procs) or on several hosts"
+        " through per-host agents (--hosts), and supervise them.",
         epilog="Workers get MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and "
         "VARUNA_* variables (rank = replica * P + stage); see docs/launch.md. Exit codes: 0 ok, "
-        "1 a worker failed, 2 bad usage, 128+N stopped by signal N.",
+        "1 a worker failed or the job could not start, 2 bad usage, 128+N stopped by signal N.",
     )
-    parser.add_argument("--procs", type=int, required=True, metavar="N", help="number of workers, P×D")
-    parser.add_argument("--pipeline-depth", type=int, required=True, metavar="P", help="pipeline stages")
+    where = parser.add_argument_group("where the workers run (one of)")
+    where.add_argument("--procs", type=int, default=None, metavar="N", help="N workers on this machine")
+    where.add_argument(
+        "--hosts",
+        default=None,
+        metavar="FILE|H1,H2,...",
+        help="host file or comma-separated list of [user@]host[:port] [slots=N]; a plain 'localhost' is a"
+        " pretend host on this machine (no ssh)",
+    )
+    where.add_argument(
+        "--procs-per-host", type=int, default=None, metavar="K", help="slots of hosts without slots=N"
+    )
+    layout = parser.add_argument_group("layout (P×D given, or chosen by the simulator's auto-config)")
+    layout.add_argument("--pipeline-depth", type=int, default=None, metavar="P", help="pipeline stages")
+    layout.add_argument(
+        "--data-parallel",
+        type=int,
+        default=None,
+        metavar="D",
+        help="replicas per stage (default: N // P, or as many as the hosts' slots hold)",
+    )
+    layout.add_argument(
+        "--calibration", default=None, metavar="FILE", help="calibration JSON: pick P×D with auto-config"
+    )
+    layout.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        metavar="M",
+        help="mini-batch size auto-config plans for",
+    )
+    layout.add_argument(
+        "--gpu-memory-gib", type=float, default=None, metavar="GIB", help="accelerator memory for auto-config"
+    )
     parser.add_argument(
-        "--data-parallel", type=int, default=None, metavar="D", help="replicas per stage (default N // P)"
+        "--master-addr",
+        default=None,
+        metavar="ADDR",
+        help="rendezvous address (default: the first host's address)",
     )
     parser.add_argument(
         "--master-port", type=int, default=None, metavar="PORT", help="rendezvous port (default: a free one)"
@@ -864,6 +1227,47 @@ def _build_parser() -> argparse.ArgumentParser:
         default=10.0,
         metavar="S",
         help="seconds between SIGTERM and SIGKILL when stopping workers (default 10)",
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        metavar="DIR",
+        help="checkpoint directory (VARUNA_CHECKPOINT_DIR for every worker): SIGUSR1/SIGTERM save there,"
+        " a relaunch resumes from it",
+    )
+    parser.add_argument(
+        "--resume",
+        default=None,
+        choices=("auto", "1", "0"),
+        help="VARUNA_RESUME for every worker: auto resumes from the newest complete checkpoint if there"
+        " is one (the default with --checkpoint-dir, so the same command resumes), 1 requires one, 0 starts"
+        " afresh",
+    )
+    parser.add_argument(
+        "--manager", default=None, metavar="HOST:PORT", help="manager daemon address (VARUNA_MANAGER)"
+    )
+    remote = parser.add_argument_group("ssh hosts")
+    remote.add_argument(
+        "--ssh-key",
+        default=None,
+        metavar="FILE",
+        help="private key (default $VARUNA_SSH_KEY, else ssh's own)",
+    )
+    remote.add_argument(
+        "--ssh-known-hosts",
+        default=None,
+        metavar="FILE",
+        help="known_hosts file to use (default $VARUNA_SSH_KNOWN_HOSTS, else ~/.ssh/known_hosts)",
+    )
+    remote.add_argument(
+        "--ssh-connect-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="ssh ConnectTimeout and reachability probe bound (default 10)",
+    )
+    remote.add_argument(
+        "--job-id", default=None, metavar="ID", help="names the agents' command lines (default: random)"
     )
     parser.add_argument(
         "-m", "--module", action="store_true", help="SCRIPT is a module: run python -m SCRIPT"
@@ -880,6 +1284,33 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_MANAGER_RE = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}$")
+
+
+def _usage_error(text: str) -> int:
+    print(f"{PROG}: error: {text}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _worker_env_from_args(args: argparse.Namespace) -> dict[str, str]:
+    env: dict[str, str] = {}
+    if args.checkpoint_dir is not None:
+        # Absolute: workers on other hosts (and in other working directories) resolve it alike.
+        env["VARUNA_CHECKPOINT_DIR"] = os.path.abspath(args.checkpoint_dir)
+        if args.resume is None and "VARUNA_RESUME" not in os.environ:
+            # Relaunching the command that was stopped (SIGUSR1/SIGTERM) continues the job.
+            env["VARUNA_RESUME"] = "auto"
+    if args.resume is not None:
+        if args.checkpoint_dir is None and "VARUNA_CHECKPOINT_DIR" not in os.environ:
+            raise ValueError("--resume needs --checkpoint-dir DIR (or $VARUNA_CHECKPOINT_DIR)")
+        env["VARUNA_RESUME"] = args.resume
+    if args.manager is not None:
+        if not _MANAGER_RE.match(args.manager) or not 0 < int(args.manager.rsplit(":", 1)[1]) < 65536:
+            raise ValueError(f"--manager {args.manager!r} is not HOST:PORT")
+        env["VARUNA_MANAGER"] = args.manager
+    return env
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point of ``varuna-launch``; returns the exit code.
 
@@ -894,28 +1325,136 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error (2, message already printed)
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    if args.procs is not None and args.hosts is not None:
+        return _usage_error("give --procs N (this machine) or --hosts (several hosts), not both")
+    if args.procs is None and args.hosts is None:
+        return _usage_error("argument required: --procs N (this machine) or --hosts FILE|H1,H2,...")
+    if args.procs_per_host is not None and args.hosts is None:
+        return _usage_error("--procs-per-host needs --hosts")
+    if args.pipeline_depth is None and args.calibration is None:
+        return _usage_error(_LAYOUT_REQUIRED)
     if args.script is None:
-        print(
-            f"{PROG}: error: no SCRIPT given; pass the training script (or -m MODULE) to run", file=sys.stderr
-        )
-        return EXIT_USAGE
+        return _usage_error("no SCRIPT given; pass the training script (or -m MODULE) to run")
+    gpu_memory_bytes = None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * 2**30)
     try:
-        data_parallel = resolve_data_parallel(args.procs, args.pipeline_depth, args.data_parallel)
+        worker_env = _worker_env_from_args(args)
+        # Validate every option before anything runs (one worker of one stage stands in for P×D).
         config = LaunchConfig(
             script=args.script,
             script_args=tuple(args.script_args),
             module=args.module,
-            pipeline_depth=args.pipeline_depth,
-            data_parallel=data_parallel,
+            pipeline_depth=1,
+            data_parallel=1,
+            master_addr=args.master_addr,
             master_port=args.master_port,
             log_dir=args.log_dir,
             stop_timeout_s=args.stop_timeout,
+            worker_env=worker_env,
         )
-        check_local_script(config)
+        if args.procs is not None:
+            if args.pipeline_depth is not None:
+                data_parallel = resolve_data_parallel(args.procs, args.pipeline_depth, args.data_parallel)
+                layout = Layout(pipeline_depth=args.pipeline_depth, data_parallel=data_parallel)
+            else:
+                if args.procs < 1:
+                    raise ValueError(f"--procs must be >= 1, got {args.procs}")
+                layout = resolve_layout(
+                    slots=[args.procs],
+                    data_parallel=args.data_parallel,
+                    calibration=args.calibration,
+                    global_batch_size=args.global_batch_size,
+                    gpu_memory_bytes=gpu_memory_bytes,
+                )
+            check_local_script(config)
+            return launch(_with_layout(config, layout))
+        return _main_hosts(args, config, gpu_memory_bytes)
     except ValueError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    return launch(config)
+        return _usage_error(str(exc))
+
+
+def _with_layout(config: LaunchConfig, layout: Layout) -> LaunchConfig:
+    if layout.note:
+        print(f"{PROG}: {layout.note}", file=sys.stderr, flush=True)
+    worker_env = dict(config.worker_env)
+    if layout.micro_batch_size is not None:
+        worker_env["VARUNA_MICRO_BATCH_SIZE"] = str(layout.micro_batch_size)
+    return dataclasses.replace(
+        config,
+        pipeline_depth=layout.pipeline_depth,
+        data_parallel=layout.data_parallel,
+        worker_env=worker_env,
+    )
+
+
+def _main_hosts(args: argparse.Namespace, config: LaunchConfig, gpu_memory_bytes: int | None) -> int:
+    """``--hosts``: validate, probe, choose P×D for what answered, start agents. Usage errors
+    raise ``ValueError`` (exit 2); a job that cannot be placed exits 1."""
+    from varuna.hosts import SshOptions, assign_slots, parse_hosts_arg, probe_hosts
+
+    entries = assign_slots(parse_hosts_arg(args.hosts), args.procs_per_host)
+    ssh = SshOptions(
+        key_file=args.ssh_key or os.environ.get("VARUNA_SSH_KEY") or None,
+        known_hosts_file=args.ssh_known_hosts or os.environ.get("VARUNA_SSH_KNOWN_HOSTS") or None,
+        connect_timeout_s=args.ssh_connect_timeout,
+    )
+    if args.job_id is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", args.job_id):
+        raise ValueError(f"--job-id {args.job_id!r} may only use letters, digits, '_', '.', '-' (1..64)")
+    if any(e.is_local for e in entries):
+        check_local_script(config)
+
+    reachable, unreachable = probe_hosts(entries, ssh)
+    for entry, why in unreachable:
+        print(
+            f"{PROG}: host {entry.display} ({entry.origin}) is unreachable, leaving it out: {why}",
+            file=sys.stderr,
+        )
+    left_out = f" ({len(unreachable)} of {len(entries)} host(s) unreachable)" if unreachable else ""
+    if not reachable:
+        print(f"{PROG}: cannot launch: no host is reachable{left_out}", file=sys.stderr)
+        return EXIT_WORKER_FAILED
+    try:
+        layout = resolve_layout(
+            slots=[e.slots or 0 for e in reachable],
+            pipeline_depth=args.pipeline_depth,
+            data_parallel=args.data_parallel,
+            calibration=args.calibration,
+            global_batch_size=args.global_batch_size,
+            gpu_memory_bytes=gpu_memory_bytes,
+        )
+    except ValueError as exc:
+        print(f"{PROG}: cannot launch: {exc}{left_out}", file=sys.stderr)
+        return EXIT_WORKER_FAILED
+    config = _with_layout(config, layout)
+    used = select_hosts(reachable, config.world_size)
+    if config.master_addr is None and used[0].is_local:
+        remote = [e for e in used if not e.is_local and not _is_loopback(e.host)]
+        if remote:
+            print(
+                f"{PROG}: cannot launch: host 0 is the pretend host 'localhost', whose address 127.0.0.1"
+                f" {remote[0].display} cannot reach; list a real host first or pass --master-addr",
+                file=sys.stderr,
+            )
+            return EXIT_WORKER_FAILED
+    counts, left = [], config.world_size
+    for entry in used:  # contiguous rank ranges, as plan_workers assigns them
+        counts.append(min(entry.slots or 0, left))
+        left -= counts[-1]
+    print(
+        f"{PROG}: P={config.pipeline_depth} × D={config.data_parallel} on {len(used)} host(s): "
+        + ", ".join(f"{e.display} ({n} worker{'s' if n > 1 else ''})" for e, n in zip(used, counts)),
+        file=sys.stderr,
+        flush=True,
+    )
+    return launch_on_hosts(config, used, ssh=ssh, job_id=args.job_id, unreachable=unreachable)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 if __name__ == "__main__":

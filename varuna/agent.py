@@ -1,0 +1,362 @@
+"""``python -m varuna.agent``: the per-host agent that runs one host's workers for the launcher.
+
+The launcher starts one agent per host, over ssh (``ssh HOST exec env PYTHONPATH=... python -m
+varuna.agent ...``) or, for a pretend ``localhost`` host, as a local process. The agent talks to
+the launcher over its own stdin/stdout (the ssh channel), one JSON object per line
+(Note [Agent protocol]); its stderr carries its own diagnostics, which the launcher relays.
+
+The agent starts workers exactly as the single-machine launcher does (``LocalHost.spawn``: own
+session, parent-death signal, group kill on exit; Note [No orphans] in :mod:`varuna.launch`), so
+killing the agent by any means takes its workers with it.
+
+Note [Agent protocol] (version :data:`PROTOCOL_VERSION`). Agent → launcher:
+
+- ``{"type": "ready", "protocol": 1, "pid": P, "hostname": H, "free_port": N}`` once, first
+  (``free_port``: a port free on this host, used as MASTER_PORT when this is host 0);
+- ``{"type": "spawned", "started": [{"rank": r, "pid": p}, ...], "failed": null | {"rank": r,
+  "error": "..."}}`` answers a spawn request (after a failure the rest are not started);
+- ``{"type": "out", "rank": r, "stream": "stdout"|"stderr", "line": "...\\n"}`` per output line;
+- ``{"type": "exit", "rank": r, "code": c}`` after the worker's last output line (``c < 0``:
+  killed by signal ``-c``; its leftover processes are already killed);
+- ``{"type": "message", "text": "..."}`` agent diagnostics; ``{"type": "bye"}`` last.
+
+Launcher → agent:
+
+- ``{"type": "spawn", "workers": [{"rank": r, "argv": [...], "env": {...}, "cwd": "..."}]}``;
+  ``env`` is added to the agent's environment (ssh forwards none of the launcher's);
+- ``{"type": "signal", "rank": r, "signal": "SIGTERM"}`` (``rank`` null: every worker);
+- ``{"type": "ping"}`` (every few seconds), ``{"type": "shutdown"}``.
+
+Launcher gone: EOF on stdin, a broken stdout, or no line for ``--heartbeat-timeout`` seconds (a
+network partition keeps a TCP connection open for hours) all mean the launcher is gone; the
+agent then SIGKILLs every worker group, reaps them and exits. SIGTERM/SIGINT/SIGHUP to the agent
+do the same; SIGUSR1 to the agent is forwarded to every worker (a local "checkpoint and stop").
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from typing import IO, Any
+
+__all__ = ["PROTOCOL_VERSION", "HEARTBEAT_TIMEOUT_S", "Agent", "decode_message", "encode_message", "main"]
+
+PROTOCOL_VERSION = 1
+#: Default for ``--heartbeat-timeout``: the launcher pings every 5 s, so this tolerates long
+#: stalls (a loaded launcher VM) while still ending orphaned jobs within a minute.
+HEARTBEAT_TIMEOUT_S = 60.0
+#: Longest request line accepted; a spawn request of a few workers is a few KiB.
+MAX_LINE_BYTES = 16 << 20
+#: How long the exit report of a worker waits for its last output lines (its pipes are closed
+#: once its group is killed, unless a process escaped the group with setsid).
+OUTPUT_DRAIN_TIMEOUT_S = 5.0
+
+_ALLOWED_SIGNALS = frozenset({"SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGKILL", "SIGCONT"})
+
+
+def encode_message(message: Mapping[str, Any]) -> bytes:
+    """One protocol line (ASCII JSON, so no byte of it can be a newline inside a string).
+
+    Example::
+
+        >>> encode_message({"type": "ping"})
+        b'{"type":"ping"}\\n'
+    """
+    return json.dumps(message, separators=(",", ":"), ensure_ascii=True).encode("ascii") + b"\n"
+
+
+def decode_message(raw: bytes) -> dict[str, Any]:
+    """Parse one protocol line; ``ValueError`` if it is not a JSON object with a ``type``.
+
+    Example::
+
+        >>> decode_message(b'{"type":"ping"}\\n')
+        {'type': 'ping'}
+    """
+    try:
+        msg = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not a protocol line: {raw[:80]!r}") from exc
+    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+        raise ValueError(f"not a protocol message: {raw[:80]!r}")
+    return msg
+
+
+class Agent:
+    """The agent's state and main loop; see the module docstring. Run :meth:`run` in the main
+    thread: workers get a parent-death signal tied to the thread that forks them."""
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        host_id: int,
+        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+        stdin_fd: int = 0,
+        stdout: IO[bytes] | None = None,
+    ) -> None:
+        self.job_id = job_id
+        self.host_id = host_id
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._stdin_fd = stdin_fd
+        self._out = stdout if stdout is not None else sys.stdout.buffer
+        self._out_lock = threading.Lock()
+        self._workers: dict[int, Any] = {}  # rank -> varuna.launch.LocalWorker
+        self._readers: dict[int, list[threading.Thread]] = {}
+        self._exited: dict[int, tuple[int, float]] = {}  # rank -> (code, report deadline)
+        self._reported: set[int] = set()
+        self._stopping: str | None = None  # why every worker is being killed
+        self._launcher_gone = False
+        self._pending_signals: list[int] = []
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+
+    # -- output to the launcher ----------------------------------------------------------------
+
+    def emit(self, message: Mapping[str, Any]) -> None:
+        """Send one line to the launcher; a broken channel means the launcher is gone."""
+        data = encode_message(message)
+        with self._out_lock:
+            if self._launcher_gone:
+                return
+            try:
+                self._out.write(data)
+                self._out.flush()
+            except (OSError, ValueError):
+                self._launcher_gone = True
+                self._wake()
+
+    def _say(self, text: str) -> None:
+        print(f"varuna-agent[{self.host_id}]: {text}", file=sys.stderr, flush=True)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"\0")
+
+    def notify_signal(self, signum: int) -> None:
+        """Signal handler body: queue and wake the loop (no locks in a handler)."""
+        self._pending_signals.append(signum)
+        self._wake()
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        kind = msg["type"]
+        if kind == "spawn":
+            self._spawn(msg.get("workers", []))
+        elif kind == "signal":
+            name = str(msg.get("signal"))
+            if name not in _ALLOWED_SIGNALS:
+                self.emit({"type": "message", "text": f"ignoring request for signal {name!r}"})
+                return
+            rank = msg.get("rank")
+            targets = (
+                self._running() if rank is None else [w for w in self._running() if w.spec.env.rank == rank]
+            )
+            for worker in targets:
+                worker.send_signal(getattr(signal, name))
+        elif kind == "shutdown":
+            self._begin_stop("the launcher asked to shut down")
+        # "ping" (and unknown types from a newer launcher) only count as a sign of life.
+
+    def _spawn(self, requests: list[dict[str, Any]]) -> None:
+        from varuna.env import WorkerEnv
+        from varuna.launch import LocalHost, WorkerSpec
+
+        started: list[dict[str, int]] = []
+        failed: dict[str, Any] | None = None
+        new: list[Any] = []
+        if self._stopping is not None:
+            failed = {
+                "rank": requests[0]["rank"] if requests else -1,
+                "error": f"agent is stopping ({self._stopping})",
+            }
+        for request in requests if failed is None else ():
+            rank = int(request["rank"])
+            try:
+                env_vars = {str(k): str(v) for k, v in dict(request["env"]).items()}
+                # Line-buffered output, so lines arrive as printed (the local launcher's default).
+                env_vars.setdefault("PYTHONUNBUFFERED", "1")
+                spec = WorkerSpec(
+                    env=WorkerEnv.from_env(env_vars),
+                    argv=tuple(str(a) for a in request["argv"]),
+                    set_vars=env_vars,
+                    cwd=request.get("cwd"),
+                )
+                worker = LocalHost(slots=1).spawn(spec)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                failed = {"rank": rank, "error": f"{type(exc).__name__}: {exc}"}
+                break
+            self._workers[rank] = worker
+            new.append(worker)
+            started.append({"rank": rank, "pid": worker.pid})
+        self.emit({"type": "spawned", "started": started, "failed": failed})
+        # Output threads only after the whole batch is forked: a fork while another thread of
+        # ours holds a lock could deadlock the child before exec (Note [No orphans]).
+        for worker in new:
+            rank = worker.spec.env.rank
+            self._readers[rank] = [
+                threading.Thread(
+                    target=self._relay,
+                    args=(rank, stream, name),
+                    name=f"agent-relay-{rank}-{name}",
+                    daemon=True,
+                )
+                for stream, name in zip(worker.output_streams, ("stdout", "stderr"))
+            ]
+            for thread in self._readers[rank]:
+                thread.start()
+
+    def _relay(self, rank: int, stream: IO[bytes], name: str) -> None:
+        try:
+            for raw in iter(stream.readline, b""):
+                text = raw.decode("utf-8", errors="replace")
+                if not text.endswith("\n"):
+                    text += "\n"
+                self.emit({"type": "out", "rank": rank, "stream": name, "line": text})
+        except (OSError, ValueError):
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                stream.close()
+
+    # -- supervision ---------------------------------------------------------------------------
+
+    def _running(self) -> list[Any]:
+        return [w for r, w in self._workers.items() if r not in self._exited]
+
+    def _begin_stop(self, why: str) -> None:
+        if self._stopping is None:
+            self._stopping = why
+            running = self._running()
+            if running:
+                self._say(f"{why}; killing {len(running)} worker(s)")
+        for worker in self._running():
+            worker.send_signal(signal.SIGKILL)
+
+    def _poll_workers(self) -> None:
+        now = time.monotonic()
+        for rank, worker in list(self._workers.items()):
+            if rank not in self._exited:
+                code = worker.poll()  # on exit: leftovers of its group are killed, then it is reaped
+                if code is not None:
+                    self._exited[rank] = (code, now + OUTPUT_DRAIN_TIMEOUT_S)
+        for rank, (code, deadline) in self._exited.items():
+            if rank in self._reported:
+                continue
+            if any(t.is_alive() for t in self._readers.get(rank, ())) and now < deadline:
+                continue  # its last lines are still on their way; report the exit after them
+            self._reported.add(rank)
+            self.emit({"type": "exit", "rank": rank, "code": code})
+
+    def _on_signal(self, signum: int) -> None:
+        if signum == signal.SIGUSR1:
+            for worker in self._running():
+                worker.send_signal(signum)
+        else:
+            self._begin_stop(f"received {signal.Signals(signum).name}")
+
+    def run(self) -> int:
+        """Serve until shut down or the launcher is gone; 0 after a shutdown request, else 1."""
+        self.emit(
+            {
+                "type": "ready",
+                "protocol": PROTOCOL_VERSION,
+                "pid": os.getpid(),
+                "hostname": socket.gethostname(),
+                "free_port": _free_port(),
+                "job_id": self.job_id,
+            }
+        )
+        buffer = b""
+        last_heard = time.monotonic()
+        stdin_open = True
+        stop_deadline: float | None = None
+        while True:
+            while self._pending_signals:
+                self._on_signal(self._pending_signals.pop(0))
+            if self._launcher_gone:
+                self._begin_stop("the launcher is gone (its channel broke)")
+            fds = [self._wake_r] + ([self._stdin_fd] if stdin_open else [])
+            with contextlib.suppress(InterruptedError):
+                readable, _, _ = select.select(fds, [], [], 0.05)
+                if self._wake_r in readable:
+                    with contextlib.suppress(BlockingIOError, OSError):
+                        os.read(self._wake_r, 4096)
+                if stdin_open and self._stdin_fd in readable:
+                    chunk = os.read(self._stdin_fd, 65536)
+                    if not chunk:
+                        stdin_open = False
+                        self._begin_stop("the launcher is gone (EOF on stdin)")
+                    else:
+                        last_heard = time.monotonic()
+                        buffer += chunk
+                        *lines, buffer = buffer.split(b"\n")
+                        for line in lines:
+                            try:
+                                self._handle(decode_message(line))
+                            except (ValueError, KeyError, TypeError) as exc:
+                                self.emit({"type": "message", "text": f"bad request ignored: {exc}"})
+                        if len(buffer) > MAX_LINE_BYTES:
+                            buffer = b""
+                            self.emit({"type": "message", "text": "oversized request dropped"})
+            if (
+                self._heartbeat_timeout_s > 0
+                and self._stopping is None
+                and time.monotonic() - last_heard > self._heartbeat_timeout_s
+            ):
+                self._begin_stop(f"no word from the launcher for {self._heartbeat_timeout_s:g} s")
+            self._poll_workers()
+            if self._stopping is not None:
+                if stop_deadline is None:
+                    stop_deadline = time.monotonic() + 2 * OUTPUT_DRAIN_TIMEOUT_S
+                self._begin_stop(self._stopping)  # also workers started since (none, normally)
+                if len(self._reported) == len(self._workers) or time.monotonic() > stop_deadline:
+                    break
+        unreaped = [r for r in self._workers if r not in self._exited]
+        if unreaped:
+            self._say(f"rank(s) {unreaped} could not be reaped (stuck in the kernel?)")
+        self.emit({"type": "bye"})
+        return 0 if self._stopping == "the launcher asked to shut down" else 1
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m varuna.agent`` (started by ``varuna-launch``, not by hand)."""
+    parser = argparse.ArgumentParser(
+        prog="varuna-agent", description="Per-host agent of varuna-launch; speaks JSON lines on stdin/stdout."
+    )
+    parser.add_argument("--job-id", required=True, help="the launcher's job id (for process listings)")
+    parser.add_argument("--host-id", type=int, required=True, help="index of this host in the job")
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=HEARTBEAT_TIMEOUT_S,
+        metavar="S",
+        help=f"stop the workers after S seconds without a line from the launcher (default"
+        f" {HEARTBEAT_TIMEOUT_S:g}; 0 disables)",
+    )
+    args = parser.parse_args(argv)
+    agent = Agent(job_id=args.job_id, host_id=args.host_id, heartbeat_timeout_s=args.heartbeat_timeout)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+        signal.signal(signum, lambda s, _frame: agent.notify_signal(s))
+    return agent.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
