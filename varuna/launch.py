@@ -904,13 +904,15 @@ class Layout:
     Example::
 
         >>> resolve_layout(slots=[2, 2, 1], pipeline_depth=2)
-        Layout(pipeline_depth=2, data_parallel=2, micro_batch_size=None, note='')
+        Layout(pipeline_depth=2, data_parallel=2, micro_batch_size=None, stage_ranges=None, note='')
     """
 
     pipeline_depth: int
     data_parallel: int
     micro_batch_size: int | None = None
     """m picked by auto-config (exported to workers as ``VARUNA_MICRO_BATCH_SIZE``), else None."""
+    stage_ranges: tuple[tuple[int, int], ...] | None = None
+    """Segment→stage map auto-config simulated (exported as ``VARUNA_STAGE_RANGES``), else None."""
     note: str = ""
     """How auto-config chose it, for the launcher's log."""
 
@@ -955,6 +957,7 @@ def auto_configure(
         pipeline_depth=best.num_stages,
         data_parallel=best.num_replicas,
         micro_batch_size=best.micro_batch_size,
+        stage_ranges=tuple(tuple(r) for r in best.stage_segments),
         note=f"auto-config for G={gpus}: P={best.num_stages} D={best.num_replicas}"
         f" m={best.micro_batch_size}{speed}",
     )
@@ -1378,6 +1381,8 @@ def _with_layout(config: LaunchConfig, layout: Layout) -> LaunchConfig:
     worker_env = dict(config.worker_env)
     if layout.micro_batch_size is not None:
         worker_env["VARUNA_MICRO_BATCH_SIZE"] = str(layout.micro_batch_size)
+    if layout.stage_ranges is not None:
+        worker_env["VARUNA_STAGE_RANGES"] = ",".join(f"{a}-{b}" for a, b in layout.stage_ranges)
     return dataclasses.replace(
         config,
         pipeline_depth=layout.pipeline_depth,

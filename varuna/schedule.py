@@ -202,111 +202,126 @@ def _varuna(num_stages: int, num_microbatches: int) -> tuple[tuple[Task, ...], .
         return (tuple(t for i in range(num_microbatches) for t in (Task(FORWARD, i), Task(BACKWARD, i))),)
     inf = math.inf
     est = [[inf] * num_microbatches for _ in range(num_stages)]
-    seen: list[tuple[tuple[Task, ...], ...]] = []
+    seen: list[tuple[tuple[int, ...], ...]] = []
+    orders: tuple[tuple[int, ...], ...] = ()
     for _ in range(64):
         orders, arrivals = _varuna_pass(num_stages, num_microbatches, est)
         if orders in seen:
             # Fixed point (or a short cycle, which we break deterministically by taking the
             # first order of the cycle that was found).
-            return orders
+            break
         seen.append(orders)
         est = arrivals
-    return seen[-1]
+    else:
+        orders = seen[-1]
+    # Passes work on integer task codes (3·i + op); one Task object per code, shared by stages.
+    table = [Task(op, i) for i in range(num_microbatches) for op in (FORWARD, RECOMPUTE, BACKWARD)]
+    return tuple(tuple(table[c] for c in o) for o in orders)
 
 
 def _varuna_pass(P: int, N: int, est: list[list[float]]):
-    """One event-driven pass with unit costs; returns (orders, observed gradient arrivals)."""
+    """One event-driven pass with unit costs; returns (orders, observed gradient arrivals).
+
+    Orders are tuples of task codes 3·i + {F: 0, R: 1, B: 2}. The decision rules are those of
+    Note [Varuna schedule], inlined in the loop because the varuna lists of a large pipeline
+    (P=36, Nm=228: 25k tasks, two passes) are built on the simulator's critical path.
+    """
     inf = math.inf
+    unit_f, unit_r, unit_b = _UNIT_F, _UNIT_R, _UNIT_B
     act_arrival = [[inf] * N for _ in range(P)]  # when F_i's input is available on stage k
     grad_arrival = [[inf] * N for _ in range(P)]  # when B_i's gradient is available on stage k
     for i in range(N):
         act_arrival[0][i] = 0
-    orders: list[list[Task]] = [[] for _ in range(P)]
+    orders: list[list[int]] = [[] for _ in range(P)]
     next_f = [0] * P
     next_r = [0] * P  # next micro-batch to recompute (increasing order)
-    pending_b = [None] * P  # rule (2): micro-batch recomputed and awaiting its backward
-    last_fwd_done = [None] * P  # last stage: F_i done, B_i due
+    pending_b: list[int | None] = [None] * P  # rule (2): micro-batch recomputed and awaiting its backward
+    last_fwd_done: list[int | None] = [None] * P  # last stage: F_i done, B_i due
     done_b = [0] * P
     heap = [(0, k) for k in range(P)]
     heapq.heapify(heap)
+    push, pop = heapq.heappush, heapq.heappop
     wake_at = [0.0] * P
+    last = P - 1
     while heap:
-        t, k = heapq.heappop(heap)
+        t, k = pop(heap)
         if t < wake_at[k] or done_b[k] == N:
             continue
-        task, dur, wait_until = _varuna_decide(k, P, N, t, est, act_arrival, grad_arrival,
-                                               next_f, next_r, pending_b, last_fwd_done)
-        if task is None:
-            if wait_until < inf:
-                wake_at[k] = wait_until
-                heapq.heappush(heap, (wait_until, k))
+        # -- decide: op (0 F, 1 R, 2 B) on micro-batch i, or wait until `wait` --------------
+        op = -1
+        wait = inf
+        if k == last:
+            i = last_fwd_done[k]
+            if i is not None:
+                op = 2
+            else:
+                f = next_f[k]
+                if f < N:
+                    if act_arrival[k][f] <= t:
+                        op, i = 0, f
+                    else:
+                        wait = act_arrival[k][f]
+        elif pending_b[k] is not None:  # rule (2)
+            i = pending_b[k]
+            if grad_arrival[k][i] <= t:
+                op = 2
+            else:
+                wait = grad_arrival[k][i]
+        else:
+            nf = next_f[k]
+            f = nf if nf < N else -1
+            f_ready = f >= 0 and act_arrival[k][f] <= t
+            j = next_r[k] if next_r[k] < nf else -1
+            if j >= 0:
+                g = grad_arrival[k][j]
+                arrival = g if g < inf else est[k][j]
+            if f_ready and (j < 0 or t + unit_f + unit_r <= arrival):
+                op, i = 0, f
+            elif j >= 0:
+                if g <= t or t + unit_r >= arrival:
+                    op, i = 1, j
+                else:
+                    wait = arrival - unit_r
+                    if f >= 0 and not f_ready:
+                        wait = min(wait, act_arrival[k][f])
+            elif f >= 0:
+                wait = act_arrival[k][f]
+        if op < 0:
+            if wait < inf:
+                wake_at[k] = wait
+                push(heap, (wait, k))
             else:
                 wake_at[k] = inf  # woken by an arrival below
             continue
-        orders[k].append(task)
-        end = t + dur
-        i = task.microbatch
-        if task.op == FORWARD:
+        # -- run it -----------------------------------------------------------------------
+        orders[k].append(3 * i + op)
+        if op == 0:
+            end = t + unit_f
             next_f[k] += 1
-            if k == P - 1:
+            if k == last:
                 last_fwd_done[k] = i
             else:
                 act_arrival[k + 1][i] = end
-                _wake(heap, wake_at, k + 1, end)
-        elif task.op == RECOMPUTE:
+                if wake_at[k + 1] > end:
+                    wake_at[k + 1] = end
+                    push(heap, (end, k + 1))
+        elif op == 1:
+            end = t + unit_r
             next_r[k] += 1
             pending_b[k] = i
         else:
+            end = t + unit_b
             done_b[k] += 1
             pending_b[k] = None
             last_fwd_done[k] = None
             if k > 0:
                 grad_arrival[k - 1][i] = end
-                _wake(heap, wake_at, k - 1, end)
+                if wake_at[k - 1] > end:
+                    wake_at[k - 1] = end
+                    push(heap, (end, k - 1))
         wake_at[k] = end
-        heapq.heappush(heap, (end, k))
+        push(heap, (end, k))
     return tuple(tuple(o) for o in orders), grad_arrival
-
-
-def _wake(heap, wake_at, k, t) -> None:
-    if wake_at[k] > t:
-        wake_at[k] = t
-        heapq.heappush(heap, (t, k))
-
-
-def _varuna_decide(k, P, N, t, est, act_arrival, grad_arrival, next_f, next_r, pending_b, last_fwd_done):
-    inf = math.inf
-    if k == P - 1:
-        if last_fwd_done[k] is not None:
-            return Task(BACKWARD, last_fwd_done[k]), _UNIT_B, inf
-        f = next_f[k]
-        if f < N:
-            if act_arrival[k][f] <= t:
-                return Task(FORWARD, f), _UNIT_F, inf
-            return None, 0, act_arrival[k][f]
-        return None, 0, inf
-    if pending_b[k] is not None:  # rule (2)
-        i = pending_b[k]
-        if grad_arrival[k][i] <= t:
-            return Task(BACKWARD, i), _UNIT_B, inf
-        return None, 0, grad_arrival[k][i]
-    f = next_f[k] if next_f[k] < N else None
-    f_ready = f is not None and act_arrival[k][f] <= t
-    j = next_r[k] if next_r[k] < next_f[k] else None
-    if j is not None:
-        arrival = grad_arrival[k][j] if grad_arrival[k][j] < inf else est[k][j]
-    if f_ready and (j is None or t + _UNIT_F + _UNIT_R <= arrival):
-        return Task(FORWARD, f), _UNIT_F, inf
-    if j is not None:
-        if grad_arrival[k][j] <= t or t + _UNIT_R >= arrival:
-            return Task(RECOMPUTE, j), _UNIT_R, inf
-        wake = arrival - _UNIT_R
-        if f is not None and not f_ready:
-            wake = min(wake, act_arrival[k][f])
-        return None, 0, wake
-    if f is not None:
-        return None, 0, act_arrival[k][f]
-    return None, 0, inf
 
 
 # ---------------------------------------------------------------------------------------------

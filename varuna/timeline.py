@@ -31,8 +31,15 @@ __all__ = ["Event", "Timeline", "OPS", "COLORS"]
 OPS = ("F", "R", "B", "AR", "OPT", "SEND_ACT", "SEND_GRAD")
 
 #: Gantt colours, as in the paper's Figure 7.
-COLORS = {"F": "#d62728", "B": "#2ca02c", "R": "#ff7f0e", "AR": "#9467bd", "OPT": "#7f7f7f",
-          "SEND_ACT": "#1f77b4", "SEND_GRAD": "#17becf"}
+COLORS = {
+    "F": "#d62728",
+    "B": "#2ca02c",
+    "R": "#ff7f0e",
+    "AR": "#9467bd",
+    "OPT": "#7f7f7f",
+    "SEND_ACT": "#1f77b4",
+    "SEND_GRAD": "#17becf",
+}
 
 # Chrome trace rows: compute (and AR/OPT) on tid = stage; sends on their own rows so slices on
 # one row never overlap (Perfetto mis-nests overlapping complete events).
@@ -69,7 +76,9 @@ class Timeline:
     events: list[Event] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
 
-    def add(self, stage: int, replica: int, op: str, microbatch: int | None, start_s: float, end_s: float) -> None:
+    def add(
+        self, stage: int, replica: int, op: str, microbatch: int | None, start_s: float, end_s: float
+    ) -> None:
         """Record one interval (seconds, any common origin)."""
         self.events.append(Event(stage, replica, op, microbatch, start_s, end_s))
 
@@ -81,8 +90,10 @@ class Timeline:
 
     def for_stage(self, stage: int, replica: int = 0, ops: tuple[str, ...] = ("F", "R", "B")) -> list[Event]:
         """The stage's events of kinds ``ops``, in start order."""
-        return sorted((e for e in self.events if e.stage == stage and e.replica == replica and e.op in ops),
-                      key=lambda e: (e.start_s, e.end_s))
+        return sorted(
+            (e for e in self.events if e.stage == stage and e.replica == replica and e.op in ops),
+            key=lambda e: (e.start_s, e.end_s),
+        )
 
     # -- Chrome trace -------------------------------------------------------------------------
 
@@ -93,22 +104,44 @@ class Timeline:
         for e in self.events:
             tid = e.stage + _SEND_TID_OFFSET.get(e.op, 0)
             rows.add((e.replica, tid))
-            out.append({
-                "name": e.op if e.microbatch is None else f"{e.op}{e.microbatch}",
-                "cat": e.op, "ph": "X", "pid": e.replica, "tid": tid,
-                "ts": e.start_s * 1e6, "dur": (e.end_s - e.start_s) * 1e6,
-                "args": {"stage": e.stage, "replica": e.replica, "op": e.op, "microbatch": e.microbatch},
-            })
+            out.append(
+                {
+                    "name": e.op if e.microbatch is None else f"{e.op}{e.microbatch}",
+                    "cat": e.op,
+                    "ph": "X",
+                    "pid": e.replica,
+                    "tid": tid,
+                    "ts": e.start_s * 1e6,
+                    "dur": (e.end_s - e.start_s) * 1e6,
+                    "args": {"stage": e.stage, "replica": e.replica, "op": e.op, "microbatch": e.microbatch},
+                }
+            )
         meta: list[dict] = []
         for replica in sorted({r for r, _ in rows}):
-            meta.append({"name": "process_name", "ph": "M", "pid": replica, "args": {"name": f"replica {replica}"}})
+            meta.append(
+                {"name": "process_name", "ph": "M", "pid": replica, "args": {"name": f"replica {replica}"}}
+            )
         for replica, tid in sorted(rows):
             stage = tid % 10_000
             suffix = {1: " act sends", 2: " grad sends"}.get(tid // 10_000, "")
-            meta.append({"name": "thread_name", "ph": "M", "pid": replica, "tid": tid,
-                         "args": {"name": f"stage {stage}{suffix}"}})
-            meta.append({"name": "thread_sort_index", "ph": "M", "pid": replica, "tid": tid,
-                         "args": {"sort_index": tid}})
+            meta.append(
+                {
+                    "name": "thread_name",
+                    "ph": "M",
+                    "pid": replica,
+                    "tid": tid,
+                    "args": {"name": f"stage {stage}{suffix}"},
+                }
+            )
+            meta.append(
+                {
+                    "name": "thread_sort_index",
+                    "ph": "M",
+                    "pid": replica,
+                    "tid": tid,
+                    "args": {"sort_index": tid},
+                }
+            )
         return {"traceEvents": meta + out, "displayTimeUnit": "ms", "otherData": dict(self.metadata)}
 
     def to_chrome_trace(self, path: str | os.PathLike) -> None:
@@ -193,25 +226,49 @@ class Timeline:
         for e in events:
             y = row_of[(e.replica, e.stage)]
             w = e.end_s - e.start_s
-            ax.broken_barh([(e.start_s - t0, w)], (y - 0.4, 0.8), facecolors=COLORS.get(e.op, "#bcbd22"),
-                           edgecolors="black", linewidth=0.3)
+            ax.broken_barh(
+                [(e.start_s - t0, w)],
+                (y - 0.4, 0.8),
+                facecolors=COLORS.get(e.op, "#bcbd22"),
+                edgecolors="black",
+                linewidth=0.3,
+            )
             label = str(e.microbatch) if e.microbatch is not None else ("AR" if e.op == "AR" else "")
             # Text fits when the box is wider than ~0.62 em per character plus a small margin.
             if label and w * px_per_s > (0.62 * fontsize * dpi / 72) * len(label) + 2:
-                ax.text(e.start_s - t0 + w / 2, y, label, ha="center", va="center", fontsize=fontsize,
-                        color="white" if e.op in ("F", "B", "AR") else "black")
+                ax.text(
+                    e.start_s - t0 + w / 2,
+                    y,
+                    label,
+                    ha="center",
+                    va="center",
+                    fontsize=fontsize,
+                    color="white" if e.op in ("F", "B", "AR") else "black",
+                )
         ax.set_ylim(len(row_keys) - 0.5, -0.5)
         ax.set_xlim(0, span)
         ax.set_yticks(range(len(row_keys)))
         multi = replica is None and len({r for r, _ in row_keys}) > 1
         ax.set_yticklabels([f"r{r} s{s}" if multi else f"stage {s}" for r, s in row_keys], fontsize=8)
         ax.set_xlabel("time (s)")
-        names = {"F": "forward", "R": "recompute", "B": "backward", "AR": "all-reduce", "OPT": "optimizer",
-                 "SEND_ACT": "send activation", "SEND_GRAD": "send gradient"}
+        names = {
+            "F": "forward",
+            "R": "recompute",
+            "B": "backward",
+            "AR": "all-reduce",
+            "OPT": "optimizer",
+            "SEND_ACT": "send activation",
+            "SEND_GRAD": "send gradient",
+        }
         present = [op for op in COLORS if any(e.op == op for e in events)]
-        ax.legend(handles=[Patch(facecolor=COLORS[op], edgecolor="black", label=names[op]) for op in present],
-                  loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(present) or 1, fontsize=8,
-                  frameon=False)
+        ax.legend(
+            handles=[Patch(facecolor=COLORS[op], edgecolor="black", label=names[op]) for op in present],
+            loc="lower center",
+            bbox_to_anchor=(0.5, 1.0),
+            ncol=len(present) or 1,
+            fontsize=8,
+            frameon=False,
+        )
         if title:
             fig.suptitle(title, fontsize=10, y=1 - 0.06 / height_in, va="top")
         fig.savefig(os.fspath(path))

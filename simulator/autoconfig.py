@@ -1,0 +1,567 @@
+"""Auto-configuration: the fastest P×D (and m) for G accelerators and a global batch size.
+
+Given a calibration, G GPUs, the global batch M_total and (optionally) the memory per GPU:
+
+1. choose the micro-batch size m: the smallest measured m past which F(m)/m (forward time per
+   example, whole model) stops improving by more than 5%; on a pipeline depth where that m does
+   not fit in memory, the largest smaller measured m that fits;
+2. sweep the pipeline depth P from the smallest that fits in memory up to min(K+1, G), with
+   D = ⌊G/P⌋ replicas (never more than M_total), micro-batches split as the runtime splits them
+   (``split_minibatch``: replicas differ by at most one, the last micro-batch may be smaller),
+   and a balanced contiguous segment→stage map (``varuna.partition``);
+3. bound every candidate's mini-batch time from below analytically (Note [Lower bound]) and
+   simulate candidates in increasing order of that bound, stopping as soon as the next bound is
+   no better than the best simulated time (branch and bound: the answer is what exhaustive
+   simulation would pick);
+4. rank by examples/s.
+
+:func:`sweep_gpus` answers "which G is worth asking for": the best configuration's throughput
+and throughput per GPU for a range of G.
+
+Example::
+
+    >>> from varuna.calibration import Calibration
+    >>> cal = Calibration.synthetic(0.01, num_segments=8, micro_batch_sizes=(1, 2, 4))
+    >>> plan = autoconfigure(cal, gpus=8, global_batch_size=64)
+    >>> plan.best.num_stages * plan.best.num_replicas <= 8
+    True
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from simulator.engine import (
+    SIM_SCHEDULE_KINDS,
+    SimConfig,
+    SimResult,
+    host_of_ranks,
+    segment_costs,
+    simulate,
+    split_minibatch,
+    stage_memory,
+    sync_costs,
+)
+from varuna.partition import balanced_stages, candidate_maxima
+from varuna.calibration import Calibration
+
+__all__ = [
+    "Candidate",
+    "AutoConfigResult",
+    "autoconfigure",
+    "choose_micro_batch_size",
+    "sweep_gpus",
+    "GpuSweepPoint",
+]
+
+#: m stops growing once F(m)/m improves by this fraction or less (paper §4.3: larger micro-batches
+#: help until the accelerator is saturated).
+EFFICIENCY_GAIN = 0.05
+
+
+@dataclass(kw_only=True)
+class Candidate:
+    """One configuration considered by the auto-configurator."""
+
+    num_stages: int
+    num_replicas: int
+    micro_batch_size: int
+    num_microbatches: tuple[int, ...]
+    """Per replica."""
+    stage_segments: tuple[tuple[int, int], ...]
+    lower_bound_s: float
+    """Analytic lower bound on the mini-batch time (Note [Lower bound])."""
+    memory_bytes: int
+    """Largest per-stage memory estimate (simulated stash counts when simulated)."""
+    status: str
+    """"simulated", "pruned" (its bound cannot beat the best), or "no-memory" (does not fit)."""
+    config: SimConfig
+    result: SimResult | None = None
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_stages * self.num_replicas
+
+    @property
+    def minibatch_s(self) -> float | None:
+        return self.result.minibatch_s if self.result is not None else None
+
+    @property
+    def examples_per_s(self) -> float | None:
+        return self.result.examples_per_s if self.result is not None else None
+
+    def summary(self) -> dict:
+        return {
+            "P": self.num_stages,
+            "D": self.num_replicas,
+            "m": self.micro_batch_size,
+            "Nm": list(self.num_microbatches),
+            "gpus_used": self.num_gpus,
+            "status": self.status,
+            "lower_bound_s": self.lower_bound_s,
+            "minibatch_s": self.minibatch_s,
+            "examples_per_s": self.examples_per_s,
+            "examples_per_s_per_gpu": None
+            if self.examples_per_s is None
+            else self.examples_per_s / self.num_gpus,
+            "memory_bytes": self.memory_bytes,
+            "stage_segments": [list(r) for r in self.stage_segments],
+        }
+
+
+@dataclass(kw_only=True)
+class AutoConfigResult:
+    """The ranking: ``candidates`` sorted best first (simulated ones by time, then the rest)."""
+
+    best: Candidate
+    candidates: list[Candidate]
+    gpus: int
+    global_batch_size: int
+    micro_batch_size: int
+    """The efficiency-chosen m (some depths may use a smaller one to fit memory)."""
+    simulations: int
+    elapsed_s: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "gpus": self.gpus,
+            "global_batch_size": self.global_batch_size,
+            "micro_batch_size": self.micro_batch_size,
+            "simulations": self.simulations,
+            "elapsed_s": self.elapsed_s,
+            "notes": list(self.notes),
+            "best": self.best.summary(),
+            "candidates": [c.summary() for c in self.candidates],
+        }
+
+
+def choose_micro_batch_size(cal: Calibration) -> int:
+    """Smallest measured m past which forward time per example improves by <= 5%.
+
+    >>> cal = Calibration.synthetic(0.01, num_segments=2, overhead_s=0.002, micro_batch_sizes=(1, 2, 4, 8))
+    >>> choose_micro_batch_size(cal)   # F(m)/m: 0.024, 0.022 (8% better), 0.021 (4.5% better): stop
+    2
+    """
+    ms = cal.micro_batch_sizes
+
+    def per_example(m: int) -> float:
+        return sum(cal.fwd_s(i, m) for i in range(cal.num_segments)) / m
+
+    for a, b in zip(ms, ms[1:]):
+        if per_example(b) > (1.0 - EFFICIENCY_GAIN) * per_example(a):
+            return a
+    return ms[-1]
+
+
+# Note [Lower bound]: stage k can start micro-batch 0 only after stages 0..k-1 forwarded it (and
+# the activations crossed the links), must then run all its tasks one after another (Nm·(F+B)
+# plus its recomputes: at least Nm-1 on every stage but the last, for every schedule we run), and
+# after its last backward the gradient must still pass back through stages k-1..0. So stage 0's
+# last backward ends no earlier than max_k [Σ_{j<k}(F_j + act_j) + work_k + Σ_{j<k}(B_j + grad_j)],
+# and every stage's last backward no earlier than its own first-input time + work. The mini-batch
+# ends after the all-reduce and optimizer step that follow. This is exact for a perfectly
+# balanced pipeline without bubbles, so pruning by it rarely simulates far from the optimum.
+
+
+class _Planner:
+    """Caches per-(m) segment costs and per-(m, P) partitions across candidates and G values."""
+
+    def __init__(self, cal: Calibration, schedule: str, recompute: bool, chunks: int, host_slots, memory):
+        self.cal = cal
+        self.schedule = schedule
+        self.recompute = recompute
+        self.chunks = chunks
+        self.host_slots = host_slots
+        self.memory = memory
+        self._seg: dict[int, tuple] = {}
+        self._part: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
+        self._fit: dict[tuple[int, int, int], tuple[tuple[tuple[int, int], ...], int]] = {}
+
+    def seg_costs(self, m: int):
+        if m not in self._seg:
+            cal, n = self.cal, self.cal.num_segments
+            f = [cal.fwd_s(i, m) for i in range(n)]
+            r = [cal.recompute_s(i, m) for i in range(n)]
+            b = [cal.bwd_s(i, m) for i in range(n)]
+            full, last = segment_costs(cal, m, self.schedule, self.recompute)
+            self._seg[m] = (f, r, b, full, last, candidate_maxima(full, last))
+        return self._seg[m]
+
+    def partition(self, m: int, num_virtual: int) -> tuple[tuple[int, int], ...]:
+        key = (m, num_virtual)
+        if key not in self._part:
+            _, _, _, full, last, cands = self.seg_costs(m)
+            self._part[key] = tuple(balanced_stages(full, last, num_virtual, candidates=cands))
+        return self._part[key]
+
+    def stash_estimate(self, P: int, k: int, nm: int) -> int:
+        """Peak in-flight micro-batches of stage k (analytic, before any simulation)."""
+        if self.schedule == "gpipe":
+            return nm
+        if self.schedule == "1f1b":
+            return min(nm, P - k)
+        if self.schedule == "interleaved":
+            v = self.chunks
+            return min(nm * v, 2 * (P - k - 1) + (v - 1) * P + 1)
+        # varuna: observed on the static lists, 3 per later stage (F, R and B in flight), capped.
+        return 1 if k == P - 1 else min(nm, 3 * (P - 1 - k))
+
+    def stage_recomputes(self, P: int, k: int) -> bool:
+        if self.schedule == "varuna":
+            return k < P - 1
+        return self.recompute
+
+    def stage_memories(
+        self, P: int, m: int, nm: int, ranges, stash: Sequence[int] | None = None
+    ) -> list[int]:
+        """Per device, the memory estimate (analytic stash counts unless ``stash`` is given)."""
+        out = []
+        for k in range(P):
+            s = stash[k] if stash is not None else self.stash_estimate(P, k, nm)
+            out.append(stage_memory(self.cal, list(ranges[k::P]), m, s, self.stage_recomputes(P, k)))
+        return out
+
+    def memory_of(self, P: int, m: int, nm: int, ranges, stash: Sequence[int] | None = None) -> int:
+        return max(self.stage_memories(P, m, nm, ranges, stash))
+
+    def fit(self, P: int, m: int, nm: int) -> tuple[tuple[tuple[int, int], ...], int]:
+        """The time-balanced map, or, when that overflows memory, the fastest map found whose
+        stages keep their static bytes (parameters, gradients, optimizer state) under the
+        memory left after their activations. Returns (ranges, largest stage memory)."""
+        v = self.chunks if self.schedule == "interleaved" else 1
+        ranges = self.partition(m, P * v)
+        mem = self.memory_of(P, m, nm, ranges)
+        if self.memory is None or mem <= self.memory or v > 1:
+            return ranges, mem
+        key = (P, m, nm)
+        if key not in self._fit:
+            cal = self.cal
+            static = [s.param_bytes + s.grad_bytes + s.optimizer_bytes for s in cal.segments]
+            _, _, _, full, last, cands = self.seg_costs(m)
+            best = (ranges, mem)
+            cap_prev = None
+            for _ in range(4):  # the activation allowance depends on the map: iterate a little
+                per_stage = self.stage_memories(P, m, nm, best[0])
+                allowance = max(per_stage[k] - sum(static[a : b + 1]) for k, (a, b) in enumerate(best[0]))
+                cap = self.memory - allowance
+                if cap <= 0 or cap == cap_prev:
+                    break
+                cap_prev = cap
+                try:
+                    cand = tuple(
+                        balanced_stages(full, last, P, candidates=cands, weights=static, capacity=cap)
+                    )
+                except ValueError:
+                    break
+                best = (cand, self.memory_of(P, m, nm, cand))
+                if best[1] <= self.memory:
+                    break
+            self._fit[key] = best
+        return self._fit[key]
+
+    def config(self, P: int, D: int, m: int, M: int, ranges) -> SimConfig:
+        return SimConfig.for_global_batch(
+            global_batch_size=M,
+            num_replicas=D,
+            micro_batch_size=m,
+            num_stages=P,
+            stage_segments=ranges,
+            schedule=self.schedule,
+            recompute=self.recompute,
+            chunks=self.chunks if self.schedule == "interleaved" else 1,
+            host_slots=self.host_slots,
+            jitter_scale=0.0,
+        )
+
+    def lower_bound(self, cfg: SimConfig, nm: int, m: int) -> float:
+        """Note [Lower bound]."""
+        cal, P = self.cal, cfg.num_stages
+        f, r, b, _, _, _ = self.seg_costs(m)
+        ranges = cfg.stage_segments
+        assert ranges is not None
+        v = cfg.chunks
+        if v > 1:  # interleaved: only the busiest device's work (a loose but valid bound)
+            work = [0.0] * P
+            for vs, (a, e) in enumerate(ranges):
+                work[vs % P] += nm * sum(f[a : e + 1]) + nm * sum(b[a : e + 1])
+            segs = [[i for a, e in ranges[k::P] for i in range(a, e + 1)] for k in range(P)]
+            sync = sync_costs(cal, cfg, segs)
+            return max(work[k] + sync[k][0] + sync[k][1] for k in range(P))
+        host = host_of_ranks(cfg)  # replica 0 holds ranks 0..P-1 and the most micro-batches
+        fk = [sum(f[a : e + 1]) for a, e in ranges]
+        bk = [sum(b[a : e + 1]) for a, e in ranges]
+        rk = [sum(r[a : e + 1]) for a, e in ranges]
+        hop = []
+        for k in range(P - 1):
+            nbytes = cal.act_bytes(ranges[k][1], m)
+            hop.append(cal.p2p_s(nbytes, host[k] == host[k + 1]))
+        sync = sync_costs(cal, cfg, [range(a, e + 1) for a, e in ranges])
+        # chain[j] = head_j + work_j + tail_j: when stage 0 can finish at the earliest if stage j
+        # is the one that holds it back. Stage k's last backward ends no earlier than
+        # max_{j>=k} chain[j] - tail_k (the last gradient from stage j must pass k).
+        # A short last micro-batch (replica 0 has one only when D == 1) is counted as free, and
+        # when it is the only one, so is the fill: a weaker bound, but still a bound.
+        n_full = nm - 1 if cfg.last_size_of(0) != m else nm
+        fill = 1.0 if n_full > 0 else 0.0
+        chain, tails = [], []
+        head = 0.0  # Σ_{j<k} (F_j + act send_j)
+        tail = 0.0  # Σ_{j<k} (B_j + grad send_j)
+        for k in range(P):
+            n_rec = 0 if k == P - 1 else max(n_full - 1, 0)
+            if self.schedule in ("gpipe", "1f1b") and not self.recompute:
+                n_rec = 0
+            work = n_full * (fk[k] + bk[k]) + n_rec * rk[k]
+            chain.append(head + work + tail)
+            tails.append(tail)
+            if k < P - 1:
+                head += fill * (fk[k] + hop[k])
+                tail += fill * (bk[k] + hop[k])
+        bound, suffix = 0.0, 0.0
+        for k in range(P - 1, -1, -1):
+            suffix = max(suffix, chain[k])
+            bound = max(bound, suffix - tails[k] + sync[k][0] + sync[k][1])
+        return bound
+
+
+def _check_schedule(schedule: str) -> None:
+    if schedule not in SIM_SCHEDULE_KINDS:
+        raise ValueError(f"unknown schedule kind {schedule!r}; choose one of {', '.join(SIM_SCHEDULE_KINDS)}")
+
+
+def autoconfigure(
+    cal: Calibration,
+    *,
+    gpus: int,
+    global_batch_size: int,
+    gpu_memory_bytes: int | None = None,
+    schedule: str = "varuna",
+    recompute: bool = True,
+    chunks: int = 2,
+    micro_batch_size: int | None = None,
+    host_slots: int | tuple[int, ...] = 1,
+    exhaustive: bool = False,
+    _planner: _Planner | None = None,
+) -> AutoConfigResult:
+    """Rank configurations for ``gpus`` GPUs (see the module docstring).
+
+    ``micro_batch_size`` fixes m (it must be measured, or interpolable from two measured sizes);
+    ``exhaustive`` simulates every candidate instead of pruning by the lower bound (for tests and
+    "why not P=..." questions). Simulations use mean times (no jitter), so the ranking is
+    deterministic.
+
+    >>> from varuna.calibration import Calibration
+    >>> cal = Calibration.synthetic(0.01, num_segments=4, micro_batch_sizes=(1, 2))
+    >>> autoconfigure(cal, gpus=4, global_batch_size=16, schedule="pipedream")
+    Traceback (most recent call last):
+    ValueError: unknown schedule kind 'pipedream'; choose one of varuna, gpipe, 1f1b, interleaved
+    """
+    t0 = time.perf_counter()
+    _check_schedule(schedule)
+    if gpus < 1:
+        raise ValueError(f"gpus must be >= 1, got {gpus}")
+    if global_batch_size < 1:
+        raise ValueError(f"global batch size must be >= 1, got {global_batch_size}")
+    planner = _planner or _Planner(cal, schedule, recompute, chunks, host_slots, gpu_memory_bytes)
+    notes: list[str] = []
+    if micro_batch_size is not None:
+        cal.fwd_s(0, micro_batch_size)  # raises the "calibration lacks m=..." error when it must
+        preferred = micro_batch_size
+        m_options = [micro_batch_size]
+    else:
+        preferred = choose_micro_batch_size(cal)
+        m_options = [x for x in reversed(cal.micro_batch_sizes) if x <= preferred]
+    v = chunks if schedule == "interleaved" else 1
+    max_p = min(cal.num_segments // v, gpus)
+
+    candidates: list[Candidate] = []
+    smallest_fit: int | None = None
+    for P in range(1, max_p + 1):
+        D = min(gpus // P, global_batch_size)
+        # m must leave every replica at least one micro-batch.
+        usable = [x for x in m_options if -(-global_batch_size // x) >= D]
+        if not usable:
+            notes.append(f"P={P}: every micro-batch size leaves a replica empty with D={D}")
+            continue
+        chosen = None
+        for m in usable:
+            counts, _ = split_minibatch(global_batch_size, m, D)
+            ranges, mem = planner.fit(P, m, counts[0])
+            if gpu_memory_bytes is None or mem <= gpu_memory_bytes:
+                chosen = (m, ranges, counts, mem)
+                break
+        if chosen is None:
+            m = usable[-1]
+            counts, _ = split_minibatch(global_batch_size, m, D)
+            ranges, mem = planner.fit(P, m, counts[0])
+            cfg = planner.config(P, D, m, global_batch_size, ranges)
+            candidates.append(
+                Candidate(
+                    num_stages=P,
+                    num_replicas=D,
+                    micro_batch_size=m,
+                    num_microbatches=counts,
+                    stage_segments=ranges,
+                    lower_bound_s=float("inf"),
+                    memory_bytes=mem,
+                    status="no-memory",
+                    config=cfg,
+                )
+            )
+            continue
+        m, ranges, counts, mem = chosen
+        if schedule == "interleaved" and any(n % P for n in counts):
+            notes.append(f"P={P}: interleaved needs Nm divisible by P (Nm={max(counts)})")
+            continue
+        if smallest_fit is None:
+            smallest_fit = P
+        cfg = planner.config(P, D, m, global_batch_size, ranges)
+        lb = planner.lower_bound(cfg, max(counts), m)
+        candidates.append(
+            Candidate(
+                num_stages=P,
+                num_replicas=D,
+                micro_batch_size=m,
+                num_microbatches=counts,
+                stage_segments=ranges,
+                lower_bound_s=lb,
+                memory_bytes=mem,
+                status="pruned",
+                config=cfg,
+            )
+        )
+
+    if smallest_fit is None:
+        if gpu_memory_bytes is not None and any(c.status == "no-memory" for c in candidates):
+            mem_txt = f"{gpu_memory_bytes / 2**30:.2f} GiB"
+            # Which depth would fit if G were larger? Tell the user how many GPUs to ask for.
+            m = m_options[-1]
+            for P in range(max_p + 1, cal.num_segments // v + 1):
+                if planner.fit(P, m, -(-global_batch_size // m))[1] <= gpu_memory_bytes:
+                    raise ValueError(
+                        f"the model needs at least P={P} pipeline stages to fit in {mem_txt} per GPU, but "
+                        f"only G={gpus} GPUs were given; ask for at least {P} GPUs or use GPUs with more "
+                        f"memory"
+                    )
+            raise ValueError(
+                f"the model does not fit in {mem_txt} per GPU even at P={cal.num_segments // v} "
+                f"(one segment per stage); use GPUs with more memory or add cut-points"
+            )
+        more = f" (and {len(notes) - 2} more)" if len(notes) > 2 else ""
+        raise ValueError(
+            f"no valid configuration for G={gpus}, global batch {global_batch_size}: "
+            + "; ".join(notes[:2])
+            + more
+            + "; use a smaller --micro-batch-size or a larger global batch"
+        )
+
+    # Branch and bound over the analytic lower bound.
+    live = sorted(
+        (c for c in candidates if c.status == "pruned"), key=lambda c: (c.lower_bound_s, c.num_stages)
+    )
+    best: Candidate | None = None
+    simulations = 0
+    for cand in live:
+        if not exhaustive and best is not None and cand.lower_bound_s >= best.result.minibatch_s:
+            break  # sorted: no later candidate can win either
+        cand.result = simulate(cal, cand.config)
+        simulations += 1
+        cand.status = "simulated"
+        cand.memory_bytes = planner.memory_of(
+            cand.num_stages,
+            cand.micro_batch_size,
+            max(cand.num_microbatches),
+            cand.stage_segments,
+            stash=cand.result.peak_stashed,
+        )
+        if gpu_memory_bytes is not None and cand.memory_bytes > gpu_memory_bytes:
+            cand.status = "no-memory"
+            continue
+        if best is None or cand.result.minibatch_s < best.result.minibatch_s:
+            best = cand
+    if best is None:
+        raise ValueError(
+            f"no configuration for G={gpus} fits in memory once simulated stash counts are used; "
+            f"use GPUs with more memory or a smaller micro-batch size"
+        )
+
+    def rank(c: Candidate):
+        if c.status == "simulated":
+            return (0, c.result.minibatch_s, c.num_stages)
+        if c.status == "pruned":
+            return (1, c.lower_bound_s, c.num_stages)
+        return (2, 0.0, c.num_stages)
+
+    candidates.sort(key=rank)
+    return AutoConfigResult(
+        best=best,
+        candidates=candidates,
+        gpus=gpus,
+        global_batch_size=global_batch_size,
+        micro_batch_size=preferred,
+        simulations=simulations,
+        elapsed_s=time.perf_counter() - t0,
+        notes=notes,
+    )
+
+
+@dataclass(kw_only=True)
+class GpuSweepPoint:
+    """The best configuration at one G."""
+
+    gpus: int
+    best: Candidate | None
+    """None when nothing fits at this G."""
+    error: str | None = None
+
+    @property
+    def examples_per_s(self) -> float:
+        return self.best.examples_per_s if self.best is not None else 0.0
+
+    @property
+    def examples_per_s_per_gpu(self) -> float:
+        return self.examples_per_s / self.gpus
+
+
+def sweep_gpus(
+    cal: Calibration,
+    gpus: Sequence[int],
+    *,
+    global_batch_size: int,
+    gpu_memory_bytes: int | None = None,
+    schedule: str = "varuna",
+    recompute: bool = True,
+    chunks: int = 2,
+    micro_batch_size: int | None = None,
+    host_slots: int | tuple[int, ...] = 1,
+) -> list[GpuSweepPoint]:
+    """Best throughput and throughput per GPU for each G in ``gpus`` ("which G is worth asking for").
+
+    >>> from varuna.calibration import Calibration
+    >>> cal = Calibration.synthetic(0.01, num_segments=8, micro_batch_sizes=(1, 2))
+    >>> [p.gpus for p in sweep_gpus(cal, [2, 4], global_batch_size=32)]
+    [2, 4]
+    """
+    _check_schedule(schedule)
+    planner = _Planner(cal, schedule, recompute, chunks, host_slots, gpu_memory_bytes)
+    out = []
+    for g in gpus:
+        try:
+            res = autoconfigure(
+                cal,
+                gpus=g,
+                global_batch_size=global_batch_size,
+                gpu_memory_bytes=gpu_memory_bytes,
+                schedule=schedule,
+                recompute=recompute,
+                chunks=chunks,
+                micro_batch_size=micro_batch_size,
+                host_slots=host_slots,
+                _planner=planner,
+            )
+            out.append(GpuSweepPoint(gpus=g, best=res.best))
+        except ValueError as e:
+            out.append(GpuSweepPoint(gpus=g, best=None, error=str(e)))
+    return out

@@ -1,0 +1,356 @@
+"""``varuna-simulate``: rank P×D configurations for G GPUs, or estimate one, from a calibration file.
+
+Examples::
+
+    varuna-simulate --calibration cal.json --gpus 64 --global-batch-size 8192
+    varuna-simulate --calibration cal.json --gpus 64 --global-batch-size 8192 --json
+    varuna-simulate --calibration cal.json --gpus 64 --global-batch-size 8192 --config 8x8 \\
+        --trace best.json --plot best.png
+    varuna-simulate --calibration cal.json --gpus 64 --global-batch-size 8192 --sweep-gpus 16,32,64,128
+
+Bad input exits with status 2 and one line ``varuna-simulate: error: <what> — <how to fix>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+from collections.abc import Sequence
+
+from simulator.autoconfig import (
+    AutoConfigResult,
+    Candidate,
+    autoconfigure,
+    choose_micro_batch_size,
+    sweep_gpus,
+)
+from simulator.engine import SIM_SCHEDULE_KINDS, SimConfig, SimResult, simulate
+from varuna.calibration import Calibration
+
+PROG = "varuna-simulate"
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
+
+
+class _UsageError(Exception):
+    """Bad command-line input: reported as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage dump (argparse prints two)
+        raise _UsageError(f"{message} (see {PROG} --help)")
+
+
+def _bytes(text: str) -> int:
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}; give bytes, e.g. 17179869184 or 16GiB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _config(text: str) -> tuple[int, int]:
+    match = re.fullmatch(r"\s*(\d+)\s*[xX×]\s*(\d+)\s*", text)
+    if not match or int(match.group(1)) < 1 or int(match.group(2)) < 1:
+        raise argparse.ArgumentTypeError(
+            f"invalid config {text!r}; write PxD, e.g. 8x4 (8 stages, 4 replicas)"
+        )
+    return int(match.group(1)), int(match.group(2))
+
+
+def _gpu_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"invalid GPU list {text!r}; write e.g. 16,32,64")
+    return values
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=PROG,
+        description="Simulate pipeline+data-parallel training from a calibration file and "
+        "pick the fastest configuration.",
+    )
+    p.add_argument(
+        "--calibration", required=True, metavar="FILE", help="calibration JSON from varuna-profile"
+    )
+    p.add_argument("--gpus", required=True, type=_positive, metavar="G", help="GPUs available")
+    p.add_argument(
+        "--global-batch-size",
+        required=True,
+        type=_positive,
+        metavar="M",
+        help="examples per mini-batch (optimizer step)",
+    )
+    p.add_argument(
+        "--gpu-memory", type=_bytes, metavar="BYTES", help="memory per GPU (e.g. 17179869184, 16GiB)"
+    )
+    p.add_argument(
+        "--schedule",
+        default="varuna",
+        metavar="KIND",
+        help=f"one of {', '.join(SIM_SCHEDULE_KINDS)} (default varuna)",
+    )
+    p.add_argument("--no-recompute", action="store_true", help="gpipe/1f1b/interleaved without recompute")
+    p.add_argument(
+        "--chunks", type=_positive, default=2, metavar="V", help="model chunks per device (interleaved)"
+    )
+    p.add_argument(
+        "--config", type=_config, metavar="PxD", help="estimate this configuration instead of searching"
+    )
+    p.add_argument("--micro-batch-size", type=_positive, metavar="m", help="fix the micro-batch size")
+    p.add_argument(
+        "--hosts-slots",
+        type=_positive,
+        default=1,
+        metavar="K",
+        help="GPUs per host; consecutive ranks fill a host (default 1)",
+    )
+    p.add_argument(
+        "--jitter-scale",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="scale of the calibration's network jitter in --config/--trace/--plot runs (default 0)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="jitter seed")
+    p.add_argument(
+        "--top", type=_positive, default=15, metavar="N", help="rows of the ranked table (default 15)"
+    )
+    p.add_argument(
+        "--sweep-gpus",
+        type=_gpu_list,
+        metavar="G1,G2,...",
+        help="also report the best throughput and throughput per GPU at each of these G",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON: the best config and every candidate")
+    p.add_argument(
+        "--trace", metavar="OUT.json", help="write the chosen config's timeline as Chrome trace JSON"
+    )
+    p.add_argument("--plot", metavar="OUT.png", help="write the chosen config's timeline as a Gantt chart")
+    return p
+
+
+def _table(plan: AutoConfigResult, top: int) -> str:
+    head = (
+        f"{'#':>3} {'P':>4} {'D':>5} {'m':>3} {'Nm':>9} {'GPUs':>5} {'s/minibatch':>12} {'examples/s':>11} "
+        f"{'ex/s/GPU':>9} {'mem GiB':>8}  status"
+    )
+    lines = [head, "-" * len(head)]
+    for n, c in enumerate(plan.candidates[:top], 1):
+        nm = (
+            f"{min(c.num_microbatches)}"
+            if min(c.num_microbatches) == max(c.num_microbatches)
+            else f"{min(c.num_microbatches)}-{max(c.num_microbatches)}"
+        )
+        if c.result is not None:
+            t, eps, per = (
+                f"{c.result.minibatch_s:12.4f}",
+                f"{c.result.examples_per_s:11.2f}",
+                f"{c.result.examples_per_s / c.num_gpus:9.3f}",
+            )
+        elif c.status == "pruned":
+            t, eps, per = f"{'>=' + format(c.lower_bound_s, '.4f'):>12}", f"{'':>11}", f"{'':>9}"
+        else:
+            t, eps, per = f"{'-':>12}", f"{'':>11}", f"{'':>9}"
+        lines.append(
+            f"{n:>3} {c.num_stages:>4} {c.num_replicas:>5} {c.micro_batch_size:>3} {nm:>9} "
+            f"{c.num_gpus:>5} {t} {eps} {per} {c.memory_bytes / 2**30:8.2f}  {c.status}"
+        )
+    if len(plan.candidates) > top:
+        lines.append(f"... {len(plan.candidates) - top} more (--top N, or --json for all)")
+    return "\n".join(lines)
+
+
+def _outputs(args, cal: Calibration, cfg: SimConfig) -> SimResult | None:
+    if not (args.trace or args.plot):
+        return None
+    res = simulate(cal, cfg, record=True)
+    assert res.timeline is not None
+    if args.trace:
+        res.timeline.to_chrome_trace(args.trace)
+    if args.plot:
+        res.timeline.plot_gantt(args.plot, title=f"{cfg.label()}: {res.minibatch_s:.3f} s per mini-batch")
+    return res
+
+
+def _run(args) -> int:
+    if args.schedule not in SIM_SCHEDULE_KINDS:
+        raise _UsageError(
+            f"unknown schedule kind {args.schedule!r}; choose one of {', '.join(SIM_SCHEDULE_KINDS)}"
+        )
+    if args.jitter_scale < 0:
+        raise _UsageError("--jitter-scale must be >= 0")
+    cal = Calibration.load(args.calibration)
+    recompute = not args.no_recompute
+    out: dict = {}
+    if args.config is not None:
+        P, D = args.config
+        if P * D > args.gpus:
+            raise _UsageError(
+                f"--config {P}x{D} needs {P * D} GPUs but --gpus is {args.gpus}; "
+                f"use a smaller config or more GPUs"
+            )
+        m = args.micro_batch_size or choose_micro_batch_size(cal)
+        cfg = SimConfig.for_global_batch(
+            global_batch_size=args.global_batch_size,
+            num_replicas=D,
+            micro_batch_size=m,
+            num_stages=P,
+            schedule=args.schedule,
+            recompute=recompute,
+            chunks=args.chunks if args.schedule == "interleaved" else 1,
+            host_slots=args.hosts_slots,
+            jitter_scale=args.jitter_scale,
+            seed=args.seed,
+        )
+        res = simulate(cal, cfg)
+        _outputs(args, cal, cfg)
+        if args.gpu_memory is not None and max(res.stage_memory_bytes) > args.gpu_memory:
+            print(
+                f"{PROG}: warning: config {P}x{D} needs {max(res.stage_memory_bytes) / 2**30:.2f} GiB on its "
+                f"largest stage, more than --gpu-memory",
+                file=sys.stderr,
+            )
+        if args.json:
+            out = {"best": res.summary(), "candidates": [res.summary()]}
+        else:
+            nm = cfg.num_microbatches
+            print(f"config {cfg.label()}  Nm per replica {min(nm)}-{max(nm)}")
+            print(
+                f"  time per mini-batch {res.minibatch_s:.4f} s  ({res.examples_per_s:.2f} examples/s, "
+                f"{res.examples_per_s / (P * D):.3f} per GPU)"
+            )
+            print(
+                f"  {'stage':>5} {'busy s':>9} {'idle s':>9} {'allreduce s':>11} {'stash':>6} {'mem GiB':>8}"
+            )
+            for k in range(P):
+                print(
+                    f"  {k:>5} {res.stage_busy_s[k]:9.4f} {res.stage_idle_s[k]:9.4f} "
+                    f"{res.stage_allreduce_s[k]:11.4f} {res.peak_stashed[k]:>6} "
+                    f"{res.stage_memory_bytes[k] / 2**30:8.2f}"
+                )
+    else:
+        plan = autoconfigure(
+            cal,
+            gpus=args.gpus,
+            global_batch_size=args.global_batch_size,
+            gpu_memory_bytes=args.gpu_memory,
+            schedule=args.schedule,
+            recompute=recompute,
+            chunks=args.chunks,
+            micro_batch_size=args.micro_batch_size,
+            host_slots=args.hosts_slots,
+        )
+        best: Candidate = plan.best
+        cfg = best.config
+        if args.jitter_scale > 0:
+            cfg = dataclasses.replace(cfg, jitter_scale=args.jitter_scale, seed=args.seed)
+        _outputs(args, cal, cfg)
+        if args.json:
+            out = plan.to_dict()
+        else:
+            b = best.result
+            print(
+                f"best: P={best.num_stages} D={best.num_replicas} m={best.micro_batch_size} "
+                f"({best.num_gpus} of {args.gpus} GPUs): {b.minibatch_s:.4f} s per mini-batch, "
+                f"{b.examples_per_s:.2f} examples/s  [{plan.simulations} simulated of {len(plan.candidates)} "
+                f"candidates in {plan.elapsed_s:.2f} s]"
+            )
+            print(_table(plan, args.top))
+    if args.sweep_gpus:
+        points = sweep_gpus(
+            cal,
+            args.sweep_gpus,
+            global_batch_size=args.global_batch_size,
+            gpu_memory_bytes=args.gpu_memory,
+            schedule=args.schedule,
+            recompute=recompute,
+            chunks=args.chunks,
+            micro_batch_size=args.micro_batch_size,
+            host_slots=args.hosts_slots,
+        )
+        if args.json:
+            out["sweep"] = [
+                {
+                    "gpus": p.gpus,
+                    "examples_per_s": p.examples_per_s,
+                    "examples_per_s_per_gpu": p.examples_per_s_per_gpu,
+                    "best": p.best.summary() if p.best else None,
+                    "error": p.error,
+                }
+                for p in points
+            ]
+        else:
+            print(f"\n{'G':>6} {'P':>4} {'D':>5} {'examples/s':>11} {'ex/s/GPU':>9}")
+            for p in points:
+                if p.best is None:
+                    print(f"{p.gpus:>6}    -     - {'':>11} {'':>9}  {p.error}")
+                else:
+                    print(
+                        f"{p.gpus:>6} {p.best.num_stages:>4} {p.best.num_replicas:>5} "
+                        f"{p.examples_per_s:11.2f} {p.examples_per_s_per_gpu:9.3f}"
+                    )
+    if args.json:
+        print(json.dumps(out, indent=1))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``varuna-simulate`` console script; returns the exit status.
+
+    Example (``main(["--gpus", "4"])`` prints one line to stderr and returns 2)::
+
+        varuna-simulate: error: the following arguments are required: --calibration, ...
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        return _run(args)
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    except BrokenPipeError:
+        # The reader went away (``| head``): not an input error. Point stdout at /dev/null so the
+        # interpreter's final flush does not complain again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except (_UsageError, ValueError, OSError) as e:
+        # Library errors are written to be shown as they are: one line with the fix.
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
