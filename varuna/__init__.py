@@ -16,6 +16,7 @@ _EXPORTS = {
     "VarunaConfig": "varuna.engine",
     "StepResult": "varuna.engine",
     "balanced_partition": "varuna.partition",
+    "auto_cutpoints": "varuna.autocut",
     "keyed_seed": "varuna.split",
 }
 

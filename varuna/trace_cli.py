@@ -1,0 +1,142 @@
+"""``varuna-trace``: print what crosses segment boundaries in a model (see :mod:`varuna.tracer`).
+
+Usage::
+
+    varuna-trace TARGET [--cuts K] [--cost time|flop] [--arg KEY=VALUE ...] [--json PATH|-]
+
+``TARGET`` names a factory: ``path/to/file.py:FACTORY`` or ``package.module:FACTORY``
+(``:FACTORY`` defaults to ``build``). The factory takes no arguments (or the ``--arg`` ones) and
+returns ``(model, example_batch)``, ``(model, example_batch, loss_fn)`` or a dict with those
+keys; ``example_batch`` is one micro-batch as the model's forward takes it. Examples::
+
+    varuna-trace examples/resnet/model.py:build --cuts 3
+    varuna-trace my_gpt.py --json report.json
+
+``--cuts K`` first inserts up to K automatic cut-points (for a model without CutPoints) and prints
+the plan. ``--json PATH`` also writes the machine-readable report (``-``: print only the JSON).
+
+Exit status: 0 when the model can be split at its CutPoints, 1 when it cannot (hidden
+dependencies, or no valid boundary for ``--cuts``), 2 on bad usage (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import importlib.util
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["main", "load_target"]
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported in one line, exit status 2."""
+
+
+def _parse_arg(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise UsageError(f"--arg expects KEY=VALUE with KEY a Python name, got {text!r}")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
+def load_target(target: str, kwargs: dict | None = None) -> tuple:
+    """Import ``FILE.py[:FACTORY]`` or ``MODULE[:FACTORY]``, call the factory, return
+    ``(model, example_batch, loss_fn)``.
+
+    >>> model, batch, loss_fn = load_target("examples/resnet/model.py:build", {"batch_size": 2})
+    >>> type(model).__name__, loss_fn is None
+    ('ResNet', True)
+    """
+    spec, _, factory_name = target.rpartition(":") if ":" in target else (target, "", "build")
+    if not spec or not factory_name:
+        raise UsageError(f"target {target!r} must look like path/to/file.py:FACTORY or "
+                         "package.module:FACTORY")
+    if spec.endswith(".py") or "/" in spec or Path(spec).is_file():
+        path = Path(spec)
+        if not path.is_file():
+            raise UsageError(f"no such file: {spec}")
+        sys.path.insert(0, str(path.resolve().parent))  # so the file can import its neighbours
+        name = f"_varuna_trace_{path.stem}"
+        mspec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(mspec)
+        sys.modules[name] = module  # dataclasses and pickling look the module up by name
+        mspec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(spec)
+        except ImportError as e:
+            raise UsageError(f"cannot import {spec!r}: {e}") from None
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        raise UsageError(f"{spec} has no callable {factory_name!r}; name the factory: {spec}:FACTORY")
+    try:
+        made = factory(**(kwargs or {}))
+    except TypeError as e:
+        raise UsageError(f"calling {factory_name}(): {e}") from None
+    if isinstance(made, dict):
+        made = (made.get("model"), made.get("example_batch"), made.get("loss_fn"))
+    if not isinstance(made, (tuple, list)) or len(made) not in (2, 3):
+        raise UsageError(f"{factory_name}() must return (model, example_batch) or "
+                         "(model, example_batch, loss_fn)")
+    import torch.nn as nn
+
+    model, batch, loss_fn = (*made, None)[:3]
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"{factory_name}() returned a {type(model).__name__} as the model, not an nn.Module")
+    return model, batch, loss_fn
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="varuna-trace",
+        description="Dry-run a model and report tied weights, values read across segments and hidden "
+                    "dependencies that would break a pipeline split.",
+    )
+    parser.add_argument("target", help="FILE.py[:FACTORY] or MODULE[:FACTORY]; FACTORY (default: build) "
+                                       "returns (model, example_batch[, loss_fn])")
+    parser.add_argument("--cuts", type=int, metavar="K", help="first insert up to K automatic cut-points")
+    parser.add_argument("--cost", choices=("time", "flop"), default="time",
+                        help="what --cuts balances: measured forward time (default) or FLOPs")
+    parser.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="keyword argument for the factory (Python literal or string); repeatable")
+    parser.add_argument("--json", metavar="PATH",
+                        help="also write the report as JSON ('-': print only the JSON)")
+    args = parser.parse_args(argv)
+    try:
+        if args.cuts is not None and args.cuts < 1:
+            raise UsageError(f"--cuts must be >= 1, got {args.cuts}")
+        kwargs = dict(_parse_arg(a) for a in args.arg)
+        model, batch, loss_fn = load_target(args.target, kwargs)
+    except UsageError as e:
+        parser.error(str(e))  # exits 2 with one line on stderr
+    from varuna.autocut import auto_cutpoints
+    from varuna.tracer import trace_model
+
+    quiet = args.json == "-"
+    try:
+        if args.cuts is not None:
+            plan = auto_cutpoints(model, batch, args.cuts, loss_fn, cost=args.cost, verbose=False)
+            if not quiet:
+                print(plan, end="\n\n")
+        report = trace_model(model, batch, loss_fn)
+    except ValueError as e:  # about the model, not the command line
+        print(f"varuna-trace: {e}", file=sys.stderr)
+        return 1
+    if quiet:
+        print(report.to_json())
+    else:
+        print(report.table())
+        if args.json:
+            Path(args.json).write_text(report.to_json() + "\n")
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
