@@ -72,3 +72,33 @@ def test_disabling_each_mechanism_breaks_equality(tmp_path, flag, P, D):
     ref_losses, ref_digests = run(tmp_path, 1, 1, flag)
     losses, digests = run(tmp_path, P, D, flag)
     assert digests != ref_digests, f"{flag}: still bit-identical, so the test could not detect its loss"
+
+
+CKPT_WORKER = Path(__file__).parent / "workers" / "ckpt_worker.py"
+
+
+def ckpt_run(tmp: Path, name: str, P: int, D: int, *args: str):
+    out = tmp / name
+    check_ok(run_world(CKPT_WORKER, P * D, ["--out", str(out), "--pipeline-depth", str(P), "--deterministic",
+                                            "--eps", "1e-8", *args],
+                       env={"VARUNA_PIPELINE_DEPTH": str(P)}, timeout_s=180))
+    reports, params = [], {}
+    for f in sorted(out.glob("rank*.json")):
+        reports.append(json.loads(f.read_text()))
+        for n, t in torch.load(f.with_suffix(".pt"), weights_only=True).items():
+            assert torch.equal(params.setdefault(n, t), t), f"copies of {n} disagree"
+    return reports[0], params
+
+
+@pytest.mark.slow
+def test_morphing_through_checkpoints_equals_the_uninterrupted_run_bitwise(tmp_path):
+    """2×2 for steps 1–2 → checkpoint → 4×1 for steps 3–4 → checkpoint → 1×1 for steps 5–6."""
+    ckpt = str(tmp_path / "ckpt")
+    ref, ref_params = ckpt_run(tmp_path, "ref", 1, 1, "--ckpt-dir", str(tmp_path / "unused"), "--steps", "6")
+    a, _ = ckpt_run(tmp_path, "a", 2, 2, "--ckpt-dir", ckpt, "--steps", "2", "--save-at", "2")
+    b, _ = ckpt_run(tmp_path, "b", 4, 1, "--ckpt-dir", ckpt, "--steps", "4", "--resume", "1", "--save-at", "4")
+    c, params = ckpt_run(tmp_path, "c", 1, 1, "--ckpt-dir", ckpt, "--steps", "6", "--resume", "1")
+    assert (b["first_step"], c["first_step"]) == (3, 5)
+    assert a["losses"] + b["losses"] + c["losses"] == ref["losses"], "per-step losses differ"
+    assert params.keys() == ref_params.keys()
+    assert [n for n in ref_params if not torch.equal(params[n], ref_params[n])] == []

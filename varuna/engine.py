@@ -25,6 +25,7 @@ finally every rank steps its optimizer — or every rank skips the step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import queue
@@ -42,7 +43,7 @@ from varuna.batching import MicroBatch, batch_size_of, plan_microbatches, slice_
 from varuna.comm import Arrival, LinkReceiver, LinkSender
 from varuna.cutpoint import CutPoint, ForwardRun, SplitState, StopForward
 from varuna.loss_scale import DynamicLossScale
-from varuna.partition import balanced_partition, stage_of_segment
+from varuna.partition import balanced_stages, stage_of_segment
 from varuna.schedule import BACKWARD, FORWARD, RECOMPUTE, SCHEDULE_KINDS, Task, get_schedule
 from varuna.split import ModelProfile, keyed_seed, materialize_stage, profile_model
 from varuna.timeline import Timeline
@@ -81,6 +82,15 @@ class VarunaConfig:
     dry_run_reps: int = 2
     record_timeline: bool = False
     """Record (stage, op, micro-batch, start, end) of every task, for traces."""
+    deterministic: bool = False
+    """Bit-for-bit identical weights at any P×D and across morphs (docs/determinism.md): canonical
+    summation order for gradients, norms and losses; deterministic kernels; pinned threads."""
+    deterministic_threads: int = 1
+    """Intra-op threads in deterministic mode (kernels may sum in a thread-count-dependent order)."""
+    rng_keyed: bool = True
+    """Key dropout by (seed, step, micro-batch, segment). Off only as a test's negative control."""
+    canonical_reduction: bool = True
+    """With ``deterministic``: canonical-order sums. Off only as a test's negative control."""
     device: str | None = None
     """Default: cuda:LOCAL_RANK when CUDA is available, else cpu."""
     loss_scale: float = 2.0**16
@@ -101,6 +111,24 @@ class VarunaConfig:
     resume: str | bool | None = None
     """"1"/True: load the newest complete checkpoint (error if none); "auto": if there is one;
     "0"/False: never. None: $VARUNA_RESUME (default never)."""
+    auto_cutpoints: int | None = None
+    """Insert up to this many CutPoints automatically into a model that has none (rank 0 picks the
+    boundaries from a dry run, every rank applies them; see varuna/autocut.py). None: use the model's."""
+
+    def apply_launcher_env(self, environ=None) -> None:
+        """Adopt what ``varuna-launch``'s auto-config chose (``VARUNA_MICRO_BATCH_SIZE``,
+        ``VARUNA_STAGE_RANGES="0-3,4-7"``): the simulator picked them for this cluster."""
+        env = os.environ if environ is None else environ
+        if env.get("VARUNA_MICRO_BATCH_SIZE"):
+            self.micro_batch_size = int(env["VARUNA_MICRO_BATCH_SIZE"])
+        if env.get("VARUNA_STAGE_RANGES"):
+            try:
+                self.stage_ranges = [tuple(int(x) for x in part.split("-")) for part in
+                                     env["VARUNA_STAGE_RANGES"].split(",")]
+            except ValueError:
+                raise ValueError(
+                    f"VARUNA_STAGE_RANGES={env['VARUNA_STAGE_RANGES']!r} is not like '0-3,4-7'"
+                ) from None
 
     def validate(self) -> None:
         if self.schedule not in SCHEDULE_KINDS:
@@ -169,11 +197,19 @@ class Engine:
         loss_fn: Callable | None = None,
         param_init: Callable[[str, nn.Module], None] | None = None,
     ) -> None:
+        config = dataclasses.replace(config)  # the caller's object stays as it was
+        config.apply_launcher_env()
         config.validate()
         self.config = config
         self.loss_fn = loss_fn or _model_returns_loss
         self._owns_pg = False
         self.layout = self._init_distributed(config)
+        if config.auto_cutpoints is not None:  # before the dry run, which must see the CutPoints
+            from varuna.autocut import engine_auto_cutpoints
+
+            engine_auto_cutpoints(model, example_batch, config.auto_cutpoints, loss_fn=self.loss_fn,
+                                  micro_batch_size=config.micro_batch_size, rank=self.layout.rank,
+                                  world=self.layout.world)
         P, D = self.layout.P, self.layout.D
         self.micro_plan = plan_microbatches(config.global_batch_size, config.micro_batch_size, D)
         self.device = self._pick_device(config)
@@ -196,6 +232,10 @@ class Engine:
                 f"pipeline depth {P} exceeds the {K + 1} segments defined by the model's {K} CutPoints; "
                 f"use --pipeline-depth <= {K + 1} or add CutPoints"
             )
+        if P > 1:  # refuse hidden dependencies (values crossing a boundary outside a CutPoint)
+            from varuna.tracer import check_splittable
+
+            check_splittable(model, first, self.loss_fn, warn=self.layout.rank == 0)
         self.stage_ranges = self._assign_stages(config)
         self.first_segment, self.last_segment = self.stage_ranges[self.stage]
         self._cutpoints = [m for m in model.modules() if isinstance(m, CutPoint)]
@@ -207,6 +247,14 @@ class Engine:
             device=self.device, seed=config.seed, param_init=param_init,
         )
         self._trainable = {n: p for n, p in self.stage_params.items() if p.requires_grad}
+        self._det = None
+        if config.deterministic:
+            from varuna.determinism import DeterministicGrads
+
+            torch.use_deterministic_algorithms(True)
+            torch.set_num_threads(config.deterministic_threads)
+            if config.canonical_reduction:
+                self._det = DeterministicGrads(self)
         self.optimizer = optimizer(list(self._trainable.values()))
         self.scaler = DynamicLossScale(
             scale=config.loss_scale if config.precision == "fp16" else 1.0,
@@ -292,8 +340,12 @@ class Engine:
                     f"stage_ranges {ranges} must be {P} contiguous ranges covering segments 0..{nseg - 1}"
                 )
             return ranges
-        costs = [f + b for f, b in zip(self.profile.fwd_cost, self.profile.bwd_cost)]
-        ranges = balanced_partition(costs, P) if P > 1 else [(0, nseg - 1)]
+        fwd, bwd = self.profile.fwd_cost, self.profile.bwd_cost
+        recompute = cfg.schedule == "varuna" or cfg.recompute
+        full = [f + (f if recompute else 0.0) + b for f, b in zip(fwd, bwd)]
+        # Varuna's last stage never recomputes, so it can take more segments.
+        last = [f + b for f, b in zip(fwd, bwd)] if cfg.schedule == "varuna" else full
+        ranges = balanced_stages(full, last, P) if P > 1 else [(0, nseg - 1)]
         if self.layout.world > 1:
             # Timings differ between processes: rank 0's split is the one everybody uses.
             t = torch.tensor([x for r in ranges for x in r], dtype=torch.int64)
@@ -407,6 +459,8 @@ class Engine:
         self.step_count += 1
         self.optimizer.zero_grad(set_to_none=True)
         mbs = self.micro_plan[self.replica]
+        if self._det is not None:
+            self._det.begin_step(mbs, sum(len(p) for p in self.micro_plan))
         local_loss = self._run_pipeline(batch, mbs, train=True)
         grad_norm, skipped, stop = self._finish_step(local_loss)
         self.checkpointer.after_step()  # periodic checkpoint at this mini-batch boundary, if configured
@@ -439,6 +493,36 @@ class Engine:
             return self._allreduce_scalars(torch.tensor([0.0, 0.0, local, 0.0], dtype=torch.float64))[2]
         finally:
             self.model.train(was_training)
+
+    def gather_timeline(self) -> Timeline | None:
+        """Every rank's recorded task events (``record_timeline=True``), merged on rank 0.
+
+        A collective: call it on every rank; rank 0 gets the :class:`Timeline`, others None.
+        Times are ``time.perf_counter()`` seconds, comparable across processes of one host (a
+        system-wide monotonic clock on Linux); the origin is shifted to the earliest event.
+        """
+        ops = ["F", "R", "B", "AR", "OPT"]
+        rows = [[e.stage, e.replica, ops.index(e.op), -1 if e.microbatch is None else e.microbatch,
+                 e.start_s, e.end_s] for e in self.timeline.events]
+        local = torch.tensor(rows, dtype=torch.float64).reshape(-1, 6)
+        if self.layout.world > 1:
+            n = torch.tensor([local.shape[0]], dtype=torch.int64)
+            counts = [torch.zeros_like(n) for _ in range(self.layout.world)]
+            dist.all_gather(counts, n)
+            width = max(int(c) for c in counts)
+            padded = torch.zeros(width, 6, dtype=torch.float64)
+            padded[: local.shape[0]] = local
+            parts = [torch.empty_like(padded) for _ in range(self.layout.world)]
+            dist.all_gather(parts, padded)
+            local = torch.cat([p[: int(c)] for p, c in zip(parts, counts)])
+        if self.layout.rank != 0:
+            return None
+        t0 = float(local[:, 4].min()) if local.numel() else 0.0
+        tl = Timeline(metadata={"source": "runtime", "P": self.layout.P, "D": self.layout.D,
+                                "m": self.config.micro_batch_size, "schedule": self.config.schedule})
+        for st, rep, op, mb, a, b in local.tolist():
+            tl.add(int(st), int(rep), ops[int(op)], None if mb < 0 else int(mb), a - t0, b - t0)
+        return tl
 
     def close(self) -> None:
         """Stop communication threads and, if the engine created it, the process group."""
@@ -476,6 +560,9 @@ class Engine:
         if self.device.type == "cuda":
             gens.append(torch.cuda.default_generators[self.device.index or 0])
 
+        if not self.config.rng_keyed:  # negative control: draws depend on the process's history
+            return lambda segment: None
+
         def reseed(segment: int) -> None:
             s = keyed_seed(seed, step, microbatch, segment)
             for g in gens:
@@ -493,15 +580,23 @@ class Engine:
         """Run the user's forward for this stage; returns the loss (last stage) or outputs."""
         data = slice_batch(batch, mb.start, mb.end)
         reseed = self._reseed(mb.index)
+        on_segment = reseed
+        if self._det is not None and self._det.aliases:
+            det = self._det
+
+            def on_segment(segment: int) -> None:
+                reseed(segment)
+                det.on_segment(segment)
+
         run = ForwardRun(
             cutpoints=self._order, first_segment=self.first_segment,
             last_segment=self.last_segment if not self.is_last_stage else len(self._order),
-            num_segments=self.profile.num_segments, inputs=inputs, on_segment=reseed,
+            num_segments=self.profile.num_segments, inputs=inputs, on_segment=on_segment,
         )
         self._split.run = run
         try:
             with torch.set_grad_enabled(with_grad), self._autocast():
-                reseed(0)
+                on_segment(0)
                 try:
                     out = _call(self.model, data)
                 except StopForward as stop:
@@ -514,6 +609,8 @@ class Engine:
                 return self.loss_fn(out, data)
         finally:
             self._split.run = None
+            if self._det is not None:
+                self._det.restore()
 
     def _run_pipeline(self, batch, mbs: list[MicroBatch], *, train: bool) -> float:
         P, k = self.layout.P, self.stage
@@ -564,7 +661,10 @@ class Engine:
                     inputs = tuple(_leaf(x) for x in inputs)
                 out = self._forward(batch, mb, inputs, with_grad=keep_graph)
                 if self.is_last_stage:
-                    loss_sum += float(out.detach()) * mb.size / M
+                    loss_value = float(out.detach())  # a sync point on GPU; one per micro-batch
+                    loss_sum += loss_value * mb.size / M
+                    if self._det is not None:
+                        self._det.losses[mb.index] = loss_value
                     if keep_graph:
                         graphs[i] = (inputs, out)
                     elif train:
@@ -590,6 +690,8 @@ class Engine:
                     pairs = [(o, gi) for o, gi in zip(out, g) if o.requires_grad]
                     if pairs:
                         torch.autograd.backward([o for o, _ in pairs], [gi for _, gi in pairs])
+                if self._det is not None and train:
+                    self._det.capture(mb.index)
                 if self._grad_out is not None:
                     self._grad_out.send(i, tuple(
                         (x.grad if x.grad is not None else torch.zeros_like(x))
@@ -641,7 +743,10 @@ class Engine:
 
     def _finish_step(self, local_loss: float) -> tuple[float, bool, bool]:
         t0 = time.perf_counter()
-        self._reduce_grads()
+        if self._det is not None:
+            self._det.reduce()
+        else:
+            self._reduce_grads()
         if self.config.record_timeline:
             self.timeline.add(self.stage, self.replica, "AR", None, t0, time.perf_counter())
         params = self._trainable
@@ -658,10 +763,16 @@ class Engine:
             if counted:
                 sumsq = torch.stack([x.double() ** 2 for x in torch._foreach_norm(counted)]).sum()
         t_ar = time.perf_counter()
-        v = torch.tensor([float(sumsq) if nonfinite == 0 else 0.0, nonfinite, local_loss,
-                          float(self.stop_requested)], dtype=torch.float64)
-        total_sq, overflow, loss, stop = self._allreduce_scalars(v)
-        stop = stop > 0
+        if self._det is not None:
+            v = self._det.scalar_slots(nonfinite > 0, self.stop_requested, self._norm_elsewhere)
+            sizes = [mb.size for plan in self.micro_plan for mb in plan]
+            total_sq, overflow, loss, stop = self._det.read_slots(
+                self._allreduce_scalars(v), sizes, self.config.global_batch_size)
+        else:
+            v = torch.tensor([float(sumsq) if nonfinite == 0 else 0.0, nonfinite, local_loss,
+                              float(self.stop_requested)], dtype=torch.float64)
+            total_sq, overflow, loss, stop = self._allreduce_scalars(v)
+            stop = stop > 0
         self._last_loss = loss
         scale = self.scaler.scale
         skipped = overflow > 0
@@ -681,6 +792,57 @@ class Engine:
         if self.config.record_timeline:
             self.timeline.add(self.stage, self.replica, "OPT", None, t_ar, time.perf_counter())
         return norm, False, stop
+
+    # ---- checkpoints (see varuna/checkpoint.py)
+
+    def save_checkpoint(self, directory: str | os.PathLike | None = None, *, wait: bool = False):
+        """Checkpoint the state after ``step_count`` steps; every rank calls it at the same step.
+
+        Files go to local disk now and to ``directory`` (default ``config.checkpoint_dir``) in the
+        background; the checkpoint exists once rank 0 wrote its manifest (``wait=True`` blocks
+        until this rank's part is copied, rank 0 until the manifest is written). Returns the
+        step directory, or None when skipped because the previous save is still being copied.
+
+        Example::
+
+            engine.train_step(batch)
+            engine.save_checkpoint("/mnt/ckpt", wait=True)   # /mnt/ckpt/step_00000001
+        """
+        return self.checkpointer.save(directory, wait=wait)
+
+    def load_checkpoint(self, directory: str | os.PathLike | None = None, *, step: int | None = None) -> int:
+        """Load the newest complete checkpoint (or ``step``) saved at any P×D; every rank calls it.
+
+        Each rank reads only the files holding its stage's parameters; corrupt or incomplete
+        checkpoints are skipped with a warning. Returns the step loaded: the next
+        ``train_step`` is that step + 1.
+
+        Example::
+
+            step = engine.load_checkpoint("/mnt/ckpt")
+            for s in range(step + 1, total + 1):
+                engine.train_step(batches(s))
+        """
+        return self.checkpointer.load(directory, step=step)
+
+    def state_dict(self) -> dict:
+        """This stage's state by canonical parameter name: ``step``, ``params``, ``optimizer``
+        (name-keyed, see :func:`varuna.checkpoint.optimizer_state_by_name`), ``loss_scale``.
+
+        Example::
+
+            sd = engine.state_dict()
+            engine.load_state_dict(sd)
+        """
+        from varuna.checkpoint import engine_state_dict
+
+        return engine_state_dict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Inverse of :meth:`state_dict`; ``state["params"]`` may hold the whole model's names."""
+        from varuna.checkpoint import load_engine_state_dict
+
+        load_engine_state_dict(self, state)
 
 
 def _allreduce_bucketed(tensors: list[torch.Tensor], group, bucket_bytes: int = 32 << 20) -> None:

@@ -43,6 +43,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trace", type=Path, help="write the last step's task timeline (Chrome trace JSON) here")
     p.add_argument("--deterministic", action="store_true",
                    help="bit-identical weights at any P×D and across morphs (docs/determinism.md)")
+    # Checkpoints (docs/checkpoints.md); the launcher's VARUNA_CHECKPOINT_DIR / VARUNA_RESUME work too.
+    p.add_argument("--checkpoint-dir", help="global checkpoint store (shared filesystem or mounted blob)")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="steps between checkpoints (0: only when stopped by SIGUSR1/SIGTERM)")
+    p.add_argument("--keep-checkpoints", type=int, default=2, help="complete checkpoints to keep")
+    p.add_argument("--resume", nargs="?", const="1", choices=["1", "auto", "0"],
+                   help="resume from the newest complete checkpoint (auto: only if one exists); "
+                        "--steps stays the total step count")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
@@ -65,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             max_grad_norm=args.max_grad_norm, deterministic=args.deterministic,
             record_timeline=args.trace is not None,
             deterministic_threads=args.threads,
+            checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+            keep_checkpoints=args.keep_checkpoints, resume=args.resume,
         ),
         example_batch=data.get("train", 0, args.global_batch_size),
         optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0),
@@ -74,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     if leader:
         print(f"varuna: P={info['P']} D={info['D']} m={info['m']} Nm={info['Nm']} stages={info['stage_ranges']} "
               f"schedule={args.schedule} corpus={data.fingerprint}", flush=True)
+        if engine.step_count:
+            print(f"varuna: resumed from the checkpoint of step {engine.step_count}", flush=True)
     out = open(args.metrics_out, "a") if (leader and args.metrics_out) else None
     try:
         for step in range(engine.step_count + 1, args.steps + 1):
