@@ -217,9 +217,10 @@ class Engine:
         self._split = SplitState()
 
         first = slice_batch(example_batch, 0, min(config.micro_batch_size, batch_size_of(example_batch)))
+        # Only rank 0's segment costs are used (it broadcasts the split), and only when it splits.
         measure = self.layout.rank == 0 and config.stage_ranges is None and P > 1
         self.profile: ModelProfile = profile_model(
-            model, first, self.loss_fn, timing_reps=config.dry_run_reps, measure=measure
+            model, first, self.loss_fn, timing_reps=config.dry_run_reps, measure=measure, costs=measure
         )
         K = self.profile.num_cutpoints
         if P > 1 and K == 0:

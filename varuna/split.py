@@ -24,6 +24,7 @@ so the placeholder values never influence results.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -68,6 +69,8 @@ class ModelProfile:
     cost_unit: str
     #: modules whose forward contains a boundary (they always run: they are glue)
     spanning_modules: set[str] = field(default_factory=set)
+    #: modules whose forward ran in the dry run (containers such as ModuleList never run)
+    called_modules: set[str] = field(default_factory=set)
     param_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -87,6 +90,11 @@ class ModelProfile:
         for name, segs in self.param_segments.items():
             out[segs[0]] += self.param_bytes.get(name, 0)
         return out
+
+
+class _NoCount(contextlib.nullcontext):
+    def get_total_flops(self) -> float:
+        return 0.0
 
 
 class _ParamUse(TorchFunctionMode):
@@ -134,12 +142,15 @@ def profile_model(
     *,
     timing_reps: int = 2,
     measure: bool = True,
+    costs: bool = True,
 ) -> ModelProfile:
     """Dry-run ``model`` on ``batch`` (one micro-batch) and return its :class:`ModelProfile`.
 
     ``loss_fn(output, batch)`` maps the model output to a scalar loss. With ``measure`` and a
     model on a real device, segment costs are the median of ``timing_reps`` timed
-    forward+backward runs; otherwise (or for a ``meta`` model) they are FLOP counts.
+    forward+backward runs; otherwise (or for a ``meta`` model) they are FLOP counts. With
+    ``costs=False`` (the caller does not use them) costs are zeros and nothing is counted or timed:
+    FLOP counting imports ``torch._dynamo``, seconds of start-up on a busy host.
     """
     cut_names = {id(m): n for n, m in model.named_modules() if isinstance(m, CutPoint)}
     cps = [m for m in model.modules() if isinstance(m, CutPoint)]
@@ -157,7 +168,10 @@ def profile_model(
     handles = []
     mod_names = {id(m): n for n, m in model.named_modules()}
 
+    called: set[str] = set()
+
     def pre(mod, args):
+        called.add(mod_names[id(mod)])
         entry.setdefault(id(mod), []).append(state.run.segment if state.run else 0)
 
     def post(mod, args, out):
@@ -169,10 +183,13 @@ def profile_model(
         if not isinstance(m, CutPoint):
             handles.append(m.register_forward_pre_hook(pre))
             handles.append(m.register_forward_hook(post))
-    from torch.utils.flop_counter import FlopCounterMode
-
     flops_at: list[float] = []
-    counter = FlopCounterMode(display=False)
+    if costs:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        counter = FlopCounterMode(display=False)
+    else:
+        counter = _NoCount()
     dry = DryRun(cutpoint_names=cut_names, on_segment=lambda s: flops_at.append(counter.get_total_flops()))
     state.run = dry
     try:
@@ -198,11 +215,12 @@ def profile_model(
         bwd_cost=[2.0 * f for f in fwd_flops],
         cost_unit="flop",
         spanning_modules=spanning,
+        called_modules=called,
         param_bytes={n: p.numel() * p.element_size() for n, p in params.items()},
     )
     # Cut-points not reached by the forward are dropped from the model's order; CutPoints that
     # are registered but never called stay identities.
-    if measure and not on_meta and timing_reps > 0:
+    if costs and measure and not on_meta and timing_reps > 0:
         fwd, bwd = _time_segments(model, batch, loss_fn, state, cut_names, timing_reps)
         if fwd is not None:
             profile.fwd_cost, profile.bwd_cost, profile.cost_unit = fwd, bwd, "s"
@@ -264,8 +282,13 @@ def default_param_init(module_name: str, module: nn.Module) -> None:
                 p.zero_()
 
 
-def _wrap_candidates(model: nn.Module, spanning: set[str]) -> list[tuple[str, nn.Module]]:
-    """Outermost modules whose calls never contain a boundary (see Note [Placeholders])."""
+def _wrap_candidates(model: nn.Module, spanning: set[str], called: set[str]) -> list[tuple[str, nn.Module]]:
+    """Outermost *called* modules whose calls never contain a boundary (Note [Placeholders]).
+
+    A module the dry run never called (a ``ModuleList``, a plain container) is looked into: its
+    children are called directly by the glue code, and wrapping the container would leave them
+    computing on every stage.
+    """
     out = []
 
     def visit(prefix: str, mod: nn.Module) -> None:
@@ -273,7 +296,7 @@ def _wrap_candidates(model: nn.Module, spanning: set[str]) -> list[tuple[str, nn
             q = f"{prefix}.{name}" if prefix else name
             if isinstance(child, CutPoint):
                 continue
-            if q in spanning:
+            if q in spanning or q not in called:
                 visit(q, child)
             else:
                 out.append((q, child))
@@ -354,7 +377,7 @@ def materialize_stage(
     params = _named_params(model)
     keep = {n for n, s in profile.param_segments.items() if any(x in segs for x in s)}
     # Wrap first: the meta shape dictionaries need the original parameter shapes.
-    for qname, mod in _wrap_candidates(model, profile.spanning_modules):
+    for qname, mod in _wrap_candidates(model, profile.spanning_modules, profile.called_modules):
         mod.forward = _Skipper(mod, state, device)
     canon_of = {id(p): n for n, p in params.items()}
     new: dict[int, nn.Parameter] = {}
