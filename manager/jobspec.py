@@ -1,0 +1,287 @@
+"""The job specification: what ``varuna-manager submit JOBSPEC`` reads (JSON or TOML).
+
+A job spec names the training script and its arguments, the global batch size (kept across
+every morph, so the training semantics never change), where checkpoints go, which provider
+supplies VMs and how many, and when the job is done. Paths are resolved against the spec file's
+directory at submit time, so the manager (possibly on another machine or in another working
+directory) receives absolute paths. Example (TOML)::
+
+    name = "gpt-tiny"
+    script = "examples/gpt2/train.py"
+    args = ["--steps", "40", "--n-layer", "4", "--n-embd", "32"]
+    global_batch_size = 24
+    micro_batch_size = 2
+    checkpoint_dir = "runs/gpt-tiny/ckpt"
+    checkpoint_every = 2
+    provider = "local"
+    min_vms = 2
+    max_vms = 6
+    procs_per_vm = 1
+    target_steps = 40
+    calibration = "calibration.json"     # optional: the simulator picks P×D from it
+
+Every problem is a ``ValueError`` with one line naming the field and the fix.
+
+    >>> spec = JobSpec.from_dict({"script": "/t.py", "global_batch_size": 8, "checkpoint_dir": "/c",
+    ...                           "max_vms": 2, "target_steps": 5})
+    >>> spec.min_vms, spec.procs_per_vm, spec.provider
+    (1, 1, 'local')
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PROVIDERS", "JobSpec", "load_jobspec", "spec_from_pb", "spec_to_pb"]
+
+#: Providers the manager knows (manager/providers/).
+PROVIDERS = ("local", "azure")
+
+# Environment variables the manager sets per worker itself: a spec may not override them.
+_RESERVED_ENV_PREFIXES = ("VARUNA_MANAGER", "VARUNA_JOB_ID", "VARUNA_VM_ID", "VARUNA_GENERATION")
+
+
+@dataclass(kw_only=True)
+class JobSpec:
+    """A training job as submitted (after validation and path resolution)."""
+
+    name: str = ""
+    """Free-form label shown by ``status``; defaults to the script's file name."""
+    script: str
+    """Training script (absolute after :meth:`resolved`), or a module name when ``module``."""
+    args: list[str] = field(default_factory=list)
+    """Arguments for the script, unchanged (they should make it stop at ``target_steps``)."""
+    module: bool = False
+    """Run ``python -m script`` instead of a file."""
+    workdir: str = ""
+    """Working directory of the workers; default: the spec file's directory."""
+    global_batch_size: int
+    """M_total: examples per optimizer step at every P×D."""
+    micro_batch_size: int = 0
+    """m used by the script; 0 lets auto-config choose (it is then exported as
+    ``VARUNA_MICRO_BATCH_SIZE``)."""
+    checkpoint_dir: str
+    """Global checkpoint store (``VARUNA_CHECKPOINT_DIR``); every relaunch resumes from it."""
+    checkpoint_every: int = 0
+    """Periodic checkpoint interval in steps (``VARUNA_CHECKPOINT_EVERY``, applied by the worker
+    shim); bounds the steps redone after an unannounced VM loss. 0: the script decides."""
+    provider: str = "local"
+    """Where VMs come from: ``local`` (pretend VMs on this machine) or ``azure``."""
+    provider_options: dict[str, Any] = field(default_factory=dict)
+    """Provider settings (docs/manager.md): e.g. ``metadata_url`` (local), ``resource_group``,
+    ``vm_size`` (azure)."""
+    min_vms: int = 1
+    """Fewest usable VMs the job runs on; below that it waits for VMs."""
+    max_vms: int
+    """Most VMs the manager asks the provider for."""
+    procs_per_vm: int = 1
+    """Workers (accelerators) per VM."""
+    target_steps: int
+    """The job is done when its workers exit 0 having reached this step."""
+    calibration: str = ""
+    """Calibration file (optional): auto-config and the fail-stutter predictions use it."""
+    pipeline_depth: int = 0
+    """Force P (0: choose)."""
+    num_segments: int = 0
+    """The model's segments (cut-points + 1) for the fallback P choice when there is no
+    calibration; P then divides it."""
+    gpu_memory_gib: float = 0.0
+    """Accelerator memory for auto-config (0: unknown, no memory limit)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for every worker (e.g. ``OMP_NUM_THREADS``)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` (one line, with the fix) if the spec cannot run."""
+        if not isinstance(self.script, str) or not self.script:
+            raise ValueError("jobspec: 'script' is required: the training script (or module) to run")
+        if not isinstance(self.args, list) or not all(isinstance(a, str) for a in self.args):
+            raise ValueError("jobspec: 'args' must be a list of strings")
+        for name in ("global_batch_size", "max_vms", "target_steps"):
+            if _int(self, name) < 1:
+                raise ValueError(f"jobspec: '{name}' must be an integer >= 1, got {getattr(self, name)!r}")
+        for name in ("micro_batch_size", "checkpoint_every", "pipeline_depth", "num_segments"):
+            if _int(self, name) < 0:
+                raise ValueError(f"jobspec: '{name}' must be an integer >= 0, got {getattr(self, name)!r}")
+        for name in ("min_vms", "procs_per_vm"):
+            if _int(self, name) < 1:
+                raise ValueError(f"jobspec: '{name}' must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.min_vms > self.max_vms:
+            raise ValueError(
+                f"jobspec: min_vms {self.min_vms} exceeds max_vms {self.max_vms}; "
+                "raise max_vms or lower min_vms"
+            )
+        if self.provider not in PROVIDERS:
+            raise ValueError(
+                f"jobspec: unknown provider {self.provider!r}; use one of {', '.join(PROVIDERS)}"
+            )
+        if not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir:
+            raise ValueError("jobspec: 'checkpoint_dir' is required: morphs resume from its checkpoints")
+        if not isinstance(self.provider_options, dict):
+            raise ValueError("jobspec: 'provider_options' must be a table/object")
+        if not isinstance(self.env, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()
+        ):
+            raise ValueError("jobspec: 'env' must map variable names to strings")
+        for key in self.env:
+            if key.startswith(_RESERVED_ENV_PREFIXES):
+                raise ValueError(f"jobspec: env may not set {key}: the manager sets it per worker")
+        if not isinstance(self.gpu_memory_gib, (int, float)) or self.gpu_memory_gib < 0:
+            raise ValueError(f"jobspec: 'gpu_memory_gib' must be a number >= 0, got {self.gpu_memory_gib!r}")
+        if self.pipeline_depth and self.pipeline_depth > self.max_vms * self.procs_per_vm:
+            raise ValueError(
+                f"jobspec: pipeline_depth {self.pipeline_depth} exceeds the "
+                f"{self.max_vms * self.procs_per_vm}"
+                " slots of max_vms × procs_per_vm; raise max_vms or lower pipeline_depth"
+            )
+
+    # -- conversions ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "jobspec") -> JobSpec:
+        """Build from a parsed JSON/TOML document; unknown keys are errors (a typo would
+        otherwise be silently ignored)."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{source}: the top level must be an object/table")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"{source}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        missing = [
+            n
+            for n in ("script", "global_batch_size", "checkpoint_dir", "max_vms", "target_steps")
+            if n not in data
+        ]
+        if missing:
+            raise ValueError(f"{source}: missing required field(s) {', '.join(missing)}")
+        try:
+            return cls(**dict(data))
+        except TypeError as exc:  # a wrong type that comparisons trip over
+            raise ValueError(f"{source}: {exc}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form (what the manager stores)."""
+        return asdict(self)
+
+    def resolved(self, base_dir: str | os.PathLike) -> JobSpec:
+        """A copy with ``script`` (unless a module), ``workdir``, ``checkpoint_dir`` and
+        ``calibration`` made absolute against ``base_dir``."""
+        base = Path(base_dir).resolve()
+
+        def absolute(p: str) -> str:
+            return str((base / os.path.expanduser(p)).resolve()) if p else p
+
+        data = self.to_dict()
+        if not self.module:
+            data["script"] = absolute(self.script)
+        data["workdir"] = absolute(self.workdir) if self.workdir else str(base)
+        data["checkpoint_dir"] = absolute(self.checkpoint_dir)
+        data["calibration"] = absolute(self.calibration)
+        return JobSpec(**data)
+
+    @property
+    def display_name(self) -> str:
+        return self.name or Path(self.script).name
+
+
+def _int(spec: JobSpec, name: str) -> int:
+    value = getattr(spec, name)
+    # bool is an int subclass: `true` for a count is a typo, not 1.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"jobspec: '{name}' must be an integer, got {value!r}")
+    return value
+
+
+def load_jobspec(path: str | os.PathLike) -> JobSpec:
+    """Read a JSON (``.json``) or TOML (``.toml``, or anything else that is not JSON) job spec and
+    resolve its paths against the file's directory. ``ValueError`` (one line) on any problem."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read job spec {p}: {exc.strerror or exc}") from None
+    if p.suffix.lower() == ".json" or text.lstrip().startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"{p}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+            ) from None
+    else:
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10
+            raise ValueError(f"{p}: TOML job specs need Python >= 3.11; write the spec as JSON") from None
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{p}: not valid TOML: {exc}".splitlines()[0]) from None
+    spec = JobSpec.from_dict(data, source=str(p))
+    return spec.resolved(p.parent)
+
+
+def spec_to_pb(spec: JobSpec, calibration_json: str = "") -> Any:
+    """The wire form of ``spec`` (a ``varuna_manager_pb2.JobSpec``); ``calibration_json`` is the
+    calibration file's content, sent along because the manager may not see the submitter's files."""
+    from manager import varuna_manager_pb2 as pb
+
+    return pb.JobSpec(
+        name=spec.name,
+        script=spec.script,
+        args=list(spec.args),
+        module=spec.module,
+        workdir=spec.workdir,
+        global_batch_size=spec.global_batch_size,
+        micro_batch_size=spec.micro_batch_size,
+        checkpoint_dir=spec.checkpoint_dir,
+        checkpoint_every=spec.checkpoint_every,
+        provider=spec.provider,
+        provider_options_json=json.dumps(spec.provider_options, sort_keys=True),
+        min_vms=spec.min_vms,
+        max_vms=spec.max_vms,
+        procs_per_vm=spec.procs_per_vm,
+        target_steps=spec.target_steps,
+        calibration_json=calibration_json,
+        pipeline_depth=spec.pipeline_depth,
+        num_segments=spec.num_segments,
+        env=dict(spec.env),
+        gpu_memory_bytes=int(spec.gpu_memory_gib * 2**30),
+    )
+
+
+def spec_from_pb(msg: Any) -> JobSpec:
+    """Inverse of :func:`spec_to_pb` (without the calibration); ``ValueError`` when invalid."""
+    try:
+        options = json.loads(msg.provider_options_json) if msg.provider_options_json else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"jobspec: provider_options is not valid JSON: {exc.msg}") from None
+    return JobSpec(
+        name=msg.name,
+        script=msg.script,
+        args=list(msg.args),
+        module=msg.module,
+        workdir=msg.workdir,
+        global_batch_size=int(msg.global_batch_size),
+        micro_batch_size=int(msg.micro_batch_size),
+        checkpoint_dir=msg.checkpoint_dir,
+        checkpoint_every=int(msg.checkpoint_every),
+        provider=msg.provider,
+        provider_options=options,
+        min_vms=int(msg.min_vms),
+        max_vms=int(msg.max_vms),
+        procs_per_vm=int(msg.procs_per_vm),
+        target_steps=int(msg.target_steps),
+        pipeline_depth=int(msg.pipeline_depth),
+        num_segments=int(msg.num_segments),
+        env=dict(msg.env),
+        gpu_memory_gib=msg.gpu_memory_bytes / 2**30,
+    )

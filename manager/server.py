@@ -1,0 +1,181 @@
+"""``varuna-manager serve``: the gRPC server around a :class:`~manager.controller.Manager`.
+
+The server authenticates every call with :class:`~manager.auth.TokenInterceptor` (and TLS when
+``tls_cert``/``tls_key`` are given), maps :class:`~manager.controller.ManagerError` to gRPC
+status codes, and runs the manager's control loop. Stopping it (SIGTERM/SIGINT) leaves VMs and
+workers running: they keep training, and a manager started again on the same ``--db`` resumes.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+
+from manager import varuna_manager_pb2 as pb
+from manager import varuna_manager_pb2_grpc as pb_grpc
+from manager.auth import TokenInterceptor, load_token, server_credentials
+from manager.controller import Manager, ManagerConfig, ManagerError
+from manager.store import Store
+
+__all__ = ["ManagerServer", "ServeConfig"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    """``varuna-manager serve`` options."""
+
+    db: str
+    """SQLite state file (created when missing)."""
+    listen: str = "127.0.0.1:7878"
+    """``host:port`` to bind; port 0 picks a free one."""
+    token_file: str
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    """CA certificate agents and workers verify the manager with; default ``tls_cert`` (right for
+    a self-signed certificate)."""
+    advertise: str | None = None
+    """Address agents and workers use; default: the bound address (the host name when bound
+    to all interfaces)."""
+    state_dir: str | None = None
+    """Local-provider VM directories; default: ``<db>.d`` next to the state file."""
+    max_workers: int = 32
+    """gRPC handler threads (each heartbeat holds one for a few milliseconds)."""
+    manager: dict[str, Any] = field(default_factory=dict)
+    """Overrides of :class:`ManagerConfig` fields (heartbeat timeout, stutter rule, ...)."""
+
+
+class _Servicer(pb_grpc.VarunaManagerServicer):
+    """Thin adapter: unpack, call the manager, map errors to status codes."""
+
+    def __init__(self, manager: Manager) -> None:
+        self.m = manager
+
+    @staticmethod
+    def _guard(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except ManagerError as exc:
+            context.abort(exc.code, exc.message)
+        except Exception as exc:  # a bug: say so instead of dropping the connection
+            traceback.print_exc(file=sys.stderr)
+            context.abort(grpc.StatusCode.INTERNAL, f"manager error: {type(exc).__name__}: {exc}")
+        raise AssertionError("unreachable: abort raises")
+
+    def SubmitJob(self, request: pb.SubmitJobRequest, context: grpc.ServicerContext) -> pb.SubmitJobReply:
+        return pb.SubmitJobReply(job_id=self._guard(context, lambda: self.m.submit(request.spec)))
+
+    def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.GetStatusReply:
+        jobs = self._guard(context, lambda: self.m.status(request.job_id, request.history or 20))
+        return pb.GetStatusReply(jobs=jobs)
+
+    def ListEvents(self, request: pb.ListEventsRequest, context: grpc.ServicerContext) -> pb.ListEventsReply:
+        events = self._guard(context, lambda: self.m.events(request.job_id, request.after_id, request.limit))
+        return pb.ListEventsReply(events=events)
+
+    def CancelJob(self, request: pb.CancelJobRequest, context: grpc.ServicerContext) -> pb.CancelJobReply:
+        return pb.CancelJobReply(state=self._guard(context, lambda: self.m.cancel(request.job_id)))
+
+    def RegisterVM(self, request: pb.RegisterVMRequest, context: grpc.ServicerContext) -> pb.RegisterVMReply:
+        return self._guard(context, lambda: self.m.register_vm(request))
+
+    def VMHeartbeat(
+        self, request: pb.VMHeartbeatRequest, context: grpc.ServicerContext
+    ) -> pb.VMHeartbeatReply:
+        return pb.VMHeartbeatReply(orders=self._guard(context, lambda: self.m.vm_heartbeat(request)))
+
+    def WorkerHeartbeat(
+        self, request: pb.WorkerHeartbeatRequest, context: grpc.ServicerContext
+    ) -> pb.WorkerHeartbeatReply:
+        return pb.WorkerHeartbeatReply(ok=self._guard(context, lambda: self.m.worker_heartbeat(request)))
+
+
+class ManagerServer:
+    """Store + manager + gRPC server. ``start()`` binds and starts everything; ``stop()`` stops
+    the server and the control loop (bounded waits) and closes the store.
+
+    Example::
+
+        server = ManagerServer(ServeConfig(db="state.sqlite", listen="127.0.0.1:0", token_file="tok"))
+        server.start(); print(server.address); ...; server.stop()
+    """
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        token = load_token(config.token_file)  # ValueError: one line for the CLI
+        if bool(config.tls_cert) != bool(config.tls_key):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        self._creds = server_credentials(config.tls_cert, config.tls_key) if config.tls_cert else None
+        host, sep, port = config.listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise ValueError(f"--listen {config.listen!r} is not HOST:PORT (port 0: any free port)")
+        self._host = host
+        Path(config.db).parent.mkdir(parents=True, exist_ok=True)
+        self.store = Store(config.db)
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(
+                max_workers=config.max_workers, thread_name_prefix="varuna-manager-rpc"
+            ),
+            interceptors=[TokenInterceptor(token)],
+            options=[("grpc.so_reuseport", 0)],  # a second manager on the same port must fail, not share it
+        )
+        self.port = 0
+        self.manager: Manager | None = None
+        self._stopped = threading.Event()
+
+    @property
+    def address(self) -> str:
+        """``host:port`` actually bound."""
+        return f"{self._host}:{self.port}"
+
+    def start(self) -> None:
+        """Bind, start serving and start the control loop. ``OSError`` when the address is taken."""
+        bind = f"{self._host}:{self.config.listen.rpartition(':')[2]}"
+        try:
+            if self._creds is not None:
+                self.port = self._server.add_secure_port(bind, self._creds)
+            else:
+                self.port = self._server.add_insecure_port(bind)
+        except RuntimeError as exc:  # grpc raises RuntimeError when it cannot bind
+            self.store.close()
+            raise OSError(f"cannot listen on {bind}: {exc}") from None
+        if not self.port:
+            self.store.close()
+            raise OSError(f"cannot listen on {bind} (address in use?)")
+        advertise = self.config.advertise
+        if not advertise:
+            host = socket.gethostname() if self._host in ("0.0.0.0", "[::]", "::") else self._host
+            advertise = f"{host}:{self.port}"
+        state_dir = self.config.state_dir or f"{self.config.db}.d"
+        mcfg = ManagerConfig(
+            advertise_address=advertise,
+            token_file=self.config.token_file,
+            tls_ca=self.config.tls_ca or self.config.tls_cert,
+            state_dir=state_dir,
+            **self.config.manager,
+        )
+        self.manager = Manager(self.store, mcfg)
+        pb_grpc.add_VarunaManagerServicer_to_server(_Servicer(self.manager), self._server)
+        self._server.start()
+        self.manager.start()
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        """Stop serving (in-flight calls get ``grace_s``), stop the control loop, close the store."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self._server.stop(grace_s).wait(grace_s + 3.0)
+        if self.manager is not None:
+            self.manager.stop()
+        self.store.close()

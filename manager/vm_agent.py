@@ -1,0 +1,603 @@
+"""``python -m manager.vm_agent``: the manager's agent on one VM.
+
+It registers the VM with the manager, then heartbeats every ``heartbeat_interval_s`` (liveness,
+the state of its workers, a free port, any eviction notice) and obeys the orders that come back
+in each reply (Note [Orders]). It needs no listening port, and a manager restart only pauses it:
+it keeps its workers running and retries until ``--orphan-timeout`` passes without an answer,
+then kills its workers and exits (so nothing runs forever unsupervised).
+
+Workers run as ``python -m manager.worker_shim SCRIPT ARGS`` (heartbeats, checkpoint interval),
+each in its own session (SIGUSR1/SIGKILL go to its whole process group) and with a parent-death
+signal (set by the shim, ``$VARUNA_AGENT_PID``), so whatever kills the agent — including
+``kill -9`` of the agent's process group, which is how tests preempt a pretend VM — kills the
+workers too, exactly like a VM that disappears.
+
+Eviction notices: with ``--metadata-url`` a thread polls Azure Scheduled Events
+(:mod:`manager.scheduled_events`). On a Preempt/Terminate notice for this VM the agent at once
+sends SIGUSR1 to its workers (every rank then finishes the mini-batch, writes a checkpoint and
+exits 0: the engine agrees on the stop across ranks), without waiting for a manager round trip,
+then reports the notice; with ``--approve-notices`` it approves the event once its workers are
+done, so the platform need not wait until ``NotBefore``.
+
+Note [Orders]: each heartbeat reply is the full desired state (``action``, ``generation``, and
+for RUN this VM's workers), so a lost or repeated reply is harmless:
+
+- RUN g: if g is newer than anything run here, kill older workers and start g's (once);
+- STOP g: SIGCONT + SIGUSR1 to g's workers once, SIGKILL after ``stop_timeout_s``;
+- KILL g: SIGKILL g's (and older) workers; IDLE: no worker should run, kill strays;
+- SHUTDOWN: kill everything and exit (the VM is being deleted or the job is over).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import grpc
+
+from manager import varuna_manager_pb2 as pb
+from manager.auth import load_token
+from manager.client import ClientConfig, ManagerClient
+from manager.procs import find_free_port, kill_group, reap, restore_normal_priority
+from manager.scheduled_events import Notice, ScheduledEventsClient
+from varuna.env import CONTRACT_VARS
+
+__all__ = ["AgentConfig", "VMAgent", "main"]
+
+PROG = "varuna-vm-agent"
+#: How often the agent's loop looks at its workers; a worker exit is reported this fast.
+POLL_S = 0.05
+#: Bound on reaping a SIGKILLed worker (a process stuck in the kernel cannot die sooner).
+REAP_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """What an agent needs to know; every field has a command-line flag."""
+
+    manager: str
+    """``host:port`` of the manager."""
+    token_file: str
+    """Bearer token file (also handed to the workers by path, never by value)."""
+    tls_ca: str | None = None
+    vm_id: str
+    job_id: str = ""
+    slots: int = 1
+    address: str = ""
+    """How other VMs reach this one; default: the local address that routes to the manager."""
+    metadata_url: str | None = None
+    """Scheduled Events endpoint to poll; None: no polling."""
+    vm_name: str = ""
+    """This VM's name in Scheduled Events ``Resources`` (default: ``vm_id``)."""
+    approve_notices: bool = False
+    metadata_poll_s: float = 1.0
+    heartbeat_interval_s: float = 2.0
+    """Until the manager says otherwise."""
+    orphan_timeout_s: float = 300.0
+    log_dir: str = ""
+    """Worker logs (``gen{g}-rank{r}.log``); default: the current directory."""
+    standby: int = 0
+    """Standby workers kept ready (torch imported) for the next generation (Note [Standby])."""
+    standby_priority: str = "idle"
+    """``idle``: standbys import at idle priority (never slowing the training; slow to get ready
+    when the training keeps the CPU busy); ``normal``: ready sooner, at the training's expense."""
+    standby_delay_s: float = 1.0
+    """Start standbys this long after the manager reports the generation training (its first
+    step done), so they do not slow the workers' own start-up."""
+    python: str = field(default_factory=lambda: sys.executable or "python3")
+
+
+@dataclass
+class _Worker:
+    rank: int
+    generation: int
+    popen: subprocess.Popen
+    log: IO[bytes] | None
+    exit_code: int | None = None
+    stop_sent: float | None = None
+
+
+class VMAgent:
+    """The agent's state and loop (module docstring). Run :meth:`run` in the main thread: the
+    workers' parent-death signal is tied to the thread that starts them."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.instance = secrets.token_hex(8)
+        self._client = ManagerClient(
+            ClientConfig(address=config.manager, token=load_token(config.token_file), tls_ca=config.tls_ca)
+        )
+        self._interval = config.heartbeat_interval_s
+        self._generation = 0
+        self._workers: list[_Worker] = []
+        self._stop_deadline: float | None = None
+        self._shutdown = threading.Event()
+        self._notice: Notice | None = None
+        self._notice_lock = threading.Lock()
+        self._notice_acted = False
+        self._notice_approved = False
+        self._events = (
+            ScheduledEventsClient(config.metadata_url, config.vm_name or config.vm_id)
+            if config.metadata_url
+            else None
+        )
+        self._address = config.address or _route_address(config.manager)
+        self._log_dir = Path(config.log_dir or ".")
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        self._standbys: list[subprocess.Popen] = []
+        self._job_env: dict[str, str] | None = None  # the last generation's environment, sans rank
+        self._training_since: float | None = None  # when the manager said our generation trains
+
+    # -- life cycle ----------------------------------------------------------------------------
+
+    def request_shutdown(self) -> None:
+        """Stop the loop (signal handlers call it); workers are killed on the way out."""
+        self._shutdown.set()
+
+    def run(self) -> int:
+        """Register, then heartbeat and obey until shut down. Returns the exit code."""
+        poller = None
+        if self._events is not None:
+            poller = threading.Thread(target=self._poll_events, name="scheduled-events", daemon=True)
+            poller.start()
+        try:
+            if not self._register():
+                return 3
+            return self._loop()
+        finally:
+            self._kill_all()
+            self._kill_standbys()
+            self._client.close()
+
+    def _say(self, text: str) -> None:
+        stamp = time.strftime("%H:%M:%S") + f".{int(time.time() * 1000) % 1000:03d}"
+        print(f"{stamp} {PROG}[{self.config.vm_id}]: {text}", file=sys.stderr, flush=True)
+
+    def _register(self) -> bool:
+        deadline = time.monotonic() + self.config.orphan_timeout_s
+        request = pb.RegisterVMRequest(
+            vm_id=self.config.vm_id,
+            job_id=self.config.job_id,
+            agent_instance=self.instance,
+            hostname=socket.gethostname(),
+            address=self._address,
+            slots=self.config.slots,
+            pid=os.getpid(),
+        )
+        while not self._shutdown.is_set():
+            try:
+                reply = self._client.register_vm(request)
+                if reply.heartbeat_interval_s > 0:
+                    self._interval = reply.heartbeat_interval_s
+                self._say(f"registered with {self.config.manager} ({reply.message or 'ok'})")
+                return True
+            except grpc.RpcError as exc:
+                if exc.code() in (
+                    grpc.StatusCode.NOT_FOUND,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                ):
+                    self._say(f"the manager refused this VM: {exc.details()}")
+                    return False
+                if time.monotonic() > deadline:
+                    self._say(
+                        f"no manager at {self.config.manager} for {self.config.orphan_timeout_s:g} s; exiting"
+                    )
+                    return False
+            self._shutdown.wait(min(1.0, self._interval))
+        return False
+
+    def _loop(self) -> int:
+        last_ok = time.monotonic()
+        next_beat = 0.0
+        reported: tuple = ()
+        while not self._shutdown.is_set():
+            self._poll_workers()
+            self._act_on_notice()
+            self._enforce_stop_deadline()
+            self._maintain_standbys()
+            state = self._state_key()
+            now = time.monotonic()
+            # Beat on schedule, and at once when something changed (a worker exited, a notice):
+            # the manager reacts to those within a round trip instead of an interval.
+            if now >= next_beat or state != reported:
+                try:
+                    orders = self._client.vm_heartbeat(self._heartbeat(), timeout_s=max(2.0, self._interval))
+                except grpc.RpcError as exc:
+                    if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+                        self._say(f"the manager no longer knows this VM ({exc.details()}); exiting")
+                        return 0
+                    if time.monotonic() - last_ok > self.config.orphan_timeout_s:
+                        self._say(
+                            f"no manager for {self.config.orphan_timeout_s:g} s; killing workers and exiting"
+                        )
+                        return 3
+                    next_beat = time.monotonic() + min(1.0, self._interval)
+                else:
+                    last_ok = time.monotonic()
+                    reported = state
+                    next_beat = last_ok + self._interval
+                    if self._apply(orders):
+                        return 0
+            self._shutdown.wait(POLL_S)
+        return 0
+
+    # -- orders --------------------------------------------------------------------------------
+
+    def _apply(self, orders: pb.Orders) -> bool:
+        """Obey one reply (Note [Orders]); True when told to shut down."""
+        if orders.heartbeat_interval_s > 0:
+            self._interval = orders.heartbeat_interval_s
+        g, action = orders.generation, orders.action
+        if action == pb.Orders.SHUTDOWN:
+            self._say("shutdown ordered")
+            return True
+        if action == pb.Orders.RUN:
+            if orders.training and self._training_since is None:
+                self._training_since = time.monotonic()
+            if g > self._generation:
+                self._kill_all()
+                self._generation = g
+                self._training_since = time.monotonic() if orders.training else None
+                self._spawn(orders.workers, g)
+                # A VM under notice should not get work; if it does, stop it again right away.
+                if self._notice_acted:
+                    self._signal_workers(signal.SIGUSR1)
+        elif action == pb.Orders.STOP:
+            if g > self._generation:
+                self._kill_all()
+                self._generation = g  # never started: nothing to stop, and never start it later
+            elif g == self._generation and self._stop_deadline is None:
+                self._say(f"stopping generation {g} (SIGUSR1: checkpoint and exit)")
+                self._signal_workers(signal.SIGUSR1)
+                self._stop_deadline = time.monotonic() + (orders.stop_timeout_s or 60.0)
+        elif action == pb.Orders.KILL:
+            if g >= self._generation:
+                self._kill_all()
+                self._generation = g
+        elif action == pb.Orders.IDLE:
+            if any(w.exit_code is None for w in self._workers):
+                self._say("idle ordered: killing leftover workers")
+                self._kill_all()
+        return False
+
+    def _worker_env(self, launch_env: dict[str, str]) -> dict[str, str]:
+        base = dict(os.environ)
+        extra = {
+            "VARUNA_MANAGER": self.config.manager,
+            "VARUNA_MANAGER_TOKEN_FILE": str(Path(self.config.token_file).resolve()),
+            "VARUNA_VM_ID": self.config.vm_id,
+            # The shim asks for a parent-death signal tied to us (manager.procs.die_with_parent).
+            "VARUNA_AGENT_PID": str(os.getpid()),
+            # The workers import manager.worker_shim: make this package importable for them
+            # wherever their working directory is.
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (str(Path(__file__).resolve().parent.parent), base.get("PYTHONPATH", "")) if p
+            ),
+        }
+        if self.config.tls_ca:
+            extra["VARUNA_MANAGER_TLS_CA"] = str(Path(self.config.tls_ca).resolve())
+        return {**base, **launch_env, **extra}
+
+    def _spawn(self, launches: list[pb.WorkerLaunch], generation: int) -> None:
+        self._workers = []
+        self._stop_deadline = None
+        standby_ranks: list[int] = []
+        for launch in launches:
+            env = self._worker_env(dict(launch.env))
+            self._job_env = {k: v for k, v in launch.env.items() if k not in CONTRACT_VARS}
+            log_path = self._log_dir / f"gen{generation}-rank{launch.rank}.log"
+            popen = self._take_standby(launch, env, log_path)
+            if popen is not None:
+                self._workers.append(_Worker(rank=launch.rank, generation=generation, popen=popen, log=None))
+                standby_ranks.append(launch.rank)
+                continue
+            log = open(log_path, "ab")
+            try:
+                popen = subprocess.Popen(
+                    [self.config.python, *launch.argv],
+                    cwd=launch.cwd or None,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    # No preexec_fn: Python code between fork and exec crashes the child of a process
+                    # with gRPC threads; the parent-death signal is set by the shim instead.
+                    start_new_session=True,
+                    close_fds=True,
+                )
+            except OSError as exc:
+                log.write(f"{PROG}: cannot start rank {launch.rank}: {exc}\n".encode())
+                log.close()
+                self._say(f"cannot start rank {launch.rank}: {exc}")
+                # Reported as an exited worker with code 127 (command not runnable).
+                self._workers.append(
+                    _Worker(
+                        rank=launch.rank, generation=generation, popen=_FailedPopen(), log=None, exit_code=127
+                    )
+                )
+                continue
+            self._workers.append(_Worker(rank=launch.rank, generation=generation, popen=popen, log=log))
+        ranks = ", ".join(f"{w.rank}{' (standby)' if w.rank in standby_ranks else ''}" for w in self._workers)
+        self._say(f"generation {generation}: started rank(s) {ranks}")
+
+    # Note [Standby]: most of a small worker's start-up is importing torch (and torch._dynamo,
+    # which the engine's dry run pulls in): seconds of CPU per process, on the critical path of
+    # every morph. So, once a generation trains (the manager says so in RUN orders: it completed
+    # its first step; standbys started earlier would compete with its start-up for the CPU), the
+    # agent starts one standby per slot
+    # (``python -m manager.worker_shim --standby``: imports done, then blocked reading stdin) and
+    # hands the next generation's rank to it as one JSON line (argv, environment, directory, log
+    # file). A standby is a normal worker from then on: own session, parent-death signal.
+
+    def _take_standby(
+        self, launch: pb.WorkerLaunch, env: dict[str, str], log_path: Path
+    ) -> subprocess.Popen | None:
+        while self._standbys:
+            popen = self._standbys.pop(0)
+            if reap(popen) is not None or popen.stdin is None:
+                continue  # died while waiting
+            job = {"argv": list(launch.argv), "env": env, "cwd": launch.cwd or "", "log": str(log_path)}
+            try:
+                # Out of SCHED_IDLE first (the standby may still be importing at idle priority).
+                restore_normal_priority(popen.pid)
+                popen.stdin.write(json.dumps(job).encode() + b"\n")
+                popen.stdin.close()
+            except OSError:
+                kill_group(popen.pid, signal.SIGKILL)
+                reap(popen, REAP_TIMEOUT_S)
+                continue
+            return popen
+        return None
+
+    def _maintain_standbys(self) -> None:
+        self._standbys = [p for p in self._standbys if reap(p) is None]
+        if (
+            self.config.standby <= len(self._standbys)
+            or self._job_env is None
+            or self._training_since is None
+            or time.monotonic() - self._training_since < self.config.standby_delay_s
+        ):
+            return
+        env = {**self._worker_env(self._job_env), "VARUNA_STANDBY_PRIORITY": self.config.standby_priority}
+        log = open(self._log_dir / "standby.log", "ab")
+        try:
+            # One per pass: spreading the imports keeps the running generation's steps smooth.
+            self._standbys.append(
+                subprocess.Popen(
+                    [self.config.python, "-m", "manager.worker_shim", "--standby"],
+                    cwd=self._log_dir,
+                    env=env,
+                    stdin=subprocess.PIPE,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    close_fds=True,
+                )
+            )
+        except OSError as exc:
+            self._say(f"cannot start a standby worker: {exc}")
+        finally:
+            log.close()
+
+    def _kill_standbys(self) -> None:
+        for popen in self._standbys:
+            kill_group(popen.pid, signal.SIGKILL)
+        for popen in self._standbys:
+            reap(popen, REAP_TIMEOUT_S)
+        self._standbys = []
+
+    def _signal_workers(self, sig: int) -> None:
+        for w in self._workers:
+            # Once per worker: Python resets its handlers while the interpreter shuts down, so a
+            # second SIGUSR1 during a clean exit would kill the worker with a failure code.
+            if w.exit_code is None and w.stop_sent is None:
+                # A worker paused with SIGSTOP cannot act on SIGUSR1 until it is continued.
+                kill_group(w.popen.pid, signal.SIGCONT)
+                kill_group(w.popen.pid, sig)
+                w.stop_sent = time.monotonic()
+
+    def _kill_all(self) -> None:
+        for w in self._workers:
+            if w.exit_code is None:
+                kill_group(w.popen.pid, signal.SIGKILL)
+        for w in self._workers:
+            if w.exit_code is None:
+                code = reap(w.popen, REAP_TIMEOUT_S)
+                w.exit_code = code if code is not None else -int(signal.SIGKILL)
+            if w.log is not None:
+                w.log.close()
+        self._stop_deadline = None
+
+    def _poll_workers(self) -> None:
+        for w in self._workers:
+            if w.exit_code is None:
+                code = reap(w.popen)
+                if code is None:
+                    continue
+                w.exit_code = code
+                if w.log is not None:
+                    w.log.close()
+                self._say(f"rank {w.rank} of generation {w.generation} exited with {w.exit_code}")
+
+    def _enforce_stop_deadline(self) -> None:
+        if self._stop_deadline is not None and time.monotonic() > self._stop_deadline:
+            if any(w.exit_code is None for w in self._workers):
+                self._say("workers did not stop in time; SIGKILL")
+                self._kill_all()
+            self._stop_deadline = None
+
+    # -- eviction notices ----------------------------------------------------------------------
+
+    def _poll_events(self) -> None:
+        assert self._events is not None
+        while not self._shutdown.is_set():
+            notices = self._events.poll()
+            if notices:
+                with self._notice_lock:
+                    if self._notice is None:
+                        self._notice = notices[0]
+            self._shutdown.wait(self.config.metadata_poll_s)
+
+    def _act_on_notice(self) -> None:
+        with self._notice_lock:
+            notice = self._notice
+        if notice is None:
+            return
+        if not self._notice_acted:
+            self._notice_acted = True
+            self._say(
+                f"eviction notice {notice.event_type} {notice.event_id} (not before {notice.not_before!r}):"
+                " SIGUSR1 to the workers (checkpoint and exit)"
+            )
+            self._signal_workers(signal.SIGUSR1)
+            if any(w.exit_code is None for w in self._workers):
+                self._stop_deadline = time.monotonic() + 60.0
+        if (
+            self.config.approve_notices
+            and not self._notice_approved
+            and self._events is not None
+            and all(w.exit_code is not None for w in self._workers)
+        ):
+            self._notice_approved = True
+            ok = self._events.approve(notice.event_id)
+            self._say(
+                f"approved event {notice.event_id}" if ok else f"could not approve event {notice.event_id}"
+            )
+
+    # -- reports -------------------------------------------------------------------------------
+
+    def _state_key(self) -> tuple:
+        return (
+            self._generation,
+            tuple((w.rank, w.exit_code) for w in self._workers),
+            self._notice is not None,
+        )
+
+    def _heartbeat(self) -> pb.VMHeartbeatRequest:
+        req = pb.VMHeartbeatRequest(
+            vm_id=self.config.vm_id,
+            agent_instance=self.instance,
+            generation=self._generation,
+            free_port=find_free_port(),
+        )
+        for w in self._workers:
+            req.workers.add(
+                rank=w.rank,
+                pid=w.popen.pid,
+                running=w.exit_code is None,
+                exit_code=w.exit_code if w.exit_code is not None else 0,
+            )
+        with self._notice_lock:
+            notice = self._notice
+        if notice is not None:
+            req.has_notice = True
+            req.notice.CopyFrom(
+                pb.PreemptNotice(
+                    event_id=notice.event_id,
+                    event_type=notice.event_type,
+                    not_before=notice.not_before,
+                    description=notice.description,
+                )
+            )
+        return req
+
+
+class _FailedPopen:
+    """Stands in for a worker that could not be started."""
+
+    pid = 0
+    returncode = 127
+
+
+def _route_address(manager: str) -> str:
+    """The local IP address that routes to the manager (what other VMs can reach us at)."""
+    host = manager.rsplit(":", 1)[0].strip("[]")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # UDP connect sends nothing; it only picks the route
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description="The varuna manager's agent on one VM.")
+    parser.add_argument("--manager", required=True, metavar="HOST:PORT")
+    parser.add_argument("--token-file", required=True)
+    parser.add_argument("--tls-ca", default=None)
+    parser.add_argument("--vm-id", required=True)
+    parser.add_argument("--job-id", default="")
+    parser.add_argument("--slots", type=int, default=1)
+    parser.add_argument("--address", default="")
+    parser.add_argument("--metadata-url", default=None, help="Azure Scheduled Events endpoint to poll")
+    parser.add_argument("--vm-name", default="", help="this VM's name in Scheduled Events (default: --vm-id)")
+    parser.add_argument("--approve-notices", action="store_true")
+    parser.add_argument("--metadata-poll", type=float, default=1.0, metavar="S")
+    parser.add_argument("--heartbeat-interval", type=float, default=2.0, metavar="S")
+    parser.add_argument("--orphan-timeout", type=float, default=300.0, metavar="S")
+    parser.add_argument("--log-dir", default="")
+    parser.add_argument(
+        "--standby",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep N pre-imported workers ready for the next generation (default 0)",
+    )
+    parser.add_argument(
+        "--standby-delay",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="start standbys this long after the generation's first step (default 1)",
+    )
+    parser.add_argument(
+        "--standby-priority",
+        choices=["idle", "normal"],
+        default="idle",
+        help="CPU priority of standbys while they import (default idle: never slows the training)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        agent = VMAgent(
+            AgentConfig(
+                manager=args.manager,
+                token_file=args.token_file,
+                tls_ca=args.tls_ca,
+                vm_id=args.vm_id,
+                job_id=args.job_id,
+                slots=args.slots,
+                address=args.address,
+                metadata_url=args.metadata_url,
+                vm_name=args.vm_name,
+                approve_notices=args.approve_notices,
+                metadata_poll_s=args.metadata_poll,
+                heartbeat_interval_s=args.heartbeat_interval,
+                orphan_timeout_s=args.orphan_timeout,
+                log_dir=args.log_dir,
+                standby=args.standby,
+                standby_delay_s=args.standby_delay,
+                standby_priority=args.standby_priority,
+            )
+        )
+    except ValueError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: agent.request_shutdown())
+    return agent.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

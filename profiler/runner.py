@@ -1,0 +1,936 @@
+"""The calibration run behind ``profiler.calibrate(...)`` and ``varuna-profile``: measure, fit, write.
+
+What happens (see ``docs/profiling.md``):
+
+1. In this process: build the model from its spec (bad input fails here, with one line), emulate
+   ``hosts`` hosts with ``procs_per_host`` processes each (:mod:`profiler.hosts`) and start
+   ``max(procs, hosts·procs_per_host)`` worker processes (:mod:`profiler.worker`; rank r lives on
+   host ``r // procs_per_host``). While they import torch, dry-run the model at every new
+   micro-batch size (:func:`profiler.compute.dry_run`: cut-points, activation shapes, a rough
+   time per segment), then hand them the plan. Phases, one at a time:
+   - compute: ``procs`` ranks measure disjoint sets of segments in parallel (balanced by the dry
+     run's times); they also report each segment's gradient bytes;
+   - links: ranks (0, 1) (same host) and (0, procs_per_host) (two hosts) send every cut-point's
+     activation and gradient at every m, plus a sweep of sizes for the latency/bandwidth fit;
+   - all-reduce: for every ring size D in 2..hosts and k in {1, procs_per_host}, k rings of D
+     ranks (one per host) all-reduce each segment's gradient bytes (and a sweep) concurrently.
+3. Here again: statistics, least-squares fits (links: latency + bytes/bandwidth; all-reduce:
+   Note [All-reduce model] of :mod:`varuna.calibration`; F/B/R: a + b·m per segment), their
+   errors on the measured points, and the file.
+
+``update=FILE`` measures only what FILE lacks (new m values: compute and sends; new ring sizes /
+concurrencies: all-reduce) and merges; the rest of FILE is kept as it was.
+
+Example::
+
+    cal = calibrate("examples/gpt2/profile_target.py:build", [1, 2, 4], out="calib.json")
+    cal.fwd_s(0, 4), cal.p2p_s(cal.act_bytes(0, 4), intra=False), cal.allreduce_s(1 << 20, 4, 2)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from profiler.compute import SegmentMeasurement, dry_run, median_iqr
+from profiler.hosts import HostSet, open_hosts
+from profiler.network import MessageSpec, allreduce_times, link_stats, mean_std, payload_bytes
+from profiler.spec import load_target, parse_micro_batch_sizes
+from varuna.calibration import (
+    AllReducePoint,
+    Calibration,
+    ComputeStat,
+    CutPointCalibration,
+    HostInfo,
+    LinkModel,
+    LinkPoint,
+    ModelInfo,
+    SegmentCalibration,
+    SendStat,
+    fit_allreduce_model,
+    fit_link_model,
+)
+from varuna.cutpoint import CutPoint
+
+__all__ = ["ProfileOptions", "calibrate", "measure_allreduce", "EXTRA_KEY", "fit_linear"]
+
+#: Top-level key of the calibration file holding what the schema has no field for (fit errors,
+#: peak memory, settings). ``Calibration.from_dict`` ignores it; the profiler reads it back on --update.
+EXTRA_KEY = "profiler"
+
+_DEFAULT_INTER = "latency=1ms,bandwidth=1Gbit/s"
+
+
+@dataclass(kw_only=True)
+class ProfileOptions:
+    """Settings of one calibration run (the CLI flags, one to one)."""
+
+    procs: int = 2
+    """Processes measuring segments in parallel (each takes a subset; use one per core/accelerator)."""
+    threads: int = 1
+    """torch intra-op threads per process."""
+    device: str = "auto"
+    """auto (cuda when available), cpu or cuda."""
+    hosts: int = 2
+    """Emulated hosts; all-reduce ring sizes 2..hosts are measured."""
+    procs_per_host: int = 2
+    """Processes per emulated host: the intra-host link and k concurrent all-reduces per host."""
+    host_emulation: str = "auto"
+    """auto, netns or loopback (see profiler.hosts)."""
+    inter_netem: str | None = _DEFAULT_INTER
+    """The emulated network between hosts (varuna.netem string); None: none (real links only)."""
+    intra_netem: str | None = None
+    """Emulated network inside a host; None: the real loopback."""
+    warmup: int = 2
+    """Unrecorded repetitions per (segment, m) before the measured ones."""
+    reps: int = 7
+    """Measured repetitions per (segment, m) at least ..."""
+    min_time_s: float = 0.05
+    """... and more, up to 50, until they take this long (cheap segments get more samples)."""
+    link_reps: int = 8
+    """Measured rounds per message size and direction (after 2 warm-up rounds)."""
+    link_pings: int = 5
+    """Ping-pongs that relate the two clocks of a link."""
+    link_sweep_bytes: tuple[int, ...] = (1 << 10, 64 << 10, 1 << 20, 4 << 20)
+    """Extra message sizes for the latency/bandwidth fit (a single float32 tensor each)."""
+    allreduce_reps: int = 5
+    """Measured rounds per (size, ring size, concurrency), after one warm-up round."""
+    allreduce_sweep_bytes: tuple[int, ...] = (256 << 10, 1 << 20, 4 << 20)
+    """Buffer sizes all-reduced besides the segments' gradients (spread for the fit)."""
+    optimizer: str = "adam"
+    """adam (two moments per parameter, as the paper), sgd (momentum) or none."""
+    timeout_s: float = 300.0
+    """Every wait on another process gives up after this long."""
+    verbose: bool = True
+    """Print progress, the results and the wall time."""
+    clock_start: float | None = None
+    """``time.perf_counter()`` where the reported wall time starts (default: the call of calibrate)."""
+
+    def validate(self) -> None:
+        if self.procs < 1 or self.threads < 1:
+            raise ValueError("--procs and --threads must be >= 1")
+        if self.hosts < 2:
+            raise ValueError("--hosts must be >= 2 to measure links between hosts and all-reduces")
+        if self.procs_per_host < 2:
+            raise ValueError("--procs-per-host must be >= 2 to measure the intra-host link")
+        if self.reps < 1 or self.warmup < 0 or self.link_reps < 1 or self.allreduce_reps < 1:
+            raise ValueError("repetition counts must be >= 1 (warm-up >= 0)")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"unknown --device {self.device!r}; choose auto, cpu or cuda")
+        from varuna.netem import NetworkConfig
+
+        for flag, text in (("--inter-netem", self.inter_netem), ("--intra-netem", self.intra_netem)):
+            if text:
+                try:
+                    NetworkConfig.parse(text)
+                except ValueError as e:
+                    raise ValueError(f"{flag}: {e}") from None
+
+
+def _say(opts: ProfileOptions, text: str) -> None:
+    if opts.verbose:
+        print(text, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fits
+
+
+def fit_linear(ms: Sequence[float], ys: Sequence[float]) -> dict:
+    """Least-squares ``y = intercept + slope·m`` (relative weights) and its errors on the points.
+
+    One point: a line through the origin. Negative intercepts are clamped to 0 (a cost).
+
+    >>> fit = fit_linear([1, 2, 4], [0.011, 0.021, 0.041])
+    >>> round(fit["intercept_s"], 4), round(fit["per_example_s"], 4), fit["max_rel_error"] < 1e-9
+    (0.001, 0.01, True)
+    """
+    pts = [(float(m), float(y)) for m, y in zip(ms, ys)]
+    if len(pts) == 1 or len({m for m, _ in pts}) == 1:
+        a, b = 0.0, pts[0][1] / pts[0][0]
+    else:
+        w = [1.0 / max(y, 1e-12) ** 2 for _, y in pts]
+        sw, sm, sy = (
+            sum(w),
+            sum(wi * m for wi, (m, _) in zip(w, pts)),
+            sum(wi * y for wi, (_, y) in zip(w, pts)),
+        )
+        smm = sum(wi * m * m for wi, (m, _) in zip(w, pts))
+        smy = sum(wi * m * y for wi, (m, y) in zip(w, pts))
+        det = sw * smm - sm * sm
+        b = (sw * smy - sm * sy) / det
+        a = (sy - b * sm) / sw
+        if a < 0:
+            a, b = 0.0, smy / smm
+    errs = [abs(a + b * m - y) / max(y, 1e-12) for m, y in pts]
+    return {
+        "intercept_s": a,
+        "per_example_s": b,
+        "max_rel_error": max(errs),
+        "rms_rel_error": math.sqrt(sum(e * e for e in errs) / len(errs)),
+    }
+
+
+def _link_fit_errors(model: LinkModel) -> dict:
+    errs = [abs(model.time_s(p.bytes) - p.mean_s) / max(p.mean_s, 1e-12) for p in model.points]
+    return {
+        "rms_rel_error": math.sqrt(sum(e * e for e in errs) / len(errs)) if errs else 0.0,
+        "max_rel_error": max(errs, default=0.0),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan
+
+
+def _assign_segments(flops: Sequence[float], procs: int) -> dict[int, list[int]]:
+    """Longest-processing-time-first: each segment to the least loaded process."""
+    load = [0.0] * procs
+    out: dict[int, list[int]] = {r: [] for r in range(procs)}
+    for seg in sorted(range(len(flops)), key=lambda s: -flops[s]):
+        r = min(range(procs), key=lambda i: load[i])
+        out[r].append(seg)
+        load[r] += max(flops[seg], 1.0)
+    return {r: sorted(s) for r, s in out.items() if s}
+
+
+def _msg_key(msg: MessageSpec) -> str:
+    return json.dumps([[list(s), d] for s, d in msg])
+
+
+def _grad_msg(msg: MessageSpec) -> MessageSpec:
+    # The engine sends back gradients of the floating-point inputs only (varuna.engine._execute).
+    return [(s, d) for s, d in msg if d.startswith(("float", "bfloat"))]
+
+
+def _sweep_msg(nbytes: int) -> MessageSpec:
+    return [((max(nbytes // 4, 1),), "float32")]
+
+
+def _strip_bandwidth(text: str | None) -> str | None:
+    """The netem string without its bandwidth (applied by the kernel's tbf in the netns mode)."""
+    if not text:
+        return None
+    from varuna.netem import NetworkConfig
+
+    cfg = NetworkConfig.parse(text)
+    return NetworkConfig(latency_s=cfg.latency_s, jitter_mean_s=cfg.jitter_mean_s, seed=cfg.seed).to_string()
+
+
+def _ar_configs(ring_sizes: Sequence[int], concurrencies: Sequence[int], k: int) -> list[dict]:
+    configs = []
+    for d in ring_sizes:
+        for c in concurrencies:
+            # Ring j holds slot j of hosts 0..d-1: one rank per host, c rings sharing each host.
+            configs.append(
+                {"ring_size": d, "concurrent": c, "rings": [[h * k + j for h in range(d)] for j in range(c)]}
+            )
+    return configs
+
+
+# ---------------------------------------------------------------------------------------------
+# Running the workers
+
+
+def _pdeathsig() -> Callable[[], None] | None:
+    """Kill the worker if this process dies (Linux prctl), so no profiler worker is ever orphaned."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:
+        prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+    return preexec
+
+
+class _Workers:
+    """The worker processes of one run, started before the plan exists (Note [Early start]).
+
+    Note [Early start]: on a 2-core machine, starting 4 Python processes that import torch takes
+    longer than all the measuring of a small model; the workers therefore start first and import
+    while this process builds and dry-runs the model, then wait for ``plan.json``.
+    """
+
+    def __init__(self, hosts: HostSet, world: int, k: int, opts: ProfileOptions, boot: dict) -> None:
+        self.hosts, self.world, self.opts = hosts, world, opts
+        self.run_dir = Path(tempfile.mkdtemp(prefix="varuna-profile-"))
+        (self.run_dir / "boot.json").write_text(json.dumps({**boot, "timeout_s": opts.timeout_s}))
+        port = hosts.free_port()
+        pythonpath = os.pathsep.join(dict.fromkeys([os.getcwd(), *[p for p in sys.path if p]]))
+        self.procs: list[subprocess.Popen] = []
+        self.logs = []
+        self.keep_logs = False  # a worker failed: its log is the evidence, the message points at it
+        try:
+            for rank in range(world):
+                host = rank // k if rank < hosts.num_hosts * k else 0
+                env = {
+                    **os.environ,
+                    **hosts.env(host),
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(world),
+                    "MASTER_ADDR": hosts.address(0),
+                    "MASTER_PORT": str(port),
+                    "OMP_NUM_THREADS": str(opts.threads),
+                    "PYTHONPATH": pythonpath,
+                }
+                env.pop("VARUNA_NETEM", None)  # the plan says which links are emulated
+                log = open(self.run_dir / f"rank{rank}.log", "w")
+                self.logs.append(log)
+                argv = hosts.wrap(host, [sys.executable, "-m", "profiler.worker", str(self.run_dir)])
+                self.procs.append(
+                    subprocess.Popen(
+                        argv,
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        preexec_fn=_pdeathsig(),
+                        cwd=os.getcwd(),
+                    )
+                )
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> _Workers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def run(self, plan: dict) -> list[dict]:
+        """Hand the plan to the workers and wait for all of them; their raw results by rank."""
+        tmp = self.run_dir / "plan.json.tmp"
+        tmp.write_text(json.dumps(plan))
+        os.replace(tmp, self.run_dir / "plan.json")  # atomic: a worker never reads half a plan
+        deadline = time.monotonic() + self.opts.timeout_s + 60
+        while True:
+            codes = [p.poll() for p in self.procs]
+            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                self.keep_logs = True
+                r, c = bad[0]
+                tail = (self.run_dir / f"rank{r}.log").read_text().strip().splitlines()[-15:]
+                raise RuntimeError(
+                    f"profiler worker rank {r} failed (exit {c}); its log "
+                    f"({self.run_dir}/rank{r}.log) ends with:\n" + "\n".join(tail)
+                )
+            # Results are written before a worker tears down torch.distributed and the interpreter
+            # (seconds on a busy machine): the data is complete once every file exists.
+            written = all((self.run_dir / f"rank{r}.json").exists() for r in range(self.world))
+            if written or all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                self.keep_logs = True
+                raise RuntimeError(
+                    f"profiler workers did not finish within {self.opts.timeout_s + 60:.0f}s; "
+                    f"logs in {self.run_dir}"
+                )
+            time.sleep(0.02)
+        return [json.loads((self.run_dir / f"rank{r}.json").read_text()) for r in range(self.world)]
+
+    def close(self) -> None:
+        deadline = time.monotonic() + 0.3  # finished workers get a moment to exit on their own
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    p.wait(max(0.0, deadline - time.monotonic()) if not self.keep_logs else 0.0)
+                except subprocess.TimeoutExpired:
+                    pass
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        for log in self.logs:
+            log.close()
+        self.logs = []
+        if not self.keep_logs:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Collected state (per m / per point), from a measurement or from an existing file
+
+
+@dataclass
+class _State:
+    """Everything a calibration file holds, keyed so that new measurements merge in."""
+
+    cutpoint_names: list[str]
+    num_segments: int
+    seg_static: dict[int, dict] = field(default_factory=dict)
+    """segment -> param_bytes, grad_bytes, optimizer_bytes, optimizer_step_s."""
+    seg_at: dict[tuple[int, int], dict] = field(default_factory=dict)
+    """(segment, m) -> fwd/bwd/recompute ComputeStat, stashed_input_bytes, activation_bytes, peak_bytes."""
+    act_bytes: dict[tuple[int, int], int] = field(default_factory=dict)
+    """(cut-point, m) -> bytes."""
+    sends: dict[tuple[str, int, int], SendStat] = field(default_factory=dict)
+    """(act_send_intra_s | ..., cut-point, m) -> SendStat."""
+    link_points: dict[str, list[LinkPoint]] = field(default_factory=lambda: {"intra": [], "inter": []})
+    ar_points: list[AllReducePoint] = field(default_factory=list)
+    memory_source: str = "saved_tensors"
+
+
+def _state_from_file(cal: Calibration, extra: Mapping[str, Any]) -> _State:
+    st = _State(cutpoint_names=list(cal.model.cutpoint_names), num_segments=cal.num_segments)
+    ex_segs = extra.get("segments") or []
+    for i, seg in enumerate(cal.segments):
+        ex = ex_segs[i] if i < len(ex_segs) else {}
+        st.seg_static[i] = {
+            "param_bytes": seg.param_bytes,
+            "grad_bytes": seg.grad_bytes,
+            "optimizer_bytes": seg.optimizer_bytes,
+            "optimizer_step_s": ex.get("optimizer_step_s", 0.0),
+        }
+        peaks = ex.get("peak_bytes") or []
+        for j, m in enumerate(cal.micro_batch_sizes):
+            st.seg_at[(i, m)] = {
+                "fwd_s": seg.fwd_s[j],
+                "bwd_s": seg.bwd_s[j],
+                "recompute_s": seg.recompute_s[j],
+                "stashed_input_bytes": seg.stashed_input_bytes[j],
+                "activation_bytes": seg.activation_bytes[j],
+                "peak_bytes": peaks[j] if j < len(peaks) else None,
+            }
+    for c, cut in enumerate(cal.cutpoints):
+        for j, m in enumerate(cal.micro_batch_sizes):
+            st.act_bytes[(c, m)] = cut.act_bytes[j]
+            for kind in CutPointCalibration._SENDS:
+                values = getattr(cut, kind)
+                if values is not None:
+                    st.sends[(kind, c, m)] = values[j]
+    st.link_points = {"intra": list(cal.intra.points), "inter": list(cal.inter.points)}
+    st.ar_points = list(cal.allreduce.points)
+    st.memory_source = extra.get("memory_source", st.memory_source)
+    return st
+
+
+def _add_compute(st: _State, meas: Sequence[SegmentMeasurement]) -> None:
+    for r in meas:
+        med = {
+            k: ComputeStat(median=a, spread=b)
+            for k, (a, b) in (
+                ("fwd_s", median_iqr(r.fwd_s)),
+                ("bwd_s", median_iqr(r.bwd_s)),
+                ("recompute_s", median_iqr(r.recompute_s)),
+            )
+        }
+        peak = r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.stashed_input_bytes + r.activation_bytes
+        st.seg_at[(r.segment, r.micro_batch_size)] = {
+            **med,
+            "stashed_input_bytes": r.stashed_input_bytes,
+            "activation_bytes": r.activation_bytes,
+            "peak_bytes": peak,
+        }
+        prev = st.seg_static.get(r.segment, {}).get("optimizer_step_s_all", [])
+        st.seg_static[r.segment] = {
+            "param_bytes": r.param_bytes,
+            "grad_bytes": r.grad_bytes,
+            "optimizer_bytes": r.optimizer_bytes,
+            "optimizer_step_s_all": prev + list(r.optimizer_step_s),
+        }
+        st.seg_static[r.segment]["optimizer_step_s"] = median_iqr(
+            st.seg_static[r.segment]["optimizer_step_s_all"]
+        )[0]
+        st.memory_source = r.memory_source
+
+
+def _ms_of(st: _State) -> list[int]:
+    return sorted({m for (_, m) in st.seg_at})
+
+
+def _assemble(st: _State, *, created: str, host: HostInfo, model_name: str) -> tuple[Calibration, dict]:
+    ms = _ms_of(st)
+    segments, extra_segs, compute_fit = [], [], []
+    for i in range(st.num_segments):
+        at = [st.seg_at[(i, m)] for m in ms]
+        static = st.seg_static[i]
+        segments.append(
+            SegmentCalibration(
+                fwd_s=[a["fwd_s"] for a in at],
+                bwd_s=[a["bwd_s"] for a in at],
+                recompute_s=[a["recompute_s"] for a in at],
+                param_bytes=int(static["param_bytes"]),
+                grad_bytes=int(static["grad_bytes"]),
+                optimizer_bytes=int(static["optimizer_bytes"]),
+                stashed_input_bytes=[int(a["stashed_input_bytes"]) for a in at],
+                activation_bytes=[int(a["activation_bytes"]) for a in at],
+            )
+        )
+        peaks = [a.get("peak_bytes") for a in at]
+        extra_segs.append({"peak_bytes": peaks, "optimizer_step_s": static.get("optimizer_step_s", 0.0)})
+        compute_fit.append(
+            {k: fit_linear(ms, [a[k].median for a in at]) for k in ("fwd_s", "bwd_s", "recompute_s")}
+        )
+    cutpoints = []
+    for c, name in enumerate(st.cutpoint_names):
+        sends = {}
+        for kind in CutPointCalibration._SENDS:
+            vals = [st.sends.get((kind, c, m)) for m in ms]
+            sends[kind] = None if any(v is None for v in vals) else vals
+        cutpoints.append(
+            CutPointCalibration(name=name, act_bytes=[st.act_bytes[(c, m)] for m in ms], **sends)
+        )
+    try:
+        links = {kind: fit_link_model(st.link_points[kind]) for kind in ("intra", "inter")}
+        allreduce = fit_allreduce_model(st.ar_points)
+    except ValueError as e:  # noisy measurements, not bad input: not an exit-2 error
+        raise RuntimeError(
+            f"cannot fit the network models ({e}); re-run on a quieter machine or with more "
+            "--link-reps / --allreduce-reps"
+        ) from e
+    total_opt_s = sum(s.get("optimizer_step_s", 0.0) for s in st.seg_static.values())
+    total_param = sum(s["param_bytes"] for s in st.seg_static.values() if s.get("grad_bytes"))
+    cal = Calibration(
+        created=created,
+        model=ModelInfo(
+            name=model_name, cutpoint_names=list(st.cutpoint_names), num_segments=st.num_segments
+        ),
+        host=host,
+        micro_batch_sizes=ms,
+        segments=segments,
+        cutpoints=cutpoints,
+        intra=links["intra"],
+        inter=links["inter"],
+        allreduce=allreduce,
+        optimizer_s_per_param_byte=total_opt_s / total_param if total_param else 0.0,
+    )
+    extra = {
+        "segments": extra_segs,
+        "compute_fit": compute_fit,
+        "memory_source": st.memory_source,
+        "link_fit": {kind: _link_fit_errors(links[kind]) for kind in links},
+        "allreduce_configs": sorted({(p.ring_size, p.concurrent) for p in st.ar_points}),
+    }
+    return cal, extra
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+
+
+def _host_info(device: str, threads: int) -> HostInfo:
+    import torch
+
+    if device.startswith("cuda"):
+        desc = f"cuda: {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+    else:
+        cpu = platform.processor() or platform.machine()
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+        desc = f"cpu: {cpu}, {threads} thread(s) per process"
+    return HostInfo(
+        device=desc, hostname=platform.node(), torch_version=torch.__version__, cpu_count=os.cpu_count() or 1
+    )
+
+
+def _now() -> str:
+    return (
+        datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    )
+
+
+def _save(path: str | os.PathLike, cal: Calibration, extra: dict) -> None:
+    name = os.fspath(path)
+    tmp = f"{name}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({**cal.to_dict(), EXTRA_KEY: extra}, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, name)
+
+
+def calibrate(
+    model: str | Callable,
+    micro_batch_sizes: Sequence[int] | str,
+    *,
+    out: str | os.PathLike | None = None,
+    update: str | os.PathLike | None = None,
+    model_kwargs: Mapping[str, Any] | None = None,
+    options: ProfileOptions | None = None,
+    **overrides: Any,
+) -> Calibration:
+    """Profile ``model`` (a ``module_or_file:factory`` spec, see :mod:`profiler.spec`) and return
+    the calibration; written to ``out`` (or back to ``update``) when given.
+
+    ``options`` / keyword ``overrides``: :class:`ProfileOptions` fields (``procs=4``, ...).
+    Raises ``ValueError`` (one line) on bad input, ``RuntimeError`` when a worker fails.
+    """
+    opts = options or ProfileOptions()
+    t_start = opts.clock_start if opts.clock_start is not None else time.perf_counter()
+    for k, v in overrides.items():
+        if not hasattr(opts, k):
+            raise TypeError(f"calibrate() got an unknown option {k!r}")
+        setattr(opts, k, v)
+    opts.validate()
+    ms = parse_micro_batch_sizes(micro_batch_sizes)
+    target = load_target(model, model_kwargs)
+
+    old: Calibration | None = None
+    old_extra: dict = {}
+    if update is not None:
+        old = Calibration.load(update)  # ValueError with a one-line message if unreadable
+        old_extra = json.loads(Path(update).read_text()).get(EXTRA_KEY) or {}
+    new_ms = [m for m in ms if old is None or m not in old.micro_batch_sizes]
+    if not any(isinstance(mod, CutPoint) for mod in target.model.modules()):
+        raise ValueError(
+            f"model {target.spec} has no CutPoint; call varuna.CutPoint() on the activations at "
+            "candidate stage boundaries (see varuna/cutpoint.py)"
+        )
+    device = opts.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    k = opts.procs_per_host
+    ring_sizes = list(range(2, opts.hosts + 1))
+    concurrencies = sorted({1, k})
+    have_ar = {(p.ring_size, p.concurrent) for p in old.allreduce.points} if old else set()
+    ar_cfgs = [(d, c) for d in ring_sizes for c in concurrencies if (d, c) not in have_ar]
+    if not new_ms and not ar_cfgs:
+        _say(
+            opts,
+            f"varuna-profile: {update} already has m={ms} and ring sizes {ring_sizes}: nothing to measure",
+        )
+        return old  # type: ignore[return-value]
+    world = max(opts.procs if new_ms else 0, opts.hosts * k)
+    inter_bw = None
+    if opts.inter_netem:
+        from varuna.netem import NetworkConfig
+
+        inter_bw = NetworkConfig.parse(opts.inter_netem).bandwidth_bytes_per_s
+    boot = {
+        "spec": target.spec,
+        "model_kwargs": target.kwargs,
+        "threads": opts.threads,
+        "device": device,
+        "compute_ranks": opts.procs if new_ms else 0,
+        "compute_settings": {
+            "warmup": opts.warmup,
+            "reps": opts.reps,
+            "optimizer": opts.optimizer,
+            "min_time_s": opts.min_time_s,
+            "dry_run_m": min(new_ms) if new_ms else 1,  # some models need m > 1 (BatchNorm)
+        },
+    }
+
+    with (
+        open_hosts(opts.host_emulation, num_hosts=opts.hosts, bandwidth_bytes_per_s=inter_bw) as hosts,
+        _Workers(hosts, world, k, opts, boot) as workers,
+    ):  # Note [Early start]
+        info = dry_run(target, new_ms or ms[:1])  # shapes at the m's the file already has are in it
+        if old is not None and (
+            old.model.cutpoint_names != info.cutpoint_names or old.model.num_segments != info.num_segments
+        ):
+            raise ValueError(
+                f"{update} was profiled for a model with cut-points {old.model.cutpoint_names}, "
+                f"but {target.spec} has {info.cutpoint_names}; profile it into a new file with --out"
+            )
+        st = (
+            _state_from_file(old, old_extra)
+            if old
+            else _State(cutpoint_names=info.cutpoint_names, num_segments=info.num_segments)
+        )
+        plan: dict[str, Any] = {}
+        if new_ms:
+            plan["compute"] = {
+                "assign": _assign_segments(info.segment_cost_s, opts.procs),
+                "micro_batch_sizes": new_ms,
+            }
+        # Messages: every distinct activation (and its gradient) at the new m's, plus the size
+        # sweep when the file has no link points yet.
+        act_msgs: dict[str, MessageSpec] = {}
+        grad_msgs: dict[str, MessageSpec] = {}
+        for m in new_ms:
+            for cut in info.act_meta[m]:
+                msg = [(tuple(s), d) for s, d in cut]
+                act_msgs.setdefault(_msg_key(msg), msg)
+                grad_msgs.setdefault(_msg_key(_grad_msg(msg)), _grad_msg(msg))
+        if old is None:
+            for nbytes in opts.link_sweep_bytes:
+                act_msgs.setdefault(_msg_key(_sweep_msg(nbytes)), _sweep_msg(nbytes))
+                grad_msgs.setdefault(_msg_key(_sweep_msg(nbytes)), _sweep_msg(nbytes))
+        inter_netem = _strip_bandwidth(opts.inter_netem) if hosts.bandwidth_shaped else opts.inter_netem
+        if act_msgs:
+            plan["links"] = {
+                "pairs": {"intra": [0, 1], "inter": [0, k]},
+                "netem": {"intra": opts.intra_netem, "inter": inter_netem},
+                "act_msgs": list(act_msgs.values()),
+                "grad_msgs": list(grad_msgs.values()),
+                "pings": opts.link_pings,
+                "warmup": 2,
+                "reps": opts.link_reps,
+            }
+        if ar_cfgs:
+            configs = [
+                c
+                for c in _ar_configs(ring_sizes, concurrencies, k)
+                if (c["ring_size"], c["concurrent"]) in ar_cfgs
+            ]
+            plan["allreduce"] = {
+                "configs": configs,
+                "sweep": list(opts.allreduce_sweep_bytes),
+                "warmup": 1,
+                "reps": opts.allreduce_reps,
+                "num_segments": info.num_segments,
+                # None: the compute phase measures them (a fresh file)
+                "segment_grad_bytes": [s.grad_bytes for s in old.segments] if old else None,
+            }
+        _say(
+            opts,
+            f"varuna-profile: {target.spec}: {info.num_segments} segments, m={new_ms or '-'}, "
+            f"{world} processes on {hosts.describe()}, inter-host network: {opts.inter_netem or 'real'}",
+        )
+        t_plan = time.perf_counter()
+        results = workers.run(plan)
+        t_workers = time.perf_counter() - t_plan
+    _say(opts, _timeline(results, t_start, t_plan, t_plan + t_workers))
+
+    # -- reduce the raw results --------------------------------------------------------------
+    meas = [SegmentMeasurement.from_dict(d) for r in results for d in r.get("compute", [])]
+    _add_compute(st, meas)
+    for m in new_ms:
+        for c, cut in enumerate(info.act_meta[m]):
+            st.act_bytes[(c, m)] = payload_bytes([(tuple(s), d) for s, d in cut])
+    if "links" in plan:
+        keys_act, keys_grad = list(act_msgs), list(grad_msgs)
+        for kind, (a, b) in plan["links"]["pairs"].items():
+            act_t, grad_t = link_stats(results[a]["links"][kind], results[b]["links"][kind], warmup=2)
+            act_stat = {
+                key: SendStat(mean=mean_std(t)[0], jitter=mean_std(t)[1]) for key, t in zip(keys_act, act_t)
+            }
+            grad_stat = {
+                key: SendStat(mean=mean_std(t)[0], jitter=mean_std(t)[1]) for key, t in zip(keys_grad, grad_t)
+            }
+            for msgs, stats in ((act_msgs, act_stat), (grad_msgs, grad_stat)):
+                for key, msg in msgs.items():
+                    s = stats[key]
+                    st.link_points[kind].append(
+                        LinkPoint(bytes=payload_bytes(msg), mean_s=s.mean, jitter_s=s.jitter)
+                    )
+            for m in new_ms:
+                for c, cut in enumerate(info.act_meta[m]):
+                    msg = [(tuple(s), d) for s, d in cut]
+                    st.sends[(f"act_send_{kind}_s", c, m)] = act_stat[_msg_key(msg)]
+                    st.sends[(f"grad_send_{kind}_s", c, m)] = grad_stat[_msg_key(_grad_msg(msg))]
+    if "allreduce" in plan:
+        ar_sizes, seg_bytes = results[0]["allreduce_sizes"], results[0]["segment_grad_bytes"]
+        for j, cfg in enumerate(plan["allreduce"]["configs"]):
+            per_ring = [
+                allreduce_times([results[r]["allreduce"][str(j)] for r in ring], warmup=1)
+                for ring in cfg["rings"]
+            ]
+            by_size = {size: sum(t[i] for t in per_ring) / len(per_ring) for i, size in enumerate(ar_sizes)}
+            for seg, gb in enumerate(seg_bytes):
+                if gb > 0:
+                    st.ar_points.append(
+                        AllReducePoint(
+                            segment=seg,
+                            ring_size=cfg["ring_size"],
+                            concurrent=cfg["concurrent"],
+                            bytes=gb,
+                            time_s=by_size[gb],
+                        )
+                    )
+            for size in opts.allreduce_sweep_bytes:
+                st.ar_points.append(
+                    AllReducePoint(
+                        segment=None,
+                        ring_size=cfg["ring_size"],
+                        concurrent=cfg["concurrent"],
+                        bytes=size,
+                        time_s=by_size[size],
+                    )
+                )
+
+    host = old.host if old else _host_info(device, opts.threads)
+    cal, extra = _assemble(
+        st,
+        created=old.created if old else _now(),
+        host=host,
+        model_name=old.model.name if old else target.spec,
+    )
+    wall = time.perf_counter() - t_start
+    history = list(old_extra.get("history", [])) + [
+        {
+            "at": _now(),
+            "wall_time_s": round(wall, 3),
+            "micro_batch_sizes": new_ms,
+            "allreduce_configs": ar_cfgs,
+            "hosts": hosts.describe(),
+            "inter_netem": opts.inter_netem,
+            "inter_netem_applied_to_p2p": inter_netem,
+            "procs": opts.procs,
+            "procs_per_host": k,
+            "device": device,
+            "threads": opts.threads,
+            "reps": opts.reps,
+            "warmup": opts.warmup,
+            "optimizer": opts.optimizer,
+            "model_kwargs": target.kwargs,
+        }
+    ]
+    extra.update(
+        {
+            "tool": "varuna-profile",
+            "spec": target.spec,
+            "history": history,
+            # The schema's convention, restated in the file for readers without the docs.
+            "units": {"time": "seconds", "size": "bytes", "bandwidth": "bytes per second"},
+            "allreduce_note": (
+                "all-reduce over loopback: the inter-host emulation (netem) does not delay collectives"
+                if hosts.mode == "loopback"
+                else "all-reduce across network namespaces; bandwidth shaped by tbf"
+                if hosts.bandwidth_shaped
+                else "all-reduce across network namespaces"
+            ),
+        }
+    )
+    dest = out if out is not None else update
+    if dest is not None:
+        _save(dest, cal, extra)
+        Calibration.load(dest)  # the file must read back through the schema
+    wall = time.perf_counter() - t_start
+    _report(opts, cal, extra, wall, dest)
+    return cal
+
+
+def _timeline(results: Sequence[dict], t_start: float, t_plan: float, t_end: float) -> str:
+    """Where the wall time went (worker clocks are this machine's CLOCK_MONOTONIC, like ours)."""
+    st = [r.get("stamps", {}) for r in results]
+    if not all(st):
+        return ""
+    ready = max(max(s["preloaded"], s["plan"] if s["plan"] > t_plan else 0.0) for s in st)
+    phases = results[0].get("phase_s", {})
+    return (
+        f"timeline: plan ready at {t_plan - t_start:.1f} s; slowest worker started "
+        f"{max(s['main'] for s in st) - t_start:.1f} s, imported "
+        f"{max(s['imported'] for s in st) - t_start:.1f} s, ready {ready - t_start:.1f} s, "
+        f"measured {max(s['measured'] for s in st) - t_start:.1f} s; "
+        f"done {t_end - t_start:.1f} s (rank 0: "
+        + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items())
+        + ")"
+    )
+
+
+def _report(opts: ProfileOptions, cal: Calibration, extra: dict, wall: float, dest) -> None:
+    if not opts.verbose:
+        return
+    ms = cal.micro_batch_sizes
+    print(f"segments (median ms: F / R / B; activation MB) at m = {ms}:")
+    for i, seg in enumerate(cal.segments):
+        cells = [
+            f"{seg.fwd_s[j].median * 1e3:.2f}/{seg.recompute_s[j].median * 1e3:.2f}/"
+            f"{seg.bwd_s[j].median * 1e3:.2f}; {seg.activation_bytes[j] / 1e6:.2f}"
+            for j in range(len(ms))
+        ]
+        print(f"  seg {i}: params {seg.param_bytes / 1e6:.2f} MB | " + " | ".join(cells))
+    worst = max(
+        ((f[k]["max_rel_error"], i, k) for i, f in enumerate(extra["compute_fit"]) for k in f), default=None
+    )
+    if worst and len(ms) > 1:
+        print(
+            f"F/B/R linear in m: largest error on the measured points {worst[0] * 100:.1f}% "
+            f"(segment {worst[1]}, {worst[2]})"
+        )
+    for kind, link in (("intra", cal.intra), ("inter", cal.inter)):
+        fe = extra["link_fit"][kind]
+        print(
+            f"link {kind}: latency {link.latency_s * 1e3:.3f} ms, "
+            f"bandwidth {link.bandwidth_bytes_per_s / 1e6:.1f} "
+            f"MB/s, jitter {link.jitter_s * 1e3:.3f} ms; fit error rms {fe['rms_rel_error'] * 100:.1f}% "
+            f"max {fe['max_rel_error'] * 100:.1f}% over {len(link.points)} points"
+        )
+    ar = cal.allreduce
+    print(
+        f"all-reduce: bandwidth {ar.bandwidth_bytes_per_s / 1e6:.1f} MB/s, "
+        f"latency {ar.latency_s * 1e3:.3f} ms, "
+        f"contention {ar.contention:.2f}; fit error rms {ar.fit_rms_rel_error * 100:.1f}% "
+        f"max {ar.fit_max_rel_error * 100:.1f}% over {len(ar.points)} points "
+        f"(ring sizes/concurrency {extra['allreduce_configs']})"
+    )
+    print(f"optimizer: {cal.optimizer_s_per_param_byte * 1e9:.3f} s per GB of parameters")
+    if dest is not None:
+        print(f"wrote {dest}")
+    print(f"calibration wall time: {wall:.1f} s")
+
+
+def measure_allreduce(
+    sizes: Sequence[int],
+    *,
+    hosts: int,
+    procs_per_host: int = 1,
+    reps: int = 5,
+    host_emulation: str = "auto",
+    inter_netem: str | None = _DEFAULT_INTER,
+    timeout_s: float = 300.0,
+) -> tuple[list[AllReducePoint], str]:
+    """All-reduce ``sizes`` bytes over every ring size 2..hosts (and k in {1, procs_per_host}).
+
+    Returns the points and the host emulation used (``netns`` or ``loopback``). For checking the
+    all-reduce model (tests, what-if studies) without a model to profile.
+    """
+    opts = ProfileOptions(
+        hosts=hosts,
+        procs_per_host=procs_per_host,
+        inter_netem=inter_netem,
+        host_emulation=host_emulation,
+        timeout_s=timeout_s,
+        verbose=False,
+    )
+    k = procs_per_host
+    bw = None
+    if inter_netem:
+        from varuna.netem import NetworkConfig
+
+        bw = NetworkConfig.parse(inter_netem).bandwidth_bytes_per_s
+    with open_hosts(host_emulation, num_hosts=hosts, bandwidth_bytes_per_s=bw) as hs:
+        configs = _ar_configs(range(2, hosts + 1), sorted({1, k}), k)
+        plan = {
+            "allreduce": {
+                "configs": configs,
+                "sweep": list(sizes),
+                "warmup": 1,
+                "reps": reps,
+                "num_segments": 0,
+                "segment_grad_bytes": [],
+            }
+        }
+        with _Workers(hs, hosts * k, k, opts, {}) as workers:
+            results = workers.run(plan)
+        mode = hs.mode
+    points = []
+    for j, cfg in enumerate(configs):
+        per_ring = [
+            allreduce_times([results[r]["allreduce"][str(j)] for r in ring], warmup=1)
+            for ring in cfg["rings"]
+        ]
+        for i, size in enumerate(results[0]["allreduce_sizes"]):
+            points.append(
+                AllReducePoint(
+                    segment=None,
+                    ring_size=cfg["ring_size"],
+                    concurrent=cfg["concurrent"],
+                    bytes=size,
+                    time_s=sum(t[i] for t in per_ring) / len(per_ring),
+                )
+            )
+    return points, mode

@@ -1,0 +1,249 @@
+"""End to end: the manager trains the GPT example on 6 pretend VMs of the local provider while
+the test makes trouble, and the result matches an undisturbed run.
+
+1. a VM's worker is slowed with SIGSTOP/SIGCONT bursts: detected as fail-stutter slow (replicas'
+   median rule, D = 3) and left out at the next morph (a graceful one: checkpoint, then resume);
+2. two VMs are killed with ``kill -9`` at random points: the manager morphs each time, redoing at
+   most the checkpoint interval of steps;
+3. the manager itself is killed with ``kill -9`` and restarted mid-job: the job goes on;
+4. the job reaches its target step, and its final loss is within noise of an undisturbed
+   single-process run of the same script (the engine's numerics do not depend on P×D).
+
+Morph latency (detection → first step of the new generation) is printed with ``varuna-manager
+events`` at the end (run with ``-s`` to see it). Needs checkpoints (varuna/checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from manager.jobspec import load_jobspec, spec_to_pb
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_manager_local import ManagerProcess, kinds, processes_mentioning, status, wait_for  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "examples" / "gpt2" / "train.py"
+STEPS = 40
+CHECKPOINT_EVERY = 2
+MODEL_ARGS = [
+    "--n-layer",
+    "4",
+    "--n-embd",
+    "32",
+    "--n-head",
+    "2",
+    "--block-size",
+    "32",
+    "--global-batch-size",
+    "24",
+    "--micro-batch-size",
+    "2",
+    "--eval-every",
+    "0",
+    "--seed",
+    "0",
+]
+
+pytestmark = pytest.mark.slow
+
+
+def _reference_loss(tmp_path: Path) -> list[float]:
+    """Losses of an undisturbed single-process run (P = D = 1) of the same script and data."""
+    metrics = tmp_path / "reference.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for key in ("VARUNA_CHECKPOINT_DIR", "VARUNA_RESUME", "VARUNA_MANAGER"):
+        env.pop(key, None)
+    subprocess.run(
+        [sys.executable, str(TRAIN), "--steps", str(STEPS), *MODEL_ARGS, "--metrics-out", str(metrics)],
+        check=True,
+        env=env,
+        timeout=240,
+        capture_output=True,
+    )
+    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+
+
+def _bursts(pid: int, until: threading.Event, stop_s: float = 0.25, run_s: float = 0.01) -> None:
+    """SIGSTOP/SIGCONT the process group ``pid`` (a worker) until ``until`` is set, then SIGCONT."""
+    try:
+        while not until.is_set():
+            os.killpg(pid, signal.SIGSTOP)
+            until.wait(stop_s)
+            os.killpg(pid, signal.SIGCONT)
+            until.wait(run_s)
+    except ProcessLookupError:
+        pass
+    finally:
+        try:
+            os.killpg(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+def test_gpt_on_six_pretend_vms_survives_kills_stutter_and_a_manager_restart(tmp_path):
+    seed = int(os.environ.get("VARUNA_E2E_SEED", str(time.time_ns() % 10_000)))
+    print(f"\nVARUNA_E2E_SEED={seed} reproduces this run's kill points")
+    rng = random.Random(seed)
+    metrics = tmp_path / "metrics.jsonl"
+    spec = {
+        "name": "gpt-e2e",
+        "script": str(TRAIN),
+        "args": ["--steps", str(STEPS), *MODEL_ARGS, "--metrics-out", str(metrics)],
+        "global_batch_size": 24,
+        "micro_batch_size": 2,
+        "checkpoint_dir": str(tmp_path / "ckpt"),
+        "checkpoint_every": CHECKPOINT_EVERY,
+        "min_vms": 1,
+        "max_vms": 6,
+        "procs_per_vm": 1,
+        "target_steps": STEPS,
+        "pipeline_depth": 2,
+        "env": {"OMP_NUM_THREADS": "1"},
+        # Spot capacity does not come back in this test. Standby workers import at the priority
+        # $VARUNA_E2E_STANDBY_PRIORITY (default idle, the production default) asks for.
+        "provider_options": {
+            "max_created": 6,
+            "standby_priority": os.environ.get("VARUNA_E2E_STANDBY_PRIORITY", "idle"),
+        },
+    }
+    (tmp_path / "job.json").write_text(json.dumps(spec))
+    mp = ManagerProcess(
+        tmp_path,
+        "--heartbeat-interval",
+        "0.25",
+        "--heartbeat-timeout",
+        "3",
+        "--slow-threshold-pct",
+        "300",
+        "--slow-heartbeats",
+        "3",
+        "--stop-timeout",
+        "60",
+        "--orphan-timeout",
+        "60",
+        "--gather-timeout",
+        "60",
+    )
+    reference = _reference_loss(tmp_path)
+    mp.start()
+    job = None
+    stop_bursts = threading.Event()
+    try:
+        with mp.client() as c:
+            job = c.submit(spec_to_pb(load_jobspec(tmp_path / "job.json")))
+        wait_for(lambda: status(mp, job).step >= 3, 180, "training to start")
+        st = status(mp, job)
+        assert (st.pipeline_depth, st.data_parallel) == (2, 3)
+
+        # 1. Fail-stutter: SIGSTOP/SIGCONT bursts on one worker until the manager calls it slow.
+        slow_vm = st.vms[3]
+        worker_pid = slow_vm.workers[0].pid
+        burster = threading.Thread(target=_bursts, args=(worker_pid, stop_bursts), daemon=True)
+        burster.start()
+        wait_for(lambda: "slow" in kinds(mp, job), 120, "the slow VM to be detected", poll_s=0.2)
+        stop_bursts.set()
+        burster.join(5)
+        wait_for(lambda: kinds(mp, job).count("resumed") >= 1, 120, "the morph without the slow VM")
+        st = status(mp, job)
+        assert not [v for v in st.vms if v.in_generation and v.vm_id == slow_vm.vm_id]
+        assert {v.vm_id: v.health for v in st.vms}[slow_vm.vm_id] == "slow"
+
+        # 2. Two VMs killed with kill -9 at random points of the training (3 to 7 steps, plus a
+        #    fraction of one, after the previous morph resumed).
+        killed = []
+        for n in (1, 2):
+            st = status(mp, job)
+            target = st.step + rng.randint(3, 7)
+            wait_for(lambda t=target: status(mp, job).step >= t, 120, f"step {target}")
+            time.sleep(rng.uniform(0.0, 0.3))  # somewhere inside a step
+            victim = rng.choice([v for v in status(mp, job).vms if v.in_generation])
+            os.killpg(victim.agent_pid, signal.SIGKILL)
+            killed.append(victim.vm_id)
+            wait_for(lambda n=n: kinds(mp, job).count("resumed") >= 1 + n, 180, f"the morph after kill {n}")
+
+        # 3. The manager is killed and restarted; the job continues under the new process.
+        step = status(mp, job).step
+        mp.kill()
+        time.sleep(1.0)
+        mp.start()
+        wait_for(
+            lambda: status(mp, job).step >= min(step + 2, STEPS) or status(mp, job).state == "finished",
+            120,
+            "progress under the restarted manager",
+        )
+
+        wait_for(lambda: status(mp, job).state == "finished", 240, "the job to finish")
+        st = status(mp, job)
+        assert st.step == STEPS
+
+        with mp.client() as c:
+            evs = c.events(job)
+        slow = [e.vm_id for e in evs if e.kind == "slow"]
+        assert slow == [slow_vm.vm_id], slow
+        assert "manager-started" in [e.kind for e in evs]
+        resumed = [json.loads(e.data_json) for e in evs if e.kind == "resumed"]
+        assert len(resumed) == 3
+        for r in resumed:
+            assert r["redone_steps"] <= CHECKPOINT_EVERY, r
+        gone = [e.vm_id for e in evs if e.kind == "vm-gone"]
+        assert set(killed) <= set(gone)
+
+        # What the metrics file says (rank 0 appends one line per step, across generations).
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        assert rows[-1]["step"] == STEPS
+        # The step during which a graceful stop was asked for completes and is checkpointed, but
+        # the engine exits inside train_step, so the script never logs it: the only gaps allowed.
+        missing = set(range(1, STEPS + 1)) - {r["step"] for r in rows}
+        assert missing <= {r["resumed_from"] for r in resumed}, missing
+        redone = [
+            prev["step"] - row["step"] + 1 for prev, row in zip(rows, rows[1:]) if row["step"] <= prev["step"]
+        ]
+        assert all(r <= CHECKPOINT_EVERY for r in redone), redone
+        final = rows[-1]["loss"]
+        assert abs(final - reference[-1]) < 0.02 * reference[-1], (final, reference[-1])
+
+        print()
+        assert (
+            mp.cli(
+                "events",
+                job,
+                "--kind",
+                "launched",
+                "--kind",
+                "resumed",
+                "--kind",
+                "slow",
+                "--kind",
+                "vm-gone",
+                "--kind",
+                "manager-started",
+                "--kind",
+                "finished",
+            )
+            == 0
+        )
+        print(
+            f"final loss {final:.4f} vs undisturbed {reference[-1]:.4f}; redone per morph "
+            f"{[r['redone_steps'] for r in resumed]}; metrics redo {redone}"
+        )
+        # No orphans: the finished job's agents and workers (and standbys) are gone by themselves.
+        wait_for(
+            lambda: not processes_mentioning(job) and not processes_mentioning(str(metrics)),
+            30,
+            "every agent and worker to exit",
+        )
+    finally:
+        stop_bursts.set()
+        mp.stop()
+        mp.kill_vms()
