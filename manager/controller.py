@@ -912,9 +912,19 @@ class Manager:
                     self._note_detection(job, why, now)
                     self._end_generation(job, gen, now, graceful=True, reason=why)
                     return
-                self._end_generation(job, gen, now, graceful=True, reason="completed")
                 spec = self._cache(job).spec
                 last = max(gen.last_step, job.step)
+                if last < spec.target_steps and gen.last_step > (gen.resumed_from or 0):
+                    # Every worker stopped cleanly short of the target (a graceful stop this
+                    # manager did not ask for, e.g. one asked by a manager process that has since
+                    # been restarted): relaunch and resume. A generation that makes no progress
+                    # at all ends the job below instead, so a script whose own --steps is lower
+                    # than the target cannot make the manager loop.
+                    why = f"workers stopped cleanly at step {last}, before target step {spec.target_steps}"
+                    self._note_detection(job, why, now)
+                    self._end_generation(job, gen, now, graceful=True, reason=why)
+                    return
+                self._end_generation(job, gen, now, graceful=True, reason="completed")
                 msg = f"reached step {last}" + (
                     ""
                     if last >= spec.target_steps

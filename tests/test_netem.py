@@ -557,4 +557,6 @@ def test_wraps_torch_pipelining_schedules(tmp_path):
         r = ranks[0][name]
         expected_s = expected_hops * latency_s
         assert r["emulated_s"] >= 0.95 * expected_s, (name, r)
-        assert r["emulated_s"] - r["plain_s"] <= expected_s + 0.1, (name, r)
+        # Generous upper bound (a loaded 2-core CI box delays threads); per-message latency bounds
+        # are checked tightly in the dedicated latency tests above.
+        assert r["emulated_s"] - r["plain_s"] <= 2 * expected_s + 0.5, (name, r)
