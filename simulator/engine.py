@@ -13,7 +13,9 @@ simulation-only interleaved 1F1B schedule (``simulator/interleaved.py``).
 What is modelled (see docs/simulator.md for formulas):
 
 - compute: a task's time is the sum over the stage's segments of the calibrated F, R or B at m
-  (the replica's final micro-batch may be smaller: costs and sizes at its size);
+  (the replica's final micro-batch may be smaller: costs and sizes at its size), plus the
+  runtime's per-task overhead ``SimConfig.task_overhead_s`` and, for F and R, its placeholder
+  glue ``SimConfig.placeholder_s`` per segment before the stage;
 - point-to-point sends: the fitted link model, intra- or inter-host from the rank placement
   (rank = replica·P + stage; consecutive ranks fill a host's slots), applied as varuna/netem.py
   emulates a link: FIFO serialization (bytes/bandwidth, ``max_sends_per_link`` at once), then the
@@ -21,7 +23,9 @@ What is modelled (see docs/simulator.md for formulas):
   never block compute;
 - the per-stage gradient all-reduce over D replicas, starting when the last replica finishes the
   stage's last backward, with k = the number of rings sharing a host's NIC;
-- the optimizer step after the all-reduce.
+- the optimizer step after the all-reduce;
+- a fixed per-mini-batch runtime overhead ``SimConfig.step_overhead_s`` (step set-up and the
+  end-of-step agreement all-reduce), added to the mini-batch time.
 
 Example::
 
@@ -138,6 +142,17 @@ class SimConfig:
     """Simulate the per-stage gradient all-reduce."""
     optimizer: bool = True
     """Simulate the optimizer step."""
+    task_overhead_s: float = 0.0
+    """Runtime time added to every F, R and B task beyond its segments' calibrated compute: the
+    executor's per-task work (dispatch, RNG re-seeding, slicing, queueing the send). Measured per
+    runtime (scripts/validate_simulator.py); the calibration file has no field for it yet."""
+    placeholder_s: float = 0.0
+    """Runtime time added to a stage's F and R per segment *before* the stage: every stage runs
+    the user's forward from the start, and each earlier segment's modules return placeholders
+    (Note [Placeholders] in varuna/split.py) -- cheap, but not free."""
+    step_overhead_s: float = 0.0
+    """Runtime time added once per mini-batch beyond compute, all-reduce and optimizer: step
+    set-up and the end-of-step agreement all-reduce (norm, overflow, loss) over every rank."""
 
     @classmethod
     def for_global_batch(
@@ -288,6 +303,8 @@ def _validate(cal: Calibration, c: SimConfig) -> tuple[tuple[int, int], ...]:
         raise ValueError("max_sends_per_link must be >= 1")
     if c.jitter_scale < 0:
         raise ValueError("jitter_scale must be >= 0")
+    if min(c.task_overhead_s, c.placeholder_s, c.step_overhead_s) < 0:
+        raise ValueError("task_overhead_s, placeholder_s and step_overhead_s must be >= 0")
     V = c.num_stages * v
     if V > cal.num_segments:
         raise ValueError(
@@ -363,10 +380,13 @@ def simulate(cal: Calibration, config: SimConfig, *, record: bool = False) -> Si
     host = _host_of_ranks(c)
 
     # -- per (virtual) stage costs at m and at each distinct short last size --------------------
+    over = c.task_overhead_s
+    glue = [over + c.placeholder_s * a for a, _ in ranges]  # F and R also pass segments 0..a-1
+
     def costs_at(size: int):
-        fwd = [sum(cal.fwd_s(s, size) for s in range(a, b + 1)) for a, b in ranges]
-        rec = [sum(cal.recompute_s(s, size) for s in range(a, b + 1)) for a, b in ranges]
-        bwd = [sum(cal.bwd_s(s, size) for s in range(a, b + 1)) for a, b in ranges]
+        fwd = [g + sum(cal.fwd_s(s, size) for s in range(a, b + 1)) for g, (a, b) in zip(glue, ranges)]
+        rec = [g + sum(cal.recompute_s(s, size) for s in range(a, b + 1)) for g, (a, b) in zip(glue, ranges)]
+        bwd = [over + sum(cal.bwd_s(s, size) for s in range(a, b + 1)) for a, b in ranges]
         # Bytes leaving virtual stage c forwards (and its gradient backwards): the cut-point
         # after its last segment. The last virtual stage sends nothing.
         nbytes = [cal.act_bytes(b, size) if b < cal.num_segments - 1 else 0 for _, b in ranges]
@@ -613,7 +633,7 @@ def simulate(cal: Calibration, config: SimConfig, *, record: bool = False) -> Si
                     tl.add(k, d, "AR", None, stage_end, stage_end + ar)
                 if opt > 0:
                     tl.add(k, d, "OPT", None, stage_end + ar, stage_end + ar + opt)
-    minibatch_s = max(end_s)
+    minibatch_s = max(end_s) + c.step_overhead_s
     stage_busy = [max(busy[j * P + k] for j in range(nsim)) for k in range(P)]
     stage_peak = [max(peak[j * P + k] for j in range(nsim)) for k in range(P)]
     examples = sum((c.microbatches_of(d) - 1) * m + c.last_size_of(d) for d in range(D))
