@@ -21,9 +21,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples" / "gpt2"))
 
-import varuna  # noqa: E402
 from data import ByteBatches  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+
+import varuna  # noqa: E402
 
 
 def main() -> int:
@@ -49,21 +50,29 @@ def main() -> int:
         plain_opt.zero_grad(set_to_none=True)
         x, y = batch
         for s in range(0, M, m):
-            (plain(x[s:s + m], y[s:s + m]) * (min(s + m, M) - s) / M).backward()
+            (plain(x[s : s + m], y[s : s + m]) * (min(s + m, M) - s) / M).backward()
         plain_opt.step()
 
     torch.manual_seed(0)
-    engine = varuna.Engine(GPT(cfg), varuna.VarunaConfig(global_batch_size=M, micro_batch_size=m),
-                           example_batch=batches[0], optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    engine = varuna.Engine(
+        GPT(cfg),
+        varuna.VarunaConfig(global_batch_size=M, micro_batch_size=m),
+        example_batch=batches[0],
+        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    )
     torch.manual_seed(0)
-    det = varuna.Engine(GPT(cfg), varuna.VarunaConfig(global_batch_size=M, micro_batch_size=m, deterministic=True),
-                        example_batch=batches[0], optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    det = varuna.Engine(
+        GPT(cfg),
+        varuna.VarunaConfig(global_batch_size=M, micro_batch_size=m, deterministic=True),
+        example_batch=batches[0],
+        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    )
     torch.use_deterministic_algorithms(False)  # only the deterministic engine's steps need it
 
     def timed(fn) -> list[float]:
         fn(batches[0])  # warm-up
         out = []
-        for b in batches[1:a.steps + 1]:
+        for b in batches[1 : a.steps + 1]:
             t = time.perf_counter()
             fn(b)
             out.append(time.perf_counter() - t)

@@ -952,7 +952,7 @@ class Row:
 # at once) — and a configuration that catches a few freezes comes out 10-50% slower. No model of
 # the runtime can predict that, so such steps are not valid measurements of it. A step is
 # *disturbed* when any of its F, R or B tasks ran more than DISTURBED_TASK_S past its nominal
-# compute; in undisturbed runs the runtime's own per-task overhead never exceeded 10 ms (typically
+# compute; in undisturbed runs the runtime's own per-task overhead never exceeded 11 ms (typically
 # 1.5-4 ms). The test looks at compute tasks only (never at messages, the schedule or the
 # simulated time). Real time = median of the undisturbed timed steps; a configuration with fewer
 # than MIN_CLEAN_STEPS of them is run again in a later world (--retries); disturbed steps of the

@@ -44,8 +44,8 @@ from simulator.engine import (
     stage_memory,
     sync_costs,
 )
-from varuna.partition import balanced_stages, candidate_maxima
 from varuna.calibration import Calibration
+from varuna.partition import balanced_stages, candidate_maxima
 
 __all__ = [
     "Candidate",

@@ -46,8 +46,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from simulator.interleaved import InterleavedPolicy, interleaved_order
-from varuna.partition import balanced_stages
 from varuna.calibration import Calibration
+from varuna.partition import balanced_stages
 from varuna.schedule import SCHEDULE_KINDS, get_schedule
 from varuna.timeline import Timeline
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from distributed import check_ok, run_world
+
 from varuna.determinism import TreeAccumulator, combine_nodes
 
 WORKER = Path(__file__).parent / "workers" / "det_worker.py"
@@ -17,8 +17,14 @@ WORKER = Path(__file__).parent / "workers" / "det_worker.py"
 
 def run(tmp_path: Path, P: int, D: int, *flags: str) -> tuple[list[float], dict[str, str]]:
     out = tmp_path / f"{P}x{D}{''.join(flags)}"
-    check_ok(run_world(WORKER, P * D, ["--out", str(out), *flags],
-                       env={"VARUNA_PIPELINE_DEPTH": str(P), "VARUNA_DATA_PARALLEL": str(D)}))
+    check_ok(
+        run_world(
+            WORKER,
+            P * D,
+            ["--out", str(out), *flags],
+            env={"VARUNA_PIPELINE_DEPTH": str(P), "VARUNA_DATA_PARALLEL": str(D)},
+        )
+    )
     losses, digests = None, {}
     for f in sorted(out.glob("rank*.json")):
         r = json.loads(f.read_text())
@@ -63,11 +69,14 @@ def test_weights_and_losses_are_bit_identical_at_every_layout(tmp_path):
         losses, digests = run(tmp_path, P, D)
         assert losses == ref_losses, f"{P}x{D}: per-step losses differ"
         assert digests == ref_digests, f"{P}x{D}: parameters differ: " + ", ".join(
-            n for n in ref_digests if digests.get(n) != ref_digests[n])
+            n for n in ref_digests if digests.get(n) != ref_digests[n]
+        )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flag,P,D", [("--no-canonical", 2, 2), ("--unkeyed-rng", 2, 1), ("--unkeyed-data", 1, 2)])
+@pytest.mark.parametrize(
+    "flag,P,D", [("--no-canonical", 2, 2), ("--unkeyed-rng", 2, 1), ("--unkeyed-data", 1, 2)]
+)
 def test_disabling_each_mechanism_breaks_equality(tmp_path, flag, P, D):
     ref_losses, ref_digests = run(tmp_path, 1, 1, flag)
     losses, digests = run(tmp_path, P, D, flag)
@@ -79,9 +88,15 @@ CKPT_WORKER = Path(__file__).parent / "workers" / "ckpt_worker.py"
 
 def ckpt_run(tmp: Path, name: str, P: int, D: int, *args: str):
     out = tmp / name
-    check_ok(run_world(CKPT_WORKER, P * D, ["--out", str(out), "--pipeline-depth", str(P), "--deterministic",
-                                            "--eps", "1e-8", *args],
-                       env={"VARUNA_PIPELINE_DEPTH": str(P)}, timeout_s=180))
+    check_ok(
+        run_world(
+            CKPT_WORKER,
+            P * D,
+            ["--out", str(out), "--pipeline-depth", str(P), "--deterministic", "--eps", "1e-8", *args],
+            env={"VARUNA_PIPELINE_DEPTH": str(P)},
+            timeout_s=180,
+        )
+    )
     reports, params = [], {}
     for f in sorted(out.glob("rank*.json")):
         reports.append(json.loads(f.read_text()))
@@ -96,7 +111,9 @@ def test_morphing_through_checkpoints_equals_the_uninterrupted_run_bitwise(tmp_p
     ckpt = str(tmp_path / "ckpt")
     ref, ref_params = ckpt_run(tmp_path, "ref", 1, 1, "--ckpt-dir", str(tmp_path / "unused"), "--steps", "6")
     a, _ = ckpt_run(tmp_path, "a", 2, 2, "--ckpt-dir", ckpt, "--steps", "2", "--save-at", "2")
-    b, _ = ckpt_run(tmp_path, "b", 4, 1, "--ckpt-dir", ckpt, "--steps", "4", "--resume", "1", "--save-at", "4")
+    b, _ = ckpt_run(
+        tmp_path, "b", 4, 1, "--ckpt-dir", ckpt, "--steps", "4", "--resume", "1", "--save-at", "4"
+    )
     c, params = ckpt_run(tmp_path, "c", 1, 1, "--ckpt-dir", ckpt, "--steps", "6", "--resume", "1")
     assert (b["first_step"], c["first_step"]) == (3, 5)
     assert a["losses"] + b["losses"] + c["losses"] == ref["losses"], "per-step losses differ"

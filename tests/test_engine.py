@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from distributed import check_ok, run_world
 from models import build_model, make_batch, reference_step
 
@@ -21,8 +20,9 @@ M, m = 10, 3  # 4 micro-batches of 3, 3, 3, 1: does not divide evenly, and D=2 s
 
 
 def launch(tmp_path: Path, P: int, D: int, *args: str, env: dict | None = None):
-    results = run_world(WORKER, P * D, ["--out", str(tmp_path), *args],
-                        env={"VARUNA_PIPELINE_DEPTH": str(P), **(env or {})})
+    results = run_world(
+        WORKER, P * D, ["--out", str(tmp_path), *args], env={"VARUNA_PIPELINE_DEPTH": str(P), **(env or {})}
+    )
     return results
 
 
@@ -61,7 +61,9 @@ def reference(kind: str = "gpt", *, clip: float | None = None, meta: bool = Fals
 
         # The single-process run of the same init rule: materialise every segment.
         prof = profile_model(model, make_batch(kind, m), lambda out, b: out, measure=False)
-        materialize_stage(model, prof, 0, prof.num_segments - 1, SplitState(), device=torch.device("cpu"), seed=7)
+        materialize_stage(
+            model, prof, 0, prof.num_segments - 1, SplitState(), device=torch.device("cpu"), seed=7
+        )
     loss = reference_step(model, make_batch(kind, M), M, m)
     norm = None
     if clip is not None:
@@ -114,8 +116,9 @@ def test_jitter_reorders_tasks_and_gradients_stay_equal(tmp_path):
     _, ref_grads, _ = reference()
     for seed in range(3):
         out = tmp_path / f"s{seed}"
-        check_ok(launch(out, 3, 1, "--schedules", "varuna",
-                        "--netem", f"latency=1ms,jitter=40ms,seed={seed}"))
+        check_ok(
+            launch(out, 3, 1, "--schedules", "varuna", "--netem", f"latency=1ms,jitter=40ms,seed={seed}")
+        )
         ranks = load(out, "varuna")
         assert_close(merged_grads(ranks), ref_grads, f"jitter seed {seed}")
         deviated |= any(rep["executed"][0] != rep["static"] for _, rep in ranks)
@@ -138,8 +141,21 @@ def test_global_norm_clipping_equals_clip_grad_norm(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_planted_inf_on_one_stage_skips_the_step_everywhere(tmp_path, precision):
-    check_ok(launch(tmp_path, 2, 2, "--schedules", "varuna", "--plant-inf-stage", "1", "--lr", "0.1",
-                    "--precision", precision))
+    check_ok(
+        launch(
+            tmp_path,
+            2,
+            2,
+            "--schedules",
+            "varuna",
+            "--plant-inf-stage",
+            "1",
+            "--lr",
+            "0.1",
+            "--precision",
+            precision,
+        )
+    )
     ranks = load(tmp_path, "varuna")
     for data, rep in ranks:
         assert rep["skipped"], f"rank on stage {rep['stage']} replica {rep['replica']} stepped"
@@ -170,16 +186,28 @@ def test_meta_model_materialises_only_its_stage_and_trains_like_one_process(tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("P,D,args,message", [
-    (3, 1, ["--model", "onecut"], "pipeline depth 3 exceeds the 2 segments"),
-    (2, 1, ["--model", "nocut"], "has no CutPoint"),
-    (1, 2, ["--model", "onecut", "--global-batch-size", "1", "--micro-batch-size", "1"],
-     "global batch size 1 is smaller than data-parallel degree D=2"),
-    (2, 1, ["--model", "twice"], "called twice in one forward"),
-])
+@pytest.mark.parametrize(
+    "P,D,args,message",
+    [
+        (3, 1, ["--model", "onecut"], "pipeline depth 3 exceeds the 2 segments"),
+        (2, 1, ["--model", "nocut"], "has no CutPoint"),
+        (
+            1,
+            2,
+            ["--model", "onecut", "--global-batch-size", "1", "--micro-batch-size", "1"],
+            "global batch size 1 is smaller than data-parallel degree D=2",
+        ),
+        (2, 1, ["--model", "twice"], "called twice in one forward"),
+    ],
+)
 def test_bad_configurations_fail_with_one_clear_line(tmp_path, P, D, args, message):
-    results = run_world(WORKER, P * D, ["--out", str(tmp_path), "--schedules", "varuna", *args],
-                        env={"VARUNA_PIPELINE_DEPTH": str(P), "VARUNA_DATA_PARALLEL": str(D)}, timeout_s=120)
+    results = run_world(
+        WORKER,
+        P * D,
+        ["--out", str(tmp_path), "--schedules", "varuna", *args],
+        env={"VARUNA_PIPELINE_DEPTH": str(P), "VARUNA_DATA_PARALLEL": str(D)},
+        timeout_s=120,
+    )
     for r in results:
         assert r.returncode == 2, r.stdout
         errors = [line for line in r.stdout.splitlines() if line.startswith("error:")]
@@ -192,9 +220,12 @@ def test_world_size_must_equal_p_times_d():
 
     model = build_model("onecut")
     with pytest.raises(ValueError, match=r"world size 1 != pipeline depth 2 x data parallel 1"):
-        varuna.Engine(model, varuna.VarunaConfig(global_batch_size=4, micro_batch_size=2, pipeline_depth=2,
-                                                 data_parallel=1),
-                      example_batch=make_batch("onecut", 4), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+        varuna.Engine(
+            model,
+            varuna.VarunaConfig(global_batch_size=4, micro_batch_size=2, pipeline_depth=2, data_parallel=1),
+            example_batch=make_batch("onecut", 4),
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+        )
 
 
 def test_single_process_engine_equals_reference():
@@ -203,8 +234,12 @@ def test_single_process_engine_equals_reference():
 
     model = build_model("gpt")
     batch = make_batch("gpt", M)
-    eng = varuna.Engine(model, varuna.VarunaConfig(global_batch_size=M, micro_batch_size=m, seed=7),
-                        example_batch=batch, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0))
+    eng = varuna.Engine(
+        model,
+        varuna.VarunaConfig(global_batch_size=M, micro_batch_size=m, seed=7),
+        example_batch=batch,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0),
+    )
     r = eng.train_step(batch)
     ref_loss, ref_grads, _ = reference()
     assert r.loss == pytest.approx(ref_loss, rel=1e-6)
@@ -216,8 +251,12 @@ def test_wrong_batch_size_is_a_clear_error():
     import varuna
 
     model = build_model("onecut")
-    eng = varuna.Engine(model, varuna.VarunaConfig(global_batch_size=4, micro_batch_size=2),
-                        example_batch=make_batch("onecut", 4), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    eng = varuna.Engine(
+        model,
+        varuna.VarunaConfig(global_batch_size=4, micro_batch_size=2),
+        example_batch=make_batch("onecut", 4),
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+    )
     with pytest.raises(ValueError, match="got a batch of 6 examples but global_batch_size is 4"):
         eng.train_step(make_batch("onecut", 6))
     eng.close()

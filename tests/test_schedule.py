@@ -108,14 +108,18 @@ def test_policy_runs_a_ready_backward_when_the_next_forward_is_late():
     # Stage 1 of 4 wants F0..F4 first; if activation 4 is late and gradient 0 is already here,
     # the opportunistic rule runs R0 B0 instead of idling.
     sched = get_schedule("varuna", 4, 5)
-    order = drive(sched.policy(1), [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("F", 4),
-                                   ("B", 1), ("B", 2), ("B", 3), ("B", 4)])
+    order = drive(
+        sched.policy(1),
+        [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("F", 4), ("B", 1), ("B", 2), ("B", 3), ("B", 4)],
+    )
     assert format_tasks(order[:6]) == "F0 F1 F2 F3 R0 B0"
     validate_stage_tasks(order, 5)
     # Negative control: the same arrivals on a strict (baseline) policy never reorder.
     strict = StagePolicy(sched.stages[1], 1, 4, opportunistic=False)
-    assert drive(strict, [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("F", 4),
-                          ("B", 1), ("B", 2), ("B", 3), ("B", 4)]) == list(sched.stages[1])
+    assert drive(
+        strict,
+        [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("F", 4), ("B", 1), ("B", 2), ("B", 3), ("B", 4)],
+    ) == list(sched.stages[1])
 
 
 def test_rule_2_no_forward_between_recompute_and_backward():
@@ -131,5 +135,7 @@ def test_rule_2_no_forward_between_recompute_and_backward():
 
 
 def test_schedule_module_does_not_import_torch():
-    code = "import sys, varuna.schedule, varuna.partition; assert 'torch' not in sys.modules, 'torch imported'"
+    code = (
+        "import sys, varuna.schedule, varuna.partition; assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

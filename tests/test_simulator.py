@@ -12,8 +12,8 @@ from simulator.autoconfig import autoconfigure, choose_micro_batch_size, sweep_g
 from simulator.cli import main
 from simulator.engine import SimConfig, simulate, split_minibatch
 from simulator.interleaved import interleaved_order
-from varuna.partition import balanced_stages, stage_costs
 from varuna.calibration import AllReduceModel, Calibration, LinkModel
+from varuna.partition import balanced_stages, stage_costs
 from varuna.schedule import BACKWARD, FORWARD, RECOMPUTE, StagePolicy, Task, get_schedule
 from varuna.timeline import Timeline
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from models import build_model, make_batch
+
 from varuna.cutpoint import CutPoint, ForwardRun, SplitState, StopForward
 from varuna.split import materialize_stage, profile_model
 

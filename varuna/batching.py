@@ -7,8 +7,8 @@ takes a contiguous run of them (counts differ by at most one). Randomness is key
 
 Example::
 
-    >>> plan_microbatches(10, 4, 2)
-    [[MicroBatch(index=0, start=0, end=4), MicroBatch(index=1, start=4, end=8)], [MicroBatch(index=2, start=8, end=10)]]
+    >>> [[mb.index for mb in replica] for replica in plan_microbatches(10, 4, 2)]
+    [[0, 1], [2]]
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ class MicroBatch:
         return self.end - self.start
 
 
-def plan_microbatches(global_batch_size: int, micro_batch_size: int, data_parallel: int) -> list[list[MicroBatch]]:
+def plan_microbatches(
+    global_batch_size: int, micro_batch_size: int, data_parallel: int
+) -> list[list[MicroBatch]]:
     """Per replica, its micro-batches (see module docstring)."""
     M, m, D = global_batch_size, micro_batch_size, data_parallel
     if m < 1 or M < 1 or D < 1:
@@ -49,7 +51,7 @@ def plan_microbatches(global_batch_size: int, micro_batch_size: int, data_parall
     out, pos = [], 0
     for d in range(D):
         cnt = n // D + (1 if d < n % D else 0)
-        out.append(mbs[pos: pos + cnt])
+        out.append(mbs[pos : pos + cnt])
         pos += cnt
     return out
 
@@ -58,10 +60,18 @@ def batch_size_of(batch) -> int:
     """Leading dimension shared by every tensor of ``batch`` (tensor, tuple/list or dict)."""
     import torch
 
-    leaves = list(batch.values()) if isinstance(batch, dict) else list(batch) if isinstance(batch, (list, tuple)) else [batch]
+    leaves = (
+        list(batch.values())
+        if isinstance(batch, dict)
+        else list(batch)
+        if isinstance(batch, (list, tuple))
+        else [batch]
+    )
     sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0}
     if len(sizes) != 1:
-        raise ValueError(f"every tensor of a batch must share its first (batch) dimension; got sizes {sorted(sizes)}")
+        raise ValueError(
+            f"every tensor of a batch must share its first (batch) dimension; got sizes {sorted(sizes)}"
+        )
     return sizes.pop()
 
 

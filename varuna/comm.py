@@ -1,4 +1,4 @@
-"""Threaded asynchronous point-to-point transfer of activations and gradients between stages.
+r"""Threaded asynchronous point-to-point transfer of activations and gradients between stages.
 
 Each stage owns up to four worker threads: activation sender (to the next stage), activation
 receiver (from the previous), gradient sender (to the previous) and gradient receiver (from the
@@ -30,8 +30,16 @@ __all__ = ["Arrival", "LinkSender", "LinkReceiver", "HEADER_LEN"]
 HEADER_LEN = 64
 _MAX_DIMS = 8
 _DTYPES = [
-    torch.float32, torch.float16, torch.bfloat16, torch.float64,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
 ]
 _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
 
@@ -51,7 +59,9 @@ def encode_header(microbatch: int, tensors: tuple[torch.Tensor, ...]) -> torch.T
     vals = [microbatch, len(tensors)]
     for t in tensors:
         if t.dim() > _MAX_DIMS:
-            raise ValueError(f"a tensor crossing a cut-point has {t.dim()} dims; at most {_MAX_DIMS} are supported")
+            raise ValueError(
+                f"a tensor crossing a cut-point has {t.dim()} dims; at most {_MAX_DIMS} are supported"
+            )
         if t.dtype not in _DTYPE_CODE:
             raise ValueError(f"dtype {t.dtype} cannot cross a cut-point")
         vals += [_DTYPE_CODE[t.dtype], t.dim(), *t.shape, *([0] * (_MAX_DIMS - t.dim()))]
@@ -65,7 +75,7 @@ def decode_header(h: torch.Tensor) -> tuple[int, list[tuple[torch.dtype, tuple[i
     specs, pos = [], 2
     for _ in range(n):
         dtype, nd = _DTYPES[vals[pos]], vals[pos + 1]
-        specs.append((dtype, tuple(vals[pos + 2: pos + 2 + nd])))
+        specs.append((dtype, tuple(vals[pos + 2 : pos + 2 + nd])))
         pos += 2 + _MAX_DIMS
     return mb, specs
 
@@ -98,7 +108,9 @@ class _Worker:
 class LinkSender(_Worker):
     """Sends (micro-batch, tensors) messages to ``peer`` over ``group`` from a thread."""
 
-    def __init__(self, name: str, peer: int, group, device: torch.device, inbox: queue.Queue, timeout_s: float):
+    def __init__(
+        self, name: str, peer: int, group, device: torch.device, inbox: queue.Queue, timeout_s: float
+    ):
         self.peer, self.group, self.device = peer, group, device
         super().__init__(name, inbox, timeout_s)
 
@@ -121,8 +133,16 @@ class LinkSender(_Worker):
 class LinkReceiver(_Worker):
     """Receives messages from ``peer`` and puts :class:`Arrival`\\ s into the inbox."""
 
-    def __init__(self, name: str, kind: str, peer: int, group, device: torch.device,
-                 inbox: queue.Queue, timeout_s: float):
+    def __init__(
+        self,
+        name: str,
+        kind: str,
+        peer: int,
+        group,
+        device: torch.device,
+        inbox: queue.Queue,
+        timeout_s: float,
+    ):
         self.kind, self.peer, self.group, self.device = kind, peer, group, device
         super().__init__(name, inbox, timeout_s)
 

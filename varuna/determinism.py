@@ -118,11 +118,12 @@ def canonical_allreduce(
     all_ids = [torch.empty_like(ids) for _ in range(group_size)]
     dist.all_gather(all_ids, ids, group=group)
     bounds = [(numel * j) // group_size for j in range(group_size + 1)]
-    send = torch.cat([stacked[:, bounds[j]:bounds[j + 1]].reshape(-1) for j in range(group_size)])
+    send = torch.cat([stacked[:, bounds[j] : bounds[j + 1]].reshape(-1) for j in range(group_size)])
     mine = bounds[my_index + 1] - bounds[my_index]
     recv = torch.empty(maxn * mine * group_size, dtype=dtype)
     dist.all_to_all_single(
-        recv, send,
+        recv,
+        send,
         output_split_sizes=[maxn * mine] * group_size,
         input_split_sizes=[maxn * (bounds[j + 1] - bounds[j]) for j in range(group_size)],
         group=group,
@@ -163,8 +164,9 @@ class DeterministicGrads:
             if len(segs) > 1:
                 # One autograd leaf per reading segment, sharing the parameter's storage: the
                 # optimizer's in-place update of the parameter is seen by every alias.
-                self.aliases[n] = {s: nn.Parameter(p.detach(), requires_grad=True)
-                                   for s in segs if first <= s <= last}
+                self.aliases[n] = {
+                    s: nn.Parameter(p.detach(), requires_grad=True) for s in segs if first <= s <= last
+                }
         owners = {id(p): n for n, p in engine._trainable.items() if n in self.aliases}
         self.regs: dict[str, list[tuple[nn.Module, str]]] = {n: [] for n in self.aliases}
         for mod in engine.model.modules():
@@ -199,8 +201,9 @@ class DeterministicGrads:
         self.n = num_microbatches
 
     def capture(self, microbatch: int) -> None:
-        flat = torch.cat([(t.grad if t.grad is not None else torch.zeros_like(t)).reshape(-1)
-                          for _, _, t in self.leaves])
+        flat = torch.cat(
+            [(t.grad if t.grad is not None else torch.zeros_like(t)).reshape(-1) for _, _, t in self.leaves]
+        )
         for _, _, t in self.leaves:
             t.grad = None
         self.acc.add(microbatch, flat)
@@ -212,7 +215,7 @@ class DeterministicGrads:
         per_seg: dict[str, dict[int, torch.Tensor]] = {}
         pos = 0
         for n, s, t in self.leaves:
-            g = flat[pos: pos + t.numel()].view_as(t)
+            g = flat[pos : pos + t.numel()].view_as(t)
             pos += t.numel()
             if s is None:
                 e._trainable[n].grad = g.clone()
@@ -268,7 +271,9 @@ class DeterministicGrads:
             v[nseg + 2 + g] = loss
         return v
 
-    def read_slots(self, v: list[float], mb_sizes: list[int], global_batch: int) -> tuple[float, bool, float, bool]:
+    def read_slots(
+        self, v: list[float], mb_sizes: list[int], global_batch: int
+    ) -> tuple[float, bool, float, bool]:
         nseg = self.e.profile.num_segments
         total_sq = 0.0
         for s in range(nseg):

@@ -123,8 +123,9 @@ class VarunaConfig:
             self.micro_batch_size = int(env["VARUNA_MICRO_BATCH_SIZE"])
         if env.get("VARUNA_STAGE_RANGES"):
             try:
-                self.stage_ranges = [tuple(int(x) for x in part.split("-")) for part in
-                                     env["VARUNA_STAGE_RANGES"].split(",")]
+                self.stage_ranges = [
+                    tuple(int(x) for x in part.split("-")) for part in env["VARUNA_STAGE_RANGES"].split(",")
+                ]
             except ValueError:
                 raise ValueError(
                     f"VARUNA_STAGE_RANGES={env['VARUNA_STAGE_RANGES']!r} is not like '0-3,4-7'"
@@ -207,9 +208,15 @@ class Engine:
         if config.auto_cutpoints is not None:  # before the dry run, which must see the CutPoints
             from varuna.autocut import engine_auto_cutpoints
 
-            engine_auto_cutpoints(model, example_batch, config.auto_cutpoints, loss_fn=self.loss_fn,
-                                  micro_batch_size=config.micro_batch_size, rank=self.layout.rank,
-                                  world=self.layout.world)
+            engine_auto_cutpoints(
+                model,
+                example_batch,
+                config.auto_cutpoints,
+                loss_fn=self.loss_fn,
+                micro_batch_size=config.micro_batch_size,
+                rank=self.layout.rank,
+                world=self.layout.world,
+            )
         P, D = self.layout.P, self.layout.D
         self.micro_plan = plan_microbatches(config.global_batch_size, config.micro_batch_size, D)
         self.device = self._pick_device(config)
@@ -244,8 +251,14 @@ class Engine:
             cp._varuna_state = self._split
         self._order = self._cut_order(model)
         self.stage_params = materialize_stage(
-            model, self.profile, self.first_segment, self.last_segment, self._split,
-            device=self.device, seed=config.seed, param_init=param_init,
+            model,
+            self.profile,
+            self.first_segment,
+            self.last_segment,
+            self._split,
+            device=self.device,
+            seed=config.seed,
+            param_init=param_init,
         )
         self._trainable = {n: p for n, p in self.stage_params.items() if p.requires_grad}
         self._det = None
@@ -406,15 +419,20 @@ class Engine:
         self._act_out = self._grad_out = self._act_in = self._grad_in = None
         if k < L.P - 1:
             nxt = L.rank_of(k + 1, d)
-            self._act_out = LinkSender(f"act-send-{k}", nxt, self._act_groups[(k, d)], self.device, self._inbox, t)
-            self._grad_in = LinkReceiver(f"grad-recv-{k}", BACKWARD, nxt, self._grad_groups[(k, d)],
-                                         self.device, self._inbox, t)
+            self._act_out = LinkSender(
+                f"act-send-{k}", nxt, self._act_groups[(k, d)], self.device, self._inbox, t
+            )
+            self._grad_in = LinkReceiver(
+                f"grad-recv-{k}", BACKWARD, nxt, self._grad_groups[(k, d)], self.device, self._inbox, t
+            )
         if k > 0:
             prv = L.rank_of(k - 1, d)
-            self._act_in = LinkReceiver(f"act-recv-{k}", FORWARD, prv, self._act_groups[(k - 1, d)],
-                                        self.device, self._inbox, t)
-            self._grad_out = LinkSender(f"grad-send-{k}", prv, self._grad_groups[(k - 1, d)],
-                                        self.device, self._inbox, t)
+            self._act_in = LinkReceiver(
+                f"act-recv-{k}", FORWARD, prv, self._act_groups[(k - 1, d)], self.device, self._inbox, t
+            )
+            self._grad_out = LinkSender(
+                f"grad-send-{k}", prv, self._grad_groups[(k - 1, d)], self.device, self._inbox, t
+            )
 
     def _install_stop_handlers(self, names: tuple[str, ...]) -> None:
         import signal
@@ -468,8 +486,12 @@ class Engine:
         loss = self._last_loss
         wall = time.perf_counter() - t_start
         result = StepResult(
-            step=self.step_count, loss=loss, grad_norm=grad_norm, skipped=skipped,
-            loss_scale=self.scaler.scale, samples_per_s=self.config.global_batch_size / wall,
+            step=self.step_count,
+            loss=loss,
+            grad_norm=grad_norm,
+            skipped=skipped,
+            loss_scale=self.scaler.scale,
+            samples_per_s=self.config.global_batch_size / wall,
             wall_time=time.time(),
         )
         if stop:
@@ -503,8 +525,17 @@ class Engine:
         system-wide monotonic clock on Linux); the origin is shifted to the earliest event.
         """
         ops = ["F", "R", "B", "AR", "OPT"]
-        rows = [[e.stage, e.replica, ops.index(e.op), -1 if e.microbatch is None else e.microbatch,
-                 e.start_s, e.end_s] for e in self.timeline.events]
+        rows = [
+            [
+                e.stage,
+                e.replica,
+                ops.index(e.op),
+                -1 if e.microbatch is None else e.microbatch,
+                e.start_s,
+                e.end_s,
+            ]
+            for e in self.timeline.events
+        ]
         local = torch.tensor(rows, dtype=torch.float64).reshape(-1, 6)
         if self.layout.world > 1:
             n = torch.tensor([local.shape[0]], dtype=torch.int64)
@@ -519,8 +550,15 @@ class Engine:
         if self.layout.rank != 0:
             return None
         t0 = float(local[:, 4].min()) if local.numel() else 0.0
-        tl = Timeline(metadata={"source": "runtime", "P": self.layout.P, "D": self.layout.D,
-                                "m": self.config.micro_batch_size, "schedule": self.config.schedule})
+        tl = Timeline(
+            metadata={
+                "source": "runtime",
+                "P": self.layout.P,
+                "D": self.layout.D,
+                "m": self.config.micro_batch_size,
+                "schedule": self.config.schedule,
+            }
+        )
         for st, rep, op, mb, a, b in local.tolist():
             tl.add(int(st), int(rep), ops[int(op)], None if mb < 0 else int(mb), a - t0, b - t0)
         return tl
@@ -590,9 +628,12 @@ class Engine:
                 det.on_segment(segment)
 
         run = ForwardRun(
-            cutpoints=self._order, first_segment=self.first_segment,
+            cutpoints=self._order,
+            first_segment=self.first_segment,
             last_segment=self.last_segment if not self.is_last_stage else len(self._order),
-            num_segments=self.profile.num_segments, inputs=inputs, on_segment=on_segment,
+            num_segments=self.profile.num_segments,
+            inputs=inputs,
+            on_segment=on_segment,
         )
         self._split.run = run
         try:
@@ -604,7 +645,8 @@ class Engine:
                     return stop.outputs
                 if not self.is_last_stage:
                     raise RuntimeError(
-                        f"stage {self.stage}'s forward returned without reaching CutPoint #{self.last_segment}; "
+                        f"stage {self.stage}'s forward returned without reaching CutPoint "
+                        f"#{self.last_segment}; "
                         "the forward must pass every CutPoint on every call"
                     )
                 return self.loss_fn(out, data)
@@ -636,7 +678,9 @@ class Engine:
         self.executed_orders.append(list(policy.executed))
         return loss_sum
 
-    def _execute(self, batch, mbs: list[MicroBatch], policy, recomputed: frozenset[int], train: bool) -> float:
+    def _execute(
+        self, batch, mbs: list[MicroBatch], policy, recomputed: frozenset[int], train: bool
+    ) -> float:
         k = self.stage
         acts: dict[int, tuple[torch.Tensor, ...]] = {}
         grads: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -694,10 +738,14 @@ class Engine:
                 if self._det is not None and train:
                     self._det.capture(mb.index)
                 if self._grad_out is not None:
-                    self._grad_out.send(i, tuple(
-                        (x.grad if x.grad is not None else torch.zeros_like(x))
-                        for x in inputs if x.is_floating_point()
-                    ))
+                    self._grad_out.send(
+                        i,
+                        tuple(
+                            (x.grad if x.grad is not None else torch.zeros_like(x))
+                            for x in inputs
+                            if x.is_floating_point()
+                        ),
+                    )
                 del inputs, out
             policy.complete(task)
             if record:
@@ -711,7 +759,8 @@ class Engine:
             except queue.Empty:
                 if block:
                     raise TimeoutError(
-                        f"stage {self.stage} replica {self.replica} waited {timeout:.0f}s for an activation or "
+                        f"stage {self.stage} replica {self.replica} waited {timeout:.0f}s for an "
+                        "activation or "
                         "gradient; a peer process is stuck or gone (raise VarunaConfig.comm_timeout_s if "
                         "steps are legitimately this slow)"
                     ) from None
@@ -768,10 +817,13 @@ class Engine:
             v = self._det.scalar_slots(nonfinite > 0, self.stop_requested, self._norm_elsewhere)
             sizes = [mb.size for plan in self.micro_plan for mb in plan]
             total_sq, overflow, loss, stop = self._det.read_slots(
-                self._allreduce_scalars(v), sizes, self.config.global_batch_size)
+                self._allreduce_scalars(v), sizes, self.config.global_batch_size
+            )
         else:
-            v = torch.tensor([float(sumsq) if nonfinite == 0 else 0.0, nonfinite, local_loss,
-                              float(self.stop_requested)], dtype=torch.float64)
+            v = torch.tensor(
+                [float(sumsq) if nonfinite == 0 else 0.0, nonfinite, local_loss, float(self.stop_requested)],
+                dtype=torch.float64,
+            )
             total_sq, overflow, loss, stop = self._allreduce_scalars(v)
             stop = stop > 0
         self._last_loss = loss
@@ -890,4 +942,3 @@ def _model_returns_loss(output, batch):
     raise TypeError(
         "the model's forward must return a scalar loss, or pass loss_fn=lambda output, batch: ... to Engine"
     )
-

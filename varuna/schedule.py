@@ -189,7 +189,9 @@ def get_schedule(kind: str, num_stages: int, num_microbatches: int, recompute: b
     """Cached, immutable :class:`Schedule` (what the runtime and the simulator use)."""
     stages = build_schedule(kind, num_stages, num_microbatches, recompute=recompute)
     rec = True if kind == "varuna" else recompute
-    return Schedule(kind, num_stages, num_microbatches, rec and num_stages > 0, tuple(tuple(s) for s in stages))
+    return Schedule(
+        kind, num_stages, num_microbatches, rec and num_stages > 0, tuple(tuple(s) for s in stages)
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,7 +330,9 @@ def _varuna_pass(P: int, N: int, est: list[list[float]]):
 # Validation helpers
 
 
-def validate_stage_tasks(tasks: Sequence[Task], num_microbatches: int, *, forbid_recompute: bool = False) -> None:
+def validate_stage_tasks(
+    tasks: Sequence[Task], num_microbatches: int, *, forbid_recompute: bool = False
+) -> None:
     """Raise ValueError unless ``tasks`` is a well-formed list for one stage.
 
     Every micro-batch has exactly one F and one B, F before B, at most one R placed between them,
@@ -402,9 +406,27 @@ class StagePolicy:
     # plain scan of the remaining list would return (tests/test_simulator.py checks it against
     # that scan on random arrival orders).
 
-    __slots__ = ("tasks", "stage", "num_stages", "opportunistic", "_recomputed",
-                 "_act", "_grad", "_awaiting_b", "_head", "_next_f", "executed",
-                 "_pos", "_done_pos", "_extra_done", "_ndone", "_f_done", "_r_done", "_b_done", "_cand")
+    __slots__ = (
+        "tasks",
+        "stage",
+        "num_stages",
+        "opportunistic",
+        "_recomputed",
+        "_act",
+        "_grad",
+        "_awaiting_b",
+        "_head",
+        "_next_f",
+        "executed",
+        "_pos",
+        "_done_pos",
+        "_extra_done",
+        "_ndone",
+        "_f_done",
+        "_r_done",
+        "_b_done",
+        "_cand",
+    )
 
     def __init__(self, tasks: Sequence[Task], stage: int, num_stages: int, opportunistic: bool = True):
         self.tasks = tuple(tasks)
@@ -496,8 +518,12 @@ class StagePolicy:
             if p < 0:  # B_i is not in the list (a malformed list): the general check
                 b = Task(BACKWARD, i)
                 return b if self.ready(b) else None
-            if (not done_pos[p] and i in self._f_done and (i not in self._recomputed or i in self._r_done)
-                    and (self.stage == self.num_stages - 1 or i in self._grad)):
+            if (
+                not done_pos[p]
+                and i in self._f_done
+                and (i not in self._recomputed or i in self._r_done)
+                and (self.stage == self.num_stages - 1 or i in self._grad)
+            ):
                 return tasks[p]
             return None
         n = len(tasks)
@@ -516,8 +542,11 @@ class StagePolicy:
         elif op == RECOMPUTE:
             if i in self._f_done:
                 return first
-        elif (i in self._f_done and (i not in self._recomputed or i in self._r_done)
-              and (self.stage == self.num_stages - 1 or i in self._grad)):
+        elif (
+            i in self._f_done
+            and (i not in self._recomputed or i in self._r_done)
+            and (self.stage == self.num_stages - 1 or i in self._grad)
+        ):
             return first
         if not self.opportunistic:
             return None

@@ -130,7 +130,10 @@ def _call(model: nn.Module, batch):
 def _to_meta(tree):
     leaves, spec = tree_flatten(tree)
     return tree_unflatten(
-        [torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x for x in leaves],
+        [
+            torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+            for x in leaves
+        ],
         spec,
     )
 
@@ -244,7 +247,7 @@ def _time_segments(model, batch, loss_fn, state, cut_names, reps):
         for i, xs in enumerate(dry.crossing_tensors):
             t = next((x for x in xs if x.requires_grad), None)
             if t is not None:
-                t.register_hook(lambda g, i=i: grad_times.__setitem__(i, time.perf_counter()))
+                t.register_hook(lambda g, i=i, times=grad_times: times.__setitem__(i, time.perf_counter()))
         tb0 = time.perf_counter()
         loss.backward()
         tb1 = time.perf_counter()
@@ -340,12 +343,18 @@ class _Skipper:
             finally:
                 self.state.in_placeholder = False
             rl, rspec = tree_flatten(res)
-            out = ([(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else _Const(x) for x in rl], rspec)
+            out = (
+                [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else _Const(x) for x in rl],
+                rspec,
+            )
             if key is not None:
                 self.cache[key] = out
         descs, rspec = out
         return tree_unflatten(
-            [d.value if isinstance(d, _Const) else torch.zeros(d[0], dtype=d[1], device=self.device) for d in descs],
+            [
+                d.value if isinstance(d, _Const) else torch.zeros(d[0], dtype=d[1], device=self.device)
+                for d in descs
+            ],
             rspec,
         )
 
@@ -377,7 +386,7 @@ def materialize_stage(
     params = _named_params(model)
     keep = {n for n, s in profile.param_segments.items() if any(x in segs for x in s)}
     # Wrap first: the meta shape dictionaries need the original parameter shapes.
-    for qname, mod in _wrap_candidates(model, profile.spanning_modules, profile.called_modules):
+    for _qname, mod in _wrap_candidates(model, profile.spanning_modules, profile.called_modules):
         mod.forward = _Skipper(mod, state, device)
     canon_of = {id(p): n for n, p in params.items()}
     new: dict[int, nn.Parameter] = {}
@@ -411,7 +420,7 @@ def materialize_stage(
         # Initialise each owning module once, seeded by its name, so any stage split gives the
         # same values as a single process that materialises everything.
         done: set[str] = set()
-        for canon, (mname, mod) in sorted(owners.items()):
+        for _canon, (mname, mod) in sorted(owners.items()):
             if mname in done:
                 continue
             done.add(mname)

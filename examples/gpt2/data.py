@@ -35,7 +35,10 @@ class ByteBatches:
     def __init__(self, block_size: int, seed: int = 0, max_bytes: int = 4 << 20):
         data = load_corpus(max_bytes)
         cut = int(len(data) * 0.9)
-        self.splits = {"train": torch.from_numpy(data[:cut].copy()), "val": torch.from_numpy(data[cut:].copy())}
+        self.splits = {
+            "train": torch.from_numpy(data[:cut].copy()),
+            "val": torch.from_numpy(data[cut:].copy()),
+        }
         self.block_size, self.seed = block_size, seed
         self.fingerprint = hashlib.sha256(data.tobytes()).hexdigest()[:12]
 
@@ -43,5 +46,5 @@ class ByteBatches:
         src = self.splits[split]
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 2 + (split == "val"))
         starts = torch.randint(0, len(src) - self.block_size - 1, (batch_size,), generator=g)
-        idx = torch.stack([src[s: s + self.block_size + 1] for s in starts.tolist()]).long()
+        idx = torch.stack([src[s : s + self.block_size + 1] for s in starts.tolist()]).long()
         return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()

@@ -1,7 +1,7 @@
 """Train the GPT example with varuna at any P×D.
 
-    varuna-launch --procs 4 --pipeline-depth 2 examples/gpt2/train.py --steps 20
-    python examples/gpt2/train.py --steps 20        # one process (P = D = 1)
+varuna-launch --procs 4 --pipeline-depth 2 examples/gpt2/train.py --steps 20
+python examples/gpt2/train.py --steps 20        # one process (P = D = 1)
 """
 
 from __future__ import annotations
@@ -41,16 +41,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=10, help="steps between validation losses (0: never)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
     p.add_argument("--trace", type=Path, help="write the last step's task timeline (Chrome trace JSON) here")
-    p.add_argument("--deterministic", action="store_true",
-                   help="bit-identical weights at any P×D and across morphs (docs/determinism.md)")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="bit-identical weights at any P×D and across morphs (docs/determinism.md)",
+    )
     # Checkpoints (docs/checkpoints.md); the launcher's VARUNA_CHECKPOINT_DIR / VARUNA_RESUME work too.
     p.add_argument("--checkpoint-dir", help="global checkpoint store (shared filesystem or mounted blob)")
-    p.add_argument("--checkpoint-every", type=int, default=0,
-                   help="steps between checkpoints (0: only when stopped by SIGUSR1/SIGTERM)")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="steps between checkpoints (0: only when stopped by SIGUSR1/SIGTERM)",
+    )
     p.add_argument("--keep-checkpoints", type=int, default=2, help="complete checkpoints to keep")
-    p.add_argument("--resume", nargs="?", const="1", choices=["1", "auto", "0"],
-                   help="resume from the newest complete checkpoint (auto: only if one exists); "
-                        "--steps stays the total step count")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="1",
+        choices=["1", "auto", "0"],
+        help="resume from the newest complete checkpoint (auto: only if one exists); "
+        "--steps stays the total step count",
+    )
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
@@ -61,20 +73,31 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     data = ByteBatches(args.block_size, seed=args.seed)
-    cfg = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
-                    n_embd=args.n_embd, dropout=args.dropout)
+    cfg = GPTConfig(
+        block_size=args.block_size,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        dropout=args.dropout,
+    )
     torch.manual_seed(args.seed)
     model = GPT(cfg)
     engine = varuna.Engine(
         model,
         varuna.VarunaConfig(
-            global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
-            schedule=args.schedule, seed=args.seed, precision=args.precision,
-            max_grad_norm=args.max_grad_norm, deterministic=args.deterministic,
+            global_batch_size=args.global_batch_size,
+            micro_batch_size=args.micro_batch_size,
+            schedule=args.schedule,
+            seed=args.seed,
+            precision=args.precision,
+            max_grad_norm=args.max_grad_norm,
+            deterministic=args.deterministic,
             record_timeline=args.trace is not None,
             deterministic_threads=args.threads,
-            checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-            keep_checkpoints=args.keep_checkpoints, resume=args.resume,
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every,
+            keep_checkpoints=args.keep_checkpoints,
+            resume=args.resume,
         ),
         example_batch=data.get("train", 0, args.global_batch_size),
         optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0),
@@ -82,8 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     info = engine.describe()
     leader = engine.layout.rank == 0
     if leader:
-        print(f"varuna: P={info['P']} D={info['D']} m={info['m']} Nm={info['Nm']} stages={info['stage_ranges']} "
-              f"schedule={args.schedule} corpus={data.fingerprint}", flush=True)
+        print(
+            f"varuna: P={info['P']} D={info['D']} m={info['m']} Nm={info['Nm']} "
+            f"stages={info['stage_ranges']} "
+            f"schedule={args.schedule} corpus={data.fingerprint}",
+            flush=True,
+        )
         if engine.step_count:
             print(f"varuna: resumed from the checkpoint of step {engine.step_count}", flush=True)
     out = open(args.metrics_out, "a") if (leader and args.metrics_out) else None
@@ -92,15 +119,27 @@ def main(argv: list[str] | None = None) -> int:
             if args.trace is not None:
                 engine.timeline.events.clear()  # keep only the last step's events
             r = engine.train_step(data.get("train", step, args.global_batch_size))
-            row = {"step": r.step, "loss": r.loss, "samples_per_s": r.samples_per_s, "P": info["P"],
-                   "D": info["D"], "m": info["m"], "Nm": sum(info["Nm"]), "wall_time": r.wall_time,
-                   "grad_norm": r.grad_norm, "skipped": r.skipped}
+            row = {
+                "step": r.step,
+                "loss": r.loss,
+                "samples_per_s": r.samples_per_s,
+                "P": info["P"],
+                "D": info["D"],
+                "m": info["m"],
+                "Nm": sum(info["Nm"]),
+                "wall_time": r.wall_time,
+                "grad_norm": r.grad_norm,
+                "skipped": r.skipped,
+            }
             if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
                 row["val_loss"] = engine.evaluate(data.get("val", step, args.global_batch_size))
             if leader:
                 extra = f" val {row['val_loss']:.4f}" if "val_loss" in row else ""
-                print(f"step {r.step:5d}/{args.steps} loss {r.loss:.4f}{extra} |g| {r.grad_norm:.3f} "
-                      f"{r.samples_per_s:8.1f} samples/s", flush=True)
+                print(
+                    f"step {r.step:5d}/{args.steps} loss {r.loss:.4f}{extra} |g| {r.grad_norm:.3f} "
+                    f"{r.samples_per_s:8.1f} samples/s",
+                    flush=True,
+                )
                 if out:
                     out.write(json.dumps(row) + "\n")
                     out.flush()
@@ -109,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
             if tl is not None:
                 args.trace.parent.mkdir(parents=True, exist_ok=True)
                 tl.to_chrome_trace(args.trace)
-                tl.plot_gantt(args.trace.with_suffix(".png"), title=f"GPT example, P={info['P']} D={info['D']}")
+                tl.plot_gantt(
+                    args.trace.with_suffix(".png"), title=f"GPT example, P={info['P']} D={info['D']}"
+                )
                 print(f"wrote {args.trace} and {args.trace.with_suffix('.png')}", flush=True)
     finally:
         if out:

@@ -16,8 +16,9 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
-import varuna  # noqa: E402
 from models import build_model  # noqa: E402
+
+import varuna  # noqa: E402
 
 
 def batch_for(step: int, size: int, salt: int = 0):

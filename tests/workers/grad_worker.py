@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -21,9 +21,9 @@ sys.path.insert(0, str(ROOT / "examples" / "gpt2"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from models import build_model, make_batch  # noqa: E402
-from varuna.split import resident_param_bytes  # noqa: E402
 
 import varuna  # noqa: E402
+from varuna.split import resident_param_bytes  # noqa: E402
 
 
 def main() -> None:
@@ -64,9 +64,15 @@ def run() -> None:
             model = copy.deepcopy(base)
             engine = varuna.Engine(
                 model,
-                varuna.VarunaConfig(global_batch_size=a.global_batch_size, micro_batch_size=a.micro_batch_size,
-                                    schedule=kind, recompute=not a.no_recompute, seed=7,
-                                    max_grad_norm=a.max_grad_norm, precision=a.precision),
+                varuna.VarunaConfig(
+                    global_batch_size=a.global_batch_size,
+                    micro_batch_size=a.micro_batch_size,
+                    schedule=kind,
+                    recompute=not a.no_recompute,
+                    seed=7,
+                    max_grad_norm=a.max_grad_norm,
+                    precision=a.precision,
+                ),
                 example_batch=batch,
                 optimizer=lambda ps: torch.optim.SGD(ps, lr=a.lr),
             )
@@ -82,21 +88,41 @@ def run() -> None:
             out = a.out / kind
             out.mkdir(parents=True, exist_ok=True)
             rank = engine.layout.rank
-            torch.save({
-                "grads": {n: q.grad.detach().clone() for n, q in engine.named_parameters() if q.grad is not None},
-                "params": {n: q.detach().clone() for n, q in engine.named_parameters()},
-                "before": before,
-                "resident_bytes": resident_param_bytes(model),
-            }, out / f"rank{rank}.pt")
-            (out / f"rank{rank}.json").write_text(json.dumps({
-                "loss": r.loss, "losses": [x.loss for x in results], "skipped": r.skipped,
-                "grad_norm": r.grad_norm, "loss_scale": r.loss_scale, "stage": engine.stage, "replica": engine.replica,
-                "stage_ranges": engine.stage_ranges,
-                "executed": [[str(t) for t in o] for o in engine.executed_orders],
-                "static": [str(t) for t in varuna.schedule.get_schedule(
-                    kind, engine.num_stages, len(engine.micro_plan[engine.replica]), not a.no_recompute
-                ).stages[engine.stage]],
-            }))
+            torch.save(
+                {
+                    "grads": {
+                        n: q.grad.detach().clone() for n, q in engine.named_parameters() if q.grad is not None
+                    },
+                    "params": {n: q.detach().clone() for n, q in engine.named_parameters()},
+                    "before": before,
+                    "resident_bytes": resident_param_bytes(model),
+                },
+                out / f"rank{rank}.pt",
+            )
+            (out / f"rank{rank}.json").write_text(
+                json.dumps(
+                    {
+                        "loss": r.loss,
+                        "losses": [x.loss for x in results],
+                        "skipped": r.skipped,
+                        "grad_norm": r.grad_norm,
+                        "loss_scale": r.loss_scale,
+                        "stage": engine.stage,
+                        "replica": engine.replica,
+                        "stage_ranges": engine.stage_ranges,
+                        "executed": [[str(t) for t in o] for o in engine.executed_orders],
+                        "static": [
+                            str(t)
+                            for t in varuna.schedule.get_schedule(
+                                kind,
+                                engine.num_stages,
+                                len(engine.micro_plan[engine.replica]),
+                                not a.no_recompute,
+                            ).stages[engine.stage]
+                        ],
+                    }
+                )
+            )
             engine.close()
     finally:
         pass
