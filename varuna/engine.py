@@ -381,11 +381,13 @@ class Engine:
         self._grad_groups: dict[tuple[int, int], object] = {}
         self._shared_groups: list[tuple[object, list[str]]] = []
         self._norm_elsewhere: set[str] = set()
+        self._created_groups: list = []  # destroyed by close(): each gloo group keeps threads alive
         if L.world == 1:
             return
         for k in range(P):
             ranks = [L.rank_of(k, d) for d in range(D)]
             g = dist.new_group(ranks) if D > 1 else None
+            self._created_groups.append(g)
             if k == L.stage:
                 self._dp_group = g
         for d in range(D):
@@ -393,6 +395,7 @@ class Engine:
                 pair = [L.rank_of(k, d), L.rank_of(k + 1, d)]
                 ga = dist.new_group(pair)
                 gg = dist.new_group(pair)
+                self._created_groups += [ga, gg]
                 if L.rank in pair:
                     self._act_groups[(k, d)] = ga
                     self._grad_groups[(k, d)] = gg
@@ -405,6 +408,7 @@ class Engine:
         for stages, names in sorted(by_stages.items()):
             ranks = sorted(L.rank_of(k, d) for k in stages for d in range(D))
             g = dist.new_group(ranks)
+            self._created_groups.append(g)
             if L.stage in stages:
                 self._shared_groups.append((g, names))
                 if stages[0] != L.stage:
@@ -572,8 +576,14 @@ class Engine:
             self._netem.__exit__(None, None, None)
             self._netem = None
         if self._owns_pg and dist.is_initialized():
-            dist.destroy_process_group()
+            dist.destroy_process_group()  # every group with it
             self._owns_pg = False
+        elif dist.is_initialized():
+            # The caller owns the default group and may build more engines in this process.
+            for g in getattr(self, "_created_groups", []):
+                if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
+                    dist.destroy_process_group(g)
+        self._created_groups = []
 
     def __enter__(self) -> Engine:
         return self
