@@ -49,9 +49,7 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -867,47 +865,15 @@ def _worker_main(spec_path: str) -> int:
 # Launcher side
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_world(spec: WorldSpec, timeout_s: float) -> list[dict]:
     """Start ``spec.world`` worker processes, wait (bounded), return each rank's results."""
+    from varuna.testing import run_local_world
+
     Path(spec.out_dir).mkdir(parents=True, exist_ok=True)
     spec_path = Path(spec.out_dir, "spec.json")
     spec_path.write_text(json.dumps(asdict(spec)))
-    port = _free_port()
-    procs = []
-    for rank in range(spec.world):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "WORLD_SIZE": str(spec.world), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        env.pop("VARUNA_NETEM", None)
-        log = open(Path(spec.out_dir, f"rank{rank}.log"), "w")  # noqa: SIM115 (closed below)
-        out = None if rank == 0 else log
-        procs.append((subprocess.Popen([sys.executable, __file__, "--_worker", str(spec_path)], env=env,
-                                       stdout=out, stderr=subprocess.STDOUT if out else None), log))
-    deadline = time.monotonic() + timeout_s
-    try:
-        for p, _ in procs:
-            p.wait(max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(
-            f"validation workers did not finish in {timeout_s:.0f} s; logs in {spec.out_dir}"
-        ) from None
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-            log.close()
-    bad = [r for r, (p, _) in enumerate(procs) if p.returncode != 0]
-    if bad:
-        tail = Path(spec.out_dir, f"rank{bad[-1]}.log").read_text()[-3000:]
-        raise RuntimeError(f"validation worker(s) {bad} failed; rank {bad[-1]} log:\n{tail}")
-    return [json.loads(Path(spec.out_dir, f"rank{r}.json").read_text()) for r in range(spec.world)]
+    return run_local_world(__file__, ["--_worker", str(spec_path)], spec.world, spec.out_dir, timeout_s,
+                           what="validation")
 
 
 @dataclass(kw_only=True)

@@ -31,6 +31,7 @@ sleep: no device work happens there.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -197,3 +198,50 @@ def emulated_model(
                              f"number or one per block")
     blocks = [EmulatedBlock(t, width, bwd_factor=bwd_factor, device=device, dtype=dtype) for t in times]
     return EmulatedModel(blocks, [CutPoint() for _ in range(num_blocks - 1)])
+
+
+def run_local_world(
+    script: str, args: Sequence[str], world: int, out_dir: str | os.PathLike, timeout_s: float, *, what: str
+) -> list[dict]:
+    """Run ``script args`` as ``world`` gloo ranks on 127.0.0.1; return each rank's
+    ``out_dir/rank{r}.json``. Benchmark/validation helper: ranks > 0 log to ``rank{r}.log``,
+    every process is killed on timeout or failure, and ``$VARUNA_NETEM`` is not inherited
+    (the worker sets up its own emulation)."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = Path(out_dir)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = str(Path(__file__).resolve().parent.parent)
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+        env.pop("VARUNA_NETEM", None)
+        log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 (closed below)
+        sink = None if rank == 0 else log
+        procs.append((subprocess.Popen([sys.executable, script, *args], env=env, stdout=sink,
+                                       stderr=subprocess.STDOUT if sink else None), log))
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p, _ in procs:
+            p.wait(max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{what} workers did not finish in {timeout_s:.0f} s; logs in {out}") from None
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+            log.close()
+    bad = [r for r, (p, _) in enumerate(procs) if p.returncode != 0]
+    if bad:
+        tail = (out / f"rank{bad[-1]}.log").read_text()[-3000:]
+        raise RuntimeError(f"{what} worker(s) {bad} failed; rank {bad[-1]} log:\n{tail}")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
