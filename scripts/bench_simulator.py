@@ -69,7 +69,7 @@ def best_of(repeat: int, fn, before=None) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=5, help="runs per measurement; the best is reported")
+    ap.add_argument("--repeat", type=int, default=15, help="runs per measurement; the best is reported")
     args = ap.parse_args(argv)
     cal = transformer_calibration()
     cfg = SimConfig(num_stages=36, micro_batch_size=1, num_microbatches=228, host_slots=4)

@@ -14,8 +14,10 @@ What is modelled (see docs/simulator.md for formulas):
 
 - compute: a task's time is the sum over the stage's segments of the calibrated F, R or B at m
   (the replica's final micro-batch may be smaller: costs and sizes at its size), plus the
-  runtime's per-task overhead ``SimConfig.task_overhead_s`` and, for F and R, its placeholder
-  glue ``SimConfig.placeholder_s`` per segment before the stage;
+  runtime's per-task overhead ``task_overhead_s`` and, for F and R, its placeholder glue
+  ``placeholder_s`` per segment before the stage (these and ``step_overhead_s``: the
+  ``SimConfig`` field where set, else the calibration's ``runtime_overheads``, else 0;
+  :func:`runtime_overheads`);
 - point-to-point sends: the fitted link model, intra- or inter-host from the rank placement
   (rank = replica·P + stage; consecutive ranks fill a host's slots), applied as varuna/netem.py
   emulates a link: FIFO serialization (bytes/bandwidth, ``max_sends_per_link`` at once), then the
@@ -24,8 +26,8 @@ What is modelled (see docs/simulator.md for formulas):
 - the per-stage gradient all-reduce over D replicas, starting when the last replica finishes the
   stage's last backward, with k = the number of rings sharing a host's NIC;
 - the optimizer step after the all-reduce;
-- a fixed per-mini-batch runtime overhead ``SimConfig.step_overhead_s`` (step set-up and the
-  end-of-step agreement all-reduce), added to the mini-batch time.
+- a fixed per-mini-batch runtime overhead ``step_overhead_s`` (step set-up and the end-of-step
+  agreement all-reduce), added to the mini-batch time.
 
 Example::
 
@@ -46,7 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from simulator.interleaved import InterleavedPolicy, interleaved_order
-from varuna.calibration import Calibration
+from varuna.calibration import Calibration, RuntimeOverheads
 from varuna.partition import balanced_stages
 from varuna.schedule import SCHEDULE_KINDS, get_schedule
 from varuna.timeline import Timeline
@@ -63,6 +65,7 @@ __all__ = [
     "host_of_ranks",
     "allreduce_concurrency",
     "stage_memory",
+    "runtime_overheads",
 ]
 
 #: Schedules the simulator knows: the runtime's, plus interleaved 1F1B (simulation only).
@@ -136,23 +139,29 @@ class SimConfig:
     """Seed of the jitter generator."""
     extra_latency_s: float = 0.0
     """Added to every point-to-point message (what-if studies)."""
+    stash_headroom: int = 1
+    """As ``VarunaConfig.stash_headroom``: how far past its list's stash peak a varuna stage may
+    run forwards while it waits for a late gradient."""
     max_sends_per_link: int = 1
     """Messages one directed link serializes at once (each at full bandwidth); more wait, FIFO."""
     allreduce: bool = True
     """Simulate the per-stage gradient all-reduce."""
     optimizer: bool = True
     """Simulate the optimizer step."""
-    task_overhead_s: float = 0.0
+    task_overhead_s: float | None = None
     """Runtime time added to every F, R and B task beyond its segments' calibrated compute: the
-    executor's per-task work (dispatch, RNG re-seeding, slicing, queueing the send). Measured per
-    runtime (scripts/validate_simulator.py); the calibration file has no field for it yet."""
-    placeholder_s: float = 0.0
+    executor's per-task work (dispatch, RNG re-seeding, slicing, queueing the send). None: the
+    calibration's ``runtime_overheads.task_overhead_s`` (0 when the file has none); measured by
+    running the engine (scripts/validate_simulator.py)."""
+    placeholder_s: float | None = None
     """Runtime time added to a stage's F and R per segment *before* the stage: every stage runs
     the user's forward from the start, and each earlier segment's modules return placeholders
-    (Note [Placeholders] in varuna/split.py) -- cheap, but not free."""
-    step_overhead_s: float = 0.0
+    (Note [Placeholders] in varuna/split.py) -- cheap, but not free. None: from the calibration,
+    as ``task_overhead_s``."""
+    step_overhead_s: float | None = None
     """Runtime time added once per mini-batch beyond compute, all-reduce and optimizer: step
-    set-up and the end-of-step agreement all-reduce (norm, overflow, loss) over every rank."""
+    set-up and the end-of-step agreement all-reduce (norm, overflow, loss) over every rank.
+    None: from the calibration, as ``task_overhead_s``."""
 
     @classmethod
     def for_global_batch(
@@ -299,12 +308,16 @@ def _validate(cal: Calibration, c: SimConfig) -> tuple[tuple[int, int], ...]:
             )
         if not 1 <= c.last_size_of(d) <= c.micro_batch_size:
             raise ValueError(f"replica {d}'s last micro-batch size {c.last_size_of(d)} is outside 1..m")
+    if c.stash_headroom < 0:
+        raise ValueError(f"stash_headroom must be >= 0 (got {c.stash_headroom})")
     if c.max_sends_per_link < 1:
         raise ValueError("max_sends_per_link must be >= 1")
     if c.jitter_scale < 0:
         raise ValueError("jitter_scale must be >= 0")
-    if min(c.task_overhead_s, c.placeholder_s, c.step_overhead_s) < 0:
-        raise ValueError("task_overhead_s, placeholder_s and step_overhead_s must be >= 0")
+    for name in ("task_overhead_s", "placeholder_s", "step_overhead_s"):
+        value = getattr(c, name)
+        if value is not None and not value >= 0:
+            raise ValueError(f"{name} must be >= 0 seconds or None (from the calibration), got {value}")
     V = c.num_stages * v
     if V > cal.num_segments:
         raise ValueError(
@@ -362,7 +375,27 @@ def _make_policies(c: SimConfig, nm: int):
             for k in range(P)
         ], None
     sched = get_schedule(c.schedule, P, nm, True if c.schedule == "varuna" else c.recompute)
-    return [sched.policy(k) for k in range(P)], sched
+    return [sched.policy(k, stash_headroom=c.stash_headroom) for k in range(P)], sched
+
+
+def runtime_overheads(cal: Calibration, config: SimConfig) -> tuple[float, float, float]:
+    """(task_overhead_s, placeholder_s, step_overhead_s) that ``simulate`` applies: each
+    ``config`` field that is set, else the calibration's ``runtime_overheads`` value, else 0.
+
+    >>> from varuna.calibration import RuntimeOverheads
+    >>> cal = Calibration.synthetic(0.01, num_segments=2, runtime_overheads=RuntimeOverheads(
+    ...     task_overhead_s=1e-3, placeholder_s=1e-4, step_overhead_s=2e-3))
+    >>> runtime_overheads(cal, SimConfig(num_stages=2, micro_batch_size=1, num_microbatches=4,
+    ...                                  step_overhead_s=0.0))
+    (0.001, 0.0001, 0.0)
+    """
+    ro = cal.runtime_overheads or RuntimeOverheads()  # none in the file: all 0
+    c = config
+    return (
+        float(ro.task_overhead_s if c.task_overhead_s is None else c.task_overhead_s),
+        float(ro.placeholder_s if c.placeholder_s is None else c.placeholder_s),
+        float(ro.step_overhead_s if c.step_overhead_s is None else c.step_overhead_s),
+    )
 
 
 def simulate(cal: Calibration, config: SimConfig, *, record: bool = False) -> SimResult:
@@ -380,8 +413,8 @@ def simulate(cal: Calibration, config: SimConfig, *, record: bool = False) -> Si
     host = _host_of_ranks(c)
 
     # -- per (virtual) stage costs at m and at each distinct short last size --------------------
-    over = c.task_overhead_s
-    glue = [over + c.placeholder_s * a for a, _ in ranges]  # F and R also pass segments 0..a-1
+    over, placeholder_s, step_overhead_s = runtime_overheads(cal, c)
+    glue = [over + placeholder_s * a for a, _ in ranges]  # F and R also pass segments 0..a-1
 
     def costs_at(size: int):
         fwd = [g + sum(cal.fwd_s(s, size) for s in range(a, b + 1)) for g, (a, b) in zip(glue, ranges)]
@@ -452,26 +485,43 @@ def simulate(cal: Calibration, config: SimConfig, *, record: bool = False) -> Si
         for idx in range(n)
     ]
     short_tab = [cost_tables[c.last_size_of(replica_of[idx])] for idx in range(n)]
-    fwd, rec, bwd, _ = cost_tables[m]
 
-    def per_chunk(tab, idx: int, forward: bool):
-        """Serialization time of each chunk's message out of rank idx."""
+    def durations(tab, idx: int) -> dict[str, float] | list[dict[str, float]]:
+        """Rank idx's {op: seconds}; interleaved: a list of them, one per chunk."""
+        fwd, rec, bwd, _ = tab
+        per_chunk = [
+            {"F": fwd[vs], "R": rec[vs], "B": bwd[vs]} for vs in (ch * P + stage_of[idx] for ch in range(v))
+        ]
+        return per_chunk if interleaved else per_chunk[0]
+
+    def sends(tab, idx: int, forward: bool) -> list[tuple | None]:
+        """Per chunk of rank idx: what its F (forward) or B sends, or None if nothing:
+        (receiving rank, serialization s at m, at the short size, latency s, jitter s, the
+        receiver's chunk)."""
         intra = act_intra[idx] if forward else grad_intra[idx]
-        out = []
+        out: list[tuple | None] = []
         for ch in range(v):
             vs = ch * P + stage_of[idx]
             cut_vs = vs if forward else vs - 1  # a gradient crosses the cut-point before vs
-            out.append(tab[3][cut_vs][intra] if 0 <= cut_vs < V - 1 else 0.0)
+            if not 0 <= cut_vs < V - 1:
+                out.append(None)  # the last virtual stage's F and the first one's B send nothing
+                continue
+            out.append(
+                (
+                    act_dst[idx] if forward else grad_dst[idx],
+                    cost_tables[m][3][cut_vs][intra],
+                    tab[3][cut_vs][intra],
+                    lat_intra if intra else lat_inter,
+                    sigma_intra if intra else sigma_inter,
+                    (vs + 1) // P if forward else (vs - 1) // P,
+                )
+            )
         return out
 
-    act_wire = [per_chunk(cost_tables[m], idx, True) for idx in range(n)]
-    grad_wire = [per_chunk(cost_tables[m], idx, False) for idx in range(n)]
-    act_wire_short = [per_chunk(short_tab[idx], idx, True) for idx in range(n)]
-    grad_wire_short = [per_chunk(short_tab[idx], idx, False) for idx in range(n)]
-    act_lat = [lat_intra if act_intra[idx] else lat_inter for idx in range(n)]
-    grad_lat = [lat_intra if grad_intra[idx] else lat_inter for idx in range(n)]
-    act_sigma = [sigma_intra if act_intra[idx] else sigma_inter for idx in range(n)]
-    grad_sigma = [sigma_intra if grad_intra[idx] else sigma_inter for idx in range(n)]
+    dur_m = [durations(cost_tables[m], idx) for idx in range(n)]
+    dur_short = [durations(short_tab[idx], idx) for idx in range(n)]
+    act_out = [sends(short_tab[idx], idx, True) for idx in range(n)]
+    grad_out = [sends(short_tab[idx], idx, False) for idx in range(n)]
 
     running: list = [None] * n
     run_end = [0.0] * n
@@ -495,11 +545,13 @@ def simulate(cal: Calibration, config: SimConfig, *, record: bool = False) -> Si
     # Heap entries: (time, code, rank, x) with x the micro-batch (interleaved: mb·v + chunk).
     # No sequence number: events within _EPS_S of each other are applied together before any
     # stage picks its next task, so their order inside a batch does not matter.
+    # Note [Event loop speed]: this loop runs once per task (P=36, Nm=228: 25k tasks in a 50 ms
+    # budget), so everything it needs per task is precomputed per rank above and looked up by
+    # list index; the interleaved schedule only adds a chunk index.
     heap: list = []
     push, pop = heapq.heappush, heapq.heappop
     dirty = list(range(n))
     now = 0.0
-    last_vs = V - 1
     while True:
         # Dispatch: every stage that became idle or received an input asks its policy for work.
         for idx in dirty:
@@ -509,12 +561,9 @@ def simulate(cal: Calibration, config: SimConfig, *, record: bool = False) -> Si
             if task is None:
                 continue
             op = task.op
-            vs = task.chunk * P + stage_of[idx] if interleaved else stage_of[idx]
-            if task.microbatch == short_mb[idx]:
-                tab = short_tab[idx]
-                dur = (tab[0] if op == "F" else tab[2] if op == "B" else tab[1])[vs]
-            else:
-                dur = (fwd if op == "F" else bwd if op == "B" else rec)[vs]
+            i = task.microbatch
+            dur = (dur_short if i == short_mb[idx] else dur_m)[idx]
+            dur = dur[task.chunk][op] if interleaved else dur[op]
             if op == "F":
                 lv = live[idx] + 1
                 live[idx] = lv
@@ -522,10 +571,11 @@ def simulate(cal: Calibration, config: SimConfig, *, record: bool = False) -> Si
                     peak[idx] = lv
             running[idx] = task
             busy[idx] += dur
-            run_end[idx] = now + dur
-            push(heap, (now + dur, _DONE, idx, 0))
+            end = now + dur
+            run_end[idx] = end
+            push(heap, (end, _DONE, idx, 0))
             if add is not None:
-                add(stage_of[idx], replica_of[idx], op, task.microbatch, now, now + dur)
+                add(stage_of[idx], replica_of[idx], op, i, now, end)
         dirty = []
         if not heap:
             break
@@ -545,32 +595,24 @@ def simulate(cal: Calibration, config: SimConfig, *, record: bool = False) -> Si
             complete[idx](task)
             dirty.append(idx)
             op = task.op
-            if op == "R":
-                continue
-            i = task.microbatch
-            if interleaved:
-                ch = task.chunk
-                vs = ch * P + stage_of[idx]
-            else:
-                ch = 0
-                vs = stage_of[idx]
-            short = i == short_mb[idx]
             if op == "F":
-                if vs == last_vs:
+                out = act_out[idx][task.chunk if interleaved else 0]
+                if out is None:
                     continue
-                forward, dst, dcode, free, delivered = True, act_dst[idx], _ACT, act_free, act_delivered
-                wire = (act_wire_short if short else act_wire)[idx][ch]
-                delay = act_lat[idx]
-                sigma = act_sigma[idx]
-            else:
+                free, delivered, dcode, kind = act_free, act_delivered, _ACT, "F"
+            elif op == "B":
                 live[idx] -= 1
                 last_b_end[idx] = te  # B's of a stage end in time order: the last one wins
-                if vs == 0:
+                out = grad_out[idx][task.chunk if interleaved else 0]
+                if out is None:
                     continue
-                forward, dst, dcode, free, delivered = False, grad_dst[idx], _GRAD, grad_free, grad_delivered
-                wire = (grad_wire_short if short else grad_wire)[idx][ch]
-                delay = grad_lat[idx]
-                sigma = grad_sigma[idx]
+                free, delivered, dcode, kind = grad_free, grad_delivered, _GRAD, "B"
+            else:
+                continue
+            dst, wire, wire_short, delay, sigma, dch = out
+            i = task.microbatch
+            if i == short_mb[idx]:
+                wire = wire_short
             # Note [Link model]. The sender's messages on a link are issued in time order, so
             # each takes the earliest free serialization slot.
             if slots == 1:
@@ -590,16 +632,15 @@ def simulate(cal: Calibration, config: SimConfig, *, record: bool = False) -> Si
                 ta = delivered[idx]
             delivered[idx] = ta
             if add is not None:
-                add(stage_of[idx], replica_of[idx], "SEND_ACT" if forward else "SEND_GRAD", i, start, ta)
-            dch = (vs + 1) // P if forward else (vs - 1) // P
+                add(stage_of[idx], replica_of[idx], "SEND_ACT" if kind == "F" else "SEND_GRAD", i, start, ta)
             if ta <= limit or (running[dst] is not None and run_end[dst] >= ta):
                 # Deliver now, without an event: either it arrives "now" (a free link), or the
                 # receiver is busy until after it lands, so it cannot look before then anyway
                 # (policies have no clock; they only answer next_task, asked when idle).
                 if interleaved:
-                    arrived[dst]("F" if forward else "B", i, dch)
+                    arrived[dst](kind, i, dch)
                 else:
-                    arrived[dst]("F" if forward else "B", i)
+                    arrived[dst](kind, i)
                 if ta <= limit:
                     dirty.append(dst)
             else:
@@ -633,7 +674,7 @@ def simulate(cal: Calibration, config: SimConfig, *, record: bool = False) -> Si
                     tl.add(k, d, "AR", None, stage_end, stage_end + ar)
                 if opt > 0:
                     tl.add(k, d, "OPT", None, stage_end + ar, stage_end + ar + opt)
-    minibatch_s = max(end_s) + c.step_overhead_s
+    minibatch_s = max(end_s) + step_overhead_s
     stage_busy = [max(busy[j * P + k] for j in range(nsim)) for k in range(P)]
     stage_peak = [max(peak[j * P + k] for j in range(nsim)) for k in range(P)]
     examples = sum((c.microbatches_of(d) - 1) * m + c.last_size_of(d) for d in range(D))

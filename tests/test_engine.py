@@ -111,10 +111,12 @@ def test_recompute_gives_the_same_gradients_as_no_recompute(tmp_path):
 @pytest.mark.slow
 def test_jitter_reorders_tasks_and_gradients_stay_equal(tmp_path):
     # Heavy-tailed delivery delays (mean 40 ms) against ~1 ms tasks: the opportunistic policy must
-    # run ready tasks out of the static order on some stage, and the gradients must not change.
-    deviated = False
+    # run ready tasks out of the static order on some stage -- including a forward run while a
+    # recomputed micro-batch waits for its late gradient (Note [Filling the wait]) -- and the
+    # gradients must not change.
+    deviated = filled = False
     _, ref_grads, _ = reference()
-    for seed in range(3):
+    for seed in range(4):
         out = tmp_path / f"s{seed}"
         check_ok(
             launch(out, 3, 1, "--schedules", "varuna", "--netem", f"latency=1ms,jitter=40ms,seed={seed}")
@@ -122,8 +124,14 @@ def test_jitter_reorders_tasks_and_gradients_stay_equal(tmp_path):
         ranks = load(out, "varuna")
         assert_close(merged_grads(ranks), ref_grads, f"jitter seed {seed}")
         deviated |= any(rep["executed"][0] != rep["static"] for _, rep in ranks)
-        if deviated:
+        filled |= any(
+            a.startswith("R") and b.startswith("F")
+            for _, rep in ranks
+            for a, b in zip(rep["executed"][0], rep["executed"][0][1:])
+        )
+        if deviated and filled:
             break
+    assert filled, "no stage ever ran a forward while waiting for a late gradient"
     assert deviated, "no stage ever deviated from its static list under heavy jitter"
 
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from schedule_reference import varuna_by_rules
 
 from varuna.schedule import (
     SCHEDULE_KINDS,
@@ -134,8 +135,70 @@ def test_rule_2_no_forward_between_recompute_and_backward():
     assert p.next_task() == Task("B", t.microbatch)
 
 
+def test_a_late_gradient_wait_is_filled_with_a_graphless_forward_within_the_stash_cap():
+    # Stage 1 of 4, Nm=8: F0..F5 R0 B0 ... (peak stash 6). Gradient 0 is late, activations are here.
+    sched = get_schedule("varuna", 4, 8)
+    assert peak_stashed(sched.stages[1]) == 6
+
+    def run_until_wait(headroom):
+        p = sched.policy(1, stash_headroom=headroom)
+        for i in range(8):
+            p.arrived("F", i)
+        order = []
+        while (t := p.next_task()) is not None:
+            order.append(t)
+            p.complete(t)
+        return p, format_tasks(order)
+
+    p, order = run_until_wait(1)
+    assert order == "F0 F1 F2 F3 F4 F5 R0 F6"  # one forward fills the wait; F7 would exceed 6 + 1
+    p.arrived("B", 0)
+    assert p.next_task() == Task("B", 0)  # rule 2: B0 comes before anything else
+    p.complete(Task("B", 0))
+    assert p.next_task() == Task("R", 1)  # the list resumes
+    # Negative control: no headroom, no filling -- the stage idles as rule 2 says.
+    _, order = run_until_wait(0)
+    assert order == "F0 F1 F2 F3 F4 F5 R0"
+    # The baselines never fill: they run their lists strictly.
+    strict = StagePolicy(sched.stages[1], 1, 4, opportunistic=False, stash_headroom=5)
+    for i in range(8):
+        strict.arrived("F", i)
+    while (t := strict.next_task()) is not None:
+        strict.complete(t)
+    assert format_tasks(strict.executed) == "F0 F1 F2 F3 F4 F5 R0"
+
+
+def test_policy_rejects_inputs_outside_its_list():
+    p = get_schedule("varuna", 2, 3).policy(0)
+    with pytest.raises(ValueError, match="micro-batch 5 arrived"):
+        p.arrived("B", 5)
+    with pytest.raises(ValueError, match="stash_headroom"):
+        StagePolicy(get_schedule("varuna", 2, 3).stages[0], 0, 2, stash_headroom=-1)
+
+
 def test_schedule_module_does_not_import_torch():
     code = (
         "import sys, varuna.schedule, varuna.partition; assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- the closed-form varuna lists are what the paper's rules produce -----------------------
+
+
+@pytest.mark.parametrize("P", range(1, 13))
+def test_varuna_closed_form_equals_rule_simulation(P):
+    for N in range(1, 41):
+        assert get_schedule("varuna", P, N).stages == varuna_by_rules(P, N), (P, N)
+
+
+@pytest.mark.parametrize("P,N", [(16, 64), (24, 100), (36, 228), (40, 41), (7, 250)])
+def test_varuna_closed_form_equals_rule_simulation_large(P, N):
+    assert get_schedule("varuna", P, N).stages == varuna_by_rules(P, N)
+
+
+def test_rule_simulation_reference_can_tell_lists_apart():
+    # Negative control: the reference is not trivially equal to whatever it is compared with.
+    assert varuna_by_rules(4, 8) != get_schedule("1f1b", 4, 8).stages
+    assert varuna_by_rules(4, 8) != get_schedule("gpipe", 4, 8).stages
+    assert varuna_by_rules(4, 8)[0] != varuna_by_rules(4, 8)[1]

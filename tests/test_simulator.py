@@ -14,7 +14,7 @@ from simulator.engine import SimConfig, simulate, split_minibatch
 from simulator.interleaved import interleaved_order
 from varuna.calibration import AllReduceModel, Calibration, LinkModel
 from varuna.partition import balanced_stages, stage_costs
-from varuna.schedule import BACKWARD, FORWARD, RECOMPUTE, StagePolicy, Task, get_schedule
+from varuna.schedule import BACKWARD, FORWARD, RECOMPUTE, StagePolicy, Task, get_schedule, peak_stashed
 from varuna.timeline import Timeline
 
 F_PER_SEGMENT = 0.01  # synthetic costs: F = 0.01 s per segment at m=1, B = 2F, R = F
@@ -389,13 +389,15 @@ def test_split_matches_the_runtime_batching():
 class _ScanPolicy:
     """StagePolicy's rules as first written (a scan of the remaining list); the reference."""
 
-    def __init__(self, tasks, stage, num_stages, opportunistic):
+    def __init__(self, tasks, stage, num_stages, opportunistic, headroom):
         self.tasks, self.stage, self.num_stages, self.opportunistic = (
             tuple(tasks),
             stage,
             num_stages,
             opportunistic,
         )
+        self.headroom = headroom
+        self.fills = 0
         self.done, self.act, self.grad = set(), set(), set()
         self.recomputed = {t.microbatch for t in self.tasks if t.op == RECOMPUTE}
         self.awaiting_b, self.next_f = None, 0
@@ -417,7 +419,21 @@ class _ScanPolicy:
     def next_task(self):
         if self.awaiting_b is not None:
             b = Task(BACKWARD, self.awaiting_b)
-            return b if self.ready(b) else None
+            if self.ready(b):
+                return b
+            # Filling the wait: the next forward, if it keeps no graph and the stash has room.
+            f = Task(FORWARD, self.next_f)
+            live = sum(t.op == FORWARD for t in self.done) - sum(t.op == BACKWARD for t in self.done)
+            if (
+                self.opportunistic
+                and f in self.tasks
+                and self.ready(f)
+                and self.next_f in self.recomputed
+                and live < peak_stashed(self.tasks) + self.headroom
+            ):
+                self.fills += 1
+                return f
+            return None
         rest = [t for t in self.tasks if t not in self.done]
         if not rest:
             return None
@@ -433,19 +449,22 @@ class _ScanPolicy:
     def complete(self, t):
         self.done.add(t)
         if t.op == FORWARD:
-            self.next_f += 1
-        self.awaiting_b = t.microbatch if t.op == RECOMPUTE else None
+            self.next_f += 1  # rule 2 stays in force across a forward that filled the wait
+        else:
+            self.awaiting_b = t.microbatch if t.op == RECOMPUTE else None
 
 
 @pytest.mark.parametrize("kind", ["varuna", "gpipe", "1f1b"])
 def test_stage_policy_matches_reference_scan(kind):
     rng = random.Random(1234)
+    fills = 0
     for trial in range(60):
         P, N = rng.randint(1, 6), rng.randint(1, 14)
         sched = get_schedule(kind, P, N, rng.random() < 0.5)
         k = rng.randrange(P)
-        fast = sched.policy(k)
-        ref = _ScanPolicy(sched.stages[k], k, P, sched.opportunistic)
+        headroom = rng.choice([0, 1, 3])
+        fast = sched.policy(k, stash_headroom=headroom)
+        ref = _ScanPolicy(sched.stages[k], k, P, sched.opportunistic, headroom)
         pending = [(FORWARD, i) for i in range(N)] + [(BACKWARD, i) for i in range(N)]
         rng.shuffle(pending)
         while not fast.finished:
@@ -461,6 +480,9 @@ def test_stage_policy_matches_reference_scan(kind):
             elif a is None and not pending:
                 break
         assert fast.finished == (len(ref.done) == len(ref.tasks))
+        fills += ref.fills
+    # The random arrivals exercise the wait-filling forward (opportunistic lists only).
+    assert (fills > 0) == (kind == "varuna")
 
 
 # -- auto-configuration ------------------------------------------------------------------------

@@ -1,11 +1,11 @@
 r"""Threaded asynchronous point-to-point transfer of activations and gradients between stages.
 
-Each stage owns up to four worker threads: activation sender (to the next stage), activation
-receiver (from the previous), gradient sender (to the previous) and gradient receiver (from the
-next). Each direction of each link has its own two-rank process group. The compute loop issues
-a send's asynchronous ``isend``\ s itself and hands the requests to the sender thread, which
-waits for their completion (the compute loop never blocks on a send); it reads arrivals from a
-single inbox queue filled by the receiver threads.
+Each stage owns up to two receiver threads -- activations from the previous stage, gradients
+from the next -- and up to two thread-less senders (activations to the next stage, gradients to
+the previous). Each direction of each link has its own two-rank process group. The compute loop
+issues a send's asynchronous ``isend``\ s itself and never blocks on a send (completions are
+reaped later, Note [Sender without a thread]); it reads arrivals from a single inbox queue
+filled by the receiver threads.
 
 Wire format: every message is a batch (one ``batch_isend_irecv`` call, i.e. one logical
 message for the network emulation) of an int64 header followed by the payload tensors. The
@@ -17,8 +17,10 @@ between steps and every wait has a timeout.
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -105,29 +107,74 @@ class _Worker:
         self.thread.join(timeout_s)
 
 
-class LinkSender(_Worker):
-    """Sends (micro-batch, tensors) messages to ``peer`` over ``group`` from a thread."""
+class LinkSender:
+    """Sends (micro-batch, tensors) messages to ``peer`` over ``group``; never blocks the caller.
+
+    No thread: ``isend`` is asynchronous (the backend's own I/O thread moves the bytes), so the
+    compute loop issues it and keeps the requests, with their tensors alive, in a FIFO until they
+    complete. Completed requests are reaped at the next :meth:`send`; :meth:`flush` waits for the
+    rest (end of step). Note [Sender without a thread]: a thread that only waits for completions
+    wakes once per message and takes the GIL from the compute loop each time; on a busy 2-core
+    host that cost ~0.1-0.3 ms per task (scripts/bench_schedules.py, docs/benchmarks.md).
+
+    ``inbox`` is accepted for symmetry with :class:`LinkReceiver` and unused.
+    """
 
     def __init__(
-        self, name: str, peer: int, group, device: torch.device, inbox: queue.Queue, timeout_s: float
+        self,
+        name: str,
+        peer: int,
+        group,
+        device: torch.device,
+        inbox: queue.Queue | None = None,
+        timeout_s: float = 300.0,
     ):
-        self.peer, self.group, self.device = peer, group, device
-        super().__init__(name, inbox, timeout_s)
+        self.name, self.peer, self.group, self.device = name, peer, group, device
+        self.timeout = timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+        self._pending: collections.deque = collections.deque()  # (works, header, payload, issued)
 
     def send(self, microbatch: int, tensors: tuple[torch.Tensor, ...]) -> None:
-        # isend is asynchronous, so issuing it here costs the compute loop little and saves a
-        # thread hand-off per message (~1 ms on a busy CPU); the worker thread only waits for
-        # completion (with a timeout), keeping the tensors alive until then.
+        self._reap()
         header = encode_header(microbatch, tensors).to(self.device)
         payload = [t.contiguous() for t in tensors]
         ops = [dist.P2POp(dist.isend, header, self.peer, self.group)]
         ops += [dist.P2POp(dist.isend, t, self.peer, self.group) for t in payload]
-        self.commands.put((dist.batch_isend_irecv(ops), header, payload))
+        self._pending.append((dist.batch_isend_irecv(ops), header, payload, time.monotonic()))
 
-    def _handle(self, cmd) -> None:
-        works, _header, _payload = cmd
+    @property
+    def pending(self) -> int:
+        """Messages issued and not yet known to be complete."""
+        return len(self._pending)
+
+    def _reap(self) -> None:
+        pending = self._pending
+        while pending and all(w.is_completed() for w in pending[0][0]):
+            for w in pending.popleft()[0]:
+                w.wait(self.timeout)  # returns at once; raises if the send failed
+        if pending and time.monotonic() - pending[0][3] > self.timeout_s:
+            self._wait_oldest()  # raises after the remaining part of the timeout
+
+    def _wait_oldest(self) -> None:
+        works, _header, _payload, issued = self._pending.popleft()
         for w in works:
-            w.wait(self.timeout)
+            left = max(0.001, self.timeout_s - (time.monotonic() - issued))
+            try:
+                w.wait(timedelta(seconds=left))
+            except Exception as e:
+                raise RuntimeError(
+                    f"{self.name}: a send to rank {self.peer} did not complete within "
+                    f"{self.timeout_s:.0f}s ({e}); the peer is stuck or gone"
+                ) from e
+
+    def flush(self) -> None:
+        """Wait (each within the timeout) until every message sent so far has completed."""
+        while self._pending:
+            self._wait_oldest()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Drop the record of outstanding sends (the process group's teardown cancels them)."""
+        self._pending.clear()
 
 
 class LinkReceiver(_Worker):

@@ -69,6 +69,10 @@ class VarunaConfig:
     """One of varuna, gpipe, 1f1b."""
     recompute: bool = True
     """Activation recompute for gpipe/1f1b (varuna always recomputes except on its last stage)."""
+    stash_headroom: int = 1
+    """varuna schedule: while a stage waits for a late gradient it may run graph-less forwards
+    until it stashes this many more inputs than its list's peak (Note [Filling the wait] in
+    varuna/schedule.py). 0: never (rule 2 of the paper, strictly)."""
     seed: int = 0
     """Keys dropout masks (with step, micro-batch and segment) and parameter init."""
     precision: str = "fp32"
@@ -134,6 +138,8 @@ class VarunaConfig:
     def validate(self) -> None:
         if self.schedule not in SCHEDULE_KINDS:
             raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULE_KINDS)}")
+        if self.stash_headroom < 0:
+            raise ValueError(f"stash_headroom must be >= 0 (got {self.stash_headroom})")
         if self.precision not in _PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; choose fp32, bf16 or fp16")
         if self.micro_batch_size < 1 or self.global_batch_size < 1:
@@ -670,13 +676,16 @@ class Engine:
         n = len(mbs)
         if train:
             sched = get_schedule(self.config.schedule, P, n, self.config.recompute)
-            policy = sched.policy(k)
+            policy = sched.policy(k, stash_headroom=self.config.stash_headroom)
             recomputed = sched.recomputed(k)
         else:
             from varuna.schedule import StagePolicy
 
             policy = StagePolicy([Task(FORWARD, i) for i in range(n)], k, P, opportunistic=False)
             recomputed = frozenset(range(n))  # forward-only: never keep a graph
+        for sender in (self._act_out, self._grad_out):
+            if sender is not None:
+                sender.flush()  # last step's sends (all received by now: the step ended everywhere)
         if self._act_in is not None:
             self._act_in.expect(n)
         if self._grad_in is not None and train:

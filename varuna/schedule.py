@@ -20,17 +20,19 @@ Note [Varuna schedule]: the ``varuna`` kind follows the rules of the Varuna pape
 before the gradient of i arrives from stage k; (2) after a recompute the stage waits for that
 micro-batch's backward, never starting a new forward in between (that would hold two sets of
 full activations); (3) when a forward and a backward are both ready the backward wins; the last
-stage never recomputes. We derive the lists by simulating those rules with unit costs F=1,
-R=1, B=2 and instantaneous communication. Rule (1) needs the gradient's arrival time before it
-happens, so the simulation is iterated to a fixed point: each pass plans recomputes with the
-arrival times observed in the previous pass.
+stage never recomputes. Simulating those rules with unit costs F=1, R=1, B=2 and instantaneous
+communication (iterated to a fixed point, since rule (1) needs each gradient's arrival time
+before it happens) yields lists with a simple closed form, which :func:`_varuna` builds
+directly: the rule simulation is kept as the reference in ``tests/schedule_reference.py``, and
+the tests check the two agree for every P <= 12, Nm <= 40 and larger samples. (The closed form
+matters for speed: the simulator re-plans on every preemption, and the lists of a P=36, Nm=228
+pipeline took 25-45 ms to derive by simulation, ~1 ms in closed form.)
 """
 
 from __future__ import annotations
 
 import functools
-import heapq
-import math
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -58,9 +60,6 @@ BACKWARD = "B"
 SCHEDULE_KINDS = ("varuna", "gpipe", "1f1b")
 
 _OP_CODE = {FORWARD: 0, RECOMPUTE: 1, BACKWARD: 2}
-
-# Unit costs used to derive the varuna lists (paper §3.2).
-_UNIT_F, _UNIT_R, _UNIT_B = 1, 1, 2
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -120,9 +119,21 @@ class Schedule:
         """Micro-batches whose forward on ``stage`` runs without a graph and is recomputed."""
         return _recomputed(self.stages[stage])
 
-    def policy(self, stage: int) -> StagePolicy:
+    def policy(self, stage: int, *, stash_headroom: int = 1) -> StagePolicy:
         """A fresh :class:`StagePolicy` for executing ``stage``'s list once."""
-        return StagePolicy(self.stages[stage], stage, self.num_stages, self.opportunistic)
+        return StagePolicy(
+            self.stages[stage],
+            stage,
+            self.num_stages,
+            self.opportunistic,
+            stash_headroom=stash_headroom,
+            _template=self._templates[stage],
+        )
+
+    @functools.cached_property
+    def _templates(self) -> tuple[_PolicyTemplate, ...]:
+        # Shared by every policy built from this (cached, immutable) schedule.
+        return tuple(_PolicyTemplate.of(s) for s in self.stages)
 
 
 def _recomputed(tasks: Sequence[Task]) -> frozenset[int]:
@@ -199,131 +210,34 @@ def get_schedule(kind: str, num_stages: int, num_microbatches: int, recompute: b
 
 
 def _varuna(num_stages: int, num_microbatches: int) -> tuple[tuple[Task, ...], ...]:
-    if num_stages == 1:
-        # A single stage is the last stage: it never recomputes.
-        return (tuple(t for i in range(num_microbatches) for t in (Task(FORWARD, i), Task(BACKWARD, i))),)
-    inf = math.inf
-    est = [[inf] * num_microbatches for _ in range(num_stages)]
-    seen: list[tuple[tuple[int, ...], ...]] = []
-    orders: tuple[tuple[int, ...], ...] = ()
-    for _ in range(64):
-        orders, arrivals = _varuna_pass(num_stages, num_microbatches, est)
-        if orders in seen:
-            # Fixed point (or a short cycle, which we break deterministically by taking the
-            # first order of the cycle that was found).
-            break
-        seen.append(orders)
-        est = arrivals
-    else:
-        orders = seen[-1]
-    # Passes work on integer task codes (3·i + op); one Task object per code, shared by stages.
-    table = [Task(op, i) for i in range(num_microbatches) for op in (FORWARD, RECOMPUTE, BACKWARD)]
-    return tuple(tuple(table[c] for c in o) for o in orders)
+    """The varuna lists in closed form (Note [Varuna schedule]).
 
-
-def _varuna_pass(P: int, N: int, est: list[list[float]]):
-    """One event-driven pass with unit costs; returns (orders, observed gradient arrivals).
-
-    Orders are tuples of task codes 3·i + {F: 0, R: 1, B: 2}. The decision rules are those of
-    Note [Varuna schedule], inlined in the loop because the varuna lists of a large pipeline
-    (P=36, Nm=228: 25k tasks, two passes) are built on the simulator's critical path.
+    Stage k < P-1, with d = P-1-k stages after it: min(3d, Nm) forwards (at F=R=1, B=2 its first
+    gradient arrives after 3d units: d forwards down, the last stage's F+B, d-1 backwards up),
+    then blocks of three just-in-time R_i B_i pairs alternating with the next three forwards
+    until the forwards run out, then the remaining pairs. The last stage alternates F_i B_i.
     """
-    inf = math.inf
-    unit_f, unit_r, unit_b = _UNIT_F, _UNIT_R, _UNIT_B
-    act_arrival = [[inf] * N for _ in range(P)]  # when F_i's input is available on stage k
-    grad_arrival = [[inf] * N for _ in range(P)]  # when B_i's gradient is available on stage k
-    for i in range(N):
-        act_arrival[0][i] = 0
-    orders: list[list[int]] = [[] for _ in range(P)]
-    next_f = [0] * P
-    next_r = [0] * P  # next micro-batch to recompute (increasing order)
-    pending_b: list[int | None] = [None] * P  # rule (2): micro-batch recomputed and awaiting its backward
-    last_fwd_done: list[int | None] = [None] * P  # last stage: F_i done, B_i due
-    done_b = [0] * P
-    heap = [(0, k) for k in range(P)]
-    heapq.heapify(heap)
-    push, pop = heapq.heappush, heapq.heappop
-    wake_at = [0.0] * P
-    last = P - 1
-    while heap:
-        t, k = pop(heap)
-        if t < wake_at[k] or done_b[k] == N:
-            continue
-        # -- decide: op (0 F, 1 R, 2 B) on micro-batch i, or wait until `wait` --------------
-        op = -1
-        wait = inf
-        if k == last:
-            i = last_fwd_done[k]
-            if i is not None:
-                op = 2
-            else:
-                f = next_f[k]
-                if f < N:
-                    if act_arrival[k][f] <= t:
-                        op, i = 0, f
-                    else:
-                        wait = act_arrival[k][f]
-        elif pending_b[k] is not None:  # rule (2)
-            i = pending_b[k]
-            if grad_arrival[k][i] <= t:
-                op = 2
-            else:
-                wait = grad_arrival[k][i]
-        else:
-            nf = next_f[k]
-            f = nf if nf < N else -1
-            f_ready = f >= 0 and act_arrival[k][f] <= t
-            j = next_r[k] if next_r[k] < nf else -1
-            if j >= 0:
-                g = grad_arrival[k][j]
-                arrival = g if g < inf else est[k][j]
-            if f_ready and (j < 0 or t + unit_f + unit_r <= arrival):
-                op, i = 0, f
-            elif j >= 0:
-                if g <= t or t + unit_r >= arrival:
-                    op, i = 1, j
-                else:
-                    wait = arrival - unit_r
-                    if f >= 0 and not f_ready:
-                        wait = min(wait, act_arrival[k][f])
-            elif f >= 0:
-                wait = act_arrival[k][f]
-        if op < 0:
-            if wait < inf:
-                wake_at[k] = wait
-                push(heap, (wait, k))
-            else:
-                wake_at[k] = inf  # woken by an arrival below
-            continue
-        # -- run it -----------------------------------------------------------------------
-        orders[k].append(3 * i + op)
-        if op == 0:
-            end = t + unit_f
-            next_f[k] += 1
-            if k == last:
-                last_fwd_done[k] = i
-            else:
-                act_arrival[k + 1][i] = end
-                if wake_at[k + 1] > end:
-                    wake_at[k + 1] = end
-                    push(heap, (end, k + 1))
-        elif op == 1:
-            end = t + unit_r
-            next_r[k] += 1
-            pending_b[k] = i
-        else:
-            end = t + unit_b
-            done_b[k] += 1
-            pending_b[k] = None
-            last_fwd_done[k] = None
-            if k > 0:
-                grad_arrival[k - 1][i] = end
-                if wake_at[k - 1] > end:
-                    wake_at[k - 1] = end
-                    push(heap, (end, k - 1))
-        wake_at[k] = end
-        push(heap, (end, k))
-    return tuple(tuple(o) for o in orders), grad_arrival
+    P, N = num_stages, num_microbatches
+    F = [Task(FORWARD, i) for i in range(N)]
+    RB = [(Task(RECOMPUTE, i), Task(BACKWARD, i)) for i in range(N)]
+    last = tuple(t for i in range(N) for t in (F[i], RB[i][1]))
+    stages = []
+    for k in range(P - 1):
+        nf = min(3 * (P - 1 - k), N)
+        tasks = F[:nf]
+        nb = 0
+        while nb < N:
+            e = min(nb + 3, nf)
+            for i in range(nb, e):
+                tasks.extend(RB[i])
+            nb = e
+            if nf < N:
+                e = min(nf + 3, N)
+                tasks.extend(F[nf:e])
+                nf = e
+        stages.append(tuple(tasks))
+    stages.append(last)
+    return tuple(stages)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,11 +298,16 @@ class StagePolicy:
     :meth:`next_task` for something to run (``None``: wait for the next arrival) and calls
     :meth:`complete` when it finishes. Readiness: F_i needs its activation (stage 0 reads data,
     always ready); R_i needs F_i done; B_i needs its gradient (the last stage: F_i done) and
-    R_i done if R_i is in the list. Rule (2) holds always: after R_i only B_i may run.
+    R_i done if R_i is in the list.
 
     When the list's head is not ready and ``opportunistic`` is set, the earliest ready task in
     list order runs instead, except an R whose gradient has not arrived (it would block the
-    stage under rule 2) and forwards out of micro-batch order.
+    stage under rule 2) and forwards out of micro-batch order. Rule (2) holds for everything
+    that keeps a graph: after R_i, no other R or B and no graph-keeping forward runs before B_i.
+    While the stage waits for B_i's gradient, an opportunistic policy may run the next forward
+    if it keeps no graph (it only stashes its input) and fewer than ``peak + stash_headroom``
+    inputs are stashed, ``peak`` being the list's own :func:`peak_stashed` (Note [Filling the
+    wait]).
 
     >>> p = StagePolicy([Task("F", 0), Task("B", 0)], stage=1, num_stages=2)
     >>> p.next_task() is None  # activation 0 has not arrived
@@ -399,63 +318,77 @@ class StagePolicy:
 
     # Note [StagePolicy speed]: the simulator drives one policy per stage and replica for every
     # task of a mini-batch (P=36, Nm=228: ~25k tasks in a 50 ms budget), so the bookkeeping is
-    # integer-keyed: a position table instead of hashing Task objects, and the opportunistic
-    # search looks only at the tasks that can be ready — F of the next micro-batch, and R/B of the
-    # micro-batches whose forward is done and whose gradient has arrived (on the last stage:
-    # whose forward is done) — taking the earliest in list order. That is exactly the task the
-    # plain scan of the remaining list would return (tests/test_simulator.py checks it against
-    # that scan on random arrival orders).
+    # integer-keyed: a position table and one status byte per micro-batch instead of hashing
+    # Task objects, and the opportunistic search looks only at the tasks that can be ready --
+    # F of the next micro-batch, and R/B of the micro-batches whose forward is done and whose
+    # gradient has arrived (on the last stage: whose forward is done) -- taking the earliest in
+    # list order. That is exactly the task the plain scan of the remaining list would return
+    # (tests/test_simulator.py checks it against that scan on random arrival orders).
+    #
+    # Note [Filling the wait]: the varuna lists place R_i to end just as B_i's gradient arrives
+    # (rule 1), with unit costs and instant links. On a real network the gradient is often late
+    # and rule (2) idles the stage. A forward on a recomputing stage keeps no graph, so running
+    # the next one in that gap costs one more stashed boundary input, not a second set of
+    # activations. It is done only when the stage would otherwise idle, so with on-time inputs
+    # the executed order is still the static list. The cap keeps the stash within what the list
+    # itself needs plus ``stash_headroom`` (default 1: on the schedule benchmark's emulated
+    # network, headroom 0 -> 1 moved the simulated P=4 moderate-jitter step from 0.93 to 0.97 of
+    # ideal; more headroom gains little, see docs/benchmarks.md).
 
     __slots__ = (
         "tasks",
         "stage",
         "num_stages",
         "opportunistic",
-        "_recomputed",
-        "_act",
-        "_grad",
+        "stash_headroom",
+        "executed",
+        "_pos",
+        "_rec",
+        "_st",
+        "_last",
+        "_cap",
         "_awaiting_b",
         "_head",
         "_next_f",
-        "executed",
-        "_pos",
+        "_live",
         "_done_pos",
         "_extra_done",
         "_ndone",
-        "_f_done",
-        "_r_done",
-        "_b_done",
         "_cand",
     )
 
-    def __init__(self, tasks: Sequence[Task], stage: int, num_stages: int, opportunistic: bool = True):
+    def __init__(
+        self,
+        tasks: Sequence[Task],
+        stage: int,
+        num_stages: int,
+        opportunistic: bool = True,
+        *,
+        stash_headroom: int = 1,
+        _template: _PolicyTemplate | None = None,
+    ):
+        if stash_headroom < 0:
+            raise ValueError(f"stash_headroom must be >= 0, got {stash_headroom}")
         self.tasks = tuple(tasks)
         self.stage = stage
         self.num_stages = num_stages
         self.opportunistic = opportunistic
-        self._recomputed = _recomputed(self.tasks)
-        self._act: set[int] = set()
-        self._grad: set[int] = set()
+        self.stash_headroom = stash_headroom
+        #: tasks in the order they were run (for tests and timelines)
+        self.executed: list[Task] = []
+        tpl = _template if _template is not None else _PolicyTemplate.of(self.tasks)
+        self._pos = tpl.pos  # shared, read-only
+        self._rec = tpl.recomputed  # shared, read-only
+        self._st = bytearray(tpl.num_microbatches)
+        self._last = stage == num_stages - 1
+        self._cap = tpl.peak + stash_headroom
         self._awaiting_b: int | None = None
         self._head = 0
         self._next_f = 0
-        #: tasks in the order they were run (for tests and timelines)
-        self.executed: list[Task] = []
-        # _pos[3*i + {F:0, R:1, B:2}] = position of that task in the list (-1: absent).
-        size = 3 * (max((t.microbatch for t in self.tasks), default=-1) + 1)
-        pos = [-1] * size
-        code = _OP_CODE
-        for p, t in enumerate(self.tasks):
-            j = 3 * t.microbatch + code[t.op]
-            if pos[j] < 0:
-                pos[j] = p
-        self._pos = pos
+        self._live = 0
         self._done_pos = bytearray(len(self.tasks))  # by list position
         self._extra_done: set[Task] = set()  # completed tasks that are not in the list
         self._ndone = 0
-        self._f_done: set[int] = set()
-        self._r_done: set[int] = set()
-        self._b_done: set[int] = set()
         # Micro-batches whose R or B may be ready: forward done, backward not, and (except on
         # the last stage) gradient arrived.
         self._cand: set[int] = set()
@@ -466,7 +399,7 @@ class StagePolicy:
 
     @property
     def is_last(self) -> bool:
-        return self.stage == self.num_stages - 1
+        return self._last
 
     @property
     def finished(self) -> bool:
@@ -488,43 +421,54 @@ class StagePolicy:
 
     def arrived(self, kind: str, microbatch: int) -> None:
         """Record an input: ``kind`` "F" for an activation, "B" for a gradient."""
+        st = self._st
+        if not 0 <= microbatch < len(st):
+            raise ValueError(
+                f"stage {self.stage}: input for micro-batch {microbatch} arrived, but its list has "
+                f"micro-batches 0..{len(st) - 1}; sender and receiver disagree on the schedule"
+            )
         if kind == FORWARD:
-            self._act.add(microbatch)
+            st[microbatch] |= _A
             return
-        self._grad.add(microbatch)
-        if microbatch in self._f_done and microbatch not in self._b_done:
+        s = st[microbatch] | _G
+        st[microbatch] = s
+        if s & (_F | _B) == _F:
             self._cand.add(microbatch)
 
     def ready(self, task: Task) -> bool:
+        """Whether ``task`` could run now (ignoring rule 2 and the list order)."""
         i = task.microbatch
-        if self.is_done(task):
+        if self.is_done(task) or not 0 <= i < len(self._st):
             return False
+        s = self._st[i]
         if task.op == FORWARD:
-            return i == self._next_f and (self.stage == 0 or i in self._act)
+            return i == self._next_f and (self.stage == 0 or s & _A != 0)
         if task.op == RECOMPUTE:
-            return i in self._f_done
-        if i not in self._f_done:
+            return s & _F != 0
+        if not s & _F:
             return False
-        if i in self._recomputed and i not in self._r_done:
+        if self._rec[i] and not s & _R:
             return False
-        return self.stage == self.num_stages - 1 or i in self._grad
+        return self._last or s & _G != 0
 
     def next_task(self) -> Task | None:
-        tasks, done_pos = self.tasks, self._done_pos
-        if self._awaiting_b is not None:  # rule (2)
-            i = self._awaiting_b
-            j = 3 * i + 2
-            p = self._pos[j] if j < len(self._pos) else -1
+        tasks, done_pos, st, pos = self.tasks, self._done_pos, self._st, self._pos
+        i = self._awaiting_b
+        if i is not None:  # rule (2)
+            p = pos[3 * i + 2]
             if p < 0:  # B_i is not in the list (a malformed list): the general check
                 b = Task(BACKWARD, i)
                 return b if self.ready(b) else None
-            if (
-                not done_pos[p]
-                and i in self._f_done
-                and (i not in self._recomputed or i in self._r_done)
-                and (self.stage == self.num_stages - 1 or i in self._grad)
-            ):
+            s = st[i]
+            if not done_pos[p] and s & _F and (s & _R or not self._rec[i]) and (self._last or s & _G):
                 return tasks[p]
+            # Note [Filling the wait]: a graph-less forward may use the gap.
+            if self.opportunistic and self._live < self._cap:
+                i = self._next_f
+                if i < len(st) and self._rec[i] and (self.stage == 0 or st[i] & _A):
+                    p = pos[3 * i]
+                    if p >= 0 and not done_pos[p]:
+                        return tasks[p]
             return None
         n = len(tasks)
         head = self._head
@@ -536,47 +480,44 @@ class StagePolicy:
         first = tasks[head]
         # ready(first), inlined (hot path); ``first`` is not done.
         i, op = first.microbatch, first.op
+        s = st[i]
         if op == FORWARD:
-            if i == self._next_f and (self.stage == 0 or i in self._act):
+            if i == self._next_f and (self.stage == 0 or s & _A):
                 return first
         elif op == RECOMPUTE:
-            if i in self._f_done:
+            if s & _F:
                 return first
-        elif (
-            i in self._f_done
-            and (i not in self._recomputed or i in self._r_done)
-            and (self.stage == self.num_stages - 1 or i in self._grad)
-        ):
+        elif s & _F and (s & _R or not self._rec[i]) and (self._last or s & _G):
             return first
         if not self.opportunistic:
             return None
         # Earliest ready task after the head (the head is not ready, and all before it are done);
         # see Note [StagePolicy speed].
-        pos, size = self._pos, len(self._pos)
+        size = len(pos)
         best = n
         i = self._next_f
         j = 3 * i
-        if j < size and pos[j] >= 0 and not done_pos[pos[j]] and (self.stage == 0 or i in self._act):
+        if j < size and pos[j] >= 0 and not done_pos[pos[j]] and (self.stage == 0 or st[i] & _A):
             best = pos[j]
-        grad, recomputed, r_done = self._grad, self._recomputed, self._r_done
+        rec = self._rec
         for i in self._cand:
             j = 3 * i
-            if j >= size:
-                continue
+            s = st[i]
             p = pos[j + 1]  # R_i: F_i done; opportunistically only once its gradient is here
-            if 0 <= p < best and not done_pos[p] and i in grad:
+            if 0 <= p < best and not done_pos[p] and s & _G:
                 best = p
             p = pos[j + 2]  # B_i: F_i done, R_i done if listed, gradient here (or last stage)
-            if 0 <= p < best and not done_pos[p] and (i not in recomputed or i in r_done):
+            if 0 <= p < best and not done_pos[p] and (s & _R or not rec[i]):
                 best = p
         return tasks[best] if best < n else None
 
     def complete(self, task: Task) -> None:
         i, op = task.microbatch, task.op
+        st = self._st
+        if not 0 <= i < len(st):
+            raise ValueError(f"stage {self.stage}: task {task} is outside this stage's micro-batches")
         # self._position(task), inlined (hot path).
-        pos = self._pos
-        j = 3 * i + _OP_CODE.get(op, 0)
-        p = pos[j] if 0 <= j < len(pos) else -1
+        p = self._pos[3 * i + (0 if op == FORWARD else 1 if op == RECOMPUTE else 2)]
         if p >= 0:
             t = self.tasks[p]
             if t is not task and t != task:
@@ -593,14 +534,54 @@ class StagePolicy:
         self.executed.append(task)
         if op == FORWARD:
             self._next_f += 1
-            self._f_done.add(i)
-            if (self.stage == self.num_stages - 1 or i in self._grad) and i not in self._b_done:
+            self._live += 1
+            s = st[i] | _F
+            st[i] = s
+            if (self._last or s & _G) and not s & _B:
                 self._cand.add(i)
-            self._awaiting_b = None
+            # A forward run while waiting for B_i (Note [Filling the wait]) leaves rule 2 in force.
         elif op == RECOMPUTE:
-            self._r_done.add(i)
+            st[i] |= _R
             self._awaiting_b = i
         else:
-            self._b_done.add(i)
+            st[i] |= _B
+            self._live -= 1
             self._cand.discard(i)
             self._awaiting_b = None
+
+
+# Per-micro-batch status bits of StagePolicy._st.
+_F, _R, _B, _G, _A = 1, 2, 4, 8, 16
+
+
+@dataclass(frozen=True, slots=True)
+class _PolicyTemplate:
+    """What every policy over one task list shares: built once per list (Note [StagePolicy speed])."""
+
+    pos: list[int]
+    """pos[3·i + {F: 0, R: 1, B: 2}]: that task's position in the list, -1 if absent."""
+    recomputed: bytes
+    """recomputed[i] = 1 if the list recomputes micro-batch i."""
+    num_microbatches: int
+    peak: int
+    """peak_stashed(list)."""
+
+    @classmethod
+    def of(cls, tasks: Sequence[Task]) -> _PolicyTemplate:
+        # Comprehensions and C-level helpers: built on the simulator's cold path (25k tasks).
+        mbs = [t.microbatch for t in tasks]
+        ops = [t.op for t in tasks]
+        if mbs and min(mbs) < 0:
+            raise ValueError(f"task list has a negative micro-batch index ({min(mbs)})")
+        n = max(mbs, default=-1) + 1
+        code = _OP_CODE
+        keys = [3 * i + code[op] for i, op in zip(mbs, ops)]
+        pos = [-1] * (3 * n)
+        for p in range(len(keys) - 1, -1, -1):  # backwards: the first occurrence wins
+            pos[keys[p]] = p
+        rec = bytearray(n)
+        for i in {i for i, op in zip(mbs, ops) if op == RECOMPUTE}:
+            rec[i] = 1
+        step = {FORWARD: 1, RECOMPUTE: 0, BACKWARD: -1}
+        peak = max(itertools.accumulate(map(step.__getitem__, ops), initial=0))
+        return cls(pos, bytes(rec), n, peak)
