@@ -68,8 +68,9 @@ from varuna.cutpoint import CutPoint
 
 __all__ = ["ProfileOptions", "calibrate", "measure_allreduce", "EXTRA_KEY", "fit_linear"]
 
-#: Top-level key of the calibration file holding what the schema has no field for (fit errors,
-#: peak memory, settings). ``Calibration.from_dict`` ignores it; the profiler reads it back on --update.
+#: Top-level key of the calibration file holding the profiler's diagnostics (fit errors, peak
+#: memory, settings, history): ``Calibration.profiler``, an opaque object the schema keeps through
+#: load and save; the profiler reads it back on --update.
 EXTRA_KEY = "profiler"
 
 _DEFAULT_INTER = "latency=1ms,bandwidth=1Gbit/s"
@@ -514,8 +515,9 @@ def _assemble(st: _State, *, created: str, host: HostInfo, model_name: str) -> t
         "compute_fit": compute_fit,
         "memory_source": st.memory_source,
         "link_fit": {kind: _link_fit_errors(links[kind]) for kind in links},
-        "allreduce_configs": sorted({(p.ring_size, p.concurrent) for p in st.ar_points}),
+        "allreduce_configs": [list(c) for c in sorted({(p.ring_size, p.concurrent) for p in st.ar_points})],
     }
+    cal.profiler = extra  # the same object: what calibrate() adds to extra lands in the file
     return cal, extra
 
 
@@ -550,12 +552,9 @@ def _now() -> str:
 
 
 def _save(path: str | os.PathLike, cal: Calibration, extra: dict) -> None:
-    name = os.fspath(path)
-    tmp = f"{name}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({**cal.to_dict(), EXTRA_KEY: extra}, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, name)
+    """Write ``cal`` with ``extra`` as its profiler diagnostics (``Calibration.profiler``)."""
+    cal.profiler = extra
+    cal.save(path)
 
 
 def calibrate(
@@ -588,7 +587,7 @@ def calibrate(
     old_extra: dict = {}
     if update is not None:
         old = Calibration.load(update)  # ValueError with a one-line message if unreadable
-        old_extra = json.loads(Path(update).read_text()).get(EXTRA_KEY) or {}
+        old_extra = old.profiler or {}
     new_ms = [m for m in ms if old is None or m not in old.micro_batch_sizes]
     if not any(isinstance(mod, CutPoint) for mod in target.model.modules()):
         raise ValueError(
@@ -768,6 +767,8 @@ def calibrate(
         host=host,
         model_name=old.model.name if old else target.spec,
     )
+    # Not measured here (they need the engine running a pipeline; docs/calibration.md): kept.
+    cal.runtime_overheads = old.runtime_overheads if old else None
     wall = time.perf_counter() - t_start
     history = list(old_extra.get("history", [])) + [
         {

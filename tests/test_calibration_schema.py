@@ -1,4 +1,5 @@
-"""The calibration file: schema round-trip, fix-it errors, queries against hand-computed values."""
+"""The calibration file: schema round-trip, fix-it errors, queries against hand-computed values, and
+the optional sections (runtime overheads, which the simulator applies; the profiler's diagnostics)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 
 import pytest
 
+from simulator.engine import SimConfig, runtime_overheads, simulate
 from varuna.calibration import (
     CALIBRATION_VERSION,
     AllReduceModel,
@@ -16,6 +18,7 @@ from varuna.calibration import (
     Calibration,
     LinkModel,
     LinkPoint,
+    RuntimeOverheads,
     fit_allreduce_model,
     fit_link_model,
 )
@@ -196,3 +199,187 @@ def test_pure_python_modules_do_not_import_torch():
         "varuna.timeline; assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Optional sections: runtime_overheads and profiler
+
+_OVERHEADS = RuntimeOverheads(
+    task_overhead_s=5e-4, placeholder_s=4e-5, step_overhead_s=2e-3, source="validate_simulator W=2"
+)
+_DIAGNOSTICS = {
+    "compute_fit": [{"fwd_s": {"intercept_s": 0.001, "per_example_s": 0.01, "max_rel_error": 0.02}}],
+    "link_fit": {"intra": {"rms_rel_error": 0.01, "max_rel_error": 0.03}},
+    "allreduce_configs": [[2, 1], [2, 2]],
+    "history": [{"at": "2026-01-01T00:00:00Z", "micro_batch_sizes": [1, 2, 4]}],
+}
+
+
+def test_sections_round_trip_through_a_file(tmp_path):
+    cal = _cal(runtime_overheads=_OVERHEADS)
+    cal.profiler = json.loads(json.dumps(_DIAGNOSTICS))
+    path = tmp_path / "cal.json"
+    cal.save(path)
+    data = json.loads(path.read_text())
+    assert data["runtime_overheads"] == {
+        "task_overhead_s": 5e-4,
+        "placeholder_s": 4e-5,
+        "step_overhead_s": 2e-3,
+        "source": "validate_simulator W=2",
+    }
+    assert data["profiler"] == _DIAGNOSTICS
+    back = Calibration.load(path)
+    assert back == cal and back.runtime_overheads == _OVERHEADS and back.profiler == _DIAGNOSTICS
+    assert back.to_dict() == cal.to_dict() == data
+    # load -> save -> load keeps both sections as they were
+    back.save(path)
+    assert json.loads(path.read_text()) == data
+
+
+def test_a_file_without_the_sections_loads_and_resaves_as_before():
+    data = _cal().to_dict()
+    assert "runtime_overheads" not in data and "profiler" not in data
+    cal = Calibration.from_dict(data)
+    assert cal.runtime_overheads is None and cal.profiler is None
+    assert cal.to_dict() == data
+    # null means absent; unknown top-level keys are still ignored
+    cal = Calibration.from_dict({**data, "runtime_overheads": None, "profiler": None, "future": 1})
+    assert cal.runtime_overheads is None and cal.profiler is None and cal.to_dict() == data
+
+
+def test_a_profiler_written_version_1_file_keeps_its_diagnostics():
+    # What varuna-profile has always written: the schema plus a "profiler" object (tuples come back
+    # as lists from JSON). It used to be dropped on re-save; now it is kept.
+    data = {**_cal().to_dict(), "profiler": json.loads(json.dumps(_DIAGNOSTICS))}
+    assert data["version"] == CALIBRATION_VERSION == 1
+    cal = Calibration.from_dict(data)
+    assert cal.profiler == _DIAGNOSTICS and cal.runtime_overheads is None
+    assert cal.to_dict() == data
+    # Neither the input nor the output aliases the calibration's copy.
+    data["profiler"]["history"].append({"at": "later"})
+    out = cal.to_dict()
+    out["profiler"]["allreduce_configs"].clear()
+    assert cal.profiler == _DIAGNOSTICS
+
+
+def test_in_memory_profiler_diagnostics_are_written_as_json():
+    cal = _cal()
+    cal.profiler = {"allreduce_configs": [(2, 1)]}  # as a tuple, before JSON
+    assert cal.to_dict()["profiler"] == {"allreduce_configs": [[2, 1]]}
+    cal.profiler = {"bad": object()}
+    with pytest.raises(ValueError, match="calibration field 'profiler' must hold JSON values only"):
+        cal.to_dict()
+
+
+@pytest.mark.parametrize(
+    "patch, message",
+    [
+        (
+            {"task_overhead_s": -0.001},
+            "field 'runtime_overheads.task_overhead_s' must be >= 0, got -0.001",
+        ),
+        ({"placeholder_s": "fast"}, "field 'runtime_overheads.placeholder_s' must be a finite number"),
+        (
+            {"step_overhead_s": float("inf")},
+            "field 'runtime_overheads.step_overhead_s' must be a finite number",
+        ),
+        ({"step_overhead_s": True}, "field 'runtime_overheads.step_overhead_s' must be a finite number"),
+        ({"step_overhead_s": None}, "missing field 'runtime_overheads.step_overhead_s'"),
+        ({"source": 3}, "field 'runtime_overheads.source' must be a string"),
+    ],
+)
+def test_bad_runtime_overheads_are_rejected_with_field_and_fix(patch, message):
+    data = _cal(runtime_overheads=_OVERHEADS).to_dict()
+    data["runtime_overheads"].update(patch)
+    text = _one_line_value_error(data, message)
+    assert text.startswith("calibration.json: ")
+    assert "measure it again" in text and "remove the 'runtime_overheads' section" in text
+
+
+def test_malformed_sections_are_rejected():
+    data = _cal().to_dict()
+    data["runtime_overheads"] = [0.001, 0.0, 0.002]
+    _one_line_value_error(data, "field 'runtime_overheads' must be an object")
+    data = _cal().to_dict()
+    data["profiler"] = "fit errors"
+    _one_line_value_error(data, "field 'profiler' must be an object")
+    with pytest.raises(ValueError, match="runtime_overheads.placeholder_s must be a finite number >= 0"):
+        RuntimeOverheads(placeholder_s=-1e-6)
+    # The source note is optional in a file.
+    data = _cal(runtime_overheads=_OVERHEADS).to_dict()
+    del data["runtime_overheads"]["source"]
+    assert Calibration.from_dict(data).runtime_overheads.source == ""
+
+
+# The simulator applies the calibration's runtime overheads unless SimConfig sets its own.
+
+_P, _NM, _F, _B = 4, 8, 0.01, 0.02  # one segment per stage at m = 1: F = 0.01, B = 2F
+
+
+def _gpipe(**overrides) -> SimConfig:
+    return SimConfig(
+        num_stages=_P,
+        micro_batch_size=1,
+        num_microbatches=_NM,
+        schedule="gpipe",
+        recompute=False,
+        **overrides,
+    )
+
+
+def _uniform(overheads: RuntimeOverheads | None) -> Calibration:
+    return Calibration.synthetic(_F, num_segments=_P, micro_batch_sizes=(1, 2), runtime_overheads=overheads)
+
+
+def test_simulate_adds_the_calibrations_overheads_in_closed_form():
+    # gpipe without recompute, free links, D = 1: (Nm + P - 1)·(F + B); a task overhead t lengthens
+    # every F and B, a step overhead s is added once.
+    t, s = 0.003, 0.007
+    assert simulate(_uniform(None), _gpipe()).minibatch_s == pytest.approx((_NM + _P - 1) * (_F + _B))
+    cal = _uniform(RuntimeOverheads(task_overhead_s=t, step_overhead_s=s))
+    got = simulate(cal, _gpipe()).minibatch_s
+    assert got == pytest.approx((_NM + _P - 1) * (_F + _B + 2 * t) + s)
+    # the same as giving the values to SimConfig with a calibration that has none
+    assert got == simulate(_uniform(None), _gpipe(task_overhead_s=t, step_overhead_s=s)).minibatch_s
+
+
+def test_calibration_overheads_equal_explicit_ones_on_a_general_config(tmp_path):
+    # varuna schedule, D = 2 on 2-slot hosts, real links: placeholders included.
+    cal0 = _cal()
+    path = tmp_path / "cal.json"
+    _cal(runtime_overheads=_OVERHEADS).save(path)
+    cal = Calibration.load(path)
+    cfg = SimConfig.for_global_batch(
+        global_batch_size=20, num_stages=3, num_replicas=2, micro_batch_size=2, host_slots=2
+    )
+    from_file = simulate(cal, cfg)
+    explicit = simulate(
+        cal0,
+        SimConfig.for_global_batch(
+            global_batch_size=20,
+            num_stages=3,
+            num_replicas=2,
+            micro_batch_size=2,
+            host_slots=2,
+            task_overhead_s=5e-4,
+            placeholder_s=4e-5,
+            step_overhead_s=2e-3,
+        ),
+    )
+    assert from_file.summary() == explicit.summary() and from_file.executed == explicit.executed
+    assert from_file.minibatch_s > simulate(cal0, cfg).minibatch_s + 2e-3
+    assert cfg.label() == "3x2 m=2 varuna"  # None fields do not reach the label
+
+
+def test_explicit_simconfig_values_override_the_calibrations():
+    cal = _uniform(RuntimeOverheads(task_overhead_s=0.003, placeholder_s=0.001, step_overhead_s=0.007))
+    zero = _gpipe(task_overhead_s=0.0, placeholder_s=0.0, step_overhead_s=0.0)
+    assert simulate(cal, zero).minibatch_s == pytest.approx((_NM + _P - 1) * (_F + _B))
+    # field by field: an explicit value wins, the others come from the file
+    assert runtime_overheads(cal, _gpipe(task_overhead_s=0.001)) == (0.001, 0.001, 0.007)
+    assert runtime_overheads(cal, _gpipe(step_overhead_s=0.0)) == (0.003, 0.001, 0.0)
+    assert runtime_overheads(_uniform(None), _gpipe()) == (0.0, 0.0, 0.0)
+    mixed = _gpipe(task_overhead_s=0.001, placeholder_s=0.0)
+    assert simulate(cal, mixed).minibatch_s == pytest.approx((_NM + _P - 1) * (_F + _B + 2 * 0.001) + 0.007)
+    with pytest.raises(ValueError, match="task_overhead_s must be >= 0"):
+        simulate(cal, _gpipe(task_overhead_s=-1.0))

@@ -34,7 +34,13 @@ from profiler.runner import (
     measure_allreduce,
 )
 from profiler.spec import load_target
-from varuna.calibration import AllReducePoint, Calibration, LinkPoint, fit_allreduce_model
+from varuna.calibration import (
+    AllReducePoint,
+    Calibration,
+    LinkPoint,
+    RuntimeOverheads,
+    fit_allreduce_model,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT_SPEC = str(ROOT / "examples" / "gpt2" / "profile_target.py") + ":build"
@@ -184,6 +190,31 @@ def test_assembled_file_round_trips_through_the_schema(tmp_path):
         3000 + 1000 + 128 + 512,
     ]
     assert back.cutpoints[0].act_send_inter_s is None  # not measured in this fabricated state
+
+
+def test_profiler_diagnostics_and_runtime_overheads_survive_load_and_save(tmp_path):
+    cal, extra = _assemble(
+        _fake_state(),
+        created="2026-01-01T00:00:00Z",
+        host=profiler.runner._host_info("cpu", 1),
+        model_name="m",
+    )
+    assert cal.profiler is extra  # what calibrate() adds to extra (history, settings) is written
+    cal.runtime_overheads = RuntimeOverheads(task_overhead_s=5e-4, source="measured elsewhere")
+    path = tmp_path / "cal.json"
+    _save(path, cal, extra)
+    written = json.loads(path.read_text())
+    # A reader that only loads and saves (the manager, a script) keeps the profiler's fit errors.
+    again = tmp_path / "again.json"
+    Calibration.load(path).save(again)
+    assert json.loads(again.read_text()) == written
+    back = Calibration.load(again)
+    assert back.profiler["link_fit"]["intra"]["max_rel_error"] < 0.05
+    assert back.profiler["allreduce_configs"] == [[2, 1], [3, 1]]
+    assert back.runtime_overheads.task_overhead_s == 5e-4
+    # --update starts from the file's state, diagnostics included
+    st = profiler.runner._state_from_file(back, back.profiler)
+    assert st.seg_at[(0, 2)]["peak_bytes"] == 3000 + 1000 + 128 + 512
 
 
 # ---------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ __all__ = [
     "AllReduceModel",
     "ModelInfo",
     "HostInfo",
+    "RuntimeOverheads",
     "Calibration",
     "fit_link_model",
     "fit_allreduce_model",
@@ -53,6 +54,12 @@ __all__ = [
 CALIBRATION_VERSION = 1
 
 _FIX = "re-run varuna-profile"
+# The runtime overheads are measured by running the engine itself, not by varuna-profile
+# (docs/calibration.md, section runtime_overheads).
+_RUNTIME_FIX = (
+    "measure it again (docs/simulator.md, Validation) or remove the 'runtime_overheads' section "
+    "(the simulator then assumes no runtime overheads)"
+)
 _FREE_BW = 1e18  # bytes/s of the synthetic "free" links
 
 
@@ -67,15 +74,17 @@ class _Reader:
     def fail(self, message: str) -> ValueError:
         return ValueError(f"{self.source}: {message}")
 
-    def get(self, obj: Any, key: str, path: str, kind: str, *, optional: bool = False) -> Any:
+    def get(
+        self, obj: Any, key: str, path: str, kind: str, *, optional: bool = False, fix: str = _FIX
+    ) -> Any:
         full = f"{path}.{key}" if path else key
         if not isinstance(obj, dict):
-            raise self.fail(f"field '{path or '<top level>'}' must be an object — {_FIX}")
+            raise self.fail(f"field '{path or '<top level>'}' must be an object — {fix}")
         if key not in obj or (obj[key] is None and not optional):
-            raise self.fail(f"missing field '{full}' — {_FIX}")
-        return self.check(obj[key], full, kind, optional=optional)
+            raise self.fail(f"missing field '{full}' — {fix}")
+        return self.check(obj[key], full, kind, optional=optional, fix=fix)
 
-    def check(self, value: Any, path: str, kind: str, *, optional: bool = False) -> Any:
+    def check(self, value: Any, path: str, kind: str, *, optional: bool = False, fix: str = _FIX) -> Any:
         if value is None and optional:
             return None
         ok = {
@@ -94,10 +103,10 @@ class _Reader:
                 "dict": "an object",
             }
             raise self.fail(
-                f"field '{path}' must be {names[kind]}, got {type(value).__name__} {value!r:.40} — {_FIX}"
+                f"field '{path}' must be {names[kind]}, got {type(value).__name__} {value!r:.40} — {fix}"
             )
         if kind in ("num", "int") and value < 0:
-            raise self.fail(f"field '{path}' must be >= 0, got {value} — {_FIX}")
+            raise self.fail(f"field '{path}' must be >= 0, got {value} — {fix}")
         return value
 
     def per_m(self, obj: Any, key: str, path: str, n: int, kind: str, *, optional: bool = False) -> Any:
@@ -430,6 +439,57 @@ class HostInfo:
         )
 
 
+@dataclass(kw_only=True, frozen=True)
+class RuntimeOverheads:
+    """The runtime's own costs beyond the calibrated compute, sends, all-reduce and optimizer step.
+
+    All in seconds. The simulator adds them to every simulated mini-batch unless its ``SimConfig``
+    sets the same-named field (``docs/simulator.md``). ``varuna-profile`` does not measure them:
+    they need the engine itself running a pipeline (see ``docs/calibration.md``).
+
+    >>> RuntimeOverheads(task_overhead_s=5e-4, step_overhead_s=2e-3).to_dict()["placeholder_s"]
+    0.0
+    >>> RuntimeOverheads(task_overhead_s=-1.0)
+    Traceback (most recent call last):
+    ValueError: runtime_overheads.task_overhead_s must be a finite number >= 0 (seconds), got -1.0
+    """
+
+    task_overhead_s: float = 0.0
+    """Added to every F, R and B task: the executor's per-task work (dispatch, RNG re-seeding,
+    slicing, queueing the send)."""
+    placeholder_s: float = 0.0
+    """Added to a stage's F and R per segment *before* the stage: each earlier segment's modules
+    return placeholders (Note [Placeholders] in varuna/split.py)."""
+    step_overhead_s: float = 0.0
+    """Added once per mini-batch: step set-up and the end-of-step agreement all-reduce over every
+    rank. It grows with the world size; ``source`` should say at which size it was measured."""
+    source: str = ""
+    """How the values were obtained (free text: the tool, the world size, the date)."""
+
+    _TIMES = ("task_overhead_s", "placeholder_s", "step_overhead_s")
+
+    def __post_init__(self) -> None:
+        for name in self._TIMES:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(
+                    f"runtime_overheads.{name} must be a finite number >= 0 (seconds), got {v!r}"
+                )
+        if not isinstance(self.source, str):
+            raise ValueError(f"runtime_overheads.source must be a string, got {self.source!r}")
+
+    def to_dict(self) -> dict:
+        return {**{k: getattr(self, k) for k in self._TIMES}, "source": self.source}
+
+    @classmethod
+    def _read(cls, r: _Reader, obj: Any, path: str) -> RuntimeOverheads:
+        times = {k: r.get(obj, k, path, "num", fix=_RUNTIME_FIX) for k in cls._TIMES}
+        source = obj.get("source")
+        if source is not None:
+            r.check(source, f"{path}.source", "str", fix=_RUNTIME_FIX)
+        return cls(**times, source=source or "")
+
+
 # Note [All-reduce model]: a ring all-reduce of B bytes over D ranks moves 2(D-1)/D·B bytes through
 # every rank's link in 2(D-1) steps, hence 2(D-1)/D·B/bandwidth + (D-1)·latency (latency counted
 # once per step pair, as NCCL/gloo pipeline the reduce-scatter and all-gather halves). Varuna
@@ -460,13 +520,20 @@ class Calibration:
     allreduce: AllReduceModel
     optimizer_s_per_param_byte: float
     """Optimizer step time per byte of parameters updated."""
+    runtime_overheads: RuntimeOverheads | None = None
+    """The runtime's own per-task / per-step costs (file key ``runtime_overheads``); None: not
+    measured, the simulator assumes none."""
+    profiler: dict[str, Any] | None = None
+    """The profiler's diagnostics (file key ``profiler``: fit errors, peak memory, settings, run
+    history; ``docs/profiling.md``). Opaque to this module: any JSON object, kept as it is through
+    load and save."""
     source: str = field(default="calibration", compare=False)
     """Where it was loaded from (used in error messages; not stored)."""
 
     # -- serialization ------------------------------------------------------------------------
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "version": self.version,
             "created": self.created,
             "model": self.model.to_dict(),
@@ -478,6 +545,12 @@ class Calibration:
             "allreduce": self.allreduce.to_dict(),
             "optimizer": {"step_s_per_param_byte": self.optimizer_s_per_param_byte},
         }
+        # Optional sections are written only when present, so a file without them re-saves as it was.
+        if self.runtime_overheads is not None:
+            out["runtime_overheads"] = self.runtime_overheads.to_dict()
+        if self.profiler is not None:
+            out["profiler"] = _json_copy(self.profiler, "profiler")
+        return out
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "calibration") -> Calibration:
@@ -517,6 +590,11 @@ class Calibration:
             )
         links = r.get(data, "links", "", "dict")
         opt = r.get(data, "optimizer", "", "dict")
+        # Optional sections (absent or null: none). Unknown top-level keys are ignored.
+        runtime = r.check(
+            data.get("runtime_overheads"), "runtime_overheads", "dict", optional=True, fix=_RUNTIME_FIX
+        )
+        prof = r.check(data.get("profiler"), "profiler", "dict", optional=True)
         return cls(
             version=version,
             created=r.get(data, "created", "", "str"),
@@ -529,6 +607,10 @@ class Calibration:
             inter=LinkModel._read(r, r.get(links, "inter", "links", "dict"), "links.inter"),
             allreduce=AllReduceModel._read(r, r.get(data, "allreduce", "", "dict"), "allreduce"),
             optimizer_s_per_param_byte=r.get(opt, "step_s_per_param_byte", "optimizer", "num"),
+            runtime_overheads=None
+            if runtime is None
+            else RuntimeOverheads._read(r, runtime, "runtime_overheads"),
+            profiler=None if prof is None else _json_copy(prof, "profiler"),
             source=source,
         )
 
@@ -685,6 +767,7 @@ class Calibration:
         inter: LinkModel | None = None,
         allreduce: AllReduceModel | None = None,
         optimizer_s_per_param_byte: float = 0.0,
+        runtime_overheads: RuntimeOverheads | None = None,
         model_name: str = "synthetic",
     ) -> Calibration:
         """A calibration built from given per-segment costs instead of measurements.
@@ -695,6 +778,7 @@ class Calibration:
         cut-point i carries ``act_bytes_per_example[i]·m`` bytes; ``activation_bytes_per_example``
         (default 4× the input) is what a segment holds during its recompute/backward. Links
         default to zero-cost, all-reduce to free, so tests can switch costs on one at a time.
+        ``runtime_overheads`` (default none) is stored as given.
 
         >>> cal = Calibration.synthetic(0.01, num_segments=4, overhead_s=0.002)
         >>> cal.num_segments, round(cal.fwd_s(0, 2), 6), round(cal.bwd_s(0, 2), 6)
@@ -774,7 +858,16 @@ class Calibration:
             inter=inter,
             allreduce=allreduce or AllReduceModel(bandwidth_bytes_per_s=_FREE_BW, latency_s=0.0),
             optimizer_s_per_param_byte=optimizer_s_per_param_byte,
+            runtime_overheads=runtime_overheads,
         )
+
+
+def _json_copy(value: Any, what: str) -> Any:
+    """A deep copy through JSON: tuples become lists, and the caller's object is not shared."""
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"calibration field '{what}' must hold JSON values only ({e})") from None
 
 
 def _now() -> str:
