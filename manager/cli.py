@@ -5,7 +5,7 @@
     varuna-manager serve  --db STATE.sqlite --listen 127.0.0.1:7878 --token-file TOKEN
                           [--tls-cert CERT --tls-key KEY]
     varuna-manager submit JOBSPEC.toml|json      # prints the job id
-    varuna-manager status [JOB] [--json]         # P×D, VMs and their health, throughput history
+    varuna-manager status [JOB] [--json]         # P×D, calibration, VMs and their health, throughput
     varuna-manager events [JOB] [--json]         # the job's history, with morph latencies
     varuna-manager cancel JOB
 
@@ -18,6 +18,8 @@ line on stderr: an unreadable job spec, an unknown job, a bad option).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import signal
@@ -33,7 +35,7 @@ from google.protobuf.json_format import MessageToDict
 
 from manager.auth import load_token
 from manager.client import ClientConfig, ManagerClient
-from manager.jobspec import load_jobspec, spec_to_pb
+from manager.jobspec import JobSpec, load_jobspec, spec_to_pb
 
 __all__ = ["main"]
 
@@ -309,6 +311,8 @@ def _submit(args: argparse.Namespace) -> int:
                 raise ValueError(f"{spec.calibration}: not valid JSON: {exc.msg}") from None
         if spec.provider == "local" and not spec.module and not Path(spec.script).is_file():
             raise ValueError(f"script {spec.script} does not exist")
+        if spec.profile:
+            _check_profile(spec)
     except ValueError as exc:
         raise _UsageError(str(exc).splitlines()[0]) from None
     with _client(args) as client:
@@ -318,6 +322,29 @@ def _submit(args: argparse.Namespace) -> int:
             raise _rpc_error(exc, args.manager) from None
     print(job_id)
     return EXIT_OK
+
+
+def _check_profile(spec: JobSpec) -> None:
+    """Refuse a ``[profile]`` that ``varuna-profile`` would refuse (its flags), before the job waits
+    for a VM to find out. Needs the profiler here (it imports torch); skipped where it is missing."""
+    profile = spec.profile_spec
+    assert profile is not None
+    where = profile.model.rpartition(":")[0]
+    if spec.provider == "local" and where.endswith(".py") and not Path(where).is_file():
+        raise ValueError(f"profile.model: file {where} does not exist")
+    try:
+        from profiler.cli import build_parser
+    except ImportError:
+        return
+    argv = [*profile.profiler_args(job_micro_batch_size=spec.micro_batch_size), "--out", "calibration.json"]
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            build_parser().parse_args(argv)
+    except SystemExit:
+        lines = [line for line in err.getvalue().splitlines() if line.strip()]
+        detail = lines[-1].removeprefix("varuna-profile: error: ") if lines else "rejected"
+        raise ValueError(f"profile: varuna-profile refuses these arguments: {detail}") from None
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -346,6 +373,8 @@ def _format_status(job: Any) -> str:
         )
     if job.message:
         lines.append(f"  message     {job.message}")
+    if job.calibration:
+        lines.append(f"  calibration {job.calibration}")
     lines.append(f"  provider    {job.provider}; checkpoints in {job.checkpoint_dir}")
     active = [vm for vm in job.vms if vm.state != "deleted"]
     lines.append(

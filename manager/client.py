@@ -144,6 +144,12 @@ class ManagerClient:
     def vm_heartbeat(self, request: pb.VMHeartbeatRequest, *, timeout_s: float | None = None) -> pb.Orders:
         return self._call("VMHeartbeat", request, timeout_s, wait_for_ready=True).orders
 
+    def report_calibration(
+        self, request: pb.ReportCalibrationRequest, *, timeout_s: float | None = None
+    ) -> pb.ReportCalibrationReply:
+        """Hand the result of a PROFILE order back (the calibration file travels in the request)."""
+        return self._call("ReportCalibration", request, timeout_s, wait_for_ready=True)
+
     # -- workers -------------------------------------------------------------------------------
 
     def worker_heartbeat(self, request: pb.WorkerHeartbeatRequest, *, timeout_s: float | None = None) -> bool:

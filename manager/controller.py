@@ -15,6 +15,8 @@ of the script at one P×D on a fixed list of VMs. A generation is ``running``, t
 =========================  ==============================================================
 what                       reaction
 =========================  ==============================================================
+a new job with [profile]   calibrate on its first usable VM, then plan (Note [Calibration
+                           at job start])
 VM silent for T s, or the  kill the generation; relaunch without the VM (steps since the
 provider says it is gone   last periodic checkpoint are redone)
 a worker exits non-zero    kill the generation; relaunch once every other VM of it proved
@@ -28,6 +30,20 @@ all workers exit 0         finished; delete the VMs
 
 Morph latency (what ``varuna-manager events`` reports): from the moment the manager noticed the
 trigger (``jobs.detection_time``) to the first step completed by the next generation.
+
+Note [Calibration at job start]: P×D is chosen by the simulator from a calibration. A job spec
+either carries one (``calibration``: state ``given``), or says how to make one (``[profile]``:
+state ``pending``), or neither (``none``: the fallback rule). A pending job, as soon as its first
+VM is usable, orders that VM's agent to run ``varuna-profile`` (a PROFILE order: attempt number,
+arguments, timeout; state ``profiling``); the agent sends the file back with ``ReportCalibration``,
+the manager validates it (``Calibration.from_dict``), stores it in the job row (``done``) and only
+then plans the first generation. Everything is in the store, so a restarted manager re-sends the
+same attempt (the agent keys its run by the attempt number: it is awaited, never started twice)
+and a stored result is simply reused. Reports of any other attempt are refused. A VM lost while
+profiling gets the order re-issued on the next usable VM (a new attempt, at most
+``CALIBRATION_MAX_ATTEMPTS``); a failed run, an invalid file or no result within the profile's
+``timeout_s`` ends calibration for good (``failed``): the job plans with the fallback rule, or
+fails when the profile says ``required = true``. Once ``done`` or ``failed`` it never runs again.
 """
 
 from __future__ import annotations
@@ -35,6 +51,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import shlex
 import sys
 import threading
 import time
@@ -46,7 +63,7 @@ from typing import Any
 import grpc
 
 from manager import varuna_manager_pb2 as pb
-from manager.jobspec import JobSpec, spec_from_pb
+from manager.jobspec import JobSpec, ProfileSpec, spec_from_pb
 from manager.policy import (
     LayoutPlan,
     StutterConfig,
@@ -59,9 +76,14 @@ from manager.providers import Provider, ProviderContext, make_provider
 from manager.store import GenerationRecord, JobRecord, ProgressRecord, Store, VMRecord, WorkerStatRecord
 from varuna.calibration import Calibration
 
-__all__ = ["Manager", "ManagerConfig", "ManagerError"]
+__all__ = ["CALIBRATION_MAX_ATTEMPTS", "Manager", "ManagerConfig", "ManagerError"]
 
 LIVE_GENERATION_STATES = ("running", "stopping", "killing")
+
+#: Profiling attempts per job: a VM lost during the run re-issues it on another one, this often.
+CALIBRATION_MAX_ATTEMPTS = 3
+#: Calibration states after which the job may be planned (Note [Calibration at job start]).
+CALIBRATION_SETTLED = ("given", "none", "done", "failed")
 
 
 class ManagerError(Exception):
@@ -116,6 +138,7 @@ class _JobCache:
 
     spec: JobSpec
     calibration: Calibration | None
+    profile: ProfileSpec | None = None
     provider: Provider | None = None
     plans: dict[tuple[int, ...], LayoutPlan | str] = field(default_factory=dict)
     launches: dict[int, dict[str, list[pb.WorkerLaunch]]] = field(
@@ -209,7 +232,7 @@ class Manager:
                 cal = Calibration.from_dict(
                     json.loads(job.calibration_json), source=f"job {job.job_id} calibration"
                 )
-            cache = self._jobs[job.job_id] = _JobCache(spec=spec, calibration=cal)
+            cache = self._jobs[job.job_id] = _JobCache(spec=spec, calibration=cal, profile=spec.profile_spec)
         return cache
 
     def _provider(self, job: JobRecord) -> Provider:
@@ -279,16 +302,36 @@ class Manager:
                 AzureProviderOptions.from_dict(spec.provider_options)
         except (ValueError, TypeError) as exc:
             raise ManagerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc).splitlines()[0]) from None
+        if calibration_json and spec.profile:
+            raise ManagerError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "jobspec: give either 'calibration' (a file) or [profile] (calibrate on the first VM), "
+                "not both",
+            )
+        if calibration_json:
+            cal_state, cal_source = "given", "from the job spec"
+        elif spec.profile:
+            cal_state, cal_source = "pending", ""
+        else:
+            cal_state = "none"
+            cal_source = "none: fallback rule (the job spec has neither a calibration nor [profile])"
         slug = re.sub(r"[^a-z0-9]+", "-", spec.display_name.lower()).strip("-")[:24] or "job"
         job_id = f"{slug}-{secrets.token_hex(3)}"
         with self._lock:
-            self.store.add_job(job_id, spec.to_dict(), calibration_json)
+            self.store.add_job(
+                job_id,
+                spec.to_dict(),
+                calibration_json,
+                calibration_state=cal_state,
+                calibration_source=cal_source,
+            )
             self._event(
                 job_id,
                 "submitted",
                 f"{spec.display_name}: {spec.min_vms}..{spec.max_vms} VMs × "
                 f"{spec.procs_per_vm} on {spec.provider}, M={spec.global_batch_size}, "
-                f"target step {spec.target_steps}",
+                f"target step {spec.target_steps}; calibration: "
+                + (cal_source if cal_state != "pending" else "to be profiled on the first VM"),
             )
         return job_id
 
@@ -347,6 +390,8 @@ class Manager:
             created=job.created,
             provider=spec.provider,
             checkpoint_dir=spec.checkpoint_dir,
+            calibration_state=self._calibration_state(job),
+            calibration=self._calibration_text(job, now),
         )
         gen_vms: list[str] = []
         stats: dict[int, WorkerStatRecord] = {}
@@ -487,6 +532,10 @@ class Manager:
         if gen is not None and vm.vm_id in gen.vm_ids and gen.state != "killing":
             self._note_detection(job, f"agent restarted on {vm.vm_id}", now)
             self._begin_kill(job, gen, f"agent restarted on {vm.vm_id}", now)
+        fresh = self.store.job(job.job_id) or job
+        if fresh.calibration_state == "profiling" and fresh.calibration_vm == vm.vm_id:
+            # The old agent's profiler died with it: this attempt will never report.
+            self._calibration_lost(fresh, f"the agent on {vm.vm_id} restarted")
 
     def vm_heartbeat(self, req: pb.VMHeartbeatRequest) -> pb.Orders:
         now = self._clock()
@@ -542,6 +591,10 @@ class Manager:
                 )
             self.store.update_vm(vm.vm_id, **values)
             gen = self._live_generation(job)
+            if gen is None and job.calibration_state == "profiling" and vm.vm_id == job.calibration_vm:
+                orders.action = pb.Orders.PROFILE
+                orders.profile.CopyFrom(self._profile_order(job))
+                return orders
             if gen is None or vm.vm_id not in gen.vm_ids:
                 orders.action = pb.Orders.IDLE
                 return orders
@@ -604,6 +657,215 @@ class Manager:
             )
         cache.launches[gen.generation] = out
         return out
+
+    # ------------------------------------------------------------------------------------------
+    # Calibration at job start (Note [Calibration at job start])
+
+    def report_calibration(self, req: pb.ReportCalibrationRequest) -> pb.ReportCalibrationReply:
+        """An agent's result of a PROFILE order. Only the job's current attempt, from the VM it
+        was ordered on, is taken; anything else is answered ``accepted=False`` and ignored."""
+        now = self._clock()
+        with self._lock:
+            vm = self.store.vm(req.vm_id)
+            if vm is None:
+                raise ManagerError(grpc.StatusCode.NOT_FOUND, f"unknown VM {req.vm_id!r}; register first")
+            job = self.store.job(vm.job_id)
+            if job is None or job.terminal:
+                return pb.ReportCalibrationReply(accepted=False, message="the job is over")
+            current = (
+                job.calibration_state == "profiling"
+                and job.calibration_attempt == req.attempt
+                and job.calibration_vm == vm.vm_id
+            )
+            if not current:
+                return pb.ReportCalibrationReply(
+                    accepted=False,
+                    message=f"attempt {req.attempt} is not current (job calibration {job.calibration_state}, "
+                    f"attempt {job.calibration_attempt} on {job.calibration_vm or '-'}); ignored",
+                )
+            where = f"on {vm.vm_id} after {req.wall_s:.1f} s"
+            if not req.ok:
+                reason = (req.error or "varuna-profile failed").splitlines()[0]
+                self._calibration_failed(job, f"{reason} ({where})", vm_id=vm.vm_id, wall_s=req.wall_s)
+                return pb.ReportCalibrationReply(accepted=True, message="failure recorded")
+            try:
+                cal = Calibration.from_dict(
+                    json.loads(req.calibration_json), source=f"calibration profiled on {vm.vm_id}"
+                )
+            except (ValueError, TypeError, KeyError) as exc:  # JSONDecodeError is a ValueError
+                detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                reason = f"invalid calibration file: {detail}"
+                self._calibration_failed(job, f"{reason} ({where})", vm_id=vm.vm_id, wall_s=req.wall_s)
+                return pb.ReportCalibrationReply(accepted=True, message="invalid calibration recorded")
+            source = f"profiled on {vm.vm_id} in {req.wall_s:.1f} s"
+            self.store.update_job(
+                job.job_id,
+                calibration_json=req.calibration_json,
+                calibration_state="done",
+                calibration_source=source,
+            )
+            cache = self._cache(job)
+            cache.calibration = cal
+            cache.plans.clear()
+            self._event(
+                job.job_id,
+                "calibration-finished",
+                f"calibration {source} (attempt {req.attempt}): {cal.num_segments} segments, "
+                f"m = {', '.join(str(m) for m in cal.micro_batch_sizes)}; stored with the job",
+                vm_id=vm.vm_id,
+                data={
+                    "attempt": req.attempt,
+                    "wall_s": round(req.wall_s, 3),
+                    "num_segments": cal.num_segments,
+                    "micro_batch_sizes": list(cal.micro_batch_sizes),
+                    "bytes": len(req.calibration_json),
+                    "ordered_s": round(now - (job.calibration_started or now), 3),
+                },
+            )
+            return pb.ReportCalibrationReply(accepted=True, message="stored")
+
+    @staticmethod
+    def _calibration_state(job: JobRecord) -> str:
+        # Rows written before calibration states existed: given or none.
+        return job.calibration_state or ("given" if job.calibration_json else "none")
+
+    def _calibration_text(self, job: JobRecord, now: float) -> str:
+        """Where the job's calibration comes from, for ``status``."""
+        state = self._calibration_state(job)
+        if state == "pending":
+            return "pending: varuna-profile runs on the first usable VM"
+        if state == "profiling":
+            profile = self._cache(job).profile
+            limit = f" of at most {profile.timeout_s:g} s" if profile is not None else ""
+            elapsed = now - (job.calibration_started or now)
+            return (
+                f"profiling on {job.calibration_vm} (attempt {job.calibration_attempt}, "
+                f"{elapsed:.0f} s{limit})"
+            )
+        if state == "given":
+            return job.calibration_source or "from the job spec"
+        return job.calibration_source or state
+
+    def _profile_order(self, job: JobRecord) -> pb.ProfileOrder:
+        cache = self._cache(job)
+        profile = cache.profile
+        assert profile is not None, "a profiling job has a [profile]"
+        return pb.ProfileOrder(
+            attempt=job.calibration_attempt,
+            argv=profile.profiler_args(job_micro_batch_size=cache.spec.micro_batch_size),
+            env=dict(cache.spec.env),
+            cwd=cache.spec.workdir,
+            timeout_s=profile.timeout_s,
+        )
+
+    def _calibration_ready(self, job: JobRecord, vms: list[VMRecord], now: float) -> bool:
+        """Drive the job's calibration one step; True once the job may be planned."""
+        state = self._calibration_state(job)
+        profile = self._cache(job).profile
+        if state == "failed" and profile is not None and profile.required:
+            self._finish_job(
+                job,
+                "failed",
+                f"calibration failed and the job spec requires one (profile.required): "
+                f"{job.calibration_source}",
+            )
+            return False
+        if state in CALIBRATION_SETTLED or profile is None:
+            return True
+        if state == "pending":
+            usable = [vm for vm in vms if self._usable(vm, now, since=0.0)]
+            if not usable:
+                self._set_message(job, "waiting for a usable VM to calibrate on (varuna-profile)")
+                return False
+            self._start_calibration(job, usable[0], profile, now)
+            return False
+        # profiling
+        vm = next((v for v in vms if v.vm_id == job.calibration_vm), None)
+        if vm is None or vm.state != "up" or vm.notice:
+            what = "is gone" if vm is None or vm.state != "up" else "has an eviction notice"
+            self._calibration_lost(job, f"{job.calibration_vm} {what}")
+            return False
+        elapsed = now - (job.calibration_started or now)
+        # The agent kills the run at timeout_s and reports it; this deadline is for an agent that
+        # cannot report. After a manager restart, give agents a heartbeat timeout to report first.
+        grace = self.config.heartbeat_timeout_s
+        if elapsed > profile.timeout_s + grace and now - self.started_at > grace:
+            self._calibration_failed(
+                job,
+                f"no result from {vm.vm_id} within the profile's timeout_s = {profile.timeout_s:g} s "
+                "(raise profile.timeout_s or make the profile cheaper)",
+                vm_id=vm.vm_id,
+            )
+            return False  # the next tick plans with the fallback rule, or fails the job
+        self._set_message(
+            job, f"calibrating on {vm.vm_id}: {elapsed:.0f} s of at most {profile.timeout_s:g} s"
+        )
+        return False
+
+    def _start_calibration(self, job: JobRecord, vm: VMRecord, profile: ProfileSpec, now: float) -> None:
+        attempt = job.calibration_attempt + 1
+        self.store.update_job(
+            job.job_id,
+            calibration_state="profiling",
+            calibration_attempt=attempt,
+            calibration_vm=vm.vm_id,
+            calibration_started=now,
+        )
+        argv = profile.profiler_args(job_micro_batch_size=self._cache(job).spec.micro_batch_size)
+        self._event(
+            job.job_id,
+            "calibration-started",
+            f"calibrating on {vm.vm_id} (attempt {attempt}, timeout {profile.timeout_s:g} s): "
+            f"varuna-profile {shlex.join(argv)}",
+            vm_id=vm.vm_id,
+            data={"attempt": attempt, "argv": argv, "timeout_s": profile.timeout_s},
+        )
+        self._set_message(job, f"calibrating on {vm.vm_id}")
+
+    def _calibration_lost(self, job: JobRecord, reason: str) -> None:
+        """The VM running the profile went away: re-issue on another VM, or give up."""
+        if job.calibration_attempt >= CALIBRATION_MAX_ATTEMPTS:
+            self._calibration_failed(
+                job,
+                f"{reason} during attempt {job.calibration_attempt} of {CALIBRATION_MAX_ATTEMPTS}",
+                vm_id=job.calibration_vm,
+            )
+            return
+        self.store.update_job(job.job_id, calibration_state="pending")
+        self._event(
+            job.job_id,
+            "calibration-lost",
+            f"calibration attempt {job.calibration_attempt} lost: {reason}; re-issuing it on the next "
+            f"usable VM (at most {CALIBRATION_MAX_ATTEMPTS} attempts)",
+            vm_id=job.calibration_vm,
+            data={"attempt": job.calibration_attempt, "reason": reason},
+        )
+
+    def _calibration_failed(
+        self, job: JobRecord, reason: str, *, vm_id: str = "", wall_s: float = 0.0
+    ) -> None:
+        """Record that calibration is over without a result (never retried)."""
+        profile = self._cache(job).profile
+        required = profile is not None and profile.required
+        source = ("failed" if required else "fallback rule") + f" (calibration failed: {reason})"
+        self.store.update_job(job.job_id, calibration_state="failed", calibration_source=source)
+        self._event(
+            job.job_id,
+            "calibration-failed",
+            f"calibration failed: {reason}; "
+            + (
+                "the job spec requires one (profile.required), so the job fails"
+                if required
+                else "planning with the fallback rule instead (profile.required = true would fail the job)"
+            ),
+            vm_id=vm_id,
+            data={
+                "attempt": job.calibration_attempt,
+                "reason": reason,
+                "wall_s": round(wall_s, 3),
+                "required": required,
+            },
+        )
 
     # ------------------------------------------------------------------------------------------
     # RPCs from workers
@@ -674,13 +936,17 @@ class Manager:
         self.store.update_job(job.job_id, failed_launches=0, message="")
         previous = [g for g in self.store.generations(job.job_id) if g.generation < gen.generation]
         last_step = max((g.last_step for g in previous), default=0)
-        data = {
+        data: dict[str, Any] = {
             "P": gen.pipeline_depth,
             "D": gen.data_parallel,
             "resumed_from": req.resumed_from,
             "first_step": req.step,
             "start_s": round(now - gen.launched, 3),
         }
+        was = ""
+        if previous:
+            data["previous_P"], data["previous_D"] = previous[-1].pipeline_depth, previous[-1].data_parallel
+            was = f" (was P={previous[-1].pipeline_depth} × D={previous[-1].data_parallel})"
         if job.detection_time is not None:
             latency = now - job.detection_time
             redone = max(0, last_step - req.resumed_from)
@@ -695,7 +961,8 @@ class Manager:
             self._event(
                 job.job_id,
                 "resumed",
-                f"training resumed at step {req.step} on P={gen.pipeline_depth} × D={gen.data_parallel}: "
+                f"training resumed at step {req.step} on P={gen.pipeline_depth} × "
+                f"D={gen.data_parallel}{was}: "
                 f"morph latency {latency:.1f} s (detection → first step), {redone} step(s) redone "
                 f"(checkpoint {req.resumed_from}, previous generation reached {last_step}); "
                 f"cause: {job.detection_reason}",
@@ -863,6 +1130,9 @@ class Manager:
                 self._finish_job(job, "cancelled", "cancelled by the user")
                 return
             self._maybe_launch(job, self.store.vms(job.job_id), now)
+            job = self.store.job(job.job_id) or job
+            if job.terminal:  # e.g. a required calibration failed
+                return
         self._maintain_pool(job, self.store.vms(job.job_id), now)
 
     # -- a live generation ---------------------------------------------------------------------
@@ -970,6 +1240,17 @@ class Manager:
         extra = [vm for vm in vms if vm.vm_id not in gen.vm_ids and self._usable(vm, now, since=0.0)]
         if not extra:
             return None
+        starting = [
+            vm for vm in vms if vm.state == "requested" and now - vm.created < self.config.gather_timeout_s
+        ]
+        if starting:
+            # VMs of the same request are still booting: let them join first (at most the gather
+            # timeout), so that capacity coming back costs one morph, not one per VM.
+            self._set_message(
+                job, f"{len(extra)} new VM(s) ready, {len(starting)} still starting: grow waits"
+            )
+            return None
+        self._set_message(job, "")
         candidates = [vm for vm in vms if (vm.vm_id in gen.vm_ids and self._healthy(vm, now)) or vm in extra]
         try:
             plan = self._plan(job, [vm.slots for vm in candidates])
@@ -1081,6 +1362,9 @@ class Manager:
 
     def _maybe_launch(self, job: JobRecord, vms: list[VMRecord], now: float) -> None:
         cfg, spec = self.config, self._cache(job).spec
+        if not self._calibration_ready(job, vms, now):
+            return
+        job = self.store.job(job.job_id) or job
         last = self.store.generation(job.job_id, job.generation) if job.generation else None
         # Proof of life must postdate the moment the last generation was told to stop (or ended).
         since = (last.stop_time or last.ended or 0.0) if last is not None else 0.0
@@ -1135,21 +1419,33 @@ class Manager:
         self.store.add_generation(gen)
         self.store.update_job(job.job_id, message="")
         why = job.detection_reason or "initial launch"
+        data: dict[str, Any] = {
+            "P": plan.pipeline_depth,
+            "D": plan.data_parallel,
+            "m": gen.micro_batch_size,
+            "vms": [vm.vm_id for vm in chosen],
+            "usable": len(usable),
+            "source": plan.source,
+            "predicted_samples_per_s": plan.predicted_samples_per_s,
+            "calibration": self._calibration_text(job, now),
+            "reason": why,
+        }
+        change = ""
+        if last is not None:
+            data["previous"] = {
+                "generation": last.generation,
+                "P": last.pipeline_depth,
+                "D": last.data_parallel,
+                "vms": len(last.vm_ids),
+            }
+            change = f"P={last.pipeline_depth} × D={last.data_parallel} → "
         self._event(
             job.job_id,
             "launched",
-            f"generation {generation}: P={plan.pipeline_depth} × D={plan.data_parallel} on {len(chosen)} "
-            f"VM(s) {', '.join(vm.vm_id for vm in chosen)} [{plan.source}]; {why}",
+            f"generation {generation}: {change}P={plan.pipeline_depth} × D={plan.data_parallel} on "
+            f"{len(chosen)} VM(s) {', '.join(vm.vm_id for vm in chosen)} [{plan.source}]; {why}",
             generation=generation,
-            data={
-                "P": plan.pipeline_depth,
-                "D": plan.data_parallel,
-                "m": gen.micro_batch_size,
-                "vms": [vm.vm_id for vm in chosen],
-                "usable": len(usable),
-                "source": plan.source,
-                "predicted_samples_per_s": plan.predicted_samples_per_s,
-            },
+            data=data,
         )
 
     def _set_message(self, job: JobRecord, message: str) -> None:
@@ -1172,9 +1468,20 @@ class Manager:
         cache.create_after = now + self.config.create_retry_s  # until the result says otherwise
 
         def create() -> None:
-            new = provider.create_vms(
-                job.job_id, list(seqs), spec.procs_per_vm, created_so_far=created_so_far
-            )
+            new: list = []
+            try:
+                new = provider.create_vms(
+                    job.job_id, list(seqs), spec.procs_per_vm, created_so_far=created_so_far
+                )
+            finally:
+                # Numbers of VMs the provider did not start are given back: names stay dense
+                # while the manager keeps asking a provider that is out of capacity.
+                used = [seqs[nv.vm_id] for nv in new if nv.vm_id in seqs]
+                self.store.release_vm_seqs(
+                    job.job_id,
+                    reserved_up_to=max(seqs.values()),
+                    used_up_to=max(used, default=min(seqs.values()) - 1),
+                )
             with self._lock:
                 for nv in new:
                     if self.store.vm(nv.vm_id) is None:

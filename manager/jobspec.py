@@ -20,6 +20,14 @@ directory) receives absolute paths. Example (TOML)::
     target_steps = 40
     calibration = "calibration.json"     # optional: the simulator picks P×D from it
 
+    # ... or, instead of a calibration file: calibrate once on the job's first VM
+    # [profile]
+    # model = "examples/gpt2/profile_target.py:build"
+    # model_args = { n_layer = 4, n_embd = 32, n_head = 2, block_size = 32 }
+    # micro_batch_sizes = [2]
+    # args = ["--reps", "3"]
+    # timeout_s = 600
+
 Every problem is a ``ValueError`` with one line naming the field and the fix.
 
     >>> spec = JobSpec.from_dict({"script": "/t.py", "global_batch_size": 8, "checkpoint_dir": "/c",
@@ -37,13 +45,122 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PROVIDERS", "JobSpec", "load_jobspec", "spec_from_pb", "spec_to_pb"]
+__all__ = ["PROVIDERS", "JobSpec", "ProfileSpec", "load_jobspec", "spec_from_pb", "spec_to_pb"]
 
 #: Providers the manager knows (manager/providers/).
 PROVIDERS = ("local", "azure")
 
 # Environment variables the manager sets per worker itself: a spec may not override them.
 _RESERVED_ENV_PREFIXES = ("VARUNA_MANAGER", "VARUNA_JOB_ID", "VARUNA_VM_ID", "VARUNA_GENERATION")
+
+# varuna-profile flags that [profile] sets through its own keys (or the agent, for --out).
+_PROFILE_FLAGS_OF_KEYS = {
+    "--model": "set it with profile.model",
+    "--model-arg": "set them with profile.model_args",
+    "--micro-batch-sizes": "set them with profile.micro_batch_sizes",
+    "--out": "the agent chooses the output file",
+    "--update": "a job is calibrated from scratch",
+}
+
+#: Micro-batch sizes profiled when neither [profile] nor the job names any.
+DEFAULT_PROFILE_MICRO_BATCH_SIZES = (1, 2, 4)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileSpec:
+    """The job spec's ``[profile]`` table: how the manager calibrates the job on its first VM
+    (``varuna-profile``) when the spec carries no calibration file (docs/manager.md).
+
+        >>> p = ProfileSpec.from_dict({"model": "m.py:build", "model_args": {"n_layer": 2},
+        ...                            "args": ["--reps", "1"]})
+        >>> p.profiler_args(job_micro_batch_size=2)
+        ['--model', 'm.py:build', '--model-arg', 'n_layer=2', '--micro-batch-sizes', '2', '--reps', '1']
+    """
+
+    model: str
+    """``varuna-profile --model``: ``path/to/file.py:factory`` (resolved against the spec file's
+    directory) or ``package.module:factory``."""
+    model_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the factory (``--model-arg KEY=VALUE``, VALUE as JSON)."""
+    micro_batch_sizes: list[int] = field(default_factory=list)
+    """m values to measure; default: the job's ``micro_batch_size``, else 1, 2, 4."""
+    args: list[str] = field(default_factory=list)
+    """Further ``varuna-profile`` flags, e.g. ``["--reps", "3", "--host-emulation", "loopback"]``."""
+    timeout_s: float = 600.0
+    """The run is killed (and counts as failed) after this long."""
+    required: bool = False
+    """A failed or timed-out calibration fails the job (default: plan with the fallback rule)."""
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ProfileSpec:
+        """Validate a parsed ``[profile]`` table; ``ValueError`` (one line, with the fix)."""
+        if not isinstance(data, Mapping):
+            raise ValueError("jobspec: 'profile' must be a table/object with at least 'model'")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"jobspec: unknown profile field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        model = data.get("model")
+        where, sep, factory = str(model or "").rpartition(":")
+        if not isinstance(model, str) or not sep or not where or not factory:
+            raise ValueError(
+                "jobspec: profile.model must name the varuna-profile target as module_or_file:factory, "
+                "e.g. examples/gpt2/profile_target.py:build"
+            )
+        spec = cls(**dict(data))
+        if not isinstance(spec.model_args, dict) or not all(
+            isinstance(k, str) and k.isidentifier() for k in spec.model_args
+        ):
+            raise ValueError("jobspec: profile.model_args must map Python identifiers to values")
+        try:
+            for value in spec.model_args.values():
+                json.dumps(value)
+        except (TypeError, ValueError):
+            raise ValueError("jobspec: profile.model_args values must be JSON values") from None
+        ms = spec.micro_batch_sizes
+        if not isinstance(ms, list) or not all(
+            isinstance(m, int) and not isinstance(m, bool) and m >= 1 for m in ms
+        ):
+            raise ValueError(
+                f"jobspec: profile.micro_batch_sizes must be a list of integers >= 1, got {ms!r}"
+            )
+        if not isinstance(spec.args, list) or not all(isinstance(a, str) for a in spec.args):
+            raise ValueError("jobspec: profile.args must be a list of strings (varuna-profile flags)")
+        for arg in spec.args:
+            flag = arg.split("=", 1)[0]
+            if flag in _PROFILE_FLAGS_OF_KEYS:
+                why = _PROFILE_FLAGS_OF_KEYS[flag]
+                raise ValueError(f"jobspec: profile.args may not contain {flag}: {why}")
+        timeout = spec.timeout_s
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+            raise ValueError(f"jobspec: profile.timeout_s must be a number of seconds > 0, got {timeout!r}")
+        if not isinstance(spec.required, bool):
+            raise ValueError(f"jobspec: profile.required must be true or false, got {spec.required!r}")
+        return spec
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form (the ``[profile]`` table)."""
+        return asdict(self)
+
+    def resolved(self, base: Path) -> ProfileSpec:
+        """A copy whose model file (``file.py:factory``) is absolute against ``base``."""
+        where, _, factory = self.model.rpartition(":")
+        if where.endswith(".py") or "/" in where or os.sep in where:
+            where = str((base / os.path.expanduser(where)).resolve())
+        return ProfileSpec(**{**self.to_dict(), "model": f"{where}:{factory}"})
+
+    def profiler_args(self, *, job_micro_batch_size: int = 0) -> list[str]:
+        """``varuna-profile`` arguments of this profile, without ``--out``."""
+        ms = self.micro_batch_sizes or (
+            [job_micro_batch_size] if job_micro_batch_size else list(DEFAULT_PROFILE_MICRO_BATCH_SIZES)
+        )
+        argv = ["--model", self.model]
+        for key, value in self.model_args.items():
+            argv += ["--model-arg", f"{key}={json.dumps(value)}"]
+        argv += ["--micro-batch-sizes", ",".join(str(m) for m in ms)]
+        return argv + list(self.args)
 
 
 @dataclass(kw_only=True)
@@ -85,6 +202,9 @@ class JobSpec:
     """The job is done when its workers exit 0 having reached this step."""
     calibration: str = ""
     """Calibration file (optional): auto-config and the fail-stutter predictions use it."""
+    profile: dict[str, Any] = field(default_factory=dict)
+    """``[profile]`` (:class:`ProfileSpec`), instead of ``calibration``: the manager calibrates the
+    job with ``varuna-profile`` on its first VM. Empty (and no ``calibration``): fallback rule."""
     pipeline_depth: int = 0
     """Force P (0: choose)."""
     num_segments: int = 0
@@ -135,6 +255,17 @@ class JobSpec:
                 raise ValueError(f"jobspec: env may not set {key}: the manager sets it per worker")
         if not isinstance(self.gpu_memory_gib, (int, float)) or self.gpu_memory_gib < 0:
             raise ValueError(f"jobspec: 'gpu_memory_gib' must be a number >= 0, got {self.gpu_memory_gib!r}")
+        if not isinstance(self.calibration, str):
+            raise ValueError("jobspec: 'calibration' must be the path of a calibration file")
+        if self.profile:
+            if self.calibration:
+                raise ValueError(
+                    "jobspec: give either 'calibration' (a file) or [profile] (calibrate on the first VM), "
+                    "not both"
+                )
+            ProfileSpec.from_dict(self.profile)
+        elif not isinstance(self.profile, dict):
+            raise ValueError("jobspec: 'profile' must be a table/object with at least 'model'")
         if self.pipeline_depth and self.pipeline_depth > self.max_vms * self.procs_per_vm:
             raise ValueError(
                 f"jobspec: pipeline_depth {self.pipeline_depth} exceeds the "
@@ -186,11 +317,18 @@ class JobSpec:
         data["workdir"] = absolute(self.workdir) if self.workdir else str(base)
         data["checkpoint_dir"] = absolute(self.checkpoint_dir)
         data["calibration"] = absolute(self.calibration)
+        if self.profile:
+            data["profile"] = ProfileSpec.from_dict(self.profile).resolved(base).to_dict()
         return JobSpec(**data)
 
     @property
     def display_name(self) -> str:
         return self.name or Path(self.script).name
+
+    @property
+    def profile_spec(self) -> ProfileSpec | None:
+        """The validated ``[profile]`` table, or None when the spec has none."""
+        return ProfileSpec.from_dict(self.profile) if self.profile else None
 
 
 def _int(spec: JobSpec, name: str) -> int:
@@ -255,6 +393,7 @@ def spec_to_pb(spec: JobSpec, calibration_json: str = "") -> Any:
         num_segments=spec.num_segments,
         env=dict(spec.env),
         gpu_memory_bytes=int(spec.gpu_memory_gib * 2**30),
+        profile_json=json.dumps(spec.profile, sort_keys=True) if spec.profile else "",
     )
 
 
@@ -264,6 +403,10 @@ def spec_from_pb(msg: Any) -> JobSpec:
         options = json.loads(msg.provider_options_json) if msg.provider_options_json else {}
     except json.JSONDecodeError as exc:
         raise ValueError(f"jobspec: provider_options is not valid JSON: {exc.msg}") from None
+    try:
+        profile = json.loads(msg.profile_json) if msg.profile_json else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"jobspec: profile is not valid JSON: {exc.msg}") from None
     return JobSpec(
         name=msg.name,
         script=msg.script,
@@ -284,4 +427,5 @@ def spec_from_pb(msg: Any) -> JobSpec:
         num_segments=int(msg.num_segments),
         env=dict(msg.env),
         gpu_memory_gib=msg.gpu_memory_bytes / 2**30,
+        profile=profile,
     )

@@ -26,7 +26,11 @@ from manager.auth import TokenInterceptor, load_token, server_credentials
 from manager.controller import Manager, ManagerConfig, ManagerError
 from manager.store import Store
 
-__all__ = ["ManagerServer", "ServeConfig"]
+__all__ = ["MAX_MESSAGE_BYTES", "ManagerServer", "ServeConfig"]
+
+#: Largest request the server takes (agents keep calibration files below it:
+#: ``manager.calibrate.MAX_CALIBRATION_BYTES``).
+MAX_MESSAGE_BYTES = 16 << 20
 
 T = TypeVar("T")
 
@@ -95,6 +99,11 @@ class _Servicer(pb_grpc.VarunaManagerServicer):
     ) -> pb.VMHeartbeatReply:
         return pb.VMHeartbeatReply(orders=self._guard(context, lambda: self.m.vm_heartbeat(request)))
 
+    def ReportCalibration(
+        self, request: pb.ReportCalibrationRequest, context: grpc.ServicerContext
+    ) -> pb.ReportCalibrationReply:
+        return self._guard(context, lambda: self.m.report_calibration(request))
+
     def WorkerHeartbeat(
         self, request: pb.WorkerHeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.WorkerHeartbeatReply:
@@ -128,7 +137,11 @@ class ManagerServer:
                 max_workers=config.max_workers, thread_name_prefix="varuna-manager-rpc"
             ),
             interceptors=[TokenInterceptor(token)],
-            options=[("grpc.so_reuseport", 0)],  # a second manager on the same port must fail, not share it
+            options=[
+                ("grpc.so_reuseport", 0),  # a second manager on the same port must fail, not share it
+                # Calibration files come back in ReportCalibration (tens of KB; big models more).
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ],
         )
         self.port = 0
         self.manager: Manager | None = None

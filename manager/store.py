@@ -42,7 +42,18 @@ __all__ = [
     "WorkerStatRecord",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+# Columns added after version 1 (a version-1 file gets them with ALTER TABLE on open).
+_ADDED_COLUMNS = {
+    2: [
+        ("jobs", "calibration_state", "TEXT NOT NULL DEFAULT ''"),
+        ("jobs", "calibration_source", "TEXT NOT NULL DEFAULT ''"),
+        ("jobs", "calibration_attempt", "INTEGER NOT NULL DEFAULT 0"),
+        ("jobs", "calibration_vm", "TEXT NOT NULL DEFAULT ''"),
+        ("jobs", "calibration_started", "REAL"),
+    ],
+}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -60,7 +71,12 @@ CREATE TABLE IF NOT EXISTS jobs (
     detection_reason TEXT NOT NULL DEFAULT '',
     failed_launches INTEGER NOT NULL DEFAULT 0,
     cancel_requested INTEGER NOT NULL DEFAULT 0,
-    vm_seq INTEGER NOT NULL DEFAULT 0
+    vm_seq INTEGER NOT NULL DEFAULT 0,
+    calibration_state TEXT NOT NULL DEFAULT '',
+    calibration_source TEXT NOT NULL DEFAULT '',
+    calibration_attempt INTEGER NOT NULL DEFAULT 0,
+    calibration_vm TEXT NOT NULL DEFAULT '',
+    calibration_started REAL
 );
 CREATE TABLE IF NOT EXISTS generations (
     job_id TEXT NOT NULL,
@@ -178,6 +194,17 @@ class JobRecord:
     cancel_requested: int = 0
     vm_seq: int = 0
     """Counter for VM names."""
+    calibration_state: str = ""
+    """given | none | pending | profiling | done | failed (Note [Calibration at job start] in
+    :mod:`manager.controller`); '' in rows written before it existed."""
+    calibration_source: str = ""
+    """Where the calibration came from, for people (``status``)."""
+    calibration_attempt: int = 0
+    """The current (or last) profiling attempt; agents key their run by it."""
+    calibration_vm: str = ""
+    """The VM running (or that ran) the profiling attempt."""
+    calibration_started: float | None = None
+    """When the current attempt was ordered."""
 
     @property
     def spec(self) -> dict[str, Any]:
@@ -332,12 +359,24 @@ class Store:
             row = self._conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             if row is None:
                 self._conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            elif int(row[0]) < SCHEMA_VERSION:
+                self._migrate(int(row[0]))
             elif int(row[0]) != SCHEMA_VERSION:
                 raise ValueError(
                     f"{self.path}: state file has schema version {row[0]}, "
                     f"this manager reads {SCHEMA_VERSION};"
                     " use the matching varuna-manager or a new --db"
                 )
+
+    def _migrate(self, version: int) -> None:
+        """Bring a file of an older schema ``version`` up to date (columns only ever get added)."""
+        with self.transaction() as conn:
+            for v in range(version + 1, SCHEMA_VERSION + 1):
+                for table, column, decl in _ADDED_COLUMNS.get(v, []):
+                    have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
+                    if column not in have:
+                        conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+            conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
 
     def close(self) -> None:
         with self._lock:
@@ -379,13 +418,24 @@ class Store:
 
     # -- jobs ----------------------------------------------------------------------------------
 
-    def add_job(self, job_id: str, spec: dict[str, Any], calibration_json: str = "") -> JobRecord:
+    def add_job(
+        self, job_id: str, spec: dict[str, Any], calibration_json: str = "", **values: Any
+    ) -> JobRecord:
+        """Insert a pending job; ``values`` set further columns (e.g. ``calibration_state``)."""
         now = time.time()
+        row = {
+            "job_id": job_id,
+            "spec_json": json.dumps(spec, sort_keys=True),
+            "calibration_json": calibration_json,
+            "state": "pending",
+            "created": now,
+            "updated": now,
+            **values,
+        }
         with self.transaction() as conn:
             conn.execute(
-                "INSERT INTO jobs (job_id, spec_json, calibration_json, state, created, updated)"
-                " VALUES (?, ?, ?, 'pending', ?, ?)",
-                (job_id, json.dumps(spec, sort_keys=True), calibration_json, now, now),
+                f"INSERT INTO jobs ({', '.join(row)}) VALUES ({', '.join('?' for _ in row)})",
+                tuple(row.values()),
             )
         job = self.job(job_id)
         assert job is not None
@@ -409,6 +459,14 @@ class Store:
         with self.transaction() as conn:
             conn.execute("UPDATE jobs SET vm_seq = vm_seq + 1 WHERE job_id=?", (job_id,))
             return int(conn.execute("SELECT vm_seq FROM jobs WHERE job_id=?", (job_id,)).fetchone()[0])
+
+    def release_vm_seqs(self, job_id: str, *, reserved_up_to: int, used_up_to: int) -> None:
+        """Give back VM numbers reserved with :meth:`next_vm_seq` but not used (the provider had
+        less capacity), unless a later reservation came meanwhile: names stay dense."""
+        with self.transaction() as conn:
+            conn.execute(
+                "UPDATE jobs SET vm_seq=? WHERE job_id=? AND vm_seq=?", (used_up_to, job_id, reserved_up_to)
+            )
 
     # -- generations ---------------------------------------------------------------------------
 

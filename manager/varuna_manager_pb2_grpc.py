@@ -64,6 +64,11 @@ class VarunaManagerStub:
                 request_serializer=manager_dot_varuna__manager__pb2.VMHeartbeatRequest.SerializeToString,
                 response_deserializer=manager_dot_varuna__manager__pb2.VMHeartbeatReply.FromString,
                 _registered_method=True)
+        self.ReportCalibration = channel.unary_unary(
+                '/varuna.manager.v1.VarunaManager/ReportCalibration',
+                request_serializer=manager_dot_varuna__manager__pb2.ReportCalibrationRequest.SerializeToString,
+                response_deserializer=manager_dot_varuna__manager__pb2.ReportCalibrationReply.FromString,
+                _registered_method=True)
         self.WorkerHeartbeat = channel.unary_unary(
                 '/varuna.manager.v1.VarunaManager/WorkerHeartbeat',
                 request_serializer=manager_dot_varuna__manager__pb2.WorkerHeartbeatRequest.SerializeToString,
@@ -112,6 +117,12 @@ class VarunaManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportCalibration(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WorkerHeartbeat(self, request, context):
         """Training workers (manager/client.py WorkerReporter).
         """
@@ -151,6 +162,11 @@ def add_VarunaManagerServicer_to_server(servicer, server):
                     servicer.VMHeartbeat,
                     request_deserializer=manager_dot_varuna__manager__pb2.VMHeartbeatRequest.FromString,
                     response_serializer=manager_dot_varuna__manager__pb2.VMHeartbeatReply.SerializeToString,
+            ),
+            'ReportCalibration': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportCalibration,
+                    request_deserializer=manager_dot_varuna__manager__pb2.ReportCalibrationRequest.FromString,
+                    response_serializer=manager_dot_varuna__manager__pb2.ReportCalibrationReply.SerializeToString,
             ),
             'WorkerHeartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.WorkerHeartbeat,
@@ -320,6 +336,33 @@ class VarunaManager:
             '/varuna.manager.v1.VarunaManager/VMHeartbeat',
             manager_dot_varuna__manager__pb2.VMHeartbeatRequest.SerializeToString,
             manager_dot_varuna__manager__pb2.VMHeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportCalibration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/varuna.manager.v1.VarunaManager/ReportCalibration',
+            manager_dot_varuna__manager__pb2.ReportCalibrationRequest.SerializeToString,
+            manager_dot_varuna__manager__pb2.ReportCalibrationReply.FromString,
             options,
             channel_credentials,
             insecure,

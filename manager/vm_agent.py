@@ -25,6 +25,10 @@ for RUN this VM's workers), so a lost or repeated reply is harmless:
 - RUN g: if g is newer than anything run here, kill older workers and start g's (once);
 - STOP g: SIGCONT + SIGUSR1 to g's workers once, SIGKILL after ``stop_timeout_s``;
 - KILL g: SIGKILL g's (and older) workers; IDLE: no worker should run, kill strays;
+- PROFILE n: calibrate the job here (once per attempt n, :class:`manager.calibrate.ProfileRun`):
+  ``varuna-profile`` with the order's arguments and timeout; the file (or why there is none) goes
+  back with ``ReportCalibration``, retried until the manager answers. Any other order stops a
+  run still going (the manager no longer wants it);
 - SHUTDOWN: kill everything and exit (the VM is being deleted or the job is over).
 """
 
@@ -48,6 +52,7 @@ import grpc
 
 from manager import varuna_manager_pb2 as pb
 from manager.auth import load_token
+from manager.calibrate import ProfileRun
 from manager.client import ClientConfig, ManagerClient
 from manager.procs import find_free_port, kill_group, reap, restore_normal_priority
 from manager.scheduled_events import Notice, ScheduledEventsClient
@@ -138,6 +143,10 @@ class VMAgent:
         self._standbys: list[subprocess.Popen] = []
         self._job_env: dict[str, str] | None = None  # the last generation's environment, sans rank
         self._training_since: float | None = None  # when the manager said our generation trains
+        self._profile: ProfileRun | None = None  # the PROFILE order's run (kept once reported)
+        self._profile_reported = False
+        self._report_retrying = False
+        self._next_report = 0.0
 
     # -- life cycle ----------------------------------------------------------------------------
 
@@ -158,6 +167,7 @@ class VMAgent:
         finally:
             self._kill_all()
             self._kill_standbys()
+            self._stop_profile()
             self._client.close()
 
     def _say(self, text: str) -> None:
@@ -207,6 +217,7 @@ class VMAgent:
             self._act_on_notice()
             self._enforce_stop_deadline()
             self._maintain_standbys()
+            self._report_profile()
             state = self._state_key()
             now = time.monotonic()
             # Beat on schedule, and at once when something changed (a worker exited, a notice):
@@ -243,6 +254,14 @@ class VMAgent:
         if action == pb.Orders.SHUTDOWN:
             self._say("shutdown ordered")
             return True
+        if action == pb.Orders.PROFILE:
+            if any(w.exit_code is None for w in self._workers):
+                self._say("profile ordered: killing leftover workers")
+                self._kill_all()
+            self._start_profile(orders.profile)
+            return False
+        if self._profile is not None:
+            self._stop_profile()
         if action == pb.Orders.RUN:
             if orders.training and self._training_since is None:
                 self._training_since = time.monotonic()
@@ -437,6 +456,67 @@ class VMAgent:
                 self._say("workers did not stop in time; SIGKILL")
                 self._kill_all()
             self._stop_deadline = None
+
+    # -- calibration (PROFILE orders) ----------------------------------------------------------
+
+    def _start_profile(self, order: pb.ProfileOrder) -> None:
+        """Start the ordered run unless this attempt already runs (or ran) here."""
+        if self._profile is not None and self._profile.attempt == order.attempt:
+            return
+        self._stop_profile()
+        self._profile = ProfileRun(
+            attempt=order.attempt,
+            argv=list(order.argv),
+            env=self._worker_env(dict(order.env)),
+            cwd=order.cwd,
+            timeout_s=order.timeout_s or 600.0,
+            log_dir=self._log_dir,
+            python=self.config.python,
+        )
+        self._profile_reported = False
+        self._report_retrying = False
+        self._next_report = 0.0
+        self._say(
+            f"calibration attempt {order.attempt}: varuna-profile {' '.join(order.argv)} "
+            f"(timeout {order.timeout_s:g} s; log {self._profile.log_path})"
+        )
+
+    def _stop_profile(self) -> None:
+        if self._profile is None:
+            return
+        if self._profile.running:
+            self._say(f"calibration attempt {self._profile.attempt} no longer ordered: stopping it")
+        self._profile.kill()
+        self._profile = None
+
+    def _report_profile(self) -> None:
+        """Send a finished run's result until the manager has answered once."""
+        run = self._profile
+        if run is None or self._profile_reported or time.monotonic() < self._next_report:
+            return
+        result = run.poll()
+        if result is None:
+            return
+        request = pb.ReportCalibrationRequest(
+            vm_id=self.config.vm_id,
+            agent_instance=self.instance,
+            attempt=run.attempt,
+            ok=result.ok,
+            calibration_json=result.calibration_json,
+            error=result.error,
+            wall_s=result.wall_s,
+        )
+        try:
+            reply = self._client.report_calibration(request, timeout_s=max(5.0, 2 * self._interval))
+        except grpc.RpcError as exc:
+            self._next_report = time.monotonic() + min(1.0, self._interval)
+            if not self._report_retrying:  # once per run: the manager may be down for a while
+                self._report_retrying = True
+                self._say(f"reporting calibration attempt {run.attempt} failed ({exc.code().name}); retrying")
+            return
+        self._profile_reported = True
+        outcome = f"done in {result.wall_s:.1f} s" if result.ok else f"failed: {result.error}"
+        self._say(f"calibration attempt {run.attempt} {outcome}; manager: {reply.message}")
 
     # -- eviction notices ----------------------------------------------------------------------
 

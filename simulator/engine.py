@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from simulator.interleaved import InterleavedPolicy, interleaved_order
 from varuna.calibration import Calibration, RuntimeOverheads
 from varuna.partition import balanced_stages
-from varuna.schedule import SCHEDULE_KINDS, get_schedule
+from varuna.schedule import DEFAULT_STASH_HEADROOM, SCHEDULE_KINDS, get_schedule
 from varuna.timeline import Timeline
 
 __all__ = [
@@ -139,7 +139,7 @@ class SimConfig:
     """Seed of the jitter generator."""
     extra_latency_s: float = 0.0
     """Added to every point-to-point message (what-if studies)."""
-    stash_headroom: int = 1
+    stash_headroom: int = DEFAULT_STASH_HEADROOM
     """As ``VarunaConfig.stash_headroom``: how far past its list's stash peak a varuna stage may
     run forwards while it waits for a late gradient."""
     max_sends_per_link: int = 1

@@ -191,6 +191,8 @@ class World:
             self.store, ManagerConfig(**defaults), provider_factory=lambda *a: self.provider, clock=self.clock
         )
         self.vms: dict[str, SimVM] = {}
+        self.hold: set[str] = set()
+        """VMs created but not registering yet (still booting)."""
 
     def submit(self, **overrides) -> str:
         spec = dict(
@@ -215,7 +217,7 @@ class World:
         self._beat()
         self.mgr.tick()
         for vm_id in self.provider.created:
-            if vm_id not in self.vms:
+            if vm_id not in self.vms and vm_id not in self.hold:
                 self.vms[vm_id] = SimVM(self.mgr, vm_id, self.store.vm(vm_id).job_id)
                 self.vms[vm_id].register()
         self._beat()
@@ -396,6 +398,47 @@ def test_grow_when_new_vms_join_and_gain_is_enough(tmp_path):
     w.tick(0.1)
     w.tick(0.1)
     assert w.gen(job).data_parallel == 4
+
+
+def test_grow_waits_for_the_vms_still_starting_then_morphs_once(tmp_path):
+    provider = FakeProvider(capacity=2)
+    w = World(tmp_path, provider=provider, create_retry_s=1.0, grow_cooldown_s=1.0)
+    job = w.submit(max_vms=4, min_vms=2)
+    w.tick()
+    w.tick(0.1)
+    assert w.gen(job).data_parallel == 2
+    w.steps(job, 1, 2)
+    provider.capacity = 4
+    w.hold = {f"{job}-vm4"}  # boots slower than vm3
+    w.tick(1.5)
+    w.tick(2.0)
+    assert provider.created[2:] == [f"{job}-vm3", f"{job}-vm4"]
+    assert w.store.generation(job, 1).state == "running", "one new VM is still starting: wait for it"
+    assert "1 still starting: grow waits" in w.store.job(job).message
+    w.hold = set()
+    w.tick(0.1)
+    stops = w.event(job, "stopping")
+    assert len(stops) == 1 and "2 new VM(s)" in stops[0].message
+    w.until(lambda: w.store.job(job).generation == 2)
+    assert w.gen(job).data_parallel == 4
+    launched = w.event(job, "launched")[-1].data
+    assert launched["previous"]["D"] == 2 and launched["reason"].startswith("grow")
+
+
+def test_grow_does_not_wait_past_the_gather_timeout(tmp_path):
+    provider = FakeProvider(capacity=2)
+    w = World(tmp_path, provider=provider, create_retry_s=1.0, grow_cooldown_s=1.0, gather_timeout_s=5.0)
+    job = w.submit(max_vms=4, min_vms=2)
+    w.tick()
+    w.tick(0.1)
+    w.steps(job, 1, 2)
+    provider.capacity = 4
+    w.hold = {f"{job}-vm4"}  # never boots
+    w.tick(1.5)
+    w.tick(2.0)
+    assert w.store.generation(job, 1).state == "running"
+    w.tick(4.0)  # vm4 was requested more than the gather timeout ago: grow onto vm3 alone
+    assert "1 new VM(s)" in w.event(job, "stopping")[0].message
 
 
 def test_completion_and_cancel_delete_vms(tmp_path):

@@ -58,14 +58,14 @@ MODEL_ARGS = [
 pytestmark = pytest.mark.slow
 
 
-def _reference_loss(tmp_path: Path) -> list[float]:
+def reference_loss(tmp_path: Path, steps: int = STEPS) -> list[float]:
     """Losses of an undisturbed single-process run (P = D = 1) of the same script and data."""
     metrics = tmp_path / "reference.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     for key in ("VARUNA_CHECKPOINT_DIR", "VARUNA_RESUME", "VARUNA_MANAGER"):
         env.pop(key, None)
     subprocess.run(
-        [sys.executable, str(TRAIN), "--steps", str(STEPS), *MODEL_ARGS, "--metrics-out", str(metrics)],
+        [sys.executable, str(TRAIN), "--steps", str(steps), *MODEL_ARGS, "--metrics-out", str(metrics)],
         check=True,
         env=env,
         timeout=240,
@@ -135,7 +135,7 @@ def test_gpt_on_six_pretend_vms_survives_kills_stutter_and_a_manager_restart(tmp
         "--gather-timeout",
         "60",
     )
-    reference = _reference_loss(tmp_path)
+    reference = reference_loss(tmp_path)
     mp.start()
     job = None
     stop_bursts = threading.Event()

@@ -228,9 +228,11 @@ def test_cli_submit_status_events_cancel(server, tmp_path, capsys):
     assert cli.main(["status", job_id, *common]) == 0
     out = capsys.readouterr().out
     assert f"job {job_id}" in out and "[pending]" in out and "step 0/3" in out
+    assert "calibration none: fallback rule" in out
     assert cli.main(["status", job_id, "--json", *common]) == 0
     status = json.loads(capsys.readouterr().out)[0]
     assert status["job_id"] == job_id and status["target_steps"] == "3"
+    assert status["calibration_state"] == "none"
     assert cli.main(["cancel", job_id, *common]) == 0
     assert "cancelling" in capsys.readouterr().out
     assert cli.main(["events", job_id, "--json", *common]) == 0

@@ -44,7 +44,15 @@ from varuna.comm import Arrival, LinkReceiver, LinkSender
 from varuna.cutpoint import CutPoint, ForwardRun, SplitState, StopForward
 from varuna.loss_scale import DynamicLossScale
 from varuna.partition import balanced_stages, stage_of_segment
-from varuna.schedule import BACKWARD, FORWARD, RECOMPUTE, SCHEDULE_KINDS, Task, get_schedule
+from varuna.schedule import (
+    BACKWARD,
+    DEFAULT_STASH_HEADROOM,
+    FORWARD,
+    RECOMPUTE,
+    SCHEDULE_KINDS,
+    Task,
+    get_schedule,
+)
 from varuna.split import ModelProfile, keyed_seed, materialize_stage, profile_model
 from varuna.timeline import Timeline
 
@@ -69,7 +77,7 @@ class VarunaConfig:
     """One of varuna, gpipe, 1f1b."""
     recompute: bool = True
     """Activation recompute for gpipe/1f1b (varuna always recomputes except on its last stage)."""
-    stash_headroom: int = 1
+    stash_headroom: int = DEFAULT_STASH_HEADROOM
     """varuna schedule: while a stage waits for a late gradient it may run graph-less forwards
     until it stashes this many more inputs than its list's peak (Note [Filling the wait] in
     varuna/schedule.py). 0: never (rule 2 of the paper, strictly)."""

@@ -41,6 +41,7 @@ __all__ = [
     "RECOMPUTE",
     "BACKWARD",
     "SCHEDULE_KINDS",
+    "DEFAULT_STASH_HEADROOM",
     "Task",
     "Schedule",
     "StagePolicy",
@@ -55,6 +56,10 @@ __all__ = [
 FORWARD = "F"
 RECOMPUTE = "R"
 BACKWARD = "B"
+
+#: How many boundary inputs past its list's own peak a varuna stage may stash by running
+#: forwards while it waits for a late gradient (Note [Filling the wait]).
+DEFAULT_STASH_HEADROOM = 2
 
 #: Schedule kinds the runtime can execute. ``1f1b`` is PipeDream-Flush.
 SCHEDULE_KINDS = ("varuna", "gpipe", "1f1b")
@@ -119,7 +124,7 @@ class Schedule:
         """Micro-batches whose forward on ``stage`` runs without a graph and is recomputed."""
         return _recomputed(self.stages[stage])
 
-    def policy(self, stage: int, *, stash_headroom: int = 1) -> StagePolicy:
+    def policy(self, stage: int, *, stash_headroom: int = DEFAULT_STASH_HEADROOM) -> StagePolicy:
         """A fresh :class:`StagePolicy` for executing ``stage``'s list once."""
         return StagePolicy(
             self.stages[stage],
@@ -331,9 +336,10 @@ class StagePolicy:
     # the next one in that gap costs one more stashed boundary input, not a second set of
     # activations. It is done only when the stage would otherwise idle, so with on-time inputs
     # the executed order is still the static list. The cap keeps the stash within what the list
-    # itself needs plus ``stash_headroom`` (default 1: on the schedule benchmark's emulated
-    # network, headroom 0 -> 1 moved the simulated P=4 moderate-jitter step from 0.93 to 0.97 of
-    # ideal; more headroom gains little, see docs/benchmarks.md).
+    # itself needs plus ``stash_headroom`` (DEFAULT_STASH_HEADROOM = 2: simulating the schedule
+    # benchmark's P=4 cluster with the runtime's 0.9 ms hand-off, headroom 0 -> 1 -> 2 gives
+    # 0.95 -> 0.99 of ideal without jitter, 0.92 -> 0.96 at moderate and 0.80 -> 0.84 -> 0.86
+    # at heavy jitter; more gains little; see docs/benchmarks.md).
 
     __slots__ = (
         "tasks",
@@ -364,7 +370,7 @@ class StagePolicy:
         num_stages: int,
         opportunistic: bool = True,
         *,
-        stash_headroom: int = 1,
+        stash_headroom: int = DEFAULT_STASH_HEADROOM,
         _template: _PolicyTemplate | None = None,
     ):
         if stash_headroom < 0:

@@ -16,6 +16,11 @@ Options (the job spec's ``provider_options``):
 ``max_created``
     Spot capacity model: at most this many VMs are ever created for the job (unset: no limit),
     so a test decides whether lost VMs come back.
+``capacity_file``
+    Spot capacity that changes while the job runs: an absolute path to a file holding an integer,
+    read at every request for VMs, that takes the place of ``max_created`` (raise the number and
+    the manager's next request gets the new VMs: capacity "came back"). A missing or unreadable
+    file is a provider error (the manager logs it and retries).
 ``standby``
     Agents keep pre-imported standby workers for the next generation (default true; see Note
     [Standby] in :mod:`manager.vm_agent`), started ``standby_delay_s`` (1) after a generation's first step,
@@ -39,7 +44,7 @@ from manager.procs import alive, process_start_time, reap, terminate_group
 from manager.providers import NewVM, ProviderContext
 from manager.store import VMRecord
 
-__all__ = ["LocalProvider", "LocalProviderOptions"]
+__all__ = ["LocalProvider", "LocalProviderOptions", "read_capacity"]
 
 #: SIGTERM → SIGKILL grace when deleting a pretend VM (the agent kills its workers on SIGTERM).
 DELETE_GRACE_S = 3.0
@@ -52,6 +57,7 @@ class LocalProviderOptions:
     metadata_url: str | None = None
     approve_notices: bool = False
     max_created: int | None = None
+    capacity_file: str | None = None
     standby: bool = True
     standby_delay_s: float = 1.0
     standby_priority: str = "idle"
@@ -76,11 +82,32 @@ class LocalProviderOptions:
             raise ValueError(
                 f"provider_options.max_created must be an integer >= 0, got {opts.max_created!r}"
             )
+        if opts.capacity_file is not None and (
+            not isinstance(opts.capacity_file, str) or not os.path.isabs(opts.capacity_file)
+        ):
+            raise ValueError(
+                f"provider_options.capacity_file must be an absolute path, got {opts.capacity_file!r}"
+            )
         if opts.standby_priority not in ("idle", "normal"):
             raise ValueError(
                 f"provider_options.standby_priority must be idle or normal, got {opts.standby_priority!r}"
             )
         return opts
+
+
+def read_capacity(path: str) -> int:
+    """The VM count in a ``capacity_file``; ``RuntimeError`` (one line) when it has none."""
+    try:
+        text = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise RuntimeError(f"capacity_file {path}: {exc.strerror or exc}; write a VM count into it") from None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise RuntimeError(f"capacity_file {path} holds {text[:40]!r}, not a VM count >= 0; write one")
+    return value
 
 
 class LocalProvider:
@@ -99,8 +126,11 @@ class LocalProvider:
         self, job_id: str, names: Sequence[str], slots: int, *, created_so_far: int
     ) -> list[NewVM]:
         count = len(names)
-        if self.options.max_created is not None:
-            count = max(0, min(count, self.options.max_created - created_so_far))
+        limit = self.options.max_created
+        if self.options.capacity_file:
+            limit = read_capacity(self.options.capacity_file)
+        if limit is not None:
+            count = max(0, min(count, limit - created_so_far))
         out: list[NewVM] = []
         for vm_id in names[:count]:
             vm_dir = Path(self.context.state_dir) / job_id / vm_id
