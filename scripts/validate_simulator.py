@@ -96,7 +96,7 @@ CALIBRATION_STAGE_FWD_S = BLOCKS_PER_STAGE * BLOCK_FWD_S
 CALIBRATION_MICROBATCHES = 6
 
 #: Configuration whose real and simulated timelines are drawn (``--gantt-dir``).
-GANTT_LABEL = "4x1 varuna Nm=8 moderate"
+GANTT_LABEL = os.environ.get("VALIDATE_GANTT", "4x1 varuna Nm=8 moderate")
 
 
 def netem_string(level: str) -> str | None:

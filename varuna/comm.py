@@ -173,7 +173,20 @@ class LinkSender:
             self._wait_oldest()
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Drop the record of outstanding sends (the process group's teardown cancels them)."""
+        """Give outstanding sends up to ``timeout_s`` in all to complete (their tensors must stay
+        alive until then), then forget them; a peer that is gone does not hold up shutdown."""
+        deadline = time.monotonic() + timeout_s
+        while self._pending:
+            works = self._pending[0][0]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                for w in works:
+                    w.wait(timedelta(seconds=left))
+            except Exception:  # the peer is gone or the group is torn down: nothing to save
+                break
+            self._pending.popleft()
         self._pending.clear()
 
 
