@@ -142,11 +142,6 @@ class LinkSender:
         ops += [dist.P2POp(dist.isend, t, self.peer, self.group) for t in payload]
         self._pending.append((dist.batch_isend_irecv(ops), header, payload, time.monotonic()))
 
-    @property
-    def pending(self) -> int:
-        """Messages issued and not yet known to be complete."""
-        return len(self._pending)
-
     def _reap(self) -> None:
         pending = self._pending
         while pending and all(w.is_completed() for w in pending[0][0]):
@@ -164,7 +159,7 @@ class LinkSender:
             except Exception as e:
                 raise RuntimeError(
                     f"{self.name}: a send to rank {self.peer} did not complete within "
-                    f"{self.timeout_s:.0f}s ({e}); the peer is stuck or gone"
+                    f"{self.timeout_s:g}s ({e}); the peer is stuck or gone"
                 ) from e
 
     def flush(self) -> None:
