@@ -182,9 +182,17 @@ def default_configs() -> list[ValConfig]:
 
 
 def quick_configs() -> list[ValConfig]:
-    """Two small configurations in one 2-process world (the smoke test)."""
+    """Two small configurations in one 2-process world (the smoke test).
+
+    The varuna one has Nm = 3 = 3·(P−1): every forward fits before the first recompute, so no
+    forward can fill a gradient wait. With Nm = 4, F3 sits after the recompute pairs, and whether
+    it fills the wait after R1 turns on a gradient landing a fraction of a millisecond before or
+    after R1 ends (docs/simulator.md, Validation, Finding 7): the real step is 0.34 s or 0.38 s and
+    the simulator, given constants measured a little differently in each run, may take the other
+    branch -- a property of that configuration, not something a smoke test should hinge on.
+    """
     return [
-        ValConfig(num_stages=2, num_replicas=1, schedule="varuna", num_microbatches=4, level="none"),
+        ValConfig(num_stages=2, num_replicas=1, schedule="varuna", num_microbatches=3, level="none"),
         ValConfig(num_stages=2, num_replicas=1, schedule="gpipe", num_microbatches=4, level="moderate"),
     ]
 
