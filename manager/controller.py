@@ -1268,27 +1268,23 @@ class Manager:
         return None
 
     def _begin_stop(self, job: JobRecord, gen: GenerationRecord, reason: str, now: float) -> None:
-        self.store.update_generation(
-            job.job_id, gen.generation, state="stopping", stop_reason=reason, stop_time=now
-        )
-        self.store.update_job(job.job_id, state="stopping")
-        self._event(
-            job.job_id,
-            "stopping",
-            f"generation {gen.generation}: graceful stop (SIGUSR1: checkpoint and exit): {reason}",
-            generation=gen.generation,
-            data={"reason": reason},
-        )
+        self._begin_ending(job, gen, "stopping", "graceful stop (SIGUSR1: checkpoint and exit)", reason, now)
 
     def _begin_kill(self, job: JobRecord, gen: GenerationRecord, reason: str, now: float) -> None:
+        self._begin_ending(job, gen, "killing", "SIGKILL to its workers", reason, now)
+
+    def _begin_ending(
+        self, job: JobRecord, gen: GenerationRecord, state: str, how: str, reason: str, now: float
+    ) -> None:
+        """Mark ``gen`` as ending (``state`` "stopping" or "killing", also the event's kind)."""
         self.store.update_generation(
-            job.job_id, gen.generation, state="killing", stop_reason=reason, stop_time=now
+            job.job_id, gen.generation, state=state, stop_reason=reason, stop_time=now
         )
         self.store.update_job(job.job_id, state="stopping")
         self._event(
             job.job_id,
-            "killing",
-            f"generation {gen.generation}: SIGKILL to its workers: {reason}",
+            state,
+            f"generation {gen.generation}: {how}: {reason}",
             generation=gen.generation,
             data={"reason": reason},
         )
