@@ -141,7 +141,7 @@ class SimConfig:
     """Added to every point-to-point message (what-if studies)."""
     stash_headroom: int = DEFAULT_STASH_HEADROOM
     """As ``VarunaConfig.stash_headroom``: how far past its list's stash peak a varuna stage may
-    run forwards while it waits for a late gradient."""
+    run graph-less forwards out of list order."""
     max_sends_per_link: int = 1
     """Messages one directed link serializes at once (each at full bandwidth); more wait, FIFO."""
     allreduce: bool = True

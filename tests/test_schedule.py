@@ -168,6 +168,40 @@ def test_a_late_gradient_wait_is_filled_with_a_graphless_forward_within_the_stas
     assert format_tasks(strict.executed) == "F0 F1 F2 F3 F4 F5 R0"
 
 
+def test_early_gradients_make_the_stage_feed_its_drained_successor_first():
+    # Stage 2 of 4, Nm=8: F0 F1 F2 R0 B0 R1 B1 R2 B2 F3 F4 F5 R3 ... (peak stash 3). With on-time
+    # inputs three micro-batches are downstream when R0 runs. If gradients 0-2 are all back
+    # already, the last stage has nothing left to do, so the next forward goes out first.
+    sched = get_schedule("varuna", 4, 8)
+    assert format_tasks(sched.stages[2][:10]) == "F0 F1 F2 R0 B0 R1 B1 R2 B2 F3"
+
+    def first_tasks(headroom, early_grads, opportunistic=True):
+        p = StagePolicy(sched.stages[2], 2, 4, opportunistic=opportunistic, stash_headroom=headroom)
+        for i in range(8):
+            p.arrived("F", i)
+        for _ in range(3):
+            p.complete(p.next_task())
+        for i in range(early_grads):
+            p.arrived("B", i)
+        order = []
+        while (t := p.next_task()) is not None and len(order) < 3:
+            order.append(t)
+            p.complete(t)
+            if t.op == "R":
+                p.arrived("B", t.microbatch)  # idempotent for the early ones
+        return format_tasks(order)
+
+    assert first_tasks(1, early_grads=3) == "F3 R0 B0"  # fed, then the cap (3 + 1) stops it
+    assert first_tasks(2, early_grads=3) == "F3 F4 R0"
+    # Still two downstream before R0 (one early gradient): one short of the plan's three.
+    assert first_tasks(2, early_grads=1) == "F3 R0 B0"
+    # Without headroom it may only refill up to the list's own peak: after B0.
+    assert first_tasks(0, early_grads=3) == "R0 B0 F3"
+    # Negative controls: gradients on time (none early), a strict policy.
+    assert first_tasks(2, early_grads=0) == "R0 B0 R1"
+    assert first_tasks(2, early_grads=3, opportunistic=False) == "R0 B0 R1"
+
+
 def test_policy_rejects_inputs_outside_its_list():
     p = get_schedule("varuna", 2, 3).policy(0)
     with pytest.raises(ValueError, match="micro-batch 5 arrived"):

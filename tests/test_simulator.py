@@ -397,7 +397,7 @@ class _ScanPolicy:
             opportunistic,
         )
         self.headroom = headroom
-        self.fills = 0
+        self.fills = self.feeds = 0
         self.done, self.act, self.grad = set(), set(), set()
         self.recomputed = {t.microbatch for t in self.tasks if t.op == RECOMPUTE}
         self.awaiting_b, self.next_f = None, 0
@@ -422,29 +422,44 @@ class _ScanPolicy:
             if self.ready(b):
                 return b
             # Filling the wait: the next forward, if it keeps no graph and the stash has room.
-            f = Task(FORWARD, self.next_f)
-            live = sum(t.op == FORWARD for t in self.done) - sum(t.op == BACKWARD for t in self.done)
-            if (
-                self.opportunistic
-                and f in self.tasks
-                and self.ready(f)
-                and self.next_f in self.recomputed
-                and live < peak_stashed(self.tasks) + self.headroom
-            ):
+            if self._graphless_forward_fits():
                 self.fills += 1
-                return f
+                return Task(FORWARD, self.next_f)
             return None
         rest = [t for t in self.tasks if t not in self.done]
         if not rest:
             return None
         if self.ready(rest[0]):
-            return rest[0]
+            return self._feed(rest[0])
         if not self.opportunistic:
             return None
         for t in rest[1:]:
             if self.ready(t) and not (t.op == RECOMPUTE and t.microbatch not in self.grad):
-                return t
+                return self._feed(t)
         return None
+
+    def _graphless_forward_fits(self):
+        f = Task(FORWARD, self.next_f)
+        live = sum(t.op == FORWARD for t in self.done) - sum(t.op == BACKWARD for t in self.done)
+        return (
+            self.opportunistic
+            and f in self.tasks
+            and self.ready(f)
+            and self.next_f in self.recomputed
+            and live < peak_stashed(self.tasks) + self.headroom
+        )
+
+    def _feed(self, t):
+        # Keeping the next stage fed: fewer micro-batches downstream than the list has at R_i.
+        if t.op != RECOMPUTE or self.stage == self.num_stages - 1:
+            return t
+        listed_before = self.tasks[: self.tasks.index(t)]
+        planned = sum(u.op == FORWARD for u in listed_before) - t.microbatch
+        downstream = self.next_f - len(self.grad)
+        if downstream < planned and self._graphless_forward_fits():
+            self.feeds += 1
+            return Task(FORWARD, self.next_f)
+        return t
 
     def complete(self, t):
         self.done.add(t)
@@ -457,7 +472,7 @@ class _ScanPolicy:
 @pytest.mark.parametrize("kind", ["varuna", "gpipe", "1f1b"])
 def test_stage_policy_matches_reference_scan(kind):
     rng = random.Random(1234)
-    fills = 0
+    fills = feeds = 0
     for trial in range(60):
         P, N = rng.randint(1, 6), rng.randint(1, 14)
         sched = get_schedule(kind, P, N, rng.random() < 0.5)
@@ -481,8 +496,10 @@ def test_stage_policy_matches_reference_scan(kind):
                 break
         assert fast.finished == (len(ref.done) == len(ref.tasks))
         fills += ref.fills
-    # The random arrivals exercise the wait-filling forward (opportunistic lists only).
+        feeds += ref.feeds
+    # The random arrivals exercise both out-of-list forwards (opportunistic lists only).
     assert (fills > 0) == (kind == "varuna")
+    assert (feeds > 0) == (kind == "varuna")
 
 
 # -- auto-configuration ------------------------------------------------------------------------

@@ -78,9 +78,10 @@ class VarunaConfig:
     recompute: bool = True
     """Activation recompute for gpipe/1f1b (varuna always recomputes except on its last stage)."""
     stash_headroom: int = DEFAULT_STASH_HEADROOM
-    """varuna schedule: while a stage waits for a late gradient it may run graph-less forwards
-    until it stashes this many more inputs than its list's peak (Note [Filling the wait] in
-    varuna/schedule.py). 0: never (rule 2 of the paper, strictly)."""
+    """varuna schedule: how many more boundary inputs than its list's peak a stage may stash by
+    running graph-less forwards out of list order -- while it waits for a late gradient, or to
+    feed a next stage that ran dry (Notes [Filling the wait] and [Keeping the next stage fed] in
+    varuna/schedule.py). 0: only within the list's own peak."""
     seed: int = 0
     """Keys dropout masks (with step, micro-batch and segment) and parameter init."""
     precision: str = "fp32"

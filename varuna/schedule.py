@@ -58,8 +58,8 @@ RECOMPUTE = "R"
 BACKWARD = "B"
 
 #: How many boundary inputs past its list's own peak a varuna stage may stash by running
-#: forwards while it waits for a late gradient (Note [Filling the wait]).
-DEFAULT_STASH_HEADROOM = 2
+#: forwards out of list order (Notes [Filling the wait] and [Keeping the next stage fed]).
+DEFAULT_STASH_HEADROOM = 4
 
 #: Schedule kinds the runtime can execute. ``1f1b`` is PipeDream-Flush.
 SCHEDULE_KINDS = ("varuna", "gpipe", "1f1b")
@@ -309,10 +309,11 @@ class StagePolicy:
     list order runs instead, except an R whose gradient has not arrived (it would block the
     stage under rule 2) and forwards out of micro-batch order. Rule (2) holds for everything
     that keeps a graph: after R_i, no other R or B and no graph-keeping forward runs before B_i.
-    While the stage waits for B_i's gradient, an opportunistic policy may run the next forward
-    if it keeps no graph (it only stashes its input) and fewer than ``peak + stash_headroom``
-    inputs are stashed, ``peak`` being the list's own :func:`peak_stashed` (Note [Filling the
-    wait]).
+    An opportunistic policy may also run the next forward early if it keeps no graph (it only
+    stashes its input) and fewer than ``peak + stash_headroom`` inputs are stashed, ``peak``
+    being the list's own :func:`peak_stashed`: while the stage waits for B_i's gradient (Note
+    [Filling the wait]), and in place of an R when fewer of its micro-batches are still
+    downstream than the list plans at that R (Note [Keeping the next stage fed]).
 
     >>> p = StagePolicy([Task("F", 0), Task("B", 0)], stage=1, num_stages=2)
     >>> p.next_task() is None  # activation 0 has not arrived
@@ -336,10 +337,26 @@ class StagePolicy:
     # the next one in that gap costs one more stashed boundary input, not a second set of
     # activations. It is done only when the stage would otherwise idle, so with on-time inputs
     # the executed order is still the static list. The cap keeps the stash within what the list
-    # itself needs plus ``stash_headroom`` (DEFAULT_STASH_HEADROOM = 2: simulating the schedule
-    # benchmark's P=4 cluster with the runtime's 0.9 ms hand-off, headroom 0 -> 1 -> 2 gives
-    # 0.95 -> 0.99 of ideal without jitter, 0.92 -> 0.96 at moderate and 0.80 -> 0.84 -> 0.86
-    # at heavy jitter; more gains little; see docs/benchmarks.md).
+    # itself needs plus ``stash_headroom`` (simulating the schedule benchmark's P=4 cluster with
+    # the runtime's 0.9 ms hand-off, headroom 0 -> 1 -> 2 gives 0.95 -> 0.99 of ideal without
+    # jitter, 0.92 -> 0.96 at moderate and 0.80 -> 0.84 -> 0.86 at heavy jitter; with the rule
+    # of the next Note, 2 -> 4 gives 0.875 -> 0.881 at heavy and more gains little, hence
+    # DEFAULT_STASH_HEADROOM = 4; see docs/benchmarks.md).
+    #
+    # Note [Keeping the next stage fed]: the lists send forwards in blocks (stage P-2: three
+    # forwards, three R/B pairs, three forwards, ...) timed so that, at unit costs and instant
+    # links, the next stage's inputs run out just as the next block arrives. When the
+    # gradients come back *early* relative to that plan (typically after this stage itself was
+    # held up by a slow link), the next stage has drained its inputs and idles through the
+    # whole R/B block. So where the list would run R_i, the policy counts this stage's
+    # micro-batches still downstream (forwards done minus gradients arrived) and, if that is
+    # below what the list has at that point with on-time inputs (forwards listed before R_i
+    # minus i), runs the next graph-less forward first, within the same stash cap. On-time
+    # inputs never trigger it (the counts are equal), so the executed order is still the
+    # static list; late gradients do not trigger it either (more are downstream, not fewer).
+    # Simulating the schedule benchmark's cluster at heavy jitter (2 ms + Exp(10 ms) per
+    # message), this rule with headroom 4 gives 0.859 -> 0.881 of ideal at P=4, 0.748 -> 0.770
+    # at P=8, and leaves none/moderate unchanged (docs/benchmarks.md, Finding 6).
 
     __slots__ = (
         "tasks",
@@ -361,6 +378,8 @@ class StagePolicy:
         "_extra_done",
         "_ndone",
         "_cand",
+        "_plan",
+        "_ngrad",
     )
 
     def __init__(
@@ -385,6 +404,8 @@ class StagePolicy:
         tpl = _template if _template is not None else _PolicyTemplate.of(self.tasks)
         self._pos = tpl.pos  # shared, read-only
         self._rec = tpl.recomputed  # shared, read-only
+        self._plan = tpl.planned_downstream  # shared, read-only
+        self._ngrad = 0  # gradients arrived
         self._st = bytearray(tpl.num_microbatches)
         self._last = stage == num_stages - 1
         self._cap = tpl.peak + stash_headroom
@@ -436,7 +457,10 @@ class StagePolicy:
         if kind == FORWARD:
             st[microbatch] |= _A
             return
-        s = st[microbatch] | _G
+        s = st[microbatch]
+        if not s & _G:
+            self._ngrad += 1
+        s |= _G
         st[microbatch] = s
         if s & (_F | _B) == _F:
             self._cand.add(microbatch)
@@ -492,7 +516,7 @@ class StagePolicy:
                 return first
         elif op == RECOMPUTE:
             if s & _F:
-                return first
+                return self._feed_first(first)
         elif s & _F and (s & _R or not self._rec[i]) and (self._last or s & _G):
             return first
         if not self.opportunistic:
@@ -515,7 +539,29 @@ class StagePolicy:
             p = pos[j + 2]  # B_i: F_i done, R_i done if listed, gradient here (or last stage)
             if 0 <= p < best and not done_pos[p] and (s & _R or not rec[i]):
                 best = p
-        return tasks[best] if best < n else None
+        if best == n:
+            return None
+        task = tasks[best]
+        return self._feed_first(task) if task.op == RECOMPUTE else task
+
+    def _feed_first(self, r: Task) -> Task:
+        """``r`` (an R the list would run now), or the next forward in its place: Note [Keeping
+        the next stage fed]."""
+        i = self._next_f
+        st = self._st
+        if (
+            self.opportunistic
+            and not self._last
+            and i < len(st)
+            and i - self._ngrad < self._plan[r.microbatch]
+            and self._live < self._cap
+            and self._rec[i]
+            and (self.stage == 0 or st[i] & _A)
+        ):
+            p = self._pos[3 * i]
+            if p >= 0 and not self._done_pos[p]:
+                return self.tasks[p]
+        return r
 
     def complete(self, task: Task) -> None:
         i, op = task.microbatch, task.op
@@ -571,6 +617,9 @@ class _PolicyTemplate:
     num_microbatches: int
     peak: int
     """peak_stashed(list)."""
+    planned_downstream: list[int]
+    """planned_downstream[i]: forwards listed before R_i minus i -- the micro-batches still
+    downstream when R_i runs with on-time inputs (0 where R_i is not listed)."""
 
     @classmethod
     def of(cls, tasks: Sequence[Task]) -> _PolicyTemplate:
@@ -590,4 +639,11 @@ class _PolicyTemplate:
             rec[i] = 1
         step = {FORWARD: 1, RECOMPUTE: 0, BACKWARD: -1}
         peak = max(itertools.accumulate(map(step.__getitem__, ops), initial=0))
-        return cls(pos, bytes(rec), n, peak)
+        plan = [0] * n
+        nf = 0
+        for i, op in zip(mbs, ops):
+            if op == FORWARD:
+                nf += 1
+            elif op == RECOMPUTE:
+                plan[i] = nf - i
+        return cls(pos, bytes(rec), n, peak, plan)
