@@ -2,9 +2,9 @@
 
 **Point-to-point** (Act/Grad, intra/inter): two ranks ``a`` (the earlier stage) and ``b`` (the
 later one) set up exactly what two neighbouring stages of the engine own — per direction a
-two-rank process group, a :class:`varuna.comm.LinkSender` thread on the sending side and a
+two-rank process group, a :class:`varuna.comm.LinkSender` on the sending side and a
 :class:`varuna.comm.LinkReceiver` thread on the receiving side — and send messages in the
-engine's wire format (one ``batch_isend_irecv`` of an int64 header and the payload). The time of a
+engine's wire format (one contiguous message: an int64 header, then the payload). The time of a
 message is from the sender's ``send()`` call (the compute loop handing it off) to the moment the
 receiver's main thread takes the arrival from its inbox: what a stage waiting for its input sees.
 Messages are paced (the receiver acknowledges each one on the reverse link before the next is

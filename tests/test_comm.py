@@ -1,20 +1,23 @@
-"""The thread-less LinkSender's bookkeeping: reaping, bounded waits, clear errors.
+"""Point-to-point links: the thread-less LinkSender's bookkeeping (reaping, bounded waits,
+clear errors) and the wire format (one contiguous message, Note [One send per message]).
 
-The sends themselves are exercised by every multi-process engine test; here the requests are
-stand-ins with the two methods the sender uses (``is_completed``, ``wait``), so the timeouts can
-be checked without a peer.
+For the bookkeeping the requests are stand-ins with the two methods the sender uses
+(``is_completed``, ``wait``), so the timeouts can be checked without a peer; the wire format is
+checked in-process and between two real gloo ranks.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from datetime import timedelta
 
 import pytest
 import torch
+from distributed import ROOT, check_ok, run_world
 
-from varuna.comm import LinkSender
+from varuna.comm import LinkSender, pack_message, unpack_message
 
 
 class _Work:
@@ -40,7 +43,7 @@ def _sender(timeout_s: float) -> LinkSender:
 
 
 def _issue(sender: LinkSender, work: _Work, age_s: float = 0.0) -> None:
-    sender._pending.append(([work], None, [], time.monotonic() - age_s))
+    sender._pending.append(([work], (), time.monotonic() - age_s))
 
 
 def test_completed_sends_are_reaped_in_order_and_a_failed_one_raises():
@@ -84,3 +87,49 @@ def test_close_waits_for_outstanding_sends_but_is_bounded():
     t0 = time.monotonic()
     s.close(timeout_s=0.2)
     assert time.monotonic() - t0 < 2.0 and not s._pending
+
+
+# -- wire format: one contiguous message per (micro-batch, tensors) ---------------------------
+
+
+def test_pack_unpack_round_trip_keeps_dtype_shape_and_bits():
+    tensors = (
+        torch.randn(3, 5),
+        torch.arange(7),
+        torch.tensor([True, False]),
+        torch.randn(()).to(torch.bfloat16),
+        torch.empty(0, 4),
+        torch.randn(4, 6).t(),  # not contiguous
+    )
+    msg = pack_message(11, tensors, torch.device("cpu"))
+    assert msg.dtype == torch.uint8 and msg.dim() == 1
+    mb, out = unpack_message(msg)
+    assert mb == 11 and len(out) == len(tensors)
+    for x, y in zip(out, tensors):
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+        assert x.data_ptr() % 64 == 0
+    with pytest.raises(ValueError, match="at most 6"):
+        pack_message(0, tuple(torch.zeros(1) for _ in range(7)), torch.device("cpu"))
+
+
+def test_unpack_rejects_a_message_whose_size_disagrees_with_its_header():
+    msg = pack_message(0, (torch.randn(4, 16),), torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="disagree on the wire format"):
+        unpack_message(torch.cat([msg, torch.zeros(64, dtype=torch.uint8)]))
+    with pytest.raises(RuntimeError, match="corrupt message header"):
+        unpack_message(torch.zeros_like(msg))
+
+
+@pytest.mark.slow
+def test_two_ranks_exchange_changing_shapes_with_one_send_per_steady_message():
+    results = run_world(ROOT / "tests" / "workers" / "comm_worker.py", 2, [], timeout_s=120)
+    check_ok(results)
+    out = {}
+    for r in results:
+        line = json.loads(r.stdout.strip().splitlines()[-1])
+        out[line["rank"]] = line
+    assert out[1]["received"] == list(range(10))
+    # A send per message, plus a resize announcement exactly where the size changes: the first
+    # message, the short one (4), back to full size (5), the mixed one (6), the empty one (7),
+    # back to full size (8). The (8, 8) message has the (4, 16) size: no announcement.
+    assert out[0]["sends"] == [2, 1, 1, 1, 2, 2, 2, 2, 2, 1]

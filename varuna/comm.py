@@ -7,12 +7,19 @@ issues a send's asynchronous ``isend``\ s itself and never blocks on a send (com
 reaped later, Note [Sender without a thread]); it reads arrivals from a single inbox queue
 filled by the receiver threads.
 
-Wire format: every message is a batch (one ``batch_isend_irecv`` call, i.e. one logical
-message for the network emulation) of an int64 header followed by the payload tensors. The
-header carries the micro-batch index and each tensor's dtype and shape, so shapes may differ
-between micro-batches (last micro-batch, variable sequence length). Receivers post receives
-only for the number of messages expected in the current step, so no receive is left pending
-between steps and every wait has a timeout.
+Wire format: every message is one contiguous byte tensor, sent with one ``isend``: an int64
+header, then the payload tensors' bytes (each at a 64-byte aligned offset, so the receiver's
+views of them are aligned too). The header carries the micro-batch index and each tensor's
+dtype and shape, so shapes may differ between micro-batches (last micro-batch, variable
+sequence length). Note [One send per message]: a receive must be posted with the exact size
+of the message, so both ends of a link remember the size of the last message; a message of a
+different size is preceded, in the same batch (one logical message for the network
+emulation), by a *resize* message of the old size that announces the new one. Steady-state
+traffic (same shapes every micro-batch) costs one send per message -- the header used to be a
+send of its own, and each ``isend`` costs the compute thread 0.1-0.5 ms on a busy host
+(docs/benchmarks.md, Finding 7). Receivers post receives only for the number of messages
+expected in the current step, so no receive is left pending between steps and every wait has a
+timeout.
 """
 
 from __future__ import annotations
@@ -27,10 +34,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["Arrival", "LinkSender", "LinkReceiver", "HEADER_LEN"]
+__all__ = ["Arrival", "LinkSender", "LinkReceiver", "HEADER_LEN", "pack_message", "unpack_message"]
 
 HEADER_LEN = 64
+"""int64 words in a message's header."""
+HEADER_BYTES = HEADER_LEN * 8
+_FIELDS = 4  # kind, micro-batch, number of tensors, message bytes
 _MAX_DIMS = 8
+_MAX_TENSORS = (HEADER_LEN - _FIELDS) // (2 + _MAX_DIMS)
+_ALIGN = 64
+_DATA, _RESIZE = 1, 2
 _DTYPES = [
     torch.float32,
     torch.float16,
@@ -45,6 +58,8 @@ _DTYPES = [
 ]
 _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
 
+Spec = tuple[torch.dtype, tuple[int, ...]]
+
 
 @dataclass
 class Arrival:
@@ -55,31 +70,84 @@ class Arrival:
     tensors: tuple[torch.Tensor, ...]
 
 
-def encode_header(microbatch: int, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    if 2 + len(tensors) * (2 + _MAX_DIMS) > HEADER_LEN:
-        raise ValueError(f"too many tensors cross one cut-point ({len(tensors)}); at most 6 are supported")
-    vals = [microbatch, len(tensors)]
-    for t in tensors:
-        if t.dim() > _MAX_DIMS:
+def message_layout(specs: list[Spec]) -> tuple[list[int], int]:
+    """Byte offsets of each payload tensor in a message, and the message's size."""
+    offsets, end = [], HEADER_BYTES
+    for dtype, shape in specs:
+        offsets.append(end)
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+        end = -(-(end + n) // _ALIGN) * _ALIGN
+    return offsets, end
+
+
+def encode_header(kind: int, microbatch: int, specs: list[Spec], nbytes: int) -> torch.Tensor:
+    if len(specs) > _MAX_TENSORS:
+        raise ValueError(
+            f"too many tensors cross one cut-point ({len(specs)}); at most {_MAX_TENSORS} are supported"
+        )
+    vals = [kind, microbatch, len(specs), nbytes]
+    for dtype, shape in specs:
+        if len(shape) > _MAX_DIMS:
             raise ValueError(
-                f"a tensor crossing a cut-point has {t.dim()} dims; at most {_MAX_DIMS} are supported"
+                f"a tensor crossing a cut-point has {len(shape)} dims; at most {_MAX_DIMS} are supported"
             )
-        if t.dtype not in _DTYPE_CODE:
-            raise ValueError(f"dtype {t.dtype} cannot cross a cut-point")
-        vals += [_DTYPE_CODE[t.dtype], t.dim(), *t.shape, *([0] * (_MAX_DIMS - t.dim()))]
+        if dtype not in _DTYPE_CODE:
+            raise ValueError(f"dtype {dtype} cannot cross a cut-point")
+        vals += [_DTYPE_CODE[dtype], len(shape), *shape, *([0] * (_MAX_DIMS - len(shape)))]
     vals += [0] * (HEADER_LEN - len(vals))
     return torch.tensor(vals, dtype=torch.int64)  # one op: per-element writes cost ~0.3 ms
 
 
-def decode_header(h: torch.Tensor) -> tuple[int, list[tuple[torch.dtype, tuple[int, ...]]]]:
-    vals = h.tolist()
-    mb, n = vals[0], vals[1]
-    specs, pos = [], 2
+def decode_header(h: torch.Tensor) -> tuple[int, int, list[Spec], int]:
+    """(kind, micro-batch, specs, message bytes) of a header (int64, or its bytes)."""
+    vals = (h.view(torch.int64) if h.dtype == torch.uint8 else h).tolist()
+    kind, mb, n, nbytes = vals[:_FIELDS]
+    if kind not in (_DATA, _RESIZE) or not 0 <= n <= _MAX_TENSORS:
+        raise RuntimeError(f"corrupt message header (kind {kind}, {n} tensors); both ends must run "
+                           "the same varuna version")
+    specs, pos = [], _FIELDS
     for _ in range(n):
         dtype, nd = _DTYPES[vals[pos]], vals[pos + 1]
         specs.append((dtype, tuple(vals[pos + 2 : pos + 2 + nd])))
         pos += 2 + _MAX_DIMS
-    return mb, specs
+    return kind, mb, specs, nbytes
+
+
+def pack_message(microbatch: int, tensors: tuple[torch.Tensor, ...], device: torch.device) -> torch.Tensor:
+    """One byte tensor on ``device``: the header, then each tensor's bytes (Note [One send per
+    message])."""
+    specs = [(t.dtype, tuple(t.shape)) for t in tensors]
+    offsets, nbytes = message_layout(specs)
+    msg = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    msg[:HEADER_BYTES].copy_(encode_header(_DATA, microbatch, specs, nbytes).view(torch.uint8))
+    for t, off in zip(tensors, offsets):
+        n = t.numel() * t.element_size()
+        msg[off : off + n].view(t.dtype).view(t.shape).copy_(t)
+    return msg
+
+
+def unpack_message(msg: torch.Tensor) -> tuple[int, tuple[torch.Tensor, ...]]:
+    """(micro-batch, tensors) of a data message; the tensors are views of ``msg``."""
+    kind, mb, specs, nbytes = decode_header(msg[:HEADER_BYTES])
+    if kind != _DATA or nbytes != msg.numel():
+        raise RuntimeError(f"message of {msg.numel()} bytes has a header for kind {kind} of {nbytes} "
+                           "bytes; sender and receiver disagree on the wire format")
+    offsets, _ = message_layout(specs)
+    out = []
+    for (dtype, shape), off in zip(specs, offsets):
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+        out.append(msg[off : off + n].view(dtype).view(shape))
+    return mb, tuple(out)
+
+
+def _resize_message(old_nbytes: int, new_nbytes: int, device: torch.device) -> torch.Tensor:
+    msg = torch.zeros(old_nbytes, dtype=torch.uint8, device=device)
+    msg[:HEADER_BYTES].copy_(encode_header(_RESIZE, -1, [], new_nbytes).view(torch.uint8))
+    return msg
 
 
 class _Worker:
@@ -132,26 +200,33 @@ class LinkSender:
         self.name, self.peer, self.group, self.device = name, peer, group, device
         self.timeout = timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
-        self._pending: collections.deque = collections.deque()  # (works, header, payload, issued)
+        self._pending: collections.deque = collections.deque()  # (works, tensors, issued)
+        self._peer_expects = HEADER_BYTES  # the size the receiver posts next (Note [One send per message])
 
     def send(self, microbatch: int, tensors: tuple[torch.Tensor, ...]) -> None:
         self._reap()
-        header = encode_header(microbatch, tensors).to(self.device)
-        payload = [t.contiguous() for t in tensors]
-        ops = [dist.P2POp(dist.isend, header, self.peer, self.group)]
-        ops += [dist.P2POp(dist.isend, t, self.peer, self.group) for t in payload]
-        self._pending.append((dist.batch_isend_irecv(ops), header, payload, time.monotonic()))
+        msg = pack_message(microbatch, tensors, self.device)
+        if msg.numel() == self._peer_expects:
+            ops = [dist.P2POp(dist.isend, msg, self.peer, self.group)]
+            held = (msg,)
+        else:  # Note [One send per message]: announce the new size first
+            resize = _resize_message(self._peer_expects, msg.numel(), self.device)
+            ops = [dist.P2POp(dist.isend, resize, self.peer, self.group),
+                   dist.P2POp(dist.isend, msg, self.peer, self.group)]
+            held = (resize, msg)
+            self._peer_expects = msg.numel()
+        self._pending.append((dist.batch_isend_irecv(ops), held, time.monotonic()))
 
     def _reap(self) -> None:
         pending = self._pending
         while pending and all(w.is_completed() for w in pending[0][0]):
             for w in pending.popleft()[0]:
                 w.wait(self.timeout)  # returns at once; raises if the send failed
-        if pending and time.monotonic() - pending[0][3] > self.timeout_s:
+        if pending and time.monotonic() - pending[0][2] > self.timeout_s:
             self._wait_oldest()  # raises after the remaining part of the timeout
 
     def _wait_oldest(self) -> None:
-        works, _header, _payload, issued = self._pending.popleft()
+        works, _tensors, issued = self._pending.popleft()
         for w in works:
             left = max(0.001, self.timeout_s - (time.monotonic() - issued))
             try:
@@ -199,6 +274,7 @@ class LinkReceiver(_Worker):
         timeout_s: float,
     ):
         self.kind, self.peer, self.group, self.device = kind, peer, group, device
+        self._expected = HEADER_BYTES  # size of the next message (Note [One send per message])
         super().__init__(name, inbox, timeout_s)
 
     def expect(self, count: int) -> None:
@@ -208,11 +284,14 @@ class LinkReceiver(_Worker):
 
     def _handle(self, count: int) -> None:
         for _ in range(count):
-            header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-            dist.irecv(header, self.peer, self.group).wait(self.timeout)
-            mb, specs = decode_header(header)
-            bufs = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in specs]
-            works = [dist.irecv(b, self.peer, self.group) for b in bufs]
-            for w in works:
-                w.wait(self.timeout)
-            self.inbox.put(Arrival(self.kind, mb, tuple(bufs)))
+            msg = self._recv(self._expected)
+            if decode_header(msg[:HEADER_BYTES])[0] == _RESIZE:  # Note [One send per message]
+                self._expected = decode_header(msg[:HEADER_BYTES])[3]
+                msg = self._recv(self._expected)
+            mb, tensors = unpack_message(msg)
+            self.inbox.put(Arrival(self.kind, mb, tensors))
+
+    def _recv(self, nbytes: int) -> torch.Tensor:
+        msg = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        dist.irecv(msg, self.peer, self.group).wait(self.timeout)
+        return msg
