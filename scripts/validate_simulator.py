@@ -57,7 +57,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -328,14 +328,24 @@ class RuntimeConstants:
     (producer's task end → consumer's task start), no network emulation (Note [Hand-off])."""
     handoff_netem_s: float
     """The same under the network emulator, without the emulated delay (Note [Hand-off])."""
+    handoff_jitter_s: float = 0.0
+    """Spread of that hand-off: its trimmed mean minus its 10th percentile, simulated as
+    exponential jitter of this mean on top of the rest (Note [Hand-off])."""
     probe_handoff_s: float
     """One-way time through the comm threads in the isolated probe (diagnostic)."""
     task_overhead_s: float
-    """Engine time per F, R or B task beyond its segments (Note [Task costs])."""
+    """Engine time per F, R or B task beyond its segments: the least of the three ops' (Note
+    [Task costs]); → ``SimConfig.task_overhead_s``."""
+    op_overhead_s: dict[str, float] = field(default_factory=dict)
+    """What each op's task costs beyond ``task_overhead_s`` (F and B send a message, R does
+    not); the simulator gets it inside the segments' costs."""
     segment_overhead_s: float
     """Time per segment executed by a task beyond its block's nominal sleep (Note [Task costs])."""
     placeholder_s: float
     """F and R time per segment before the stage (Note [Task costs])."""
+    task_jitter_s: float = 0.0
+    """Spread of a single task's duration around its (run, stage, op) mean: the residuals'
+    trimmed mean minus their 10th percentile (→ ``SimConfig.task_jitter_s``, Note [Hand-off])."""
     step_overhead_s: float
     """Per mini-batch: step set-up before the first task, and from the end of the gradient
     all-reduce to the return of ``train_step`` (norms, agreement all-reduce, optimizer)."""
@@ -348,7 +358,8 @@ class RuntimeConstants:
     def task_s(self, op: str, segments: int, first_segment: int) -> float:
         """Overhead of one task of a stage of ``segments`` segments starting at ``first_segment``."""
         glue = self.placeholder_s * first_segment if op in ("F", "R") else 0.0
-        return self.task_overhead_s + self.segment_overhead_s * segments + glue
+        return (self.task_overhead_s + self.op_overhead_s.get(op, 0.0) + self.segment_overhead_s * segments
+                + glue)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -358,15 +369,19 @@ class RuntimeConstants:
 # calibration runs (W×1 pipelines of 1- and 3-block stages, CALIBRATION_BLOCKS) and fitted per
 # (run, stage, op) cell mean by least squares:
 #
-#     task − nominal = t + s·b + p·first_segment·[op ∈ {F, R}]
+#     task − nominal = t_op + s·b + p·first_segment·[op ∈ {F, R}]
 #
-# t: the executor's work per task (dispatch, RNG re-seeding, slicing, queueing the send, the
-# timeline); s: per segment executed (the block's sleep overshoot — the time an emulated device
-# needs to wake a sleeping process on a loaded host —, its autograd node, the CutPoint); p: per
+# t_op: the executor's work per task of that op (dispatch, RNG re-seeding, slicing, the
+# timeline; F and B also pack and send a message, R does not, ~0.3-0.5 ms apart on this host:
+# with one t for all three the simulator had recomputes ending late and gradients arriving
+# early, which decides the sub-millisecond forks of Finding 7 in docs/simulator.md); s: per
+# segment executed (the block's sleep overshoot — the time an emulated device needs to wake a
+# sleeping process on a loaded host —, its autograd node, the CutPoint); p: per
 # segment BEFORE the stage, which F and R pass through as placeholders (every stage runs the
 # user's forward from the start, Note [Placeholders] in varuna/split.py). The simulator gets s
-# inside the calibration's segment costs (a profiler timing a segment would include it), t as
-# SimConfig.task_overhead_s and p as SimConfig.placeholder_s.
+# inside the calibration's segment costs (a profiler timing a segment would include it), the
+# least t_op as SimConfig.task_overhead_s, each op's excess over it inside that op's segment
+# costs, and p as SimConfig.placeholder_s.
 
 
 # Note [Hand-off]: the simulator's link latency for the emulated cluster is the runtime's own
@@ -379,6 +394,18 @@ class RuntimeConstants:
 # 0.1-0.2 ms above it once the compute thread issued them. It is kept for the network emulator's
 # own extra cost: handoff_netem = handoff + (probe under a 1 ms latency-only emulation − 1 ms −
 # probe without emulation).
+#
+# The hand-off and the tasks also vary (a thread wake-up, a sleep's overshoot on a loaded host):
+# both spreads are measured (trimmed mean − 10th percentile: hand-off 0.1-0.3 ms, a task
+# 0.25-0.3 ms around its (run, stage, op) mean) and printed. They matter only where the policy
+# forks on sub-millisecond timing (docs/simulator.md, Finding 7: a gradient landing just before
+# or just after a recompute ends). ``--spread`` simulates them as independent exponential noise
+# (link jitter and SimConfig.task_jitter_s) over 25 seeds; measured in one run, that turns the
+# forks into mixtures but with too many slow steps (4x2 varuna Nm=4 none: 16 of 25 simulated
+# draws slow, 0 of 8 real steps; +5.9% against −0.4% without the noise), since real variations
+# are not independent (a loaded core slows a process's tasks and its sends alike). So by
+# default the simulator gets the means only; what had put its forks on the wrong branch was a
+# bias, not missing noise: one task overhead for all ops (Note [Task costs]).
 
 
 def _lstsq(rows: list[list[float]], y: list[float]) -> list[float]:
@@ -398,23 +425,33 @@ def _lstsq(rows: list[list[float]], y: list[float]) -> list[float]:
     return [a[i][k] / a[i][i] for i in range(k)]
 
 
-def fit_task_costs(cells: dict[tuple[int, int, str], list[float]]) -> tuple[float, float, float, float]:
-    """(t, s, p, rms residual) of Note [Task costs] from overhead samples keyed by (blocks per
-    stage, stage, op). Terms that come out negative are dropped (set to 0) and the rest refitted.
+_OPS = ("F", "R", "B")
 
-    >>> cells = {(b, k, op): [0.5e-3 + 0.4e-3 * b + (0.1e-3 * b * k if op != "B" else 0.0)]
+
+def fit_task_costs(
+    cells: dict[tuple[int, int, str], list[float]],
+) -> tuple[dict[str, float], float, float, float]:
+    """({op: t_op}, s, p, rms residual) of Note [Task costs] from overhead samples keyed by
+    (blocks per stage, stage, op). Terms that come out negative are dropped (set to 0) and the
+    rest refitted.
+
+    >>> cells = {(b, k, op): [0.5e-3 + 0.4e-3 * b + (0.1e-3 * b * k if op != "B" else 0.0)
+    ...                       + (0.2e-3 if op == "F" else 0.0)]
     ...          for b in (1, 3) for k in range(4) for op in "FRB"}
-    >>> [round(x * 1e3, 3) for x in fit_task_costs(cells)]
-    [0.5, 0.4, 0.1, 0.0]
+    >>> t, s, p, rms = fit_task_costs(cells)
+    >>> {op: round(v * 1e3, 3) for op, v in t.items()}, round(s * 1e3, 3), round(p * 1e3, 3)
+    ({'F': 0.7, 'R': 0.5, 'B': 0.5}, 0.4, 0.1)
     """
     keys = sorted(cells)
     y = [trimmed_mean(cells[key]) for key in keys]
-    full = [[1.0, float(b), float(b * k) if op in ("F", "R") else 0.0] for b, k, op in keys]
-    use = [True, True, True]
+    full = [[float(op == o) for o in _OPS] + [float(b), float(b * k) if op in ("F", "R") else 0.0]
+            for b, k, op in keys]
+    n = len(full[0])
+    use = [True] * n
     while True:
-        cols = [i for i in range(3) if use[i]]
+        cols = [i for i in range(n) if use[i]]
         sol = _lstsq([[r[i] for i in cols] for r in full], y)
-        coef = [0.0, 0.0, 0.0]
+        coef = [0.0] * n
         for i, v in zip(cols, sol):
             coef[i] = v
         neg = [i for i in cols if coef[i] < 0]
@@ -422,8 +459,8 @@ def fit_task_costs(cells: dict[tuple[int, int, str], list[float]]) -> tuple[floa
             break
         use[min(neg, key=lambda i: coef[i])] = False
     coef = [max(0.0, v) for v in coef]
-    res = [v - (coef[0] * r[0] + coef[1] * r[1] + coef[2] * r[2]) for r, v in zip(full, y)]
-    return coef[0], coef[1], coef[2], (sum(x * x for x in res) / len(res)) ** 0.5
+    res = [v - sum(c * x for c, x in zip(coef, r)) for r, v in zip(full, y)]
+    return dict(zip(_OPS, coef[:3])), coef[3], coef[4], (sum(x * x for x in res) / len(res)) ** 0.5
 
 
 def runtime_constants(ranks: Sequence[dict], rounds: Sequence[int] | None = None) -> RuntimeConstants:
@@ -461,15 +498,22 @@ def runtime_constants(ranks: Sequence[dict], rounds: Sequence[int] | None = None
                     for op, xs in task_overheads(s["events"], CALIBRATION_STAGE_FWD_S).items():
                         if xs:
                             cells.setdefault((blocks, stage, op), []).extend(xs)
-    t, seg, ph, rms = fit_task_costs(cells)
+    t_op, seg, ph, rms = fit_task_costs(cells)
+    t = min(t_op.values())
+    residuals = sorted(x - statistics.fmean(xs) for xs in cells.values() for x in xs)
+    task_jitter = trimmed_mean(residuals) - residuals[len(residuals) // 10] if residuals else 0.0
     handoff = trimmed_mean(hops)
+    p10 = sorted(hops)[len(hops) // 10] if hops else handoff
     return RuntimeConstants(
         handoff_s=handoff,
+        handoff_jitter_s=max(0.0, handoff - p10),
         handoff_netem_s=handoff + max(0.0, trimmed_mean(probed) - trimmed_mean(plain)),
         probe_handoff_s=trimmed_mean(plain),
         task_overhead_s=t,
+        op_overhead_s={op: v - t for op, v in t_op.items()},
         segment_overhead_s=seg,
         placeholder_s=ph,
+        task_jitter_s=max(0.0, task_jitter),
         step_overhead_s=statistics.median(step_extra),
         allreduce_s=statistics.median(ar_times) if ar_times else 0.0,
         fit_rms_s=rms,
@@ -493,14 +537,15 @@ def build_calibration(num_stages: int, level: str, rc: RuntimeConstants):
     from varuna.calibration import AllReduceModel, Calibration, ComputeStat, LinkModel
 
     spec = LEVELS[level]
+    # The link model's latency_s is the MEAN delay: the emulator's fixed latency, its mean
+    # exponential jitter, and the runtime's own hand-off; the simulator draws the jitter as
+    # Exp(jitter_s) on top of latency_s − jitter_s: the emulator's distribution, plus the
+    # hand-off's own spread (Note [Hand-off]; a sum of two exponentials drawn as one).
     if spec is None:
-        latency, jitter = rc.handoff_s, 0.0
+        latency, jitter = rc.handoff_s, rc.handoff_jitter_s
     else:
         lat, jit = spec
-        # The link model's latency_s is the MEAN delay: the emulator's fixed latency, its mean
-        # exponential jitter, and the runtime's own hand-off; the simulator draws the jitter as
-        # Exp(jitter_s) on top of latency_s − jitter_s, i.e. the emulator's distribution.
-        latency, jitter = lat + jit + rc.handoff_netem_s, jit
+        latency, jitter = lat + jit + rc.handoff_netem_s, jit + rc.handoff_jitter_s
     link = LinkModel(latency_s=latency, bandwidth_bytes_per_s=1e12, jitter_s=jitter)
     param_bytes = 2 * WIDTH * 4  # scale and bias, float32
     cal = Calibration.synthetic(
@@ -517,12 +562,15 @@ def build_calibration(num_stages: int, level: str, rc: RuntimeConstants):
         model_name="emulated-blocks",
     )
     # Segment costs as a profiler timing one block through the runtime would see them: the
-    # nominal sleep plus the measured per-segment overhead (Note [Task costs]).
+    # nominal sleep plus the measured per-segment overhead (Note [Task costs]), plus each op's
+    # share of what its task costs beyond the cheapest op's (every validated stage has
+    # BLOCKS_PER_STAGE segments).
     seg = rc.segment_overhead_s
+    extra = {op: rc.op_overhead_s.get(op, 0.0) / BLOCKS_PER_STAGE for op in _OPS}
     for s in cal.segments:
-        s.fwd_s = [ComputeStat(median=BLOCK_FWD_S + seg)]
-        s.recompute_s = [ComputeStat(median=BLOCK_FWD_S + seg)]
-        s.bwd_s = [ComputeStat(median=2 * BLOCK_FWD_S + seg)]
+        s.fwd_s = [ComputeStat(median=BLOCK_FWD_S + seg + extra["F"])]
+        s.recompute_s = [ComputeStat(median=BLOCK_FWD_S + seg + extra["R"])]
+        s.bwd_s = [ComputeStat(median=2 * BLOCK_FWD_S + seg + extra["B"])]
     return cal
 
 
@@ -545,17 +593,19 @@ def sim_config(c: ValConfig, rc: RuntimeConstants, seed: int = 0):
         task_overhead_s=rc.task_overhead_s,
         placeholder_s=rc.placeholder_s,
         step_overhead_s=rc.step_overhead_s,
+        task_jitter_s=rc.task_jitter_s,
     )
 
 
 def simulate_config(c: ValConfig, rc: RuntimeConstants, seeds: int = 25, *, stat=statistics.mean) -> float:
-    """Simulated mini-batch time: with jitter, the mean over ``seeds`` jitter draws (the real
-    time is a mean over steps, each with its own draws; Note [Means, not medians]); without,
-    one deterministic run. ``stat=statistics.median`` gives the median instead."""
+    """Simulated mini-batch time: the mean over ``seeds`` jitter draws (the real time is a mean
+    over steps, each with its own draws; Note [Means, not medians]); without any jitter (no
+    emulation and a constant hand-off), one deterministic run. ``stat=statistics.median`` gives
+    the median instead."""
     from simulator.engine import simulate
 
     cal = build_calibration(c.num_stages, c.level, rc)
-    n = seeds if LEVELS[c.level] is not None else 1
+    n = seeds if LEVELS[c.level] is not None or rc.handoff_jitter_s > 0 or rc.task_jitter_s > 0 else 1
     return stat([simulate(cal, sim_config(c, rc, seed=s)).minibatch_s for s in range(n)])
 
 
@@ -965,10 +1015,15 @@ def disturbed(events: Sequence[Sequence], stage_fwd_s: float = BLOCKS_PER_STAGE 
                for _, _, op, _, start, end in events if op in ("F", "R", "B"))
 
 
-def analyze_run(c: ValConfig, ranks: Sequence[dict], attempt: int = 0) -> Row:
-    """Real (median over the undisturbed timed steps) and simulated time of ``c`` in one world."""
+def analyze_run(c: ValConfig, ranks: Sequence[dict], attempt: int = 0, *, spread: bool = False) -> Row:
+    """Real (median over the undisturbed timed steps) and simulated time of ``c`` in one world.
+
+    ``spread``: simulate the measured spreads of the hand-off and of task durations as
+    independent exponential noise (Note [Hand-off]); otherwise they are only reported."""
     run = ranks[0]["runs"][c.label]
     rc = runtime_constants(ranks, run["bench_rounds"])
+    if not spread:
+        rc = replace(rc, handoff_jitter_s=0.0, task_jitter_s=0.0)
     every = step_times(ranks, c.label, c.num_stages)
     events = [[e for r in ranks for e in r["runs"][c.label]["steps"][i]["events"]] for i in range(len(every))]
     clean = [i for i, evs in enumerate(events) if not disturbed(evs)]
@@ -997,11 +1052,12 @@ def print_table(rows: Sequence[Row], constants: dict[int, RuntimeConstants]) -> 
     """The table, the error summary and the measured constants (all rounds of each world)."""
     print()
     print("runtime constants per world, all micro-benchmark rounds (ms; Note [Task costs]: t, s, p):")
-    print(f"  {'W':>2} {'hand-off':>9} {'+netem':>7} {'probe':>6} {'task t':>7} {'seg s':>6} {'ph p':>6} "
-          f"{'fit rms':>8} {'step':>6} {'AR(2)':>6}")
+    print(f"  {'W':>2} {'hand-off':>9} {'spread':>7} {'+netem':>7} {'probe':>6} {'task t':>7} {'spread':>7} "
+          f"{'seg s':>6} {'ph p':>6} {'fit rms':>8} {'step':>6} {'AR(2)':>6}")
     for w, rc in sorted(constants.items()):
-        print(f"  {w:>2} {rc.handoff_s * 1e3:>9.2f} {rc.handoff_netem_s * 1e3:>7.2f} "
-              f"{rc.probe_handoff_s * 1e3:>6.2f} {rc.task_overhead_s * 1e3:>7.2f} "
+        print(f"  {w:>2} {rc.handoff_s * 1e3:>9.2f} {rc.handoff_jitter_s * 1e3:>7.2f} "
+              f"{rc.handoff_netem_s * 1e3:>7.2f} {rc.probe_handoff_s * 1e3:>6.2f} "
+              f"{rc.task_overhead_s * 1e3:>7.2f} {rc.task_jitter_s * 1e3:>7.2f} "
               f"{rc.segment_overhead_s * 1e3:>6.2f} {rc.placeholder_s * 1e3:>6.3f} "
               f"{rc.fit_rms_s * 1e3:>8.2f} {rc.step_overhead_s * 1e3:>6.2f} {rc.allreduce_s * 1e3:>6.2f}")
     print()
@@ -1076,6 +1132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="re-runs of configurations with too many disturbed steps (Note [Disturbed steps])")
     p.add_argument("--priority", choices=("rr", "nice", "normal"), default="rr",
                    help="CPU priority of the workers: SCHED_RR (default), niceness -10, or unchanged")
+    p.add_argument("--spread", action="store_true",
+                   help="simulate the measured hand-off and task-time spreads as noise (Note [Hand-off])")
     p.add_argument("--work-dir", type=Path,
                    help="keep the workers' raw measurements here (default: a temporary directory)")
     p.add_argument("--_worker", help=argparse.SUPPRESS)
@@ -1116,7 +1174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ranks = run_world(spec, a.timeout)
                 constants.setdefault(w, runtime_constants(ranks))
                 for c in cs:
-                    row = analyze_run(c, ranks, attempt)
+                    row = analyze_run(c, ranks, attempt, spread=a.spread)
                     prev = best.get(c.label)
                     if prev is None or row.clean_steps >= prev.clean_steps:
                         best[c.label] = row

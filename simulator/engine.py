@@ -158,6 +158,11 @@ class SimConfig:
     the user's forward from the start, and each earlier segment's modules return placeholders
     (Note [Placeholders] in varuna/split.py) -- cheap, but not free. None: from the calibration,
     as ``task_overhead_s``."""
+    task_jitter_s: float = 0.0
+    """Run-to-run spread of a task's duration (sleep overshoot, a descheduled thread): each F, R
+    and B lasts its cost − j + Exp(mean j), j = min(task_jitter_s, cost), so its mean is
+    unchanged. 0: every task takes exactly its cost. Like link jitter it only matters where the
+    policy forks on sub-millisecond timing (docs/simulator.md, Finding 7); seeded by ``seed``."""
     step_overhead_s: float | None = None
     """Runtime time added once per mini-batch beyond compute, all-reduce and optimizer: step
     set-up and the end-of-step agreement all-reduce (norm, overflow, loss) over every rank.
@@ -314,6 +319,8 @@ def _validate(cal: Calibration, c: SimConfig) -> tuple[tuple[int, int], ...]:
         raise ValueError("max_sends_per_link must be >= 1")
     if c.jitter_scale < 0:
         raise ValueError("jitter_scale must be >= 0")
+    if not c.task_jitter_s >= 0:
+        raise ValueError(f"task_jitter_s must be >= 0 seconds, got {c.task_jitter_s}")
     for name in ("task_overhead_s", "placeholder_s", "step_overhead_s"):
         value = getattr(c, name)
         if value is not None and not value >= 0:
@@ -438,7 +445,8 @@ def simulate(cal: Calibration, config: SimConfig, *, record: bool = False) -> Si
     sigma_intra = cal.intra.jitter_s * c.jitter_scale
     lat_inter = max(0.0, cal.inter.latency_s + c.extra_latency_s - sigma_inter)
     lat_intra = max(0.0, cal.intra.latency_s + c.extra_latency_s - sigma_intra)
-    jitter = sigma_inter > 0 or sigma_intra > 0
+    task_jitter = c.task_jitter_s
+    jitter = sigma_inter > 0 or sigma_intra > 0 or task_jitter > 0
 
     # -- which replicas to simulate ------------------------------------------------------------
     # Replicas interact only through the all-reduce, which starts after the slowest one. Without
@@ -564,6 +572,9 @@ def simulate(cal: Calibration, config: SimConfig, *, record: bool = False) -> Si
             i = task.microbatch
             dur = (dur_short if i == short_mb[idx] else dur_m)[idx]
             dur = dur[task.chunk][op] if interleaved else dur[op]
+            if task_jitter > 0.0:
+                j = task_jitter if task_jitter < dur else dur
+                dur -= j + j * log(1.0 - uniform())  # cost - j + Exponential(mean j)
             if op == "F":
                 lv = live[idx] + 1
                 live[idx] = lv

@@ -49,10 +49,12 @@ def test_default_configs_cover_every_factor_pair_within_budget():
 
 def test_fit_task_costs_recovers_terms_and_drops_negative_ones():
     v = _load()
-    cells = {(b, k, op): [0.3e-3 + 0.5e-3 * b + (0.05e-3 * b * k if op != "B" else 0.0)]
+    per_op = {"F": 0.6e-3, "R": 0.3e-3, "B": 0.5e-3}  # F and B send a message, R does not
+    cells = {(b, k, op): [per_op[op] + 0.5e-3 * b + (0.05e-3 * b * k if op != "B" else 0.0)]
              for b in (1, 3) for k in range(8) for op in "FRB"}
     t, s, p, rms = v.fit_task_costs(cells)
-    assert (t, s, p) == pytest.approx((0.3e-3, 0.5e-3, 0.05e-3), abs=1e-9)
+    assert t == pytest.approx(per_op, abs=1e-9)
+    assert (s, p) == pytest.approx((0.5e-3, 0.05e-3), abs=1e-9)
     assert rms < 1e-9
     # Costs that fall with the stage index would need p < 0: the term is dropped, not negative.
     cells = {(b, k, op): [1e-3 * b - (1e-5 * k if op != "B" else 0.0)]

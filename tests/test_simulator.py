@@ -203,6 +203,25 @@ def test_simulator_and_hand_driven_policy_agree_under_jitter():
     assert deviated, "jitter this large should make some stage leave its static list"
 
 
+def test_task_jitter_keeps_mean_task_cost_and_is_seeded():
+    cal = _uniform(4)
+    base = dict(num_stages=4, micro_batch_size=1, num_microbatches=8, allreduce=False, optimizer=False)
+    exact = simulate(cal, SimConfig(**base))
+    assert simulate(cal, SimConfig(**base, task_jitter_s=0.0)).minibatch_s == exact.minibatch_s
+    runs = [simulate(cal, SimConfig(**base, task_jitter_s=0.002, seed=s)) for s in range(40)]
+    # Every task's duration is cost - j + Exp(j): busy time per stage keeps its mean ...
+    for k in range(4):
+        mean_busy = sum(r.stage_busy_s[k] for r in runs) / len(runs)
+        assert mean_busy == pytest.approx(exact.stage_busy_s[k], rel=0.02)
+    # ... but not its value in any one run.
+    assert len({r.stage_busy_s[0] for r in runs}) == len(runs)
+    assert len({r.minibatch_s for r in runs}) > 1
+    again = simulate(cal, SimConfig(**base, task_jitter_s=0.002, seed=3))
+    assert again.minibatch_s == runs[3].minibatch_s and again.executed == runs[3].executed
+    with pytest.raises(ValueError, match="task_jitter_s"):
+        simulate(cal, SimConfig(**base, task_jitter_s=-1.0))
+
+
 def test_jitter_is_seeded():
     cal = _uniform(
         8,

@@ -380,6 +380,7 @@ class StagePolicy:
         "_cand",
         "_plan",
         "_ngrad",
+        "_feeds",
     )
 
     def __init__(
@@ -406,6 +407,7 @@ class StagePolicy:
         self._rec = tpl.recomputed  # shared, read-only
         self._plan = tpl.planned_downstream  # shared, read-only
         self._ngrad = 0  # gradients arrived
+        self._feeds = opportunistic and stage != num_stages - 1  # Note [Keeping the next stage fed]
         self._st = bytearray(tpl.num_microbatches)
         self._last = stage == num_stages - 1
         self._cap = tpl.peak + stash_headroom
@@ -516,7 +518,10 @@ class StagePolicy:
                 return first
         elif op == RECOMPUTE:
             if s & _F:
-                return self._feed_first(first)
+                # Note [Keeping the next stage fed]; the cheap test inline (hot path).
+                if self._next_f - self._ngrad < self._plan[i] and self._feeds:
+                    return self._feed_first(first)
+                return first
         elif s & _F and (s & _R or not self._rec[i]) and (self._last or s & _G):
             return first
         if not self.opportunistic:
@@ -542,22 +547,18 @@ class StagePolicy:
         if best == n:
             return None
         task = tasks[best]
-        return self._feed_first(task) if task.op == RECOMPUTE else task
+        if task.op == RECOMPUTE and self._next_f - self._ngrad < self._plan[task.microbatch] and self._feeds:
+            return self._feed_first(task)
+        return task
 
     def _feed_first(self, r: Task) -> Task:
         """``r`` (an R the list would run now), or the next forward in its place: Note [Keeping
         the next stage fed]."""
         i = self._next_f
+        if i - self._ngrad >= self._plan[r.microbatch] or self._live >= self._cap or not self._feeds:
+            return r
         st = self._st
-        if (
-            self.opportunistic
-            and not self._last
-            and i < len(st)
-            and i - self._ngrad < self._plan[r.microbatch]
-            and self._live < self._cap
-            and self._rec[i]
-            and (self.stage == 0 or st[i] & _A)
-        ):
+        if i < len(st) and self._rec[i] and (self.stage == 0 or st[i] & _A):
             p = self._pos[3 * i]
             if p >= 0 and not self._done_pos[p]:
                 return self.tasks[p]
