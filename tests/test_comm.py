@@ -17,7 +17,7 @@ import pytest
 import torch
 from distributed import ROOT, check_ok, run_world
 
-from varuna.comm import LinkSender, pack_message, unpack_message
+from varuna.comm import HEADER_BYTES, LinkSender, pack_message, unpack_message
 
 
 class _Work:
@@ -112,12 +112,20 @@ def test_pack_unpack_round_trip_keeps_dtype_shape_and_bits():
         pack_message(0, tuple(torch.zeros(1) for _ in range(7)), torch.device("cpu"))
 
 
-def test_unpack_rejects_a_message_whose_size_disagrees_with_its_header():
-    msg = pack_message(0, (torch.randn(4, 16),), torch.device("cpu"))
+def test_padded_messages_unpack_and_short_or_corrupt_ones_are_rejected():
+    x = torch.randn(4, 16)
+    msg = pack_message(0, (x,), torch.device("cpu"))
+    padded = pack_message(0, (x,), torch.device("cpu"), size=msg.numel() + 256)
+    assert padded.numel() == msg.numel() + 256 and not padded[msg.numel():].any()  # zeroed padding
+    assert torch.equal(unpack_message(padded)[1][0], x)
     with pytest.raises(RuntimeError, match="disagree on the wire format"):
-        unpack_message(torch.cat([msg, torch.zeros(64, dtype=torch.uint8)]))
+        unpack_message(msg[:-64].clone())
     with pytest.raises(RuntimeError, match="corrupt message header"):
         unpack_message(torch.zeros_like(msg))
+    bad = msg.clone()
+    bad[:HEADER_BYTES].view(torch.int64)[4] = -1  # dtype code of the first tensor
+    with pytest.raises(RuntimeError, match="dtype code -1"):
+        unpack_message(bad)
 
 
 @pytest.mark.slow
@@ -128,8 +136,9 @@ def test_two_ranks_exchange_changing_shapes_with_one_send_per_steady_message():
     for r in results:
         line = json.loads(r.stdout.strip().splitlines()[-1])
         out[line["rank"]] = line
-    assert out[1]["received"] == list(range(10))
-    # A send per message, plus a resize announcement exactly where the size changes: the first
-    # message, the short one (4), back to full size (5), the mixed one (6), the empty one (7),
-    # back to full size (8). The (8, 8) message has the (4, 16) size: no announcement.
-    assert out[0]["sends"] == [2, 1, 1, 1, 2, 2, 2, 2, 2, 1]
+    assert out[1]["received"] == list(range(13))
+    # One send per message, plus a resize announcement where the receive size must change: the
+    # first message (the receiver starts at a bare header), the larger mixed one (6), the large
+    # one (10) and the one under half of it (11). Smaller ones go padded: the short micro-batch
+    # (4), the empty message (7); (8, 8) has the (4, 16) size anyway.
+    assert out[0]["sends"] == [2, 1, 1, 1, 1, 1, 2, 1, 1, 1, 2, 2, 1]

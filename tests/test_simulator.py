@@ -474,7 +474,7 @@ class _ScanPolicy:
             return t
         listed_before = self.tasks[: self.tasks.index(t)]
         planned = sum(u.op == FORWARD for u in listed_before) - t.microbatch
-        downstream = self.next_f - len(self.grad)
+        downstream = self.next_f - sum(Task(FORWARD, g) in self.done for g in self.grad)
         if downstream < planned and self._graphless_forward_fits():
             self.feeds += 1
             return Task(FORWARD, self.next_f)

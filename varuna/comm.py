@@ -12,11 +12,13 @@ header, then the payload tensors' bytes (each at a 64-byte aligned offset, so th
 views of them are aligned too). The header carries the micro-batch index and each tensor's
 dtype and shape, so shapes may differ between micro-batches (last micro-batch, variable
 sequence length). Note [One send per message]: a receive must be posted with the exact size
-of the message, so both ends of a link remember the size of the last message; a message of a
-different size is preceded, in the same batch (one logical message for the network
-emulation), by a *resize* message of the old size that announces the new one. Steady-state
-traffic (same shapes every micro-batch) costs one send per message -- the header used to be a
-send of its own, and each ``isend`` costs the compute thread 0.1-0.5 ms on a busy host
+of the message (gloo aborts the process otherwise), so both ends of a link remember the size
+of the last message. A smaller message, down to half that size, is zero-padded to it (the
+header says how much is payload); a larger one, or a much smaller one, is preceded, in the
+same batch (one logical message for the network emulation), by a *resize* message of the old
+size that announces the new one. Steady-state traffic (same shapes every micro-batch, or a
+short last micro-batch) costs one send per message -- the header used to be a send of its
+own, and each ``isend`` costs the compute thread 0.1-0.5 ms on a busy host
 (docs/benchmarks.md, Finding 7). Receivers post receives only for the number of messages
 expected in the current step, so no receive is left pending between steps and every wait has a
 timeout.
@@ -104,34 +106,48 @@ def decode_header(h: torch.Tensor) -> tuple[int, int, list[Spec], int]:
     """(kind, micro-batch, specs, message bytes) of a header (int64, or its bytes)."""
     vals = (h.view(torch.int64) if h.dtype == torch.uint8 else h).tolist()
     kind, mb, n, nbytes = vals[:_FIELDS]
-    if kind not in (_DATA, _RESIZE) or not 0 <= n <= _MAX_TENSORS:
-        raise RuntimeError(f"corrupt message header (kind {kind}, {n} tensors); both ends must run "
-                           "the same varuna version")
+    if kind not in (_DATA, _RESIZE) or not 0 <= n <= _MAX_TENSORS or nbytes < HEADER_BYTES:
+        raise RuntimeError(f"corrupt message header (kind {kind}, {n} tensors, {nbytes} bytes); both "
+                           "ends must run the same varuna version")
     specs, pos = [], _FIELDS
     for _ in range(n):
-        dtype, nd = _DTYPES[vals[pos]], vals[pos + 1]
-        specs.append((dtype, tuple(vals[pos + 2 : pos + 2 + nd])))
+        code, nd = vals[pos], vals[pos + 1]
+        shape = tuple(vals[pos + 2 : pos + 2 + nd])
+        if not 0 <= code < len(_DTYPES) or not 0 <= nd <= _MAX_DIMS or min(shape, default=0) < 0:
+            raise RuntimeError(f"corrupt message header (dtype code {code}, shape {shape}); both ends "
+                               "must run the same varuna version")
+        specs.append((_DTYPES[code], shape))
         pos += 2 + _MAX_DIMS
     return kind, mb, specs, nbytes
 
 
-def pack_message(microbatch: int, tensors: tuple[torch.Tensor, ...], device: torch.device) -> torch.Tensor:
+def pack_message(
+    microbatch: int, tensors: tuple[torch.Tensor, ...], device: torch.device, size: int = 0
+) -> torch.Tensor:
     """One byte tensor on ``device``: the header, then each tensor's bytes (Note [One send per
-    message])."""
+    message]), zero-padded to ``size`` bytes if that is more than it needs."""
     specs = [(t.dtype, tuple(t.shape)) for t in tensors]
     offsets, nbytes = message_layout(specs)
-    msg = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    msg = torch.empty(max(nbytes, size), dtype=torch.uint8, device=device)
     msg[:HEADER_BYTES].copy_(encode_header(_DATA, microbatch, specs, nbytes).view(torch.uint8))
-    for t, off in zip(tensors, offsets):
+    ends = [*offsets[1:], msg.numel()]
+    for t, off, end in zip(tensors, offsets, ends):
         n = t.numel() * t.element_size()
         msg[off : off + n].view(t.dtype).view(t.shape).copy_(t)
+        if off + n < end:  # no uninitialised memory on the wire
+            msg[off + n : end].zero_()
+    if not tensors and nbytes < msg.numel():
+        msg[nbytes:].zero_()
     return msg
 
 
-def unpack_message(msg: torch.Tensor) -> tuple[int, tuple[torch.Tensor, ...]]:
-    """(micro-batch, tensors) of a data message; the tensors are views of ``msg``."""
-    kind, mb, specs, nbytes = decode_header(msg[:HEADER_BYTES])
-    if kind != _DATA or nbytes != msg.numel():
+def unpack_message(
+    msg: torch.Tensor, header: tuple[int, int, list[Spec], int] | None = None
+) -> tuple[int, tuple[torch.Tensor, ...]]:
+    """(micro-batch, tensors) of a data message; the tensors are views of ``msg``. ``header``:
+    its :func:`decode_header`, if the caller has it already (on GPU each decode is a sync)."""
+    kind, mb, specs, nbytes = header if header is not None else decode_header(msg[:HEADER_BYTES])
+    if kind != _DATA or nbytes > msg.numel():
         raise RuntimeError(f"message of {msg.numel()} bytes has a header for kind {kind} of {nbytes} "
                            "bytes; sender and receiver disagree on the wire format")
     offsets, _ = message_layout(specs)
@@ -205,17 +221,24 @@ class LinkSender:
 
     def send(self, microbatch: int, tensors: tuple[torch.Tensor, ...]) -> None:
         self._reap()
-        msg = pack_message(microbatch, tensors, self.device)
-        if msg.numel() == self._peer_expects:
+        expects = self._peer_expects
+        _, need = message_layout([(t.dtype, tuple(t.shape)) for t in tensors])
+        # Note [One send per message]: a message up to the expected size, and not under half of
+        # it, goes padded (a short last micro-batch: no announcement now, none when the full
+        # size returns); one that is larger, or much smaller, is announced first.
+        if expects // 2 <= need <= expects:
+            msg = pack_message(microbatch, tensors, self.device, size=expects)
             ops = [dist.P2POp(dist.isend, msg, self.peer, self.group)]
-            held = (msg,)
-        else:  # Note [One send per message]: announce the new size first
-            resize = _resize_message(self._peer_expects, msg.numel(), self.device)
+            held: tuple[torch.Tensor, ...] = (msg,)
+        else:
+            msg = pack_message(microbatch, tensors, self.device)
+            resize = _resize_message(expects, need, self.device)
             ops = [dist.P2POp(dist.isend, resize, self.peer, self.group),
                    dist.P2POp(dist.isend, msg, self.peer, self.group)]
             held = (resize, msg)
-            self._peer_expects = msg.numel()
-        self._pending.append((dist.batch_isend_irecv(ops), held, time.monotonic()))
+        works = dist.batch_isend_irecv(ops)
+        self._peer_expects = msg.numel()  # only once the sends are issued
+        self._pending.append((works, held, time.monotonic()))
 
     def _reap(self) -> None:
         pending = self._pending
@@ -285,10 +308,12 @@ class LinkReceiver(_Worker):
     def _handle(self, count: int) -> None:
         for _ in range(count):
             msg = self._recv(self._expected)
-            if decode_header(msg[:HEADER_BYTES])[0] == _RESIZE:  # Note [One send per message]
-                self._expected = decode_header(msg[:HEADER_BYTES])[3]
+            header = decode_header(msg[:HEADER_BYTES])
+            if header[0] == _RESIZE:  # Note [One send per message]
+                self._expected = header[3]
                 msg = self._recv(self._expected)
-            mb, tensors = unpack_message(msg)
+                header = decode_header(msg[:HEADER_BYTES])
+            mb, tensors = unpack_message(msg, header)
             self.inbox.put(Arrival(self.kind, mb, tensors))
 
     def _recv(self, nbytes: int) -> torch.Tensor:

@@ -353,7 +353,9 @@ class StagePolicy:
     # below what the list has at that point with on-time inputs (forwards listed before R_i
     # minus i), runs the next graph-less forward first, within the same stash cap. On-time
     # inputs never trigger it (the counts are equal), so the executed order is still the
-    # static list; late gradients do not trigger it either (more are downstream, not fewer).
+    # static list. Late gradients do not trigger it directly (more are downstream, not fewer),
+    # but a forward that filled their wait runs ahead of the list, after which on-time
+    # gradients look early and this rule keeps the lead -- as intended under jitter.
     # Simulating the schedule benchmark's cluster at heavy jitter (2 ms + Exp(10 ms) per
     # message), this rule with headroom 4 gives 0.859 -> 0.881 of ideal at P=4, 0.748 -> 0.770
     # at P=8, and leaves none/moderate unchanged (docs/benchmarks.md, Finding 6).
@@ -406,7 +408,7 @@ class StagePolicy:
         self._pos = tpl.pos  # shared, read-only
         self._rec = tpl.recomputed  # shared, read-only
         self._plan = tpl.planned_downstream  # shared, read-only
-        self._ngrad = 0  # gradients arrived
+        self._ngrad = 0  # gradients arrived for micro-batches whose forward is done
         self._feeds = opportunistic and stage != num_stages - 1  # Note [Keeping the next stage fed]
         self._st = bytearray(tpl.num_microbatches)
         self._last = stage == num_stages - 1
@@ -460,7 +462,7 @@ class StagePolicy:
             st[microbatch] |= _A
             return
         s = st[microbatch]
-        if not s & _G:
+        if s & (_G | _F) == _F:  # counted once, and only for a forward done (else: at complete)
             self._ngrad += 1
         s |= _G
         st[microbatch] = s
@@ -590,6 +592,8 @@ class StagePolicy:
             self._live += 1
             s = st[i] | _F
             st[i] = s
+            if s & _G:  # its gradient came first (only a hand-driven policy sees that)
+                self._ngrad += 1
             if (self._last or s & _G) and not s & _B:
                 self._cand.add(i)
             # A forward run while waiting for B_i (Note [Filling the wait]) leaves rule 2 in force.

@@ -34,6 +34,9 @@ def messages() -> list[tuple[int, tuple[torch.Tensor, ...]]]:
         (7, (torch.empty(0, 4),)),
         (8, (f(4, 16).t(),)),  # not contiguous
         (9, (f(4, 16),)),
+        (10, (f(64, 16),)),  # larger: announced
+        (11, (f(4, 16),)),  # under half the last size: announced (shrinks the receive)
+        (12, (f(4, 16),)),
     ]
 
 
