@@ -537,12 +537,17 @@ class Manager:
             # The old agent's profiler died with it: this attempt will never report.
             self._calibration_lost(fresh, f"the agent on {vm.vm_id} restarted")
 
+    def _registered_vm(self, vm_id: str):
+        """The stored VM ``vm_id``; an RPC from a VM that never registered is NOT_FOUND."""
+        vm = self.store.vm(vm_id)
+        if vm is None:
+            raise ManagerError(grpc.StatusCode.NOT_FOUND, f"unknown VM {vm_id!r}; register first")
+        return vm
+
     def vm_heartbeat(self, req: pb.VMHeartbeatRequest) -> pb.Orders:
         now = self._clock()
         with self._lock:
-            vm = self.store.vm(req.vm_id)
-            if vm is None:
-                raise ManagerError(grpc.StatusCode.NOT_FOUND, f"unknown VM {req.vm_id!r}; register first")
+            vm = self._registered_vm(req.vm_id)
             job = self.store.job(vm.job_id)
             orders = pb.Orders(
                 heartbeat_interval_s=self.config.heartbeat_interval_s,
@@ -666,9 +671,7 @@ class Manager:
         was ordered on, is taken; anything else is answered ``accepted=False`` and ignored."""
         now = self._clock()
         with self._lock:
-            vm = self.store.vm(req.vm_id)
-            if vm is None:
-                raise ManagerError(grpc.StatusCode.NOT_FOUND, f"unknown VM {req.vm_id!r}; register first")
+            vm = self._registered_vm(req.vm_id)
             job = self.store.job(vm.job_id)
             if job is None or job.terminal:
                 return pb.ReportCalibrationReply(accepted=False, message="the job is over")
