@@ -299,7 +299,7 @@ def _submit(args: argparse.Namespace) -> int:
         spec = load_jobspec(args.jobspec)
         calibration_json = ""
         if spec.calibration:
-            from varuna.calibration import Calibration
+            from varuna.core.calibration import Calibration
 
             try:
                 calibration_json = Path(spec.calibration).read_text(encoding="utf-8")

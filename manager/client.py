@@ -158,9 +158,9 @@ class ManagerClient:
 
 def compute_times(events: Sequence[Any], stage: int, replica: int) -> tuple[float, float, float, int]:
     """Mean forward, backward and recompute seconds per micro-batch in timeline ``events``
-    (``varuna.timeline.Event``) of one stage replica, and the number of forwards.
+    (``varuna.core.timeline.Event``) of one stage replica, and the number of forwards.
 
-    >>> from varuna.timeline import Event
+    >>> from varuna.core.timeline import Event
     >>> compute_times([Event(0, 0, "F", 0, 0.0, 0.1), Event(0, 0, "B", 0, 0.1, 0.3)], 0, 0)
     (0.1, 0.2, 0.0, 1)
     """

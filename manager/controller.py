@@ -74,7 +74,7 @@ from manager.policy import (
 )
 from manager.providers import Provider, ProviderContext, make_provider
 from manager.store import GenerationRecord, JobRecord, ProgressRecord, Store, VMRecord, WorkerStatRecord
-from varuna.calibration import Calibration
+from varuna.core.calibration import Calibration
 
 __all__ = ["CALIBRATION_MAX_ATTEMPTS", "Manager", "ManagerConfig", "ManagerError"]
 
@@ -617,7 +617,7 @@ class Manager:
     def _launches(self, job: JobRecord, gen: GenerationRecord) -> dict[str, list[pb.WorkerLaunch]]:
         """This generation's workers per VM (deterministic from the stored generation, so a
         restarted manager hands out the same ones)."""
-        from varuna.launch import LaunchConfig, plan_workers
+        from varuna.launch.launcher import LaunchConfig, plan_workers
 
         cache = self._cache(job)
         if gen.generation in cache.launches:

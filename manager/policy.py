@@ -22,7 +22,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from varuna.calibration import Calibration
+from varuna.core.calibration import Calibration
 
 __all__ = [
     "LayoutPlan",

@@ -56,7 +56,7 @@ from manager.calibrate import ProfileRun
 from manager.client import ClientConfig, ManagerClient
 from manager.procs import find_free_port, kill_group, reap, restore_normal_priority
 from manager.scheduled_events import Notice, ScheduledEventsClient
-from varuna.env import CONTRACT_VARS
+from varuna.core.env import CONTRACT_VARS
 
 __all__ = ["AgentConfig", "VMAgent", "main"]
 

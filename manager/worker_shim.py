@@ -13,8 +13,9 @@ With ``$VARUNA_AGENT_PID`` set (the agent sets it) the shim first asks the kerne
 worker when the agent dies (:func:`manager.procs.die_with_parent`).
 
 The swap only happens inside this worker process (no file or other process is touched), when
-the script imports ``varuna.engine`` (a meta-path hook: scripts without torch pay nothing); a
-script that builds its engine through ``varuna.Engine`` or ``varuna.engine.Engine`` gets it. Scripts that
+the script imports ``varuna.runtime.engine`` (a meta-path hook: scripts without torch pay nothing); a
+script that builds its engine through ``varuna.Engine`` or ``varuna.runtime.engine.Engine`` gets
+it. Scripts that
 report by themselves (``WorkerReporter.from_env``) can be launched the same way: the subclass
 does not attach a second reporter when the engine already has one.
 """
@@ -53,17 +54,17 @@ class ShimState:
 
 def install(state: ShimState | None = None) -> None:
     """Make ``varuna.Engine`` the reporting subclass in this process, as soon as
-    ``varuna.engine`` is imported (now, if it already was). Importing it here would cost every
+    ``varuna.runtime.engine`` is imported (now, if it already was). Importing it here would cost every
     worker a torch import even when its script never uses torch."""
     state = state if state is not None else ShimState()
-    if "varuna.engine" in sys.modules:
-        _patch(sys.modules["varuna.engine"], state)
+    if "varuna.runtime.engine" in sys.modules:
+        _patch(sys.modules["varuna.runtime.engine"], state)
     elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _PatchOnImport(state))
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds ``varuna.engine`` like the normal finders do and patches it right after it ran."""
+    """Finds ``varuna.runtime.engine`` like the normal finders do and patches it right after it ran."""
 
     def __init__(self, state: ShimState) -> None:
         self.state = state
@@ -71,7 +72,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Any, target: Any = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != "varuna.engine":
+        if fullname != "varuna.runtime.engine":
             return None
         sys.meta_path.remove(self)  # one shot; also keeps the lookup below from finding us again
         spec = importlib.util.find_spec(fullname)
@@ -123,7 +124,7 @@ def _patch(engine_mod: types.ModuleType, state: ShimState) -> None:
     ManagedEngine.__module__ = base.__module__
     engine_mod.Engine = ManagedEngine
     # varuna/__init__ resolves exports lazily through __getattr__, which reads
-    # varuna.engine.Engine at call time: the patched class is what `varuna.Engine` returns.
+    # varuna.runtime.engine.Engine at call time: the patched class is what `varuna.Engine` returns.
     varuna_pkg = sys.modules.get("varuna")
     if varuna_pkg is not None and "Engine" in vars(varuna_pkg):
         varuna_pkg.Engine = ManagedEngine
@@ -132,7 +133,7 @@ def _patch(engine_mod: types.ModuleType, state: ShimState) -> None:
 #: What a standby worker imports ahead of time (``$VARUNA_STANDBY_PRELOAD`` overrides): torch and
 #: the engine, and ``torch._dynamo``, which torch imports lazily during the engine's dry run and
 #: which alone takes seconds of CPU.
-DEFAULT_PRELOAD = ("torch", "torch._dynamo", "varuna.engine")
+DEFAULT_PRELOAD = ("torch", "torch._dynamo", "varuna.runtime.engine")
 
 
 def standby(stdin: IO[bytes] | None = None) -> int:

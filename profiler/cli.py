@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--inter-netem",
         default=d.inter_netem,
         metavar="STRING",
-        help=f"network between hosts, varuna.netem syntax (default {d.inter_netem}); 'none': real",
+        help=f"network between hosts, varuna.testing.netem syntax (default {d.inter_netem}); 'none': real",
     )
     p.add_argument(
         "--intra-netem", default=None, metavar="STRING", help="network inside a host (default: real)"

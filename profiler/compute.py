@@ -1,10 +1,10 @@
 """Per-segment compute costs: F_i(m), R_i(m), B_i(m) and memory, measured the way a stage runs.
 
 Each segment is profiled in isolation, exactly as the engine would execute a one-segment stage:
-a fresh copy of the model is turned into that stage's model with :func:`varuna.split.
+a fresh copy of the model is turned into that stage's model with :func:`varuna.cutting.split.
 materialize_stage` (modules of other segments return placeholders, parameters of other segments
 become stride-0 zeros), the activation recorded at the segment's input cut-point is swapped in by
-the input CutPoint, and the forward stops at the output CutPoint (:class:`varuna.cutpoint.
+the input CutPoint, and the forward stops at the output CutPoint (:class:`varuna.cutting.cutpoint.
 ForwardRun`). Timestamps are taken at the input swap and at the stop, so the placeholders of the
 segments *before* it (work a multi-segment stage would not repeat per segment) are not counted.
 
@@ -48,12 +48,12 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from profiler.spec import ModelTarget
-from varuna.cutpoint import CutPoint, DryRun, ForwardRun, SplitState, StopForward
-from varuna.split import ModelProfile, materialize_stage, profile_model
+from varuna.cutting.cutpoint import CutPoint, DryRun, ForwardRun, SplitState, StopForward
+from varuna.cutting.split import ModelProfile, materialize_stage, profile_model
 
 __all__ = ["SegmentMeasurement", "SegmentProfiler", "median_iqr", "DryRunInfo", "dry_run"]
 
-# Note [Tasks]: the three timed tasks are those of varuna.engine._execute: F (no graph when the
+# Note [Tasks]: the three timed tasks are those of varuna.runtime.engine._execute: F (no graph when the
 # micro-batch will be recomputed), R (forward with graph from the stashed input), B (backward from
 # the received gradient). A stage whose forward keeps its graph (last stage, or no recompute) pays
 # about R for its forward: the simulator reads recompute_s for that.
@@ -101,7 +101,7 @@ def median_iqr(values: Sequence[float]) -> tuple[float, float]:
 
 
 def _call(model: torch.nn.Module, batch: Any) -> Any:
-    # The engine's calling convention (varuna.engine): dict -> kwargs, tuple/list -> args.
+    # The engine's calling convention (varuna.runtime.engine): dict -> kwargs, tuple/list -> args.
     if isinstance(batch, dict):
         return model(**batch)
     if isinstance(batch, (tuple, list)):
@@ -164,7 +164,7 @@ def _dtype_name(dt: torch.dtype) -> str:
 def dry_run(target: ModelTarget, ms: Sequence[int]) -> DryRunInfo:
     """Cut-points and activation shapes at every m, from one no-grad forward per m.
 
-    Deliberately lighter than :func:`varuna.split.profile_model` (no FLOP counting: its first use
+    Deliberately lighter than :func:`varuna.cutting.split.profile_model` (no FLOP counting: its first use
     imports torch._dynamo, seconds of CPU on a small machine); the workers run that one, they need
     its parameter-to-segment map. Raises ``ValueError`` (one line) for a model without CutPoints,
     one whose forward fails, or one whose cut-points depend on the data.
@@ -174,7 +174,7 @@ def dry_run(target: ModelTarget, ms: Sequence[int]) -> DryRunInfo:
     if not names:
         raise ValueError(
             f"model {target.spec} has no CutPoint; call varuna.CutPoint() on the activations at "
-            "candidate stage boundaries (see varuna/cutpoint.py)"
+            "candidate stage boundaries (see varuna/cutting/cutpoint.py)"
         )
     info: DryRunInfo | None = None
     for m in sorted(ms, reverse=True):  # the largest m first: its timings balance the segments
@@ -451,7 +451,7 @@ class SegmentProfiler:
 
 
 def _leaf(x: torch.Tensor) -> torch.Tensor:
-    # As varuna.engine._leaf: a received activation becomes a leaf that collects its gradient.
+    # As varuna.runtime.engine._leaf: a received activation becomes a leaf that collects its gradient.
     t = x.detach()
     if t.is_floating_point():
         t.requires_grad_(True)

@@ -9,12 +9,12 @@ ways (:func:`open_hosts` picks; ``auto`` prefers the first):
   bandwidth is asked for, a ``tbf`` qdisc on each host's ``eth0`` (egress, i.e. the NIC's transmit
   rate) — so collectives (all-reduce) see the bandwidth too, and the k processes of one host share
   it as they would a NIC. Kernel latency emulation (``netem``) is not available here, so latency
-  and jitter are added to point-to-point sends by :mod:`varuna.netem`. In each namespace
+  and jitter are added to point-to-point sends by :mod:`varuna.testing.netem`. In each namespace
   ``net.ipv4.tcp_slow_start_after_idle`` is 0: with it on, every step of a ring all-reduce (idle
   for a moment while the previous chunk is reduced) restarts TCP slow start behind the tbf, and
   all-reduce times grow with the number of steps instead of the bytes (measured: 2x at 4 ranks).
 - **loopback**: every process on 127.0.0.1; links between "hosts" get the whole emulated network
-  (latency, jitter, bandwidth) from :mod:`varuna.netem`, which delays point-to-point messages only:
+  (latency, jitter, bandwidth) from :mod:`varuna.testing.netem`, which delays point-to-point messages only:
   all-reduces run at loopback speed (a documented limit of that mode).
 
 Namespaces are named ``vprof<pid>h<i>`` / ``vprof<pid>br`` and deleted on exit; namespaces left by

@@ -2,8 +2,8 @@
 
 **Point-to-point** (Act/Grad, intra/inter): two ranks ``a`` (the earlier stage) and ``b`` (the
 later one) set up exactly what two neighbouring stages of the engine own — per direction a
-two-rank process group, a :class:`varuna.comm.LinkSender` on the sending side and a
-:class:`varuna.comm.LinkReceiver` thread on the receiving side — and send messages in the
+two-rank process group, a :class:`varuna.runtime.comm.LinkSender` on the sending side and a
+:class:`varuna.runtime.comm.LinkReceiver` thread on the receiving side — and send messages in the
 engine's wire format (one contiguous message: an int64 header, then the payload). The time of a
 message is from the sender's ``send()`` call (the compute loop handing it off) to the moment the
 receiver's main thread takes the arrival from its inbox: what a stage waiting for its input sees.
@@ -18,7 +18,7 @@ instead relate the clocks NTP-style from the ping-pongs that open every session,
 shortest round trip; on one busy machine that estimate is worse than none (measured: ±2 ms, as a
 single descheduled ping skews it), hence the default.
 
-**All-reduce**: each ring runs the engine's gradient sync (``varuna.engine._allreduce_bucketed``:
+**All-reduce**: each ring runs the engine's gradient sync (``varuna.runtime.engine._allreduce_bucketed``:
 ``dist.all_reduce`` of flat 32 MiB buckets) on a buffer of the measured size; rings of one
 configuration start together after a barrier over all of them, so ``concurrent`` all-reduces share
 each host. A ring's time for a repetition is the slowest member's.
@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from varuna.comm import Arrival, LinkReceiver, LinkSender
+from varuna.runtime.comm import Arrival, LinkReceiver, LinkSender
 
 __all__ = [
     "MessageSpec",
@@ -224,7 +224,7 @@ def allreduce_session(
     Every member of ``union_group`` (all rings of one configuration) must call it with the same
     arguments; the barrier before each round starts the concurrent rings together.
     """
-    from varuna.engine import _allreduce_bucketed  # the engine's own gradient sync (flat buckets)
+    from varuna.runtime.engine import _allreduce_bucketed  # the engine's own gradient sync (flat buckets)
 
     bufs = [[torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)] for nbytes in sizes]
     out: list[list[float]] = [[] for _ in sizes]

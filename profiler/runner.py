@@ -15,7 +15,7 @@ What happens (see ``docs/profiling.md``):
    - all-reduce: for every ring size D in 2..hosts and k in {1, procs_per_host}, k rings of D
      ranks (one per host) all-reduce each segment's gradient bytes (and a sweep) concurrently.
 3. Here again: statistics, least-squares fits (links: latency + bytes/bandwidth; all-reduce:
-   Note [All-reduce model] of :mod:`varuna.calibration`; F/B/R: a + b·m per segment), their
+   Note [All-reduce model] of :mod:`varuna.core.calibration`; F/B/R: a + b·m per segment), their
    errors on the measured points, and the file.
 
 ``update=FILE`` measures only what FILE lacks (new m values: compute and sends; new ring sizes /
@@ -50,7 +50,7 @@ from profiler.compute import SegmentMeasurement, dry_run, median_iqr
 from profiler.hosts import HostSet, open_hosts
 from profiler.network import MessageSpec, allreduce_times, link_stats, mean_std, payload_bytes
 from profiler.spec import load_target, parse_micro_batch_sizes
-from varuna.calibration import (
+from varuna.core.calibration import (
     AllReducePoint,
     Calibration,
     ComputeStat,
@@ -64,7 +64,7 @@ from varuna.calibration import (
     fit_allreduce_model,
     fit_link_model,
 )
-from varuna.cutpoint import CutPoint
+from varuna.cutting.cutpoint import CutPoint
 
 __all__ = ["ProfileOptions", "calibrate", "measure_allreduce", "EXTRA_KEY", "fit_linear"]
 
@@ -93,7 +93,7 @@ class ProfileOptions:
     host_emulation: str = "auto"
     """auto, netns or loopback (see profiler.hosts)."""
     inter_netem: str | None = _DEFAULT_INTER
-    """The emulated network between hosts (varuna.netem string); None: none (real links only)."""
+    """The emulated network between hosts (varuna.testing.netem string); None: none (real links only)."""
     intra_netem: str | None = None
     """Emulated network inside a host; None: the real loopback."""
     warmup: int = 2
@@ -132,7 +132,7 @@ class ProfileOptions:
             raise ValueError("repetition counts must be >= 1 (warm-up >= 0)")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"unknown --device {self.device!r}; choose auto, cpu or cuda")
-        from varuna.netem import NetworkConfig
+        from varuna.testing.netem import NetworkConfig
 
         for flag, text in (("--inter-netem", self.inter_netem), ("--intra-netem", self.intra_netem)):
             if text:
@@ -214,7 +214,7 @@ def _msg_key(msg: MessageSpec) -> str:
 
 
 def _grad_msg(msg: MessageSpec) -> MessageSpec:
-    # The engine sends back gradients of the floating-point inputs only (varuna.engine._execute).
+    # The engine sends back gradients of the floating-point inputs only (varuna.runtime.engine._execute).
     return [(s, d) for s, d in msg if d.startswith(("float", "bfloat"))]
 
 
@@ -226,7 +226,7 @@ def _strip_bandwidth(text: str | None) -> str | None:
     """The netem string without its bandwidth (applied by the kernel's tbf in the netns mode)."""
     if not text:
         return None
-    from varuna.netem import NetworkConfig
+    from varuna.testing.netem import NetworkConfig
 
     cfg = NetworkConfig.parse(text)
     return NetworkConfig(latency_s=cfg.latency_s, jitter_mean_s=cfg.jitter_mean_s, seed=cfg.seed).to_string()
@@ -592,7 +592,7 @@ def calibrate(
     if not any(isinstance(mod, CutPoint) for mod in target.model.modules()):
         raise ValueError(
             f"model {target.spec} has no CutPoint; call varuna.CutPoint() on the activations at "
-            "candidate stage boundaries (see varuna/cutpoint.py)"
+            "candidate stage boundaries (see varuna/cutting/cutpoint.py)"
         )
     device = opts.device
     if device == "auto":
@@ -613,7 +613,7 @@ def calibrate(
     world = max(opts.procs if new_ms else 0, opts.hosts * k)
     inter_bw = None
     if opts.inter_netem:
-        from varuna.netem import NetworkConfig
+        from varuna.testing.netem import NetworkConfig
 
         inter_bw = NetworkConfig.parse(opts.inter_netem).bandwidth_bytes_per_s
     boot = {
@@ -900,7 +900,7 @@ def measure_allreduce(
     k = procs_per_host
     bw = None
     if inter_netem:
-        from varuna.netem import NetworkConfig
+        from varuna.testing.netem import NetworkConfig
 
         bw = NetworkConfig.parse(inter_netem).bandwidth_bytes_per_s
     with open_hosts(host_emulation, num_hosts=hosts, bandwidth_bytes_per_s=bw) as hs:

@@ -35,7 +35,7 @@ def emulated(
     >>> float(model(*make_batch(3)).detach()) >= 0
     True
     """
-    from varuna.testing import emulated_model
+    from varuna.testing.emulated import emulated_model
 
     model = emulated_model(num_blocks, fwd_s, width, bwd_factor=bwd_factor)
 

@@ -9,7 +9,7 @@ cores of a small machine:
 1. **compute** — ranks listed in ``compute.assign`` measure their segments
    (:class:`profiler.compute.SegmentProfiler`) in parallel; the others wait.
 2. **links** — for each named pair (``intra``, ``inter``), its two ranks run
-   :func:`profiler.network.link_session` (the inter pair inside :func:`varuna.netem.emulate_network`
+   :func:`profiler.network.link_session` (the inter pair inside :func:`varuna.testing.netem.emulate_network`
    when the plan gives a netem string); one pair at a time.
 3. **allreduce** — for each configuration (ring size, concurrent rings), its ranks run
    :func:`profiler.network.allreduce_session`; one configuration at a time.
@@ -174,7 +174,7 @@ def _run_compute(prof, segments: list[int], ms: list[int]) -> list[dict]:
 
 def _run_link(links: dict, name: str, rank: int, a: int, b: int, groups, timeout_s: float) -> dict:
     from profiler.network import link_session
-    from varuna.netem import emulate_network
+    from varuna.testing.netem import emulate_network
 
     netem = (links.get("netem") or {}).get(name)
     act_msgs = [[(tuple(s), d) for s, d in msg] for msg in links["act_msgs"]]
@@ -217,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         # Import (and build the model) while the parent is still dry-running: worker start-up
         # is most of a small calibration's wall time on a 2-core machine.
         import profiler.network  # noqa: F401
-        import varuna.engine  # noqa: F401
-        import varuna.netem  # noqa: F401
+        import varuna.runtime.engine  # noqa: F401
+        import varuna.testing.netem  # noqa: F401
 
         stamps["imported"] = time.perf_counter()
         prof = _make_profiler(boot, rank) if rank < int(boot.get("compute_ranks", 0)) else None

@@ -97,7 +97,7 @@ def run_layout(P: int, D: int, a: argparse.Namespace, work: Path) -> dict:
     if res.returncode != 0:
         tail = (res.stdout + res.stderr)[-3000:]
         raise SystemExit(f"bench_checkpoint: the {P}x{D} job failed:\n{tail}")
-    from varuna.checkpoint import list_checkpoints, read_manifest, verify_checkpoint
+    from varuna.runtime.checkpoint import list_checkpoints, read_manifest, verify_checkpoint
 
     recs = [json.loads(out.with_name(f"{out.stem}-rank{r}.json").read_text()) for r in range(P * D)]
     done = [c for c in list_checkpoints(ckpt) if c.complete]

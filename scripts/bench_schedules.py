@@ -7,7 +7,7 @@ Same model, same conditions for both systems (see docs/benchmarks.md for the met
   backward B = 20 ms, recompute R = F), one process per stage, D = 1, Nm = 16 micro-batches of
   m = 4 examples (M = 64); torch's interleaved schedule gets 2 chunks per rank of F/2 each, so
   every rank does the same work;
-- **network** (``varuna.netem``; ``$VARUNA_NETEM`` for the engine, ``emulate_network`` around torch's
+- **network** (``varuna.testing.netem``; ``$VARUNA_NETEM`` for the engine, ``emulate_network`` around torch's
   schedule): none; moderate = latency 1 ms + Exp(mean 2 ms); heavy = 2 ms + Exp(mean 10 ms) per
   message;
 - **schedules**: ours ``varuna`` / ``gpipe`` / ``1f1b`` (``varuna.Engine``), torch's ``ScheduleGPipe``,
@@ -358,7 +358,7 @@ def _run_ours(spec: WorldSpec, run: RunSpec, rank: int) -> tuple[list, list]:
     import torch
 
     import varuna
-    from varuna.netem import NETEM_ENV_VAR
+    from varuna.testing.netem import NETEM_ENV_VAR
 
     P = spec.num_stages
     batch = _batch(spec)
@@ -373,7 +373,7 @@ def _run_ours(spec: WorldSpec, run: RunSpec, rank: int) -> tuple[list, list]:
         ranges[-1] = (ranges[-1][0], cfg.n_layer)
         optimizer = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
     else:
-        from varuna.testing import emulated_model
+        from varuna.testing.emulated import emulated_model
 
         model = emulated_model(P, spec.fwd_s, spec.width)
         ranges = [(k, k) for k in range(P)]
@@ -471,7 +471,7 @@ def _run_torch(spec: WorldSpec, run: RunSpec, rank: int) -> tuple[list, list]:
     import torch.nn.functional as F
     from torch.distributed import pipelining
 
-    from varuna.netem import emulate_network
+    from varuna.testing.netem import emulate_network
 
     P, v = spec.num_stages, run.chunks
     S = P * v  # virtual stages; rank r holds stages r, r + P, ...
@@ -487,7 +487,7 @@ def _run_torch(spec: WorldSpec, run: RunSpec, rank: int) -> tuple[list, list]:
 
         make_opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
     else:
-        from varuna.testing import emulated_model
+        from varuna.testing.emulated import emulated_model
 
         torch.manual_seed(0)
         blocks = emulated_model(S, spec.fwd_s / v, spec.width).blocks
@@ -546,7 +546,7 @@ _TIED_GROUP: list[Any] = [None]
 
 def run_world(spec: WorldSpec, timeout_s: float) -> list[dict]:
     """Start ``spec.num_stages`` worker processes, wait (bounded), return each rank's results."""
-    from varuna.testing import run_local_world
+    from varuna.testing.emulated import run_local_world
 
     Path(spec.out_dir).mkdir(parents=True, exist_ok=True)
     spec_path = Path(spec.out_dir, "spec.json")
@@ -753,7 +753,7 @@ def print_goals(goals: list[dict]) -> None:
 
 def write_timelines(rows: list[dict], directory: Path) -> None:
     """Chrome trace + Gantt PNG of each run's median timed step."""
-    from varuna.timeline import Timeline
+    from varuna.core.timeline import Timeline
 
     directory.mkdir(parents=True, exist_ok=True)
     for r in rows:

@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from simulator.autoconfig import autoconfigure  # noqa: E402
 from simulator.engine import SimConfig, simulate  # noqa: E402
-from varuna.calibration import AllReduceModel, Calibration, LinkModel  # noqa: E402
-from varuna.schedule import get_schedule  # noqa: E402
+from varuna.core.calibration import AllReduceModel, Calibration, LinkModel  # noqa: E402
+from varuna.core.schedule import get_schedule  # noqa: E402
 
 
 def transformer_calibration() -> Calibration:

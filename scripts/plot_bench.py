@@ -78,7 +78,7 @@ def plot_throughput(rows: Sequence[dict], path: str | Path, *, stages: Sequence[
 def plot_gantt(row: dict, path: str | Path, *, dpi: int = 80) -> None:
     """Gantt PNG of the median timed step of one result row (its ``timeline``)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from varuna.timeline import Timeline
+    from varuna.core.timeline import Timeline
 
     tl = Timeline()
     for evs in row["timeline"].values():

@@ -378,7 +378,7 @@ class RuntimeConstants:
 # segment executed (the block's sleep overshoot — the time an emulated device needs to wake a
 # sleeping process on a loaded host —, its autograd node, the CutPoint); p: per
 # segment BEFORE the stage, which F and R pass through as placeholders (every stage runs the
-# user's forward from the start, Note [Placeholders] in varuna/split.py). The simulator gets s
+# user's forward from the start, Note [Placeholders] in varuna/cutting/split.py). The simulator gets s
 # inside the calibration's segment costs (a profiler timing a segment would include it), the
 # least t_op as SimConfig.task_overhead_s, each op's excess over it inside that op's segment
 # costs, and p as SimConfig.placeholder_s.
@@ -534,7 +534,7 @@ def build_calibration(num_stages: int, level: str, rc: RuntimeConstants):
     Every rank is its own "host" (``host_slots=1``), so every link is an inter-host link; the
     intra model is set equal to it.
     """
-    from varuna.calibration import AllReduceModel, Calibration, ComputeStat, LinkModel
+    from varuna.core.calibration import AllReduceModel, Calibration, ComputeStat, LinkModel
 
     spec = LEVELS[level]
     # The link model's latency_s is the MEAN delay: the emulator's fixed latency, its mean
@@ -690,8 +690,8 @@ def _engine(num_stages: int, num_replicas: int, schedule: str, num_microbatches:
     import torch.distributed as dist
 
     import varuna
-    from varuna.netem import NETEM_ENV_VAR
-    from varuna.testing import emulated_model
+    from varuna.testing.emulated import emulated_model
+    from varuna.testing.netem import NETEM_ENV_VAR
 
     M = MICRO_BATCH_SIZE * num_microbatches * num_replicas
     batch = _batch(M)
@@ -762,9 +762,9 @@ def _probe_handoff(rank: int, world: int, messages: int, netem: str | None, time
     import torch
     import torch.distributed as dist
 
-    from varuna.comm import LinkReceiver, LinkSender
-    from varuna.netem import emulate_network
-    from varuna.schedule import FORWARD
+    from varuna.core.schedule import FORWARD
+    from varuna.runtime.comm import LinkReceiver, LinkSender
+    from varuna.testing.netem import emulate_network
 
     pairs = [(2 * j, 2 * j + 1) for j in range(world // 2)]
     groups = {}
@@ -937,7 +937,7 @@ def _worker_main(spec_path: str) -> int:
 
 def run_world(spec: WorldSpec, timeout_s: float) -> list[dict]:
     """Start ``spec.world`` worker processes, wait (bounded), return each rank's results."""
-    from varuna.testing import run_local_world
+    from varuna.testing.emulated import run_local_world
 
     Path(spec.out_dir).mkdir(parents=True, exist_ok=True)
     spec_path = Path(spec.out_dir, "spec.json")
@@ -1102,7 +1102,7 @@ def print_table(rows: Sequence[Row], constants: dict[int, RuntimeConstants]) -> 
 def write_gantt(c: ValConfig, trace: dict, rc: RuntimeConstants, out_dir: Path) -> list[Path]:
     """Real (from ``Engine.gather_timeline``) and simulated Gantt charts and traces of ``c``."""
     from simulator.engine import simulate
-    from varuna.timeline import Timeline
+    from varuna.core.timeline import Timeline
 
     out_dir.mkdir(parents=True, exist_ok=True)
     real = Timeline.from_chrome_dict(trace)

@@ -8,7 +8,7 @@ Given a calibration, G GPUs, the global batch M_total and (optionally) the memor
 2. sweep the pipeline depth P from the smallest that fits in memory up to min(K+1, G), with
    D = ⌊G/P⌋ replicas (never more than M_total), micro-batches split as the runtime splits them
    (``split_minibatch``: replicas differ by at most one, the last micro-batch may be smaller),
-   and a balanced contiguous segment→stage map (``varuna.partition``);
+   and a balanced contiguous segment→stage map (``varuna.core.partition``);
 3. bound every candidate's mini-batch time from below analytically (Note [Lower bound]) and
    simulate candidates in increasing order of that bound, stopping as soon as the next bound is
    no better than the best simulated time (branch and bound: the answer is what exhaustive
@@ -20,7 +20,7 @@ and throughput per GPU for a range of G.
 
 Example::
 
-    >>> from varuna.calibration import Calibration
+    >>> from varuna.core.calibration import Calibration
     >>> cal = Calibration.synthetic(0.01, num_segments=8, micro_batch_sizes=(1, 2, 4))
     >>> plan = autoconfigure(cal, gpus=8, global_batch_size=64)
     >>> plan.best.num_stages * plan.best.num_replicas <= 8
@@ -44,8 +44,8 @@ from simulator.engine import (
     stage_memory,
     sync_costs,
 )
-from varuna.calibration import Calibration
-from varuna.partition import balanced_stages, candidate_maxima
+from varuna.core.calibration import Calibration
+from varuna.core.partition import balanced_stages, candidate_maxima
 
 __all__ = [
     "Candidate",
@@ -352,7 +352,7 @@ def autoconfigure(
     "why not P=..." questions). Simulations use mean times (no jitter), so the ranking is
     deterministic.
 
-    >>> from varuna.calibration import Calibration
+    >>> from varuna.core.calibration import Calibration
     >>> cal = Calibration.synthetic(0.01, num_segments=4, micro_batch_sizes=(1, 2))
     >>> autoconfigure(cal, gpus=4, global_batch_size=16, schedule="pipedream")
     Traceback (most recent call last):
@@ -539,7 +539,7 @@ def sweep_gpus(
 ) -> list[GpuSweepPoint]:
     """Best throughput and throughput per GPU for each G in ``gpus`` ("which G is worth asking for").
 
-    >>> from varuna.calibration import Calibration
+    >>> from varuna.core.calibration import Calibration
     >>> cal = Calibration.synthetic(0.01, num_segments=8, micro_batch_sizes=(1, 2))
     >>> [p.gpus for p in sweep_gpus(cal, [2, 4], global_batch_size=32)]
     [2, 4]

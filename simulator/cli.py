@@ -29,7 +29,7 @@ from simulator.autoconfig import (
     sweep_gpus,
 )
 from simulator.engine import SIM_SCHEDULE_KINDS, SimConfig, SimResult, simulate
-from varuna.calibration import Calibration
+from varuna.core.calibration import Calibration
 
 PROG = "varuna-simulate"
 

@@ -4,8 +4,8 @@ Given a calibration and a config (P stages × D replicas, micro-batch size m, mi
 replica, segment→stage map, schedule kind, host placement), replay the mini-batch as discrete
 events and report its time, throughput, per-stage busy/idle time and peak stashed activations.
 
-What decides the order of work: each stage's tasks come from ``varuna.schedule.get_schedule``
-and are picked one at a time by the same :class:`varuna.schedule.StagePolicy` the runtime runs
+What decides the order of work: each stage's tasks come from ``varuna.core.schedule.get_schedule``
+and are picked one at a time by the same :class:`varuna.core.schedule.StagePolicy` the runtime runs
 (``arrived`` when an activation or gradient lands, ``next_task`` when the stage is idle,
 ``complete`` when a task ends). The simulator never orders tasks itself — except for the
 simulation-only interleaved 1F1B schedule (``simulator/interleaved.py``).
@@ -19,7 +19,7 @@ What is modelled (see docs/simulator.md for formulas):
   ``SimConfig`` field where set, else the calibration's ``runtime_overheads``, else 0;
   :func:`runtime_overheads`);
 - point-to-point sends: the fitted link model, intra- or inter-host from the rank placement
-  (rank = replica·P + stage; consecutive ranks fill a host's slots), applied as varuna/netem.py
+  (rank = replica·P + stage; consecutive ranks fill a host's slots), applied as varuna/testing/netem.py
   emulates a link: FIFO serialization (bytes/bandwidth, ``max_sends_per_link`` at once), then the
   latency with a seeded exponential jitter per message, no overtaking (Note [Link model]); sends
   never block compute;
@@ -31,7 +31,7 @@ What is modelled (see docs/simulator.md for formulas):
 
 Example::
 
-    >>> from varuna.calibration import Calibration
+    >>> from varuna.core.calibration import Calibration
     >>> cal = Calibration.synthetic(0.01, num_segments=4, micro_batch_sizes=(1, 2))
     >>> r = simulate(cal, SimConfig(num_stages=2, micro_batch_size=1, num_microbatches=4, schedule="gpipe",
     ...                             recompute=False))
@@ -48,10 +48,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from simulator.interleaved import InterleavedPolicy, interleaved_order
-from varuna.calibration import Calibration, RuntimeOverheads
-from varuna.partition import balanced_stages
-from varuna.schedule import DEFAULT_STASH_HEADROOM, SCHEDULE_KINDS, get_schedule
-from varuna.timeline import Timeline
+from varuna.core.calibration import Calibration, RuntimeOverheads
+from varuna.core.partition import balanced_stages
+from varuna.core.schedule import DEFAULT_STASH_HEADROOM, SCHEDULE_KINDS, get_schedule
+from varuna.core.timeline import Timeline
 
 __all__ = [
     "SIM_SCHEDULE_KINDS",
@@ -83,7 +83,7 @@ def split_minibatch(
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Micro-batches per replica and each replica's last micro-batch size.
 
-    Mirrors ``varuna.batching.plan_microbatches``: ceil(M/m) micro-batches, the last one possibly
+    Mirrors ``varuna.core.batching.plan_microbatches``: ceil(M/m) micro-batches, the last one possibly
     smaller, dealt to replicas in contiguous runs whose lengths differ by at most one.
 
     >>> split_minibatch(10, 4, 2)
@@ -156,7 +156,7 @@ class SimConfig:
     placeholder_s: float | None = None
     """Runtime time added to a stage's F and R per segment *before* the stage: every stage runs
     the user's forward from the start, and each earlier segment's modules return placeholders
-    (Note [Placeholders] in varuna/split.py) -- cheap, but not free. None: from the calibration,
+    (Note [Placeholders] in varuna/cutting/split.py) -- cheap, but not free. None: from the calibration,
     as ``task_overhead_s``."""
     task_jitter_s: float = 0.0
     """Run-to-run spread of a task's duration (sleep overshoot, a descheduled thread): each F, R
@@ -278,7 +278,7 @@ def segment_costs(
 def stage_segments_for(
     cal: Calibration, num_virtual_stages: int, m: int, schedule: str = "varuna", recompute: bool = True
 ) -> tuple[tuple[int, int], ...]:
-    """Balanced ranges (see ``varuna.partition``) of the calibration's segments at m."""
+    """Balanced ranges (see ``varuna.core.partition``) of the calibration's segments at m."""
     full, last = segment_costs(cal, m, schedule, recompute)
     return tuple(balanced_stages(full, last, num_virtual_stages))
 
@@ -389,7 +389,7 @@ def runtime_overheads(cal: Calibration, config: SimConfig) -> tuple[float, float
     """(task_overhead_s, placeholder_s, step_overhead_s) that ``simulate`` applies: each
     ``config`` field that is set, else the calibration's ``runtime_overheads`` value, else 0.
 
-    >>> from varuna.calibration import RuntimeOverheads
+    >>> from varuna.core.calibration import RuntimeOverheads
     >>> cal = Calibration.synthetic(0.01, num_segments=2, runtime_overheads=RuntimeOverheads(
     ...     task_overhead_s=1e-3, placeholder_s=1e-4, step_overhead_s=2e-3))
     >>> runtime_overheads(cal, SimConfig(num_stages=2, micro_batch_size=1, num_microbatches=4,
@@ -408,7 +408,7 @@ def runtime_overheads(cal: Calibration, config: SimConfig) -> tuple[float, float
 def simulate(cal: Calibration, config: SimConfig, *, record: bool = False) -> SimResult:
     """Simulate one mini-batch of ``config`` with ``cal``'s costs.
 
-    ``record=True`` also returns a :class:`varuna.timeline.Timeline` of every task, send,
+    ``record=True`` also returns a :class:`varuna.core.timeline.Timeline` of every task, send,
     all-reduce and optimizer step (slower: one object per event).
     """
     c = config
@@ -436,7 +436,7 @@ def simulate(cal: Calibration, config: SimConfig, *, record: bool = False) -> Si
 
     sizes = {m} | {c.last_size_of(d) for d in range(D)}
     cost_tables = {s: costs_at(s) for s in sorted(sizes)}
-    # Note [Link model]: as varuna/netem.py emulates it. A directed link serializes messages
+    # Note [Link model]: as varuna/testing/netem.py emulates it. A directed link serializes messages
     # (bytes / bandwidth, FIFO, ``max_sends_per_link`` at once); each then arrives after the
     # latency plus an exponential jitter draw, and never overtakes an earlier message. The
     # calibration's latency_s is the *mean* delay, so the fixed part is latency_s - jitter_s and

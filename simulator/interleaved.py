@@ -2,7 +2,7 @@
 
 The runtime does not execute this schedule; it is here so the simulator can compare Varuna with
 the interleaved schedule of Narayanan et al. (SC'21). Its ordering therefore lives in the
-simulator, not in ``varuna/schedule.py``; do not use it to drive a real pipeline.
+simulator, not in ``varuna/core/schedule.py``; do not use it to drive a real pipeline.
 
 Device d (0-based, of P) holds model chunks d, d+P, ..., d+(v-1)·P of the P·v virtual stages.
 The order follows Megatron's ``forward_backward_pipelining_with_interleaving``: virtual
@@ -88,7 +88,7 @@ def interleaved_order(
 
 class InterleavedPolicy:
     """Strict in-order executor of one device's interleaved list; the simulator drives it through
-    the same calls as :class:`varuna.schedule.StagePolicy` (``arrived`` takes the chunk too).
+    the same calls as :class:`varuna.core.schedule.StagePolicy` (``arrived`` takes the chunk too).
 
     >>> p = InterleavedPolicy(interleaved_order(2, 2, 2, stage=1), stage=1, num_stages=2, chunks=2)
     >>> p.next_task() is None   # waiting for micro-batch 0's activation of chunk 0

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples" / "gpt2"))
 
 import varuna  # noqa: E402
-from varuna.split import keyed_seed  # noqa: E402
+from varuna.cutting.split import keyed_seed  # noqa: E402
 
 
 class TupleBlock(nn.Module):

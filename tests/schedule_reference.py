@@ -1,6 +1,6 @@
 """Reference derivation of the varuna task lists by simulating the paper's rules.
 
-``varuna.schedule`` builds the lists in closed form; this module derives them the long way, as
+``varuna.core.schedule`` builds the lists in closed form; this module derives them the long way, as
 Note [Varuna schedule] describes -- an event-driven simulation of rules (1)-(3) with unit costs
 F=1, R=1, B=2 and instantaneous communication, iterated to a fixed point -- so the tests can check
 that the closed form is what the rules produce.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import math
 
-from varuna.schedule import BACKWARD, FORWARD, RECOMPUTE, Task
+from varuna.core.schedule import BACKWARD, FORWARD, RECOMPUTE, Task
 
 _UNIT_F, _UNIT_R, _UNIT_B = 1, 1, 2
 

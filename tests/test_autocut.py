@@ -1,4 +1,4 @@
-"""Tests of automatic cut-points (varuna/autocut.py) and of splitting auto-cut models in the engine.
+"""Tests of automatic cut-points (varuna/cutting/autocut.py) and of splitting auto-cut models in the engine.
 
 Fast tests run in one process: the choice of boundaries (validity, balance on known costs, one
 timing-based check on emulated-device blocks), insertion without renaming parameters, and the
@@ -30,7 +30,7 @@ from distributed import check_ok, run_world  # noqa: E402
 from models import reference_step  # noqa: E402
 
 import varuna  # noqa: E402
-from varuna.autocut import (  # noqa: E402
+from varuna.cutting.autocut import (  # noqa: E402
     CUT_ATTR,
     _auto_cut_modules,
     apply_cutpoints,
@@ -38,9 +38,9 @@ from varuna.autocut import (  # noqa: E402
     choose_cuts,
     remove_cutpoints,
 )
-from varuna.split import profile_model  # noqa: E402
-from varuna.testing import EmulatedBlock, EmulatedModel  # noqa: E402
-from varuna.tracer import trace_model  # noqa: E402
+from varuna.cutting.split import profile_model  # noqa: E402
+from varuna.cutting.tracer import trace_model  # noqa: E402
+from varuna.testing.emulated import EmulatedBlock, EmulatedModel  # noqa: E402
 
 WORKER = ROOT / "tests" / "workers" / "autocut_worker.py"
 
@@ -171,8 +171,8 @@ def test_gpt_without_cutpoints_gets_valid_cuts_and_keeps_names() -> None:
 
 
 def test_residual_inside_a_block_is_not_a_boundary() -> None:
-    from varuna.autocut import _evaluate, _group
-    from varuna.tracer import record_forward
+    from varuna.cutting.autocut import _evaluate, _group
+    from varuna.cutting.tracer import record_forward
 
     model, batch = build("gpt")
     rec = record_forward(model, _micro(batch), None)

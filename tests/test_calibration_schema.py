@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from simulator.engine import SimConfig, runtime_overheads, simulate
-from varuna.calibration import (
+from varuna.core.calibration import (
     CALIBRATION_VERSION,
     AllReduceModel,
     AllReducePoint,
@@ -195,8 +195,8 @@ def test_fits_recover_known_models_and_report_error():
 
 def test_pure_python_modules_do_not_import_torch():
     code = (
-        "import sys, simulator.engine, simulator.autoconfig, simulator.cli, varuna.calibration, "
-        "varuna.timeline; assert 'torch' not in sys.modules, 'torch was imported'"
+        "import sys, simulator.engine, simulator.autoconfig, simulator.cli, varuna.core.calibration, "
+        "varuna.core.timeline; assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -24,7 +24,7 @@ from distributed import ROOT, check_ok, free_port, run_world
 from models import build_model
 
 import varuna
-from varuna.checkpoint import (
+from varuna.runtime.checkpoint import (
     MANIFEST,
     CheckpointError,
     list_checkpoints,
@@ -225,7 +225,7 @@ def test_corrupt_file_is_detected_and_that_checkpoint_skipped(tmp_path, two_chec
     else:
         victim.unlink()
     assert verify_checkpoint(ckpt / step_dir_name(2)), "verify_checkpoint must report it"
-    with caplog.at_level(logging.WARNING, logger="varuna.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="varuna.runtime.checkpoint"):
         eng = make_engine(ckpt, resume="1")
     assert eng.step_count == 1
     assert_close(params_of(eng), snaps[1], "resumed from the older checkpoint")

@@ -17,7 +17,7 @@ import pytest
 import torch
 from distributed import ROOT, check_ok, run_world
 
-from varuna.comm import HEADER_BYTES, LinkSender, pack_message, unpack_message
+from varuna.runtime.comm import HEADER_BYTES, LinkSender, pack_message, unpack_message
 
 
 class _Work:

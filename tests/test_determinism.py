@@ -10,7 +10,7 @@ import pytest
 import torch
 from distributed import check_ok, run_world
 
-from varuna.determinism import TreeAccumulator, combine_nodes
+from varuna.runtime.determinism import TreeAccumulator, combine_nodes
 
 WORKER = Path(__file__).parent / "workers" / "det_worker.py"
 

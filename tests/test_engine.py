@@ -56,8 +56,8 @@ def merged_grads(ranks) -> dict:
 def reference(kind: str = "gpt", *, clip: float | None = None, meta: bool = False):
     model = build_model(kind, meta=meta)
     if meta:
-        from varuna.cutpoint import SplitState
-        from varuna.split import materialize_stage, profile_model
+        from varuna.cutting.cutpoint import SplitState
+        from varuna.cutting.split import materialize_stage, profile_model
 
         # The single-process run of the same init rule: materialise every segment.
         prof = profile_model(model, make_batch(kind, m), lambda out, b: out, measure=False)

@@ -1,4 +1,5 @@
-"""Tests of the environment contract (varuna.env) and the single-machine launcher (varuna.launch).
+"""Tests of the environment contract (varuna.core.env) and the single-machine launcher
+(varuna.launch.launcher).
 
 Worker scripts are tiny pure-Python files written to tmp_path, so the multi-process tests cost
 interpreter start-ups, not torch imports (except the one gloo test). "No processes left behind"
@@ -20,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from varuna.env import WorkerEnv, rank_of, stage_and_replica
-from varuna.launch import (
+from varuna.core.env import WorkerEnv, rank_of, stage_and_replica
+from varuna.launch.launcher import (
     LaunchConfig,
     LocalHost,
     launch,
@@ -87,7 +88,7 @@ BLOCKING_WORKER = textwrap.dedent(
     """
     import os, signal, subprocess, sys, threading, time
     from pathlib import Path
-    from varuna.env import WorkerEnv
+    from varuna.core.env import WorkerEnv
 
     env = WorkerEnv.from_env()
     out, mode = Path(sys.argv[1]), sys.argv[2]
@@ -160,7 +161,7 @@ def _start_cli(tmp_path: Path, args: list[str]) -> subprocess.Popen[bytes]:
 
 
 # ----------------------------------------------------------------------------------------------
-# varuna.env: fast, single-process
+# varuna.core.env: fast, single-process
 # ----------------------------------------------------------------------------------------------
 
 
@@ -247,7 +248,7 @@ def test_worker_env_optional_variables_default() -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# varuna.launch: planning and argument checking, fast
+# varuna.launch.launcher: planning and argument checking, fast
 # ----------------------------------------------------------------------------------------------
 
 
@@ -336,13 +337,13 @@ def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# varuna.launch: real processes
+# varuna.launch.launcher: real processes
 # ----------------------------------------------------------------------------------------------
 
 ENV_WORKER = textwrap.dedent(
     """
     import json, os, sys
-    from varuna.env import WorkerEnv
+    from varuna.core.env import WorkerEnv
 
     env = WorkerEnv.from_env()
     print(json.dumps({"rank": env.rank, "stage": env.stage, "replica": env.replica,
@@ -621,7 +622,7 @@ GLOO_WORKER = textwrap.dedent(
     import datetime
     import torch
     import torch.distributed as dist
-    from varuna.env import WorkerEnv
+    from varuna.core.env import WorkerEnv
 
     env = WorkerEnv.from_env()
     dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=60))

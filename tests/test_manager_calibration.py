@@ -25,7 +25,7 @@ from manager.jobspec import JobSpec, ProfileSpec, load_jobspec, spec_from_pb, sp
 from manager.providers import ProviderContext
 from manager.providers.local import LocalProvider, LocalProviderOptions
 from manager.store import SCHEMA_VERSION, Store
-from varuna.calibration import Calibration
+from varuna.core.calibration import Calibration
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_manager_controller import FakeProvider, World  # noqa: E402

@@ -22,7 +22,7 @@ from manager.jobspec import JobSpec, spec_to_pb
 from manager.policy import StutterConfig
 from manager.providers import NewVM
 from manager.store import Store, VMRecord
-from varuna.calibration import Calibration
+from varuna.core.calibration import Calibration
 
 
 class Clock:

@@ -10,7 +10,7 @@ the test makes trouble, and the result matches an undisturbed run.
    single-process run of the same script (the engine's numerics do not depend on P×D).
 
 Morph latency (detection → first step of the new generation) is printed with ``varuna-manager
-events`` at the end (run with ``-s`` to see it). Needs checkpoints (varuna/checkpoint.py).
+events`` at the end (run with ``-s`` to see it). Needs checkpoints (varuna/runtime/checkpoint.py).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from manager.jobspec import load_jobspec, spec_to_pb
-from varuna.calibration import Calibration
+from varuna.core.calibration import Calibration
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_manager_e2e import MODEL_ARGS, TRAIN, reference_loss  # noqa: E402

@@ -20,8 +20,8 @@ from manager.jobspec import JobSpec, load_jobspec, spec_from_pb, spec_to_pb
 from manager.policy import StutterConfig, StutterDetector, choose_layout, fallback_layout, grow_gain
 from manager.scheduled_events import ScheduledEventsClient, parse_notices
 from manager.store import GenerationRecord, ProgressRecord, Store, VMRecord
-from varuna.calibration import Calibration
-from varuna.timeline import Event
+from varuna.core.calibration import Calibration
+from varuna.core.timeline import Event
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -337,9 +337,9 @@ def test_worker_shim_swaps_the_engine_lazily(tmp_path):
         import sys
         from manager import worker_shim
         worker_shim.install()
-        assert "varuna.engine" not in sys.modules and "torch" not in sys.modules
+        assert "varuna.runtime.engine" not in sys.modules and "torch" not in sys.modules
         import varuna
-        from varuna.engine import Engine
+        from varuna.runtime.engine import Engine
         assert varuna.Engine is Engine and Engine._varuna_manager_shim
         print("ok")
     """)

@@ -1,4 +1,5 @@
-"""Tests of varuna.netem: config strings, the link model, the delivery thread, and 2-process gloo runs.
+"""Tests of varuna.testing.netem: config strings, the link model, the delivery thread, and 2-process
+gloo runs.
 
 The multi-process tests start two ranks with ``torch.multiprocessing`` on 127.0.0.1 (gloo) and
 compare times taken with ``time.monotonic`` in both processes (CLOCK_MONOTONIC is system-wide on
@@ -25,14 +26,14 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from varuna.netem import (
+from varuna.testing.netem import (
     NETEM_ENV_VAR,
     EmulatedNetwork,
     LinkModel,
     NetworkConfig,
     emulate_network,
 )
-from varuna.netem import _Part as Part  # white-box: drive the delivery thread without a process group
+from varuna.testing.netem import _Part as Part  # white-box: drive the delivery thread without a process group
 
 # ------------------------------------------------------------------------------------------ config
 
@@ -225,7 +226,7 @@ def test_close_times_out_instead_of_hanging_when_a_receiver_never_comes():
 
 
 def test_failed_real_send_is_reported_by_wait_later_sends_and_close():
-    from varuna.netem import _DeferredSendWork
+    from varuna.testing.netem import _DeferredSendWork
 
     fake = _FakeSend(raise_on=1)
     net = EmulatedNetwork(NetworkConfig(latency_s=0.001), rank=0, send_fn=fake)

@@ -34,7 +34,7 @@ from profiler.runner import (
     measure_allreduce,
 )
 from profiler.spec import load_target
-from varuna.calibration import (
+from varuna.core.calibration import (
     AllReducePoint,
     Calibration,
     LinkPoint,

@@ -1,5 +1,5 @@
-"""Tests of the multi-host launcher: host files and their validation (varuna.hosts), the per-host
-agent (varuna.agent), and whole jobs over pretend ``localhost`` hosts and over a real OpenSSH
+"""Tests of the multi-host launcher: host files and their validation (varuna.launch.hosts), the per-host
+agent (varuna.launch.agent), and whole jobs over pretend ``localhost`` hosts and over a real OpenSSH
 server on loopback.
 
 The sshd tests start Debian's ``/usr/sbin/sshd`` as a child with host and user keys generated
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import pytest
 
-import varuna.engine
-from varuna.agent import decode_message, encode_message
-from varuna.hosts import (
+import varuna.runtime.engine
+from varuna.launch.agent import decode_message, encode_message
+from varuna.launch.hosts import (
     HostEntry,
     SshOptions,
     assign_slots,
@@ -43,7 +43,7 @@ from varuna.hosts import (
     probe_hosts,
     remote_agent_command,
 )
-from varuna.launch import LaunchConfig, Layout, launch_on_hosts, main, resolve_layout, select_hosts
+from varuna.launch.launcher import LaunchConfig, Layout, launch_on_hosts, main, resolve_layout, select_hosts
 
 ROOT = Path(__file__).resolve().parent.parent
 SSHD = "/usr/sbin/sshd"
@@ -347,7 +347,7 @@ def test_ssh_argv_and_remote_command_quoting() -> None:
         "PYTHONPATH=/src/it's here:/x",
         "/opt/my env/bin/python",
         "-m",
-        "varuna.agent",
+        "varuna.launch.agent",
         "--job-id",
         "j;1",
     ]
@@ -392,7 +392,7 @@ def test_resolve_layout() -> None:
     importlib.util.find_spec("simulator.autoconfig") is None, reason="no simulator.autoconfig"
 )
 def test_auto_config_from_calibration(tmp_path: Path) -> None:
-    from varuna.calibration import Calibration
+    from varuna.core.calibration import Calibration
 
     cal = Calibration.synthetic(0.01, num_segments=4, micro_batch_sizes=(1, 2))
     cal.save(tmp_path / "cal.json")
@@ -501,7 +501,7 @@ GLOO_WORKER = textwrap.dedent(
     import datetime, json, os, socket, sys
     import torch
     import torch.distributed as dist
-    from varuna.env import WorkerEnv
+    from varuna.core.env import WorkerEnv
 
     env = WorkerEnv.from_env()
     print(json.dumps({"rank": env.rank, "host_id": env.host_id, "local_rank": env.local_rank,
@@ -522,7 +522,7 @@ BLOCKING_WORKER = textwrap.dedent(
     """
     import os, signal, sys, threading
     from pathlib import Path
-    from varuna.env import WorkerEnv
+    from varuna.core.env import WorkerEnv
 
     env = WorkerEnv.from_env()
     out, mode = Path(sys.argv[1]), sys.argv[2]
@@ -646,7 +646,7 @@ def test_agent_kills_its_workers_when_the_launcher_goes_away(tmp_path: Path) -> 
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     agent = subprocess.Popen(
-        [sys.executable, "-m", "varuna.agent", "--job-id", "agenttest", "--host-id", "0"],
+        [sys.executable, "-m", "varuna.launch.agent", "--job-id", "agenttest", "--host-id", "0"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env=env,
@@ -697,7 +697,7 @@ def test_agent_heartbeat_timeout_and_spawn_failure(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "varuna.agent",
+            "varuna.launch.agent",
             "--job-id",
             "hbtest",
             "--host-id",
@@ -942,7 +942,7 @@ GPT_ARGS = [
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(
-    not hasattr(varuna.engine.Engine, "save_checkpoint"),
+    not hasattr(varuna.runtime.engine.Engine, "save_checkpoint"),
     reason="checkpoints (Engine.save_checkpoint, VARUNA_CHECKPOINT_DIR, VARUNA_RESUME) are not there yet",
 )
 def test_sshd_sigusr1_checkpoints_and_relaunch_resumes(sshd: Sshd, tmp_path: Path) -> None:
@@ -970,7 +970,7 @@ def test_sshd_sigusr1_checkpoints_and_relaunch_resumes(sshd: Sshd, tmp_path: Pat
         # the script prints it), so the checkpoint is at least one step past the last printed one.
         stopped_at = int(manifests[0].parent.name.removeprefix("step_"))
         assert stopped_at > steps()[-1]
-        from varuna.checkpoint import verify_checkpoint
+        from varuna.runtime.checkpoint import verify_checkpoint
 
         assert verify_checkpoint(manifests[0].parent) == []
         _assert_nothing_left(job_id, [], sshd)

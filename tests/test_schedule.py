@@ -8,7 +8,7 @@ import sys
 import pytest
 from schedule_reference import varuna_by_rules
 
-from varuna.schedule import (
+from varuna.core.schedule import (
     SCHEDULE_KINDS,
     StagePolicy,
     Task,
@@ -212,7 +212,8 @@ def test_policy_rejects_inputs_outside_its_list():
 
 def test_schedule_module_does_not_import_torch():
     code = (
-        "import sys, varuna.schedule, varuna.partition; assert 'torch' not in sys.modules, 'torch imported'"
+        "import sys, varuna.core.schedule, varuna.core.partition; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from simulator.engine import SimConfig, simulate
-from varuna.calibration import Calibration
+from varuna.core.calibration import Calibration
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "validate_simulator.py"

@@ -12,10 +12,10 @@ from simulator.autoconfig import autoconfigure, choose_micro_batch_size, sweep_g
 from simulator.cli import main
 from simulator.engine import SimConfig, simulate, split_minibatch
 from simulator.interleaved import interleaved_order
-from varuna.calibration import AllReduceModel, Calibration, LinkModel
-from varuna.partition import balanced_stages, stage_costs
-from varuna.schedule import BACKWARD, FORWARD, RECOMPUTE, StagePolicy, Task, get_schedule, peak_stashed
-from varuna.timeline import Timeline
+from varuna.core.calibration import AllReduceModel, Calibration, LinkModel
+from varuna.core.partition import balanced_stages, stage_costs
+from varuna.core.schedule import BACKWARD, FORWARD, RECOMPUTE, StagePolicy, Task, get_schedule, peak_stashed
+from varuna.core.timeline import Timeline
 
 F_PER_SEGMENT = 0.01  # synthetic costs: F = 0.01 s per segment at m=1, B = 2F, R = F
 
@@ -394,7 +394,7 @@ def test_uneven_replicas_and_short_last_microbatch():
 
 
 def test_split_matches_the_runtime_batching():
-    batching = pytest.importorskip("varuna.batching")
+    batching = pytest.importorskip("varuna.core.batching")
     for M, m, D in [(10, 4, 2), (8192, 3, 28), (100, 7, 5), (64, 8, 8)]:
         plan = batching.plan_microbatches(M, m, D)
         counts, last = split_minibatch(M, m, D)

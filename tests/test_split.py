@@ -6,8 +6,8 @@ import pytest
 import torch
 from models import build_model, make_batch
 
-from varuna.cutpoint import CutPoint, ForwardRun, SplitState, StopForward
-from varuna.split import materialize_stage, profile_model
+from varuna.cutting.cutpoint import CutPoint, ForwardRun, SplitState, StopForward
+from varuna.cutting.split import materialize_stage, profile_model
 
 
 @pytest.mark.parametrize("stage", [0, 2, 4])

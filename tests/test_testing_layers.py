@@ -1,4 +1,4 @@
-"""Tests of the emulated-device layer (varuna.testing): timing, exact gradients, counts, builder."""
+"""Tests of the emulated-device layer (varuna.testing.emulated): timing, exact gradients, counts, builder."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from varuna.testing import EmulatedBlock, EmulatedModel, emulated_model
+from varuna.testing.emulated import EmulatedBlock, EmulatedModel, emulated_model
 
 FWD_S = 0.05  # long enough that sleep granularity and scheduler noise stay well under 20%
 
@@ -105,9 +105,9 @@ def test_bad_arguments():
 
 def _cutpoint_class():
     try:
-        from varuna.cutpoint import CutPoint
+        from varuna.cutting.cutpoint import CutPoint
     except ImportError as exc:  # the engine's CutPoint may not exist yet in a partial checkout
-        pytest.skip(f"varuna.cutpoint not available: {exc}")
+        pytest.skip(f"varuna.cutting.cutpoint not available: {exc}")
     return CutPoint
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from varuna.timeline import Timeline
+from varuna.core.timeline import Timeline
 
 
 def _timeline() -> Timeline:

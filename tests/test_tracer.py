@@ -1,4 +1,4 @@
-"""Tests of the tracer (varuna/tracer.py) and the ``varuna-trace`` command.
+"""Tests of the tracer (varuna/cutting/tracer.py) and the ``varuna-trace`` command.
 
 Single-process: each test dry-runs a small model and checks the report. The engine's refusal of a
 hidden dependency is also checked end to end (2 processes, ``slow``) in tests/test_autocut.py.
@@ -25,8 +25,8 @@ from autocut_worker import PlantedNet, build  # noqa: E402
 from models import build_model, make_batch  # noqa: E402
 
 import varuna  # noqa: E402
-from varuna.trace_cli import main as trace_main  # noqa: E402
-from varuna.tracer import TraceReport, trace_model  # noqa: E402
+from varuna.cutting.trace_cli import main as trace_main  # noqa: E402
+from varuna.cutting.tracer import TraceReport, trace_model  # noqa: E402
 
 
 def _xy(n: int = 4):
@@ -52,7 +52,7 @@ def test_gpt_tied_embeddings_are_detected() -> None:
 
 def test_tracer_agrees_with_the_engines_dry_run() -> None:
     """The runtime registers exactly the parameters the tracer reports as shared."""
-    from varuna.split import profile_model
+    from varuna.cutting.split import profile_model
 
     model = build_model("gpt")
     batch = make_batch("gpt", 3)
@@ -230,7 +230,7 @@ def test_batchnorm_statistics_are_segment_local_and_restored() -> None:
 
 
 def test_check_splittable_is_what_the_engine_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    import varuna.tracer as tracer
+    import varuna.cutting.tracer as tracer
 
     with pytest.raises(ValueError, match="blocks.0"):
         tracer.check_splittable(build("skip")[0], _xy())

@@ -1,6 +1,6 @@
 """varuna: pipeline + data-parallel training of large models on cheap, preemptible VMs.
 
-Exports are lazy so that ``import varuna.schedule`` (used by the simulator) never imports torch.
+Exports are lazy so that ``import varuna.core.schedule`` (used by the simulator) never imports torch.
 
     >>> import varuna
     >>> varuna.CutPoint  # doctest: +SKIP
@@ -11,13 +11,13 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "CutPoint": "varuna.cutpoint",
-    "Engine": "varuna.engine",
-    "VarunaConfig": "varuna.engine",
-    "StepResult": "varuna.engine",
-    "balanced_partition": "varuna.partition",
-    "auto_cutpoints": "varuna.autocut",
-    "keyed_seed": "varuna.split",
+    "CutPoint": "varuna.cutting.cutpoint",
+    "Engine": "varuna.runtime.engine",
+    "VarunaConfig": "varuna.runtime.engine",
+    "StepResult": "varuna.runtime.engine",
+    "balanced_partition": "varuna.core.partition",
+    "auto_cutpoints": "varuna.cutting.autocut",
+    "keyed_seed": "varuna.cutting.split",
 }
 
 __all__ = sorted(_EXPORTS)

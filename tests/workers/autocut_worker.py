@@ -190,7 +190,7 @@ def main() -> None:
             (out / f"rank{rank}.json").write_text(json.dumps({"refused": str(e)}))
             continue
         r = engine.train_step(batch)
-        from varuna.autocut import _auto_cut_modules
+        from varuna.cutting.autocut import _auto_cut_modules
 
         torch.save({n: q.grad.detach().clone() for n, q in engine.named_parameters() if q.grad is not None},
                    out / f"rank{rank}.pt")

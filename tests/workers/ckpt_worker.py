@@ -5,7 +5,7 @@ would. Dumps, per rank, the (step, loss) pairs it ran and its final parameters.
 
 Fault injection (``--kill-event E --kill-count N --kill-rank R --kill-at S``): rank R kills
 itself with SIGKILL at the N-th ``E`` progress event of the save at step S (see
-``varuna.checkpoint.Checkpointer.progress_hook``) — a ``kill -9`` at a precise point of a save.
+``varuna.runtime.checkpoint.Checkpointer.progress_hook``) — a ``kill -9`` at a precise point of a save.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from varuna.comm import LinkReceiver, LinkSender  # noqa: E402
+from varuna.runtime.comm import LinkReceiver, LinkSender  # noqa: E402
 
 
 def messages() -> list[tuple[int, tuple[torch.Tensor, ...]]]:

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from models import build_model, make_batch  # noqa: E402
 
 import varuna  # noqa: E402
-from varuna.split import resident_param_bytes  # noqa: E402
+from varuna.cutting.split import resident_param_bytes  # noqa: E402
 
 
 def main() -> None:
@@ -113,7 +113,7 @@ def run() -> None:
                         "executed": [[str(t) for t in o] for o in engine.executed_orders],
                         "static": [
                             str(t)
-                            for t in varuna.schedule.get_schedule(
+                            for t in varuna.core.schedule.get_schedule(
                                 kind,
                                 engine.num_stages,
                                 len(engine.micro_plan[engine.replica]),

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from manager.client import WorkerReporter
-from varuna.timeline import Timeline
+from varuna.core.timeline import Timeline
 
 
 @dataclass

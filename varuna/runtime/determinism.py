@@ -234,7 +234,7 @@ class DeterministicGrads:
         e = self.e
         if all(s in rows for s in segs):
             return rows
-        from varuna.partition import stage_of_segment
+        from varuna.core.partition import stage_of_segment
 
         seg_stage = stage_of_segment(e.stage_ranges)
         stages = sorted({seg_stage[s] for s in segs})

@@ -9,7 +9,7 @@ fit on 2 cores and the wall-clock behaviour of a schedule (bubbles, overlap with
 is what the real hardware would show for those per-block costs.
 
 Used by tests, the simulator's validation runs and the benchmark scripts; together with
-:mod:`varuna.netem` (emulated network) it gives an emulated cluster on one machine.
+:mod:`varuna.testing.netem` (emulated network) it gives an emulated cluster on one machine.
 
 Example::
 
@@ -183,8 +183,8 @@ def emulated_model(
         >>> loss = model(torch.randn(2, 8), torch.zeros(2, 8))
         >>> loss.backward()          # takes about 4 * (1 + 2) ms
     """
-    # Imported here, not at module level: varuna.testing must import without the engine.
-    from varuna.cutpoint import CutPoint
+    # Imported here, not at module level: varuna.testing.emulated must import without the engine.
+    from varuna.cutting.cutpoint import CutPoint
 
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")

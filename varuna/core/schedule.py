@@ -11,7 +11,7 @@ stage. Micro-batch indices are 0-based and local to one replica pipeline; stages
 
 Example::
 
-    >>> from varuna.schedule import build_schedule, format_tasks
+    >>> from varuna.core.schedule import build_schedule, format_tasks
     >>> format_tasks(build_schedule("gpipe", 2, 3)[0])
     'F0 F1 F2 B2 R1 B1 R0 B0'
 

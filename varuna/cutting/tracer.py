@@ -2,7 +2,7 @@
 
 A pipeline stage runs the user's whole forward, but modules outside the stage return
 placeholders (zeros of the right shape) and parameters outside it are zeros (see Note
-[Placeholders] in :mod:`varuna.split`). A value therefore reaches a later stage correctly only if
+[Placeholders] in :mod:`varuna.cutting.split`). A value therefore reaches a later stage correctly only if
 
 * it passes through a CutPoint (``x = cut(x)``: the stage receives it), or
 * it is *common*: computed by glue code (code that runs on every stage) from the batch,
@@ -57,7 +57,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from varuna.cutpoint import CutPoint, DryRun, SplitState
+from varuna.cutting.cutpoint import CutPoint, DryRun, SplitState
 
 __all__ = [
     "TraceReport",
@@ -86,7 +86,7 @@ _METADATA = frozenset({
 
 
 # ---------------------------------------------------------------------------------------------
-# Recording (shared with varuna.autocut)
+# Recording (shared with varuna.cutting.autocut)
 
 
 @dataclass(eq=False)

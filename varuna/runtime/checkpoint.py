@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from varuna.engine import Engine
+    from varuna.runtime.engine import Engine
 
 __all__ = [
     "CheckpointError",
@@ -74,7 +74,7 @@ __all__ = [
     "step_dir_name",
 ]
 
-log = logging.getLogger("varuna.checkpoint")
+log = logging.getLogger("varuna.runtime.checkpoint")
 
 FORMAT = "varuna-checkpoint"
 VERSION = 1
@@ -578,7 +578,7 @@ class _SaveJob:
 
 
 class Checkpointer:
-    """Saves and loads an :class:`~varuna.engine.Engine`'s checkpoints (one per engine).
+    """Saves and loads an :class:`~varuna.runtime.engine.Engine`'s checkpoints (one per engine).
 
     Settings come from the engine's config, then the environment: ``checkpoint_dir`` or
     ``$VARUNA_CHECKPOINT_DIR``; ``resume`` or ``$VARUNA_RESUME`` (1 / auto / 0). The engine calls

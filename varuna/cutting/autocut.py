@@ -1,6 +1,6 @@
 """Automatic cut-points: find where a model can be split, and insert CutPoints without editing it.
 
-:func:`auto_cutpoints` dry-runs the model once under the tracer's recorder (:mod:`varuna.tracer`)
+:func:`auto_cutpoints` dry-runs the model once under the tracer's recorder (:mod:`varuna.cutting.tracer`)
 and looks at every module call as a candidate boundary. The end of a call to module ``M`` is a
 *valid* boundary when
 
@@ -47,9 +47,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from varuna.cutpoint import CutPoint
-from varuna.partition import balanced_partition
-from varuna.tracer import (
+from varuna.core.partition import balanced_partition
+from varuna.cutting.cutpoint import CutPoint
+from varuna.cutting.tracer import (
     _Call,
     _call,
     _Info,
@@ -599,7 +599,7 @@ def engine_auto_cutpoints(model: nn.Module, example_batch, max_cuts: int, *, mic
 
     Returns the modules that got a cut-point. A ``ValueError`` on rank 0 is raised on every rank.
     """
-    from varuna.batching import batch_size_of, slice_batch
+    from varuna.core.batching import batch_size_of, slice_batch
 
     first = slice_batch(example_batch, 0, min(micro_batch_size, batch_size_of(example_batch)))
     if world == 1:

@@ -1,4 +1,4 @@
-"""``varuna-trace``: print what crosses segment boundaries in a model (see :mod:`varuna.tracer`).
+"""``varuna-trace``: print what crosses segment boundaries in a model (see :mod:`varuna.cutting.tracer`).
 
 Usage::
 
@@ -116,8 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         model, batch, loss_fn = load_target(args.target, kwargs)
     except UsageError as e:
         parser.error(str(e))  # exits 2 with one line on stderr
-    from varuna.autocut import auto_cutpoints
-    from varuna.tracer import trace_model
+    from varuna.cutting.autocut import auto_cutpoints
+    from varuna.cutting.tracer import trace_model
 
     quiet = args.json == "-"
     try:

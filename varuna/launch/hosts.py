@@ -1,5 +1,5 @@
 """The hosts of a multi-host job: host files, their validation, OpenSSH commands, and the
-launcher's side of a per-host agent (:mod:`varuna.agent`).
+launcher's side of a per-host agent (:mod:`varuna.launch.agent`).
 
 A host file has one host per line, ``#`` starts a comment::
 
@@ -49,9 +49,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import IO
 
-from varuna.agent import PROTOCOL_VERSION, decode_message, encode_message
-from varuna.env import LAUNCHER_VARS
-from varuna.launch import KILL_REAP_TIMEOUT_S, WorkerSpec, _pdeathsig_preexec
+from varuna.core.env import LAUNCHER_VARS
+from varuna.launch.agent import PROTOCOL_VERSION, decode_message, encode_message
+from varuna.launch.launcher import KILL_REAP_TIMEOUT_S, WorkerSpec, _pdeathsig_preexec
 
 __all__ = [
     "AGENT_READY_TIMEOUT_S",
@@ -74,7 +74,7 @@ __all__ = [
 ]
 
 #: The launcher pings every agent this often; an agent that hears nothing for its
-#: ``--heartbeat-timeout`` (default :data:`varuna.agent.HEARTBEAT_TIMEOUT_S`) stops its workers,
+#: ``--heartbeat-timeout`` (default :data:`varuna.launch.agent.HEARTBEAT_TIMEOUT_S`) stops its workers,
 #: which covers a network partition that TCP would only notice after hours.
 HEARTBEAT_INTERVAL_S = 5.0
 #: How long an agent may take from ``ssh`` (or ``python``) start to its "ready" line: an ssh
@@ -369,7 +369,7 @@ def remote_agent_command(*, python: str, pythonpath: Sequence[str], agent_args: 
 
         >>> remote_agent_command(python="/usr/bin/python3", pythonpath=["/src/my repo"],
         ...                      agent_args=["--job-id", "j1"])
-        "exec env 'PYTHONPATH=/src/my repo' /usr/bin/python3 -m varuna.agent --job-id j1"
+        "exec env 'PYTHONPATH=/src/my repo' /usr/bin/python3 -m varuna.launch.agent --job-id j1"
     """
     python = validate_remote_path(python, "python interpreter")
     for entry in pythonpath:
@@ -377,7 +377,7 @@ def remote_agent_command(*, python: str, pythonpath: Sequence[str], agent_args: 
     pieces = ["exec", "env"]
     if pythonpath:
         pieces.append("PYTHONPATH=" + os.pathsep.join(pythonpath))
-    pieces += [python, "-m", "varuna.agent", *agent_args]
+    pieces += [python, "-m", "varuna.launch.agent", *agent_args]
     return " ".join(shlex.quote(p) for p in pieces)
 
 
@@ -388,7 +388,7 @@ def probe_hosts(
 
     Returns ``(reachable, [(unreachable entry, reason)])``, both in input order; pretend local
     hosts are always reachable. Must run in a thread that outlives the probes (parent-death
-    signal, Note [No orphans] in :mod:`varuna.launch`).
+    signal, Note [No orphans] in :mod:`varuna.launch.launcher`).
     """
     started: dict[int, subprocess.Popen[bytes]] = {}
     failed: dict[int, str] = {}
@@ -520,7 +520,7 @@ class RemoteWorker:
 
 
 class AgentHost:
-    """A host whose workers are run by a per-host agent (:mod:`varuna.agent`): over ssh, or as
+    """A host whose workers are run by a per-host agent (:mod:`varuna.launch.agent`): over ssh, or as
     a local process for a pretend ``localhost`` entry. Implements the launcher's ``Host``.
 
     Lifecycle: :meth:`start_process` (from the thread that supervises the job: the agent or its
@@ -576,12 +576,12 @@ class AgentHost:
     # -- start-up ------------------------------------------------------------------------------
 
     def agent_argv(self) -> list[str]:
-        """What runs the agent: ``python -m varuna.agent ...`` here, or ``ssh ... HOST CMD``."""
+        """What runs the agent: ``python -m varuna.launch.agent ...`` here, or ``ssh ... HOST CMD``."""
         agent_args = ["--job-id", self._job_id, "--host-id", str(self.host_id)]
         if self._heartbeat_timeout_s is not None:
             agent_args += ["--heartbeat-timeout", f"{self._heartbeat_timeout_s:g}"]
         if self.entry.is_local:
-            return [self._python, "-m", "varuna.agent", *agent_args]
+            return [self._python, "-m", "varuna.launch.agent", *agent_args]
         command = remote_agent_command(
             python=self._python, pythonpath=self._pythonpath, agent_args=agent_args
         )

@@ -35,7 +35,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from varuna.cutpoint import CutPoint, DryRun, SplitState
+from varuna.cutting.cutpoint import CutPoint, DryRun, SplitState
 
 __all__ = ["ModelProfile", "profile_model", "materialize_stage", "resident_param_bytes", "keyed_seed"]
 

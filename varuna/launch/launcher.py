@@ -2,7 +2,7 @@
 (``--procs N``) or on several hosts through one agent per host (``--hosts``).
 
 Each worker runs ``python SCRIPT ARGS`` (or ``python -m MODULE ARGS``) with the environment
-contract of :mod:`varuna.env` (torchrun-compatible ``RANK``/``WORLD_SIZE``/... plus the pipeline
+contract of :mod:`varuna.core.env` (torchrun-compatible ``RANK``/``WORLD_SIZE``/... plus the pipeline
 layout). The launcher prefixes every output line with ``[rank r stage k replica d]`` (preceded by
 the host with ``--hosts``), stops the whole job when one worker fails, forwards
 SIGINT/SIGTERM/SIGUSR1, and leaves no process behind on any exit path (Note [No orphans]).
@@ -14,16 +14,16 @@ Command line::
 
 Python API (what tests and the manager use)::
 
-    >>> from varuna.launch import LaunchConfig, launch
+    >>> from varuna.launch.launcher import LaunchConfig, launch
     >>> launch(LaunchConfig(script="train.py", script_args=("--lr", "3e-4"),
     ...                     pipeline_depth=2, data_parallel=2))  # doctest: +SKIP
     0
 
 Structure: :func:`plan_workers` turns a config and a list of hosts into one :class:`WorkerSpec`
-per rank; a host (:class:`LocalHost` for ``--procs``, :class:`varuna.hosts.AgentHost` for a
+per rank; a host (:class:`LocalHost` for ``--procs``, :class:`varuna.launch.hosts.AgentHost` for a
 per-host agent started locally or over ssh) spawns specs and returns :class:`WorkerHandle` s;
 the :class:`Supervisor` only talks to handles, so it does not care where a worker runs. With
-``--hosts``, :func:`main` validates the host entries (:mod:`varuna.hosts`), probes the ssh
+``--hosts``, :func:`main` validates the host entries (:mod:`varuna.launch.hosts`), probes the ssh
 hosts, picks P×D for what answered (:func:`resolve_layout`, auto-config from a calibration when
 P is not given) and runs :func:`launch_on_hosts`.
 
@@ -76,10 +76,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Protocol, TextIO
 
-from varuna.env import CONTRACT_VARS, PASSTHROUGH_PREFIX, WorkerEnv, is_passthrough
+from varuna.core.env import CONTRACT_VARS, PASSTHROUGH_PREFIX, WorkerEnv, is_passthrough
 
-if TYPE_CHECKING:  # varuna.hosts imports this module; at run time it is imported where needed
-    from varuna.hosts import HostEntry, SshOptions
+if TYPE_CHECKING:  # varuna.launch.hosts imports this module; at run time it is imported where needed
+    from varuna.launch.hosts import HostEntry, SshOptions
 
 __all__ = [
     "EXIT_OK",
@@ -267,7 +267,7 @@ def plan_workers(
     cwd: str | None = None,
 ) -> list[WorkerSpec]:
     """One spec per rank; hosts get contiguous rank ranges in order (Note [Rank layout] in
-    :mod:`varuna.env`), so a host with several slots holds consecutive stages of a pipeline.
+    :mod:`varuna.core.env`), so a host with several slots holds consecutive stages of a pipeline.
 
     ``launcher_environ`` (default ``os.environ``) supplies the ``VARUNA_*`` pass-through.
 
@@ -938,7 +938,7 @@ def auto_configure(
             f"--calibration needs the simulator (simulator/autoconfig.py), which cannot be imported here"
             f" ({exc}); give --pipeline-depth P instead"
         ) from None
-    from varuna.calibration import Calibration
+    from varuna.core.calibration import Calibration
 
     try:
         cal = Calibration.load(calibration)
@@ -1022,7 +1022,7 @@ def select_hosts(entries: Sequence[HostEntry], world_size: int) -> list[HostEntr
 
     Example::
 
-        >>> from varuna.hosts import parse_hosts_arg
+        >>> from varuna.launch.hosts import parse_hosts_arg
         >>> [e.display for e in select_hosts(parse_hosts_arg("a slots=2,b slots=2,c slots=2"), 3)]
         ['a', 'b']
     """
@@ -1058,14 +1058,14 @@ def launch_on_hosts(
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
 ) -> int:
-    """Run the job on ``entries`` (:class:`varuna.hosts.HostEntry`, slots assigned) through one
+    """Run the job on ``entries`` (:class:`varuna.launch.hosts.HostEntry`, slots assigned) through one
     agent per host; return the launcher's exit code. The hosts must hold ``config.world_size``
-    workers; the caller has probed them (:func:`varuna.hosts.probe_hosts`).
+    workers; the caller has probed them (:func:`varuna.launch.hosts.probe_hosts`).
 
     Signals are handled as in :func:`launch` (called from the main thread), including while the
     agents start. Every exit path closes every agent: each kills what is left of its workers.
     """
-    from varuna.hosts import AgentError, AgentHost, new_job_id, record_of
+    from varuna.launch.hosts import AgentError, AgentHost, new_job_id, record_of
 
     stderr = stderr if stderr is not None else sys.stderr
     out_lock = threading.Lock()
@@ -1394,7 +1394,7 @@ def _with_layout(config: LaunchConfig, layout: Layout) -> LaunchConfig:
 def _main_hosts(args: argparse.Namespace, config: LaunchConfig, gpu_memory_bytes: int | None) -> int:
     """``--hosts``: validate, probe, choose P×D for what answered, start agents. Usage errors
     raise ``ValueError`` (exit 2); a job that cannot be placed exits 1."""
-    from varuna.hosts import SshOptions, assign_slots, parse_hosts_arg, probe_hosts
+    from varuna.launch.hosts import SshOptions, assign_slots, parse_hosts_arg, probe_hosts
 
     entries = assign_slots(parse_hosts_arg(args.hosts), args.procs_per_host)
     ssh = SshOptions(

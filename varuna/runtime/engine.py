@@ -14,8 +14,8 @@ Example (the same script runs at any P×D under ``varuna-launch``)::
     engine.close()
 
 What happens in ``train_step`` (Note [Step]): the mini-batch is cut into micro-batches (see
-:mod:`varuna.batching`); the stage runs its schedule's tasks through the shared
-:class:`~varuna.schedule.StagePolicy` while sender/receiver threads move activations and
+:mod:`varuna.core.batching`); the stage runs its schedule's tasks through the shared
+:class:`~varuna.core.schedule.StagePolicy` while sender/receiver threads move activations and
 gradients; then gradients are summed over each stage's replicas (and, for parameters that live
 on several stages such as tied embeddings, over every copy); one small all-reduce over all
 ranks agrees on the global gradient norm, on whether any gradient overflowed and on the loss;
@@ -39,12 +39,9 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from varuna.batching import MicroBatch, batch_size_of, plan_microbatches, slice_batch
-from varuna.comm import Arrival, LinkReceiver, LinkSender
-from varuna.cutpoint import CutPoint, ForwardRun, SplitState, StopForward
-from varuna.loss_scale import DynamicLossScale
-from varuna.partition import balanced_stages, stage_of_segment
-from varuna.schedule import (
+from varuna.core.batching import MicroBatch, batch_size_of, plan_microbatches, slice_batch
+from varuna.core.partition import balanced_stages, stage_of_segment
+from varuna.core.schedule import (
     BACKWARD,
     DEFAULT_STASH_HEADROOM,
     FORWARD,
@@ -53,8 +50,11 @@ from varuna.schedule import (
     Task,
     get_schedule,
 )
-from varuna.split import ModelProfile, keyed_seed, materialize_stage, profile_model
-from varuna.timeline import Timeline
+from varuna.core.timeline import Timeline
+from varuna.cutting.cutpoint import CutPoint, ForwardRun, SplitState, StopForward
+from varuna.cutting.split import ModelProfile, keyed_seed, materialize_stage, profile_model
+from varuna.runtime.comm import Arrival, LinkReceiver, LinkSender
+from varuna.runtime.loss_scale import DynamicLossScale
 
 __all__ = ["VarunaConfig", "Engine", "StepResult"]
 
@@ -81,7 +81,7 @@ class VarunaConfig:
     """varuna schedule: how many more boundary inputs than its list's peak a stage may stash by
     running graph-less forwards out of list order -- while it waits for a late gradient, or to
     feed a next stage that ran dry (Notes [Filling the wait] and [Keeping the next stage fed] in
-    varuna/schedule.py). 0: only within the list's own peak."""
+    varuna/core/schedule.py). 0: only within the list's own peak."""
     seed: int = 0
     """Keys dropout masks (with step, micro-batch and segment) and parameter init."""
     precision: str = "fp32"
@@ -111,7 +111,7 @@ class VarunaConfig:
     stop_signals: tuple[str, ...] = ("SIGUSR1", "SIGTERM")
     """Signals that ask for a graceful stop: every rank finishes the current mini-batch, runs the
     stop callbacks (e.g. writes a checkpoint) and exits 0. Empty: install no handler."""
-    # ---- checkpoints (see varuna/checkpoint.py and docs/checkpoints.md)
+    # ---- checkpoints (see varuna/runtime/checkpoint.py and docs/checkpoints.md)
     checkpoint_dir: str | None = None
     """Global checkpoint store (shared filesystem or mounted blob); default $VARUNA_CHECKPOINT_DIR.
     When set, a graceful stop (SIGUSR1/SIGTERM) checkpoints before exiting."""
@@ -126,7 +126,8 @@ class VarunaConfig:
     "0"/False: never. None: $VARUNA_RESUME (default never)."""
     auto_cutpoints: int | None = None
     """Insert up to this many CutPoints automatically into a model that has none (rank 0 picks the
-    boundaries from a dry run, every rank applies them; see varuna/autocut.py). None: use the model's."""
+    boundaries from a dry run, every rank applies them; see varuna/cutting/autocut.py). None: use the
+    model's."""
 
     def apply_launcher_env(self, environ=None) -> None:
         """Adopt what ``varuna-launch``'s auto-config chose (``VARUNA_MICRO_BATCH_SIZE``,
@@ -221,7 +222,7 @@ class Engine:
         self._owns_pg = False
         self.layout = self._init_distributed(config)
         if config.auto_cutpoints is not None:  # before the dry run, which must see the CutPoints
-            from varuna.autocut import engine_auto_cutpoints
+            from varuna.cutting.autocut import engine_auto_cutpoints
 
             engine_auto_cutpoints(
                 model,
@@ -256,7 +257,7 @@ class Engine:
                 f"use --pipeline-depth <= {K + 1} or add CutPoints"
             )
         if P > 1:  # refuse hidden dependencies (values crossing a boundary outside a CutPoint)
-            from varuna.tracer import check_splittable
+            from varuna.cutting.tracer import check_splittable
 
             check_splittable(model, first, self.loss_fn, warn=self.layout.rank == 0)
         self.stage_ranges = self._assign_stages(config)
@@ -278,7 +279,7 @@ class Engine:
         self._trainable = {n: p for n, p in self.stage_params.items() if p.requires_grad}
         self._det = None
         if config.deterministic:
-            from varuna.determinism import DeterministicGrads
+            from varuna.runtime.determinism import DeterministicGrads
 
             torch.use_deterministic_algorithms(True)
             torch.set_num_threads(config.deterministic_threads)
@@ -292,7 +293,7 @@ class Engine:
         self._build_groups()
         self._netem = None
         if self.layout.world > 1:
-            from varuna.netem import NetworkConfig, emulate_network
+            from varuna.testing.netem import NetworkConfig, emulate_network
 
             netcfg = NetworkConfig.from_env()
             if netcfg is not None:  # $VARUNA_NETEM: emulate a slow network for this process
@@ -308,8 +309,8 @@ class Engine:
         #: called (with the engine) on every rank after the step that agreed to stop
         self.stop_callbacks: list[Callable[[Engine], None]] = []
         self._install_stop_handlers(config.stop_signals)
-        # ---- checkpoints (see varuna/checkpoint.py): save on stop, periodic saves, resume
-        from varuna.checkpoint import Checkpointer
+        # ---- checkpoints (see varuna/runtime/checkpoint.py): save on stop, periodic saves, resume
+        from varuna.runtime.checkpoint import Checkpointer
 
         self.checkpointer = Checkpointer(self)
         self.checkpointer.attach()  # a collective when resuming: every rank loads the same step
@@ -688,7 +689,7 @@ class Engine:
             policy = sched.policy(k, stash_headroom=self.config.stash_headroom)
             recomputed = sched.recomputed(k)
         else:
-            from varuna.schedule import StagePolicy
+            from varuna.core.schedule import StagePolicy
 
             policy = StagePolicy([Task(FORWARD, i) for i in range(n)], k, P, opportunistic=False)
             recomputed = frozenset(range(n))  # forward-only: never keep a graph
@@ -874,7 +875,7 @@ class Engine:
             self.timeline.add(self.stage, self.replica, "OPT", None, t_ar, time.perf_counter())
         return norm, False, stop
 
-    # ---- checkpoints (see varuna/checkpoint.py)
+    # ---- checkpoints (see varuna/runtime/checkpoint.py)
 
     def save_checkpoint(self, directory: str | os.PathLike | None = None, *, wait: bool = False):
         """Checkpoint the state after ``step_count`` steps; every rank calls it at the same step.
@@ -908,20 +909,20 @@ class Engine:
 
     def state_dict(self) -> dict:
         """This stage's state by canonical parameter name: ``step``, ``params``, ``optimizer``
-        (name-keyed, see :func:`varuna.checkpoint.optimizer_state_by_name`), ``loss_scale``.
+        (name-keyed, see :func:`varuna.runtime.checkpoint.optimizer_state_by_name`), ``loss_scale``.
 
         Example::
 
             sd = engine.state_dict()
             engine.load_state_dict(sd)
         """
-        from varuna.checkpoint import engine_state_dict
+        from varuna.runtime.checkpoint import engine_state_dict
 
         return engine_state_dict(self)
 
     def load_state_dict(self, state: dict) -> None:
         """Inverse of :meth:`state_dict`; ``state["params"]`` may hold the whole model's names."""
-        from varuna.checkpoint import load_engine_state_dict
+        from varuna.runtime.checkpoint import load_engine_state_dict
 
         load_engine_state_dict(self, state)
 

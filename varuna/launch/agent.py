@@ -1,12 +1,12 @@
-"""``python -m varuna.agent``: the per-host agent that runs one host's workers for the launcher.
+"""``python -m varuna.launch.agent``: the per-host agent that runs one host's workers for the launcher.
 
 The launcher starts one agent per host, over ssh (``ssh HOST exec env PYTHONPATH=... python -m
-varuna.agent ...``) or, for a pretend ``localhost`` host, as a local process. The agent talks to
+varuna.launch.agent ...``) or, for a pretend ``localhost`` host, as a local process. The agent talks to
 the launcher over its own stdin/stdout (the ssh channel), one JSON object per line
 (Note [Agent protocol]); its stderr carries its own diagnostics, which the launcher relays.
 
 The agent starts workers exactly as the single-machine launcher does (``LocalHost.spawn``: own
-session, parent-death signal, group kill on exit; Note [No orphans] in :mod:`varuna.launch`), so
+session, parent-death signal, group kill on exit; Note [No orphans] in :mod:`varuna.launch.launcher`), so
 killing the agent by any means takes its workers with it.
 
 Note [Agent protocol] (version :data:`PROTOCOL_VERSION`). Agent → launcher:
@@ -170,8 +170,8 @@ class Agent:
         # "ping" (and unknown types from a newer launcher) only count as a sign of life.
 
     def _spawn(self, requests: list[dict[str, Any]]) -> None:
-        from varuna.env import WorkerEnv
-        from varuna.launch import LocalHost, WorkerSpec
+        from varuna.core.env import WorkerEnv
+        from varuna.launch.launcher import LocalHost, WorkerSpec
 
         started: list[dict[str, int]] = []
         failed: dict[str, Any] | None = None
@@ -337,7 +337,7 @@ def _free_port() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m varuna.agent`` (started by ``varuna-launch``, not by hand)."""
+    """Entry point of ``python -m varuna.launch.agent`` (started by ``varuna-launch``, not by hand)."""
     parser = argparse.ArgumentParser(
         prog="varuna-agent", description="Per-host agent of varuna-launch; speaks JSON lines on stdin/stdout."
     )

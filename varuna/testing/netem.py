@@ -679,7 +679,7 @@ def _check_tensor(tensor: torch.Tensor) -> None:
         raise TypeError(f"expected a torch.Tensor to send, got {type(tensor).__name__}")
     if tensor.device.type != "cpu":
         raise RuntimeError(
-            f"varuna.netem emulates CPU (gloo) transfers only, got a tensor on {tensor.device}; "
+            f"varuna.testing.netem emulates CPU (gloo) transfers only, got a tensor on {tensor.device}; "
             f"unset {NETEM_ENV_VAR} / do not use emulate_network() with accelerator tensors"
         )
 

@@ -459,7 +459,7 @@ class RuntimeOverheads:
     slicing, queueing the send)."""
     placeholder_s: float = 0.0
     """Added to a stage's F and R per segment *before* the stage: each earlier segment's modules
-    return placeholders (Note [Placeholders] in varuna/split.py)."""
+    return placeholders (Note [Placeholders] in varuna/cutting/split.py)."""
     step_overhead_s: float = 0.0
     """Added once per mini-batch: step set-up and the end-of-step agreement all-reduce over every
     rank. It grows with the world size; ``source`` should say at which size it was measured."""
