@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -36,6 +36,7 @@ from google.protobuf.json_format import MessageToDict
 from manager.auth import load_token
 from manager.client import ClientConfig, ManagerClient
 from manager.jobspec import JobSpec, load_jobspec, spec_to_pb
+from varuna.core.cli import OneLineParser
 
 __all__ = ["main"]
 
@@ -52,11 +53,6 @@ class _Failure(Exception):
     """The manager could not be reached or failed: exit 1 with this one line."""
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse with one-line usage errors (the contract of every varuna CLI)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _positive(kind: type) -> Any:
@@ -73,12 +69,12 @@ def _positive(kind: type) -> Any:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(
+    parser = OneLineParser(
         prog=PROG,
         description="The varuna job manager: morphs P×D jobs across spot VMs.",
         epilog="Exit codes: 0 ok, 1 manager unreachable/refused/failed, 2 bad input.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_OneLineParser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
 
     serve = sub.add_parser("serve", help="run the manager daemon")
     serve.add_argument(

@@ -18,18 +18,16 @@ import time
 from profiler.hosts import HostEmulationError
 from profiler.runner import ProfileOptions, calibrate
 from profiler.spec import parse_micro_batch_sizes, parse_model_args
+from varuna.core.cli import OneLineParser
 
 __all__ = ["main", "build_parser"]
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"varuna-profile: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     d = ProfileOptions()
-    p = _OneLineParser(
+    p = OneLineParser(
         prog="varuna-profile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(

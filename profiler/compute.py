@@ -48,6 +48,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from profiler.spec import ModelTarget
+from varuna.cutting.batches import call_with_batch
 from varuna.cutting.cutpoint import CutPoint, DryRun, ForwardRun, SplitState, StopForward
 from varuna.cutting.split import ModelProfile, materialize_stage, profile_model
 
@@ -100,13 +101,6 @@ def median_iqr(values: Sequence[float]) -> tuple[float, float]:
     return statistics.median(vals), q[2] - q[0]
 
 
-def _call(model: torch.nn.Module, batch: Any) -> Any:
-    # The engine's calling convention (varuna.runtime.engine): dict -> kwargs, tuple/list -> args.
-    if isinstance(batch, dict):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
 
 
 def _tensor_bytes(tree: Any) -> int:
@@ -223,7 +217,7 @@ def _capture(
     try:
         with torch.no_grad():
             t0 = time.perf_counter()
-            loss_fn(_call(model, batch), batch)
+            loss_fn(call_with_batch(model, batch), batch)
             t1 = time.perf_counter()
     finally:
         state.run = None
@@ -316,7 +310,7 @@ class SegmentProfiler:
                 self._sync()
                 t0 = time.perf_counter()
                 try:
-                    out = _call(model, batch)
+                    out = call_with_batch(model, batch)
                 except StopForward as stop:
                     return stop.outputs, (run.t_in if segment > 0 else t0), run.t_out
                 loss = self.target.loss_fn(out, batch)

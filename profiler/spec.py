@@ -169,7 +169,7 @@ def _resizer(batch: Any, spec: str) -> Callable[[int], Any]:
     import torch
     from torch.utils._pytree import tree_map
 
-    from varuna.core.batching import batch_size_of
+    from varuna.cutting.batches import batch_size_of
 
     try:
         size = batch_size_of(batch)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MicroBatch", "plan_microbatches", "slice_batch", "batch_size_of"]
+__all__ = ["MicroBatch", "plan_microbatches"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,36 +54,3 @@ def plan_microbatches(
         out.append(mbs[pos : pos + cnt])
         pos += cnt
     return out
-
-
-def batch_size_of(batch) -> int:
-    """Leading dimension shared by every tensor of ``batch`` (tensor, tuple/list or dict)."""
-    import torch
-
-    leaves = (
-        list(batch.values())
-        if isinstance(batch, dict)
-        else list(batch)
-        if isinstance(batch, (list, tuple))
-        else [batch]
-    )
-    sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0}
-    if len(sizes) != 1:
-        raise ValueError(
-            f"every tensor of a batch must share its first (batch) dimension; got sizes {sorted(sizes)}"
-        )
-    return sizes.pop()
-
-
-def slice_batch(batch, start: int, end: int):
-    """Examples ``start:end`` of every tensor in ``batch``; other values are passed through."""
-    import torch
-
-    def cut(x):
-        return x[start:end] if isinstance(x, torch.Tensor) and x.dim() > 0 else x
-
-    if isinstance(batch, dict):
-        return {k: cut(v) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(cut(v) for v in batch)
-    return cut(batch)

@@ -39,6 +39,8 @@ __all__ = [
     "LAUNCHER_VARS",
     "PASSTHROUGH_PREFIX",
     "is_passthrough",
+    "PLAN_VARS",
+    "RunPlan",
     "WorkerEnv",
     "rank_of",
     "stage_and_replica",
@@ -77,6 +79,11 @@ def is_passthrough(name: str) -> bool:
         [True, False, False, False]
     """
     return name.startswith(PASSTHROUGH_PREFIX) and name not in CONTRACT_VARS and name not in LAUNCHER_VARS
+
+
+#: The run plan (:class:`RunPlan`): what the launcher or the manager planned this job for. They
+#: travel as pass-through ``VARUNA_*`` variables so older launch paths keep working.
+PLAN_VARS = ("VARUNA_GLOBAL_BATCH_SIZE", "VARUNA_MICRO_BATCH_SIZE", "VARUNA_SCHEDULE", "VARUNA_STAGE_RANGES")
 
 
 # Hint appended to "variable missing" errors: the usual cause is running a worker script by hand.
@@ -186,6 +193,11 @@ class WorkerEnv:
         return stage_and_replica(self.rank, self.pipeline_depth)[1]
 
     @property
+    def plan(self) -> RunPlan:
+        """The run plan passed by the launcher or manager (empty fields where nothing was planned)."""
+        return RunPlan.from_env(self.extra)
+
+    @property
     def netem(self) -> str | None:
         """``VARUNA_NETEM``: network emulation config string, or None when not set."""
         return self.extra.get("VARUNA_NETEM")
@@ -281,3 +293,90 @@ class WorkerEnv:
                     f" stage {env.stage}, replica {env.replica})"
                 )
         return env
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunPlan:
+    """What the launcher (or the manager) planned the job for, exported to every worker.
+
+    One run contract (Note [Run plan]): the planner decides P×D, and, when it ran auto-config, the
+    micro-batch size and the segment→stage map, for a given global batch and schedule kind. The
+    engine adopts the planned micro-batch size and stage ranges, and refuses to start when the
+    script's global batch or schedule differs from the plan's (the plan would be for another job).
+    ``None`` means "not planned": the script's own value stands.
+
+    Example::
+
+        >>> plan = RunPlan(global_batch_size=32, schedule="1f1b", stage_ranges=((0, 1), (2, 4)))
+        >>> plan.to_env()
+        {'VARUNA_GLOBAL_BATCH_SIZE': '32', 'VARUNA_SCHEDULE': '1f1b', 'VARUNA_STAGE_RANGES': '0-1,2-4'}
+        >>> RunPlan.from_env(plan.to_env()) == plan
+        True
+    """
+
+    global_batch_size: int | None = None
+    """Examples per optimizer step the job was planned for (``VARUNA_GLOBAL_BATCH_SIZE``)."""
+    micro_batch_size: int | None = None
+    """Micro-batch size chosen by auto-config (``VARUNA_MICRO_BATCH_SIZE``)."""
+    schedule: str | None = None
+    """Schedule kind the job was planned for (``VARUNA_SCHEDULE``)."""
+    stage_ranges: tuple[tuple[int, int], ...] | None = None
+    """Inclusive segment range of each stage chosen by auto-config (``VARUNA_STAGE_RANGES``,
+    ``"0-3,4-7"``)."""
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch_size", "micro_batch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"RunPlan: {name} must be >= 1, got {value}")
+        if self.stage_ranges is not None:
+            object.__setattr__(self, "stage_ranges", tuple((int(a), int(b)) for a, b in self.stage_ranges))
+
+    def to_env(self) -> dict[str, str]:
+        """The ``VARUNA_*`` variables for the planned fields (unplanned ones are left out)."""
+        out: dict[str, str] = {}
+        if self.global_batch_size is not None:
+            out["VARUNA_GLOBAL_BATCH_SIZE"] = str(self.global_batch_size)
+        if self.micro_batch_size is not None:
+            out["VARUNA_MICRO_BATCH_SIZE"] = str(self.micro_batch_size)
+        if self.schedule is not None:
+            out["VARUNA_SCHEDULE"] = self.schedule
+        if self.stage_ranges is not None:
+            out["VARUNA_STAGE_RANGES"] = ",".join(f"{a}-{b}" for a, b in self.stage_ranges)
+        return out
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RunPlan:
+        """Read the plan from ``environ`` (default ``os.environ``); a malformed value raises
+        ``ValueError`` with a one-line message naming the variable."""
+        environ = os.environ if environ is None else environ
+
+        def get_int(name: str) -> int | None:
+            raw = environ.get(name)
+            if not raw:
+                return None
+            try:
+                return int(raw)
+            except ValueError:
+                raise ValueError(f"RunPlan: {name}={raw!r} is not an integer") from None
+
+        ranges = None
+        raw_ranges = environ.get("VARUNA_STAGE_RANGES")
+        if raw_ranges:
+            try:
+                ranges = tuple(_parse_range(part) for part in raw_ranges.split(","))
+            except ValueError:
+                raise ValueError(
+                    f"RunPlan: VARUNA_STAGE_RANGES={raw_ranges!r} is not like '0-3,4-7'"
+                ) from None
+        return cls(
+            global_batch_size=get_int("VARUNA_GLOBAL_BATCH_SIZE"),
+            micro_batch_size=get_int("VARUNA_MICRO_BATCH_SIZE"),
+            schedule=environ.get("VARUNA_SCHEDULE") or None,
+            stage_ranges=ranges,
+        )
+
+
+def _parse_range(text: str) -> tuple[int, int]:
+    first, last = text.split("-")
+    return int(first), int(last)

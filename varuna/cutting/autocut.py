@@ -599,7 +599,7 @@ def engine_auto_cutpoints(model: nn.Module, example_batch, max_cuts: int, *, mic
 
     Returns the modules that got a cut-point. A ``ValueError`` on rank 0 is raised on every rank.
     """
-    from varuna.core.batching import batch_size_of, slice_batch
+    from varuna.cutting.batches import batch_size_of, slice_batch
 
     first = slice_batch(example_batch, 0, min(micro_batch_size, batch_size_of(example_batch)))
     if world == 1:

@@ -35,6 +35,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from varuna.cutting.batches import call_with_batch
 from varuna.cutting.cutpoint import CutPoint, DryRun, SplitState
 
 __all__ = ["ModelProfile", "profile_model", "materialize_stage", "resident_param_bytes", "keyed_seed"]
@@ -119,12 +120,6 @@ def _named_params(model: nn.Module) -> dict[str, nn.Parameter]:
     return dict(model.named_parameters())  # remove_duplicate=True: tied tensors get one name
 
 
-def _call(model: nn.Module, batch):
-    if isinstance(batch, dict):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
 
 
 def _to_meta(tree):
@@ -197,7 +192,7 @@ def profile_model(
     state.run = dry
     try:
         with torch.no_grad(), counter, _ParamUse(param_ids, state, uses):
-            loss_fn(_call(model, batch), batch)
+            loss_fn(call_with_batch(model, batch), batch)
         total_flops = counter.get_total_flops()
     finally:
         state.run = None
@@ -238,7 +233,7 @@ def _time_segments(model, batch, loss_fn, state, cut_names, reps):
         state.run = dry
         try:
             t0 = time.perf_counter()
-            loss = loss_fn(_call(model, batch), batch)
+            loss = loss_fn(call_with_batch(model, batch), batch)
             t1 = time.perf_counter()
         finally:
             state.run = None

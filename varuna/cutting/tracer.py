@@ -57,6 +57,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from varuna.cutting.batches import call_with_batch
 from varuna.cutting.cutpoint import CutPoint, DryRun, SplitState
 
 __all__ = [
@@ -451,12 +452,6 @@ class _TraceRun(DryRun):
         return out[0] if len(out) == 1 else tuple(out)
 
 
-def _call(model: nn.Module, batch):
-    if isinstance(batch, dict):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
 
 
 def _to_meta(tree):
@@ -504,7 +499,7 @@ def record_forward(model: nn.Module, batch, loss_fn: Callable | None, *, flop_co
     try:
         with _preserved_state(model), torch.no_grad():
             with flop_counter if flop_counter is not None else contextlib.nullcontext(), rec:
-                out = _call(model, batch)
+                out = call_with_batch(model, batch)
                 if loss_fn is not None:
                     loss = loss_fn(out, batch)
                     rec.consume(tree_flatten(loss)[0], "the loss (backward)")

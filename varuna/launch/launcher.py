@@ -76,6 +76,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Protocol, TextIO
 
+from varuna.core.cli import OneLineParser
 from varuna.core.env import CONTRACT_VARS, PASSTHROUGH_PREFIX, WorkerEnv, is_passthrough
 
 if TYPE_CHECKING:  # varuna.launch.hosts imports this module; at run time it is imported where needed
@@ -1162,15 +1163,10 @@ def launch_on_hosts(
 # ----------------------------------------------------------------------------------------------
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but usage errors are one line (the contract for all varuna CLIs)."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(
+    parser = OneLineParser(
         prog=PROG,
         description="Start P×D pipeline/data-parallel workers on this machine (--procs) or on several hosts"
         " through per-host agents (--hosts), and supervise them.",

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from varuna.core.batching import MicroBatch, batch_size_of, plan_microbatches, slice_batch
+from varuna.core.batching import MicroBatch, plan_microbatches
 from varuna.core.partition import balanced_stages, stage_of_segment
 from varuna.core.schedule import (
     BACKWARD,
@@ -51,6 +51,7 @@ from varuna.core.schedule import (
     get_schedule,
 )
 from varuna.core.timeline import Timeline
+from varuna.cutting.batches import batch_size_of, call_with_batch, slice_batch
 from varuna.cutting.cutpoint import CutPoint, ForwardRun, SplitState, StopForward
 from varuna.cutting.split import ModelProfile, keyed_seed, materialize_stage, profile_model
 from varuna.runtime.comm import Arrival, LinkReceiver, LinkSender
@@ -666,7 +667,7 @@ class Engine:
             with torch.set_grad_enabled(with_grad), self._autocast():
                 on_segment(0)
                 try:
-                    out = _call(self.model, data)
+                    out = call_with_batch(self.model, data)
                 except StopForward as stop:
                     return stop.outputs
                 if not self.is_last_stage:
@@ -957,12 +958,6 @@ def _leaf(x: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _call(model: nn.Module, batch):
-    if isinstance(batch, dict):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
 
 
 def _model_returns_loss(output, batch):

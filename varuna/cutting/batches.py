@@ -1,0 +1,58 @@
+"""A user's batch (a tensor, a tuple/list or a dict of tensors): its size, slicing it into
+micro-batches, and the convention for passing it to the model.
+
+The plan of which examples form which micro-batch is pure data (:mod:`varuna.core.batching`);
+this module applies it to tensors.
+
+    >>> import torch
+    >>> slice_batch({"x": torch.arange(6), "n": 3}, 2, 4)
+    {'x': tensor([2, 3]), 'n': 3}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["batch_size_of", "call_with_batch", "slice_batch"]
+
+
+def batch_size_of(batch) -> int:
+    """Leading dimension shared by every tensor of ``batch`` (tensor, tuple/list or dict)."""
+    leaves = (
+        list(batch.values())
+        if isinstance(batch, dict)
+        else list(batch)
+        if isinstance(batch, (list, tuple))
+        else [batch]
+    )
+    sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"every tensor of a batch must share its first (batch) dimension; got sizes {sorted(sizes)}"
+        )
+    return sizes.pop()
+
+
+def slice_batch(batch, start: int, end: int):
+    """Examples ``start:end`` of every tensor in ``batch``; other values are passed through."""
+    def cut(x):
+        return x[start:end] if isinstance(x, torch.Tensor) and x.dim() > 0 else x
+
+    if isinstance(batch, dict):
+        return {k: cut(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(cut(v) for v in batch)
+    return cut(batch)
+
+
+def call_with_batch(model: nn.Module, batch: Any) -> Any:
+    """Call ``model`` the way every part of varuna does: a dict as keyword arguments, a tuple or list
+    as positional arguments, anything else as the one argument."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
