@@ -53,8 +53,6 @@ class _Failure(Exception):
     """The manager could not be reached or failed: exit 1 with this one line."""
 
 
-
-
 def _positive(kind: type) -> Any:
     def parse(text: str) -> Any:
         try:
@@ -75,7 +73,12 @@ def _build_parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 ok, 1 manager unreachable/refused/failed, 2 bad input.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
+    _add_serve_parser(sub)
+    _add_client_parsers(sub)
+    return parser
 
+
+def _add_serve_parser(sub: Any) -> None:
     serve = sub.add_parser("serve", help="run the manager daemon")
     serve.add_argument(
         "--db", required=True, metavar="STATE.sqlite", help="state file (created when missing)"
@@ -146,47 +149,50 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     tune.add_argument("--grow-cooldown", type=_positive(float), default=60.0, metavar="S")
 
-    def client_options(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--manager",
-            default=os.environ.get("VARUNA_MANAGER") or DEFAULT_ADDRESS,
-            metavar="HOST:PORT",
-            help="manager address (default $VARUNA_MANAGER or 127.0.0.1:7878)",
-        )
-        p.add_argument(
-            "--token-file",
-            default=os.environ.get("VARUNA_MANAGER_TOKEN_FILE"),
-            help="bearer token file (default $VARUNA_MANAGER_TOKEN_FILE)",
-        )
-        p.add_argument(
-            "--tls-ca",
-            default=os.environ.get("VARUNA_MANAGER_TLS_CA"),
-            help="verify the manager's TLS certificate with this CA (implies TLS)",
-        )
-        p.add_argument("--tls", action="store_true", help="TLS with the system's root certificates")
-        p.add_argument("--timeout", type=_positive(float), default=10.0, metavar="S", help="RPC deadline")
 
+def _client_options(p: argparse.ArgumentParser) -> None:
+    """Where the manager is and how to authenticate (every command but ``serve``)."""
+    p.add_argument(
+        "--manager",
+        default=os.environ.get("VARUNA_MANAGER") or DEFAULT_ADDRESS,
+        metavar="HOST:PORT",
+        help="manager address (default $VARUNA_MANAGER or 127.0.0.1:7878)",
+    )
+    p.add_argument(
+        "--token-file",
+        default=os.environ.get("VARUNA_MANAGER_TOKEN_FILE"),
+        help="bearer token file (default $VARUNA_MANAGER_TOKEN_FILE)",
+    )
+    p.add_argument(
+        "--tls-ca",
+        default=os.environ.get("VARUNA_MANAGER_TLS_CA"),
+        help="verify the manager's TLS certificate with this CA (implies TLS)",
+    )
+    p.add_argument("--tls", action="store_true", help="TLS with the system's root certificates")
+    p.add_argument("--timeout", type=_positive(float), default=10.0, metavar="S", help="RPC deadline")
+
+
+def _add_client_parsers(sub: Any) -> None:
     submit = sub.add_parser("submit", help="submit a job spec (JSON or TOML); prints the job id")
     submit.add_argument("jobspec", metavar="JOBSPEC")
-    client_options(submit)
+    _client_options(submit)
 
     status = sub.add_parser("status", help="job state, P×D, VMs with health, throughput history")
     status.add_argument("job", nargs="?", default="", metavar="JOB")
     status.add_argument("--history", type=_positive(int), default=10, metavar="N", help="throughput points")
     status.add_argument("--json", action="store_true", help="machine-readable output")
-    client_options(status)
+    _client_options(status)
 
     events = sub.add_parser("events", help="a job's events, with morph latencies")
     events.add_argument("job", nargs="?", default="", metavar="JOB")
     events.add_argument("--after", type=int, default=0, metavar="ID", help="only events after this id")
     events.add_argument("--kind", action="append", default=None, help="only events of this kind (repeatable)")
     events.add_argument("--json", action="store_true", help="one JSON object per line")
-    client_options(events)
+    _client_options(events)
 
     cancel = sub.add_parser("cancel", help="checkpoint, stop and delete a job's VMs")
     cancel.add_argument("job", metavar="JOB")
-    client_options(cancel)
-    return parser
+    _client_options(cancel)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,13 +10,16 @@ A worker started by the manager's agent finds everything in its environment::
     VARUNA_MANAGER=host:port   VARUNA_MANAGER_TOKEN_FILE=/path   [VARUNA_MANAGER_TLS_CA=/path]
     VARUNA_JOB_ID, VARUNA_VM_ID, VARUNA_GENERATION
 
-and a script opts in with one line after building its engine (``python -m manager.worker_shim``
-does it for unmodified scripts)::
+``python -m manager.worker_shim`` attaches a reporter to every engine of an unmodified script
+through the engine plugin :func:`attach_to_engine` (``$VARUNA_ENGINE_PLUGINS``); a script run
+without the shim opts in with one line after building its engine::
 
     reporter = WorkerReporter.from_env(engine)        # None when not run by the manager
     ...
     result = engine.train_step(batch)
     if reporter: reporter.on_step(result)
+
+(Under the shim ``from_env`` returns the reporter already attached, and a step is reported once.)
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from manager import varuna_manager_pb2 as pb
 from manager import varuna_manager_pb2_grpc as pb_grpc
 from manager.auth import bearer_metadata, client_channel, load_token
 
-__all__ = ["ClientConfig", "ManagerClient", "WorkerReporter", "compute_times"]
+__all__ = ["ClientConfig", "ManagerClient", "WorkerReporter", "attach_to_engine", "compute_times"]
 
 #: Default deadline of one RPC: heartbeats are tiny, a manager that needs longer is in trouble.
 RPC_TIMEOUT_S = 5.0
@@ -181,9 +184,10 @@ class WorkerReporter:
     """Sends one heartbeat per training step of an engine to the manager, off the training
     thread (see the module docstring).
 
-    It turns on the engine's task timeline (``config.record_timeline``) to measure each
-    micro-batch's forward/backward time, and, when it did so, empties the timeline after each
-    step so memory stays flat. Recording costs two ``perf_counter`` calls per task.
+    Each micro-batch's forward/backward time comes from the step result's ``timings`` (a
+    ``varuna.Engine`` measures them). For an engine without them (no ``add_step_callback``), it
+    turns on the engine's task timeline (``config.record_timeline``) and, when it did so, empties
+    the timeline after each step so memory stays flat.
     """
 
     #: Heartbeats waiting to be sent; when the manager is slow, older ones are dropped first.
@@ -204,9 +208,13 @@ class WorkerReporter:
         first, end = ranges[self._stage] if self._stage < len(ranges) else (0, 0)
         self._segments = (int(first), int(end))
         self._m = int(info.get("m") or 0)
-        self._owns_timeline = not engine.config.record_timeline
-        engine.config.record_timeline = True
-        self._seen = len(engine.timeline.events)
+        self._last_step = self._resumed_from
+        self._uses_timeline = not hasattr(engine, "add_step_callback")
+        self._owns_timeline = self._uses_timeline and not engine.config.record_timeline
+        self._seen = 0
+        if self._uses_timeline:
+            engine.config.record_timeline = True
+            self._seen = len(engine.timeline.events)
         self._queue: queue.Queue[pb.WorkerHeartbeatRequest | None] = queue.Queue(self.QUEUE_SIZE)
         self._errors = 0
         self._closed = False
@@ -222,7 +230,11 @@ class WorkerReporter:
     @classmethod
     def from_env(cls, engine: Any, environ: dict[str, str] | None = None) -> WorkerReporter | None:
         """A reporter when the process was started by the manager (``VARUNA_MANAGER`` set),
-        else None. Never raises for a missing manager: a script runs the same without one."""
+        else None. Never raises for a missing manager: a script runs the same without one. An
+        engine that already has one (:func:`attach_to_engine`) gets that one back."""
+        existing = getattr(engine, "manager_reporter", None)
+        if existing is not None:
+            return existing
         env = os.environ if environ is None else environ
         try:
             config = ClientConfig.from_env(env)
@@ -240,14 +252,17 @@ class WorkerReporter:
         )
 
     def on_step(self, result: Any) -> None:
-        """Queue the heartbeat of the step ``result`` (a ``varuna.StepResult``) just finished."""
-        events = self._engine.timeline.events
-        fwd, bwd, rec, n = compute_times(events[self._seen :], self._stage, self._replica)
-        if self._owns_timeline:
-            events.clear()  # nobody else reads it: keep memory flat
-            self._seen = 0
+        """Queue the heartbeat of the step ``result`` (a ``varuna.StepResult``) just finished; a step
+        already reported (by the step callback and the script both) is not sent again."""
+        if int(result.step) <= self._last_step:
+            return
+        self._last_step = int(result.step)
+        timings = getattr(result, "timings", None)
+        if timings is not None:
+            fwd, bwd, rec = (round(t, 9) for t in (timings.fwd_s, timings.bwd_s, timings.recompute_s))
+            n = int(timings.num_forwards)
         else:
-            self._seen = len(events)
+            fwd, bwd, rec, n = self._timeline_times()
         self._send(
             step=int(result.step),
             loss=float(result.loss),
@@ -258,6 +273,16 @@ class WorkerReporter:
             recompute_s=rec,
             num_microbatches=n,
         )
+
+    def _timeline_times(self) -> tuple[float, float, float, int]:
+        events = self._engine.timeline.events
+        times = compute_times(events[self._seen :], self._stage, self._replica)
+        if self._owns_timeline:
+            events.clear()  # nobody else reads it: keep memory flat
+            self._seen = 0
+        else:
+            self._seen = len(events)
+        return times
 
     def _send(self, **fields: Any) -> None:
         request = pb.WorkerHeartbeatRequest(
@@ -322,3 +347,27 @@ class WorkerReporter:
                         flush=True,
                     )
                 time.sleep(0.05)
+
+
+def attach_to_engine(engine: Any) -> None:
+    """Engine plugin (``$VARUNA_ENGINE_PLUGINS``, set by ``manager.worker_shim``): make a
+    ``varuna.Engine`` a manager-supervised worker through its public hooks.
+
+    - ``$VARUNA_CHECKPOINT_EVERY`` applies when the script left ``checkpoint_every`` at 0, so the
+      job spec bounds how many steps a lost VM costs without the script knowing about it;
+    - a :class:`WorkerReporter` (when ``$VARUNA_MANAGER`` is set) heartbeats after every step
+      (``engine.add_step_callback``); it is ``engine.manager_reporter``.
+
+    Example::
+
+        VARUNA_ENGINE_PLUGINS=manager.client:attach_to_engine python train.py
+    """
+    every = os.environ.get("VARUNA_CHECKPOINT_EVERY", "")
+    if every and not engine.checkpointer.every:
+        engine.checkpointer.set_every(int(every))
+    if getattr(engine, "manager_reporter", None) is not None:
+        return
+    reporter = WorkerReporter.from_env(engine)
+    engine.manager_reporter = reporter
+    if reporter is not None:
+        engine.add_step_callback(reporter.on_step)

@@ -18,6 +18,7 @@ directory) receives absolute paths. Example (TOML)::
     max_vms = 6
     procs_per_vm = 1
     target_steps = 40
+    schedule = "varuna"                  # optional: default the script's --schedule, else varuna
     calibration = "calibration.json"     # optional: the simulator picks P×D from it
 
     # ... or, instead of a calibration file: calibrate once on the job's first VM
@@ -45,7 +46,17 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PROVIDERS", "JobSpec", "ProfileSpec", "load_jobspec", "spec_from_pb", "spec_to_pb"]
+from varuna.core.schedule import SCHEDULE_KINDS
+
+__all__ = [
+    "PROVIDERS",
+    "JobSpec",
+    "ProfileSpec",
+    "load_jobspec",
+    "script_schedule",
+    "spec_from_pb",
+    "spec_to_pb",
+]
 
 #: Providers the manager knows (manager/providers/).
 PROVIDERS = ("local", "azure")
@@ -214,9 +225,16 @@ class JobSpec:
     """Accelerator memory for auto-config (0: unknown, no memory limit)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for every worker (e.g. ``OMP_NUM_THREADS``)."""
+    schedule: str = ""
+    """Pipeline schedule the script runs (``varuna``, ``gpipe`` or ``1f1b``:
+    ``varuna.core.schedule.SCHEDULE_KINDS``): auto-config plans P×D for it and the workers get it
+    in their run plan (``VARUNA_SCHEDULE``). Default: the script's own ``--schedule X`` argument
+    when ``args`` has one, else ``varuna``."""
 
     def __post_init__(self) -> None:
         self.validate()
+        if not self.schedule:
+            self.schedule = script_schedule(self.args) or "varuna"
 
     def validate(self) -> None:
         """Raise ``ValueError`` (one line, with the fix) if the spec cannot run."""
@@ -224,6 +242,28 @@ class JobSpec:
             raise ValueError("jobspec: 'script' is required: the training script (or module) to run")
         if not isinstance(self.args, list) or not all(isinstance(a, str) for a in self.args):
             raise ValueError("jobspec: 'args' must be a list of strings")
+        self._check_counts()
+        if self.provider not in PROVIDERS:
+            raise ValueError(
+                f"jobspec: unknown provider {self.provider!r}; use one of {', '.join(PROVIDERS)}"
+            )
+        if not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir:
+            raise ValueError("jobspec: 'checkpoint_dir' is required: morphs resume from its checkpoints")
+        if not isinstance(self.provider_options, dict):
+            raise ValueError("jobspec: 'provider_options' must be a table/object")
+        self._check_env()
+        if not isinstance(self.gpu_memory_gib, (int, float)) or self.gpu_memory_gib < 0:
+            raise ValueError(f"jobspec: 'gpu_memory_gib' must be a number >= 0, got {self.gpu_memory_gib!r}")
+        self._check_calibration()
+        if self.pipeline_depth and self.pipeline_depth > self.max_vms * self.procs_per_vm:
+            raise ValueError(
+                f"jobspec: pipeline_depth {self.pipeline_depth} exceeds the "
+                f"{self.max_vms * self.procs_per_vm}"
+                " slots of max_vms × procs_per_vm; raise max_vms or lower pipeline_depth"
+            )
+        self._check_schedule()
+
+    def _check_counts(self) -> None:
         for name in ("global_batch_size", "max_vms", "target_steps"):
             if _int(self, name) < 1:
                 raise ValueError(f"jobspec: '{name}' must be an integer >= 1, got {getattr(self, name)!r}")
@@ -238,14 +278,8 @@ class JobSpec:
                 f"jobspec: min_vms {self.min_vms} exceeds max_vms {self.max_vms}; "
                 "raise max_vms or lower min_vms"
             )
-        if self.provider not in PROVIDERS:
-            raise ValueError(
-                f"jobspec: unknown provider {self.provider!r}; use one of {', '.join(PROVIDERS)}"
-            )
-        if not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir:
-            raise ValueError("jobspec: 'checkpoint_dir' is required: morphs resume from its checkpoints")
-        if not isinstance(self.provider_options, dict):
-            raise ValueError("jobspec: 'provider_options' must be a table/object")
+
+    def _check_env(self) -> None:
         if not isinstance(self.env, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()
         ):
@@ -253,8 +287,8 @@ class JobSpec:
         for key in self.env:
             if key.startswith(_RESERVED_ENV_PREFIXES):
                 raise ValueError(f"jobspec: env may not set {key}: the manager sets it per worker")
-        if not isinstance(self.gpu_memory_gib, (int, float)) or self.gpu_memory_gib < 0:
-            raise ValueError(f"jobspec: 'gpu_memory_gib' must be a number >= 0, got {self.gpu_memory_gib!r}")
+
+    def _check_calibration(self) -> None:
         if not isinstance(self.calibration, str):
             raise ValueError("jobspec: 'calibration' must be the path of a calibration file")
         if self.profile:
@@ -266,11 +300,22 @@ class JobSpec:
             ProfileSpec.from_dict(self.profile)
         elif not isinstance(self.profile, dict):
             raise ValueError("jobspec: 'profile' must be a table/object with at least 'model'")
-        if self.pipeline_depth and self.pipeline_depth > self.max_vms * self.procs_per_vm:
+
+    def _check_schedule(self) -> None:
+        """A known schedule kind, and the one the script's ``--schedule`` runs when it has one
+        (a plan for another schedule would be refused by the workers)."""
+        kinds = ", ".join(SCHEDULE_KINDS)
+        if not isinstance(self.schedule, str):
+            raise ValueError(f"jobspec: 'schedule' must be one of {kinds}, got {self.schedule!r}")
+        if self.schedule and self.schedule not in SCHEDULE_KINDS:
+            raise ValueError(f"jobspec: unknown schedule {self.schedule!r}; use one of {kinds}")
+        in_args = script_schedule(self.args)
+        if in_args is not None and in_args not in SCHEDULE_KINDS:
+            raise ValueError(f"jobspec: the script's --schedule {in_args!r} is not one of {kinds}")
+        if in_args is not None and self.schedule and in_args != self.schedule:
             raise ValueError(
-                f"jobspec: pipeline_depth {self.pipeline_depth} exceeds the "
-                f"{self.max_vms * self.procs_per_vm}"
-                " slots of max_vms × procs_per_vm; raise max_vms or lower pipeline_depth"
+                f"jobspec: schedule {self.schedule!r} differs from the script's --schedule {in_args!r}; "
+                "make them agree (or leave 'schedule' out)"
             )
 
     # -- conversions ---------------------------------------------------------------------------
@@ -329,6 +374,23 @@ class JobSpec:
     def profile_spec(self) -> ProfileSpec | None:
         """The validated ``[profile]`` table, or None when the spec has none."""
         return ProfileSpec.from_dict(self.profile) if self.profile else None
+
+
+def script_schedule(args: list[str]) -> str | None:
+    """The value of ``--schedule X`` (or ``--schedule=X``) in a script's arguments, else None.
+
+    >>> script_schedule(["--steps", "4", "--schedule", "1f1b"])
+    '1f1b'
+    >>> script_schedule(["--schedule=gpipe"]), script_schedule([])
+    ('gpipe', None)
+    """
+    found = None
+    for i, arg in enumerate(args):
+        if arg == "--schedule" and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith("--schedule="):
+            found = arg.split("=", 1)[1]
+    return found
 
 
 def _int(spec: JobSpec, name: str) -> int:
@@ -394,6 +456,7 @@ def spec_to_pb(spec: JobSpec, calibration_json: str = "") -> Any:
         env=dict(spec.env),
         gpu_memory_bytes=int(spec.gpu_memory_gib * 2**30),
         profile_json=json.dumps(spec.profile, sort_keys=True) if spec.profile else "",
+        schedule=spec.schedule,
     )
 
 
@@ -428,4 +491,5 @@ def spec_from_pb(msg: Any) -> JobSpec:
         env=dict(msg.env),
         gpu_memory_gib=msg.gpu_memory_bytes / 2**30,
         profile=profile,
+        schedule=msg.schedule,
     )

@@ -118,9 +118,12 @@ def choose_layout(
     pipeline_depth: int = 0,
     num_segments: int = 0,
     gpu_memory_bytes: int = 0,
+    schedule: str = "varuna",
 ) -> LayoutPlan:
-    """P×D for VMs with ``slots`` workers each (Note [Choosing P×D] in the module docstring).
-    ``ValueError`` (one line) when nothing fits."""
+    """P×D for VMs with ``slots`` workers each (Note [Choosing P×D] in the module docstring),
+    for a job running the ``schedule`` kind (``varuna.core.schedule.SCHEDULE_KINDS``): the
+    simulator ranks the layouts by that schedule's speed. ``ValueError`` (one line) when nothing
+    fits."""
     if not slots or sum(slots) < 1:
         raise ValueError("no usable slots")
     segments = num_segments or (calibration.num_segments if calibration is not None else 0)
@@ -150,6 +153,7 @@ def choose_layout(
         gpu_memory_bytes=gpu_memory_bytes or None,
         micro_batch_size=micro_batch_size or None,
         host_slots=max(slots),
+        schedule=schedule,
     )
     best = result.best
     return LayoutPlan(

@@ -1,4 +1,5 @@
 """Process helpers shared by the per-VM agent and the local provider (Linux process groups).
+The parent-death signal and free-port helpers are :mod:`varuna.launch.procs`'s.
 
 Note [Process identity]: a pid alone does not identify a process across a manager restart: the
 old one may have exited and the pid been reused. We record the pid together with its start time
@@ -8,14 +9,14 @@ the machine, and only signal a pid whose start time still matches.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import os
 import signal
-import socket
 import subprocess
 import time
-from collections.abc import Callable
+
+# One implementation of each for the launcher and the manager; find_free_port is part of this
+# module's API (the VM agent and the demo scripts import it from here).
+from varuna.launch.procs import PR_SET_PDEATHSIG, find_free_port, libc_prctl
 
 __all__ = [
     "alive",
@@ -96,17 +97,6 @@ def reap(popen: subprocess.Popen, timeout_s: float = 0.0) -> int | None:
         return None
 
 
-@functools.lru_cache(maxsize=1)
-def _prctl() -> Callable[..., int] | None:
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    return prctl
-
-
 def die_with_parent(expected_parent: int) -> bool:
     """Ask the kernel to SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``), and
     exit at once if the parent already changed from ``expected_parent`` (it died before the
@@ -116,10 +106,10 @@ def die_with_parent(expected_parent: int) -> bool:
     Python between fork and exec in a process with gRPC threads (the agent) crashes the child.
     The signal is tied to the parent *thread* that forked, so the agent spawns from its main loop.
     """
-    prctl = _prctl()
+    prctl = libc_prctl()
     if prctl is None:
         return False
-    prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     if os.getppid() != expected_parent:
         os.kill(os.getpid(), signal.SIGKILL)
     return True
@@ -141,13 +131,6 @@ def restore_normal_priority(pid: int = 0) -> int:
         except OSError:
             failed += 1
     return failed
-
-
-def find_free_port(host: str = "") -> int:
-    """A TCP port free right now (bind port 0). Another process may take it before use."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_gone(pid: int, start_time: int | None, timeout_s: float) -> bool:

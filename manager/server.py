@@ -1,7 +1,7 @@
 """``varuna-manager serve``: the gRPC server around a :class:`~manager.controller.Manager`.
 
 The server authenticates every call with :class:`~manager.auth.TokenInterceptor` (and TLS when
-``tls_cert``/``tls_key`` are given), maps :class:`~manager.controller.ManagerError` to gRPC
+``tls_cert``/``tls_key`` are given), maps :class:`~manager.context.ManagerError` to gRPC
 status codes, and runs the manager's control loop. Stopping it (SIGTERM/SIGINT) leaves VMs and
 workers running: they keep training, and a manager started again on the same ``--db`` resumes.
 """
@@ -23,7 +23,8 @@ import grpc
 from manager import varuna_manager_pb2 as pb
 from manager import varuna_manager_pb2_grpc as pb_grpc
 from manager.auth import TokenInterceptor, load_token, server_credentials
-from manager.controller import Manager, ManagerConfig, ManagerError
+from manager.context import ManagerConfig, ManagerError
+from manager.controller import Manager
 from manager.store import Store
 
 __all__ = ["MAX_MESSAGE_BYTES", "ManagerServer", "ServeConfig"]

@@ -6,7 +6,8 @@ in each reply (Note [Orders]). It needs no listening port, and a manager restart
 it keeps its workers running and retries until ``--orphan-timeout`` passes without an answer,
 then kills its workers and exits (so nothing runs forever unsupervised).
 
-Workers run as ``python -m manager.worker_shim SCRIPT ARGS`` (heartbeats, checkpoint interval),
+Workers (:class:`manager.agent_workers.WorkerPool`) run as ``python -m manager.worker_shim
+SCRIPT ARGS`` (heartbeats, checkpoint interval),
 each in its own session (SIGUSR1/SIGKILL go to its whole process group) and with a parent-death
 signal (set by the shim, ``$VARUNA_AGENT_PID``), so whatever kills the agent — including
 ``kill -9`` of the agent's process group, which is how tests preempt a pretend VM — kills the
@@ -35,36 +36,31 @@ for RUN this VM's workers), so a lost or repeated reply is harmless:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 import grpc
 
 from manager import varuna_manager_pb2 as pb
+from manager.agent_workers import WorkerPool
 from manager.auth import load_token
 from manager.calibrate import ProfileRun
 from manager.client import ClientConfig, ManagerClient
-from manager.procs import find_free_port, kill_group, reap, restore_normal_priority
+from manager.procs import find_free_port
 from manager.scheduled_events import Notice, ScheduledEventsClient
-from varuna.core.env import CONTRACT_VARS
 
 __all__ = ["AgentConfig", "VMAgent", "main"]
 
 PROG = "varuna-vm-agent"
 #: How often the agent's loop looks at its workers; a worker exit is reported this fast.
 POLL_S = 0.05
-#: Bound on reaping a SIGKILLed worker (a process stuck in the kernel cannot die sooner).
-REAP_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,16 +99,6 @@ class AgentConfig:
     python: str = field(default_factory=lambda: sys.executable or "python3")
 
 
-@dataclass
-class _Worker:
-    rank: int
-    generation: int
-    popen: subprocess.Popen
-    log: IO[bytes] | None
-    exit_code: int | None = None
-    stop_sent: float | None = None
-
-
 class VMAgent:
     """The agent's state and loop (module docstring). Run :meth:`run` in the main thread: the
     workers' parent-death signal is tied to the thread that starts them."""
@@ -125,8 +111,6 @@ class VMAgent:
         )
         self._interval = config.heartbeat_interval_s
         self._generation = 0
-        self._workers: list[_Worker] = []
-        self._stop_deadline: float | None = None
         self._shutdown = threading.Event()
         self._notice: Notice | None = None
         self._notice_lock = threading.Lock()
@@ -140,9 +124,15 @@ class VMAgent:
         self._address = config.address or _route_address(config.manager)
         self._log_dir = Path(config.log_dir or ".")
         self._log_dir.mkdir(parents=True, exist_ok=True)
-        self._standbys: list[subprocess.Popen] = []
-        self._job_env: dict[str, str] | None = None  # the last generation's environment, sans rank
-        self._training_since: float | None = None  # when the manager said our generation trains
+        self._pool = WorkerPool(
+            worker_env=self._worker_env,
+            log_dir=self._log_dir,
+            python=config.python,
+            say=self._say,
+            standby=config.standby,
+            standby_priority=config.standby_priority,
+            standby_delay_s=config.standby_delay_s,
+        )
         self._profile: ProfileRun | None = None  # the PROFILE order's run (kept once reported)
         self._profile_reported = False
         self._report_retrying = False
@@ -165,8 +155,8 @@ class VMAgent:
                 return 3
             return self._loop()
         finally:
-            self._kill_all()
-            self._kill_standbys()
+            self._pool.kill_all()
+            self._pool.kill_standbys()
             self._stop_profile()
             self._client.close()
 
@@ -213,10 +203,10 @@ class VMAgent:
         next_beat = 0.0
         reported: tuple = ()
         while not self._shutdown.is_set():
-            self._poll_workers()
+            self._pool.poll()
             self._act_on_notice()
-            self._enforce_stop_deadline()
-            self._maintain_standbys()
+            self._pool.enforce_stop_deadline()
+            self._pool.maintain_standbys()
             self._report_profile()
             state = self._state_key()
             now = time.monotonic()
@@ -250,46 +240,55 @@ class VMAgent:
         """Obey one reply (Note [Orders]); True when told to shut down."""
         if orders.heartbeat_interval_s > 0:
             self._interval = orders.heartbeat_interval_s
-        g, action = orders.generation, orders.action
+        action = orders.action
         if action == pb.Orders.SHUTDOWN:
             self._say("shutdown ordered")
             return True
         if action == pb.Orders.PROFILE:
-            if any(w.exit_code is None for w in self._workers):
+            if self._pool.any_running:
                 self._say("profile ordered: killing leftover workers")
-                self._kill_all()
+                self._pool.kill_all()
             self._start_profile(orders.profile)
             return False
         if self._profile is not None:
             self._stop_profile()
         if action == pb.Orders.RUN:
-            if orders.training and self._training_since is None:
-                self._training_since = time.monotonic()
-            if g > self._generation:
-                self._kill_all()
-                self._generation = g
-                self._training_since = time.monotonic() if orders.training else None
-                self._spawn(orders.workers, g)
-                # A VM under notice should not get work; if it does, stop it again right away.
-                if self._notice_acted:
-                    self._signal_workers(signal.SIGUSR1)
+            self._run_order(orders)
         elif action == pb.Orders.STOP:
-            if g > self._generation:
-                self._kill_all()
-                self._generation = g  # never started: nothing to stop, and never start it later
-            elif g == self._generation and self._stop_deadline is None:
-                self._say(f"stopping generation {g} (SIGUSR1: checkpoint and exit)")
-                self._signal_workers(signal.SIGUSR1)
-                self._stop_deadline = time.monotonic() + (orders.stop_timeout_s or 60.0)
+            self._stop_order(orders)
         elif action == pb.Orders.KILL:
-            if g >= self._generation:
-                self._kill_all()
-                self._generation = g
-        elif action == pb.Orders.IDLE:
-            if any(w.exit_code is None for w in self._workers):
-                self._say("idle ordered: killing leftover workers")
-                self._kill_all()
+            if orders.generation >= self._generation:
+                self._pool.kill_all()
+                self._generation = orders.generation
+        elif action == pb.Orders.IDLE and self._pool.any_running:
+            self._say("idle ordered: killing leftover workers")
+            self._pool.kill_all()
         return False
+
+    def _run_order(self, orders: pb.Orders) -> None:
+        """RUN g: start g's workers once, when g is newer than anything run here."""
+        pool, g = self._pool, orders.generation
+        if orders.training and pool.training_since is None:
+            pool.training_since = time.monotonic()
+        if g > self._generation:
+            pool.kill_all()
+            self._generation = g
+            pool.training_since = time.monotonic() if orders.training else None
+            pool.spawn(list(orders.workers), g)
+            # A VM under notice should not get work; if it does, stop it again right away.
+            if self._notice_acted:
+                pool.signal(signal.SIGUSR1)
+
+    def _stop_order(self, orders: pb.Orders) -> None:
+        """STOP g: SIGUSR1 to g's workers once; SIGKILL after the order's stop timeout."""
+        g = orders.generation
+        if g > self._generation:
+            self._pool.kill_all()
+            self._generation = g  # never started: nothing to stop, and never start it later
+        elif g == self._generation and self._pool.stop_deadline is None:
+            self._say(f"stopping generation {g} (SIGUSR1: checkpoint and exit)")
+            self._pool.signal(signal.SIGUSR1)
+            self._pool.stop_deadline = time.monotonic() + (orders.stop_timeout_s or 60.0)
 
     def _worker_env(self, launch_env: dict[str, str]) -> dict[str, str]:
         base = dict(os.environ)
@@ -308,154 +307,6 @@ class VMAgent:
         if self.config.tls_ca:
             extra["VARUNA_MANAGER_TLS_CA"] = str(Path(self.config.tls_ca).resolve())
         return {**base, **launch_env, **extra}
-
-    def _spawn(self, launches: list[pb.WorkerLaunch], generation: int) -> None:
-        self._workers = []
-        self._stop_deadline = None
-        standby_ranks: list[int] = []
-        for launch in launches:
-            env = self._worker_env(dict(launch.env))
-            self._job_env = {k: v for k, v in launch.env.items() if k not in CONTRACT_VARS}
-            log_path = self._log_dir / f"gen{generation}-rank{launch.rank}.log"
-            popen = self._take_standby(launch, env, log_path)
-            if popen is not None:
-                self._workers.append(_Worker(rank=launch.rank, generation=generation, popen=popen, log=None))
-                standby_ranks.append(launch.rank)
-                continue
-            log = open(log_path, "ab")
-            try:
-                popen = subprocess.Popen(
-                    [self.config.python, *launch.argv],
-                    cwd=launch.cwd or None,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    # No preexec_fn: Python code between fork and exec crashes the child of a process
-                    # with gRPC threads; the parent-death signal is set by the shim instead.
-                    start_new_session=True,
-                    close_fds=True,
-                )
-            except OSError as exc:
-                log.write(f"{PROG}: cannot start rank {launch.rank}: {exc}\n".encode())
-                log.close()
-                self._say(f"cannot start rank {launch.rank}: {exc}")
-                # Reported as an exited worker with code 127 (command not runnable).
-                self._workers.append(
-                    _Worker(
-                        rank=launch.rank, generation=generation, popen=_FailedPopen(), log=None, exit_code=127
-                    )
-                )
-                continue
-            self._workers.append(_Worker(rank=launch.rank, generation=generation, popen=popen, log=log))
-        ranks = ", ".join(f"{w.rank}{' (standby)' if w.rank in standby_ranks else ''}" for w in self._workers)
-        self._say(f"generation {generation}: started rank(s) {ranks}")
-
-    # Note [Standby]: most of a small worker's start-up is importing torch (and torch._dynamo,
-    # which the engine's dry run pulls in): seconds of CPU per process, on the critical path of
-    # every morph. So, once a generation trains (the manager says so in RUN orders: it completed
-    # its first step; standbys started earlier would compete with its start-up for the CPU), the
-    # agent starts one standby per slot
-    # (``python -m manager.worker_shim --standby``: imports done, then blocked reading stdin) and
-    # hands the next generation's rank to it as one JSON line (argv, environment, directory, log
-    # file). A standby is a normal worker from then on: own session, parent-death signal.
-
-    def _take_standby(
-        self, launch: pb.WorkerLaunch, env: dict[str, str], log_path: Path
-    ) -> subprocess.Popen | None:
-        while self._standbys:
-            popen = self._standbys.pop(0)
-            if reap(popen) is not None or popen.stdin is None:
-                continue  # died while waiting
-            job = {"argv": list(launch.argv), "env": env, "cwd": launch.cwd or "", "log": str(log_path)}
-            try:
-                # Out of SCHED_IDLE first (the standby may still be importing at idle priority).
-                restore_normal_priority(popen.pid)
-                popen.stdin.write(json.dumps(job).encode() + b"\n")
-                popen.stdin.close()
-            except OSError:
-                kill_group(popen.pid, signal.SIGKILL)
-                reap(popen, REAP_TIMEOUT_S)
-                continue
-            return popen
-        return None
-
-    def _maintain_standbys(self) -> None:
-        self._standbys = [p for p in self._standbys if reap(p) is None]
-        if (
-            self.config.standby <= len(self._standbys)
-            or self._job_env is None
-            or self._training_since is None
-            or time.monotonic() - self._training_since < self.config.standby_delay_s
-        ):
-            return
-        env = {**self._worker_env(self._job_env), "VARUNA_STANDBY_PRIORITY": self.config.standby_priority}
-        log = open(self._log_dir / "standby.log", "ab")
-        try:
-            # One per pass: spreading the imports keeps the running generation's steps smooth.
-            self._standbys.append(
-                subprocess.Popen(
-                    [self.config.python, "-m", "manager.worker_shim", "--standby"],
-                    cwd=self._log_dir,
-                    env=env,
-                    stdin=subprocess.PIPE,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    close_fds=True,
-                )
-            )
-        except OSError as exc:
-            self._say(f"cannot start a standby worker: {exc}")
-        finally:
-            log.close()
-
-    def _kill_standbys(self) -> None:
-        for popen in self._standbys:
-            kill_group(popen.pid, signal.SIGKILL)
-        for popen in self._standbys:
-            reap(popen, REAP_TIMEOUT_S)
-        self._standbys = []
-
-    def _signal_workers(self, sig: int) -> None:
-        for w in self._workers:
-            # Once per worker: Python resets its handlers while the interpreter shuts down, so a
-            # second SIGUSR1 during a clean exit would kill the worker with a failure code.
-            if w.exit_code is None and w.stop_sent is None:
-                # A worker paused with SIGSTOP cannot act on SIGUSR1 until it is continued.
-                kill_group(w.popen.pid, signal.SIGCONT)
-                kill_group(w.popen.pid, sig)
-                w.stop_sent = time.monotonic()
-
-    def _kill_all(self) -> None:
-        for w in self._workers:
-            if w.exit_code is None:
-                kill_group(w.popen.pid, signal.SIGKILL)
-        for w in self._workers:
-            if w.exit_code is None:
-                code = reap(w.popen, REAP_TIMEOUT_S)
-                w.exit_code = code if code is not None else -int(signal.SIGKILL)
-            if w.log is not None:
-                w.log.close()
-        self._stop_deadline = None
-
-    def _poll_workers(self) -> None:
-        for w in self._workers:
-            if w.exit_code is None:
-                code = reap(w.popen)
-                if code is None:
-                    continue
-                w.exit_code = code
-                if w.log is not None:
-                    w.log.close()
-                self._say(f"rank {w.rank} of generation {w.generation} exited with {w.exit_code}")
-
-    def _enforce_stop_deadline(self) -> None:
-        if self._stop_deadline is not None and time.monotonic() > self._stop_deadline:
-            if any(w.exit_code is None for w in self._workers):
-                self._say("workers did not stop in time; SIGKILL")
-                self._kill_all()
-            self._stop_deadline = None
 
     # -- calibration (PROFILE orders) ----------------------------------------------------------
 
@@ -541,14 +392,14 @@ class VMAgent:
                 f"eviction notice {notice.event_type} {notice.event_id} (not before {notice.not_before!r}):"
                 " SIGUSR1 to the workers (checkpoint and exit)"
             )
-            self._signal_workers(signal.SIGUSR1)
-            if any(w.exit_code is None for w in self._workers):
-                self._stop_deadline = time.monotonic() + 60.0
+            self._pool.signal(signal.SIGUSR1)
+            if self._pool.any_running:
+                self._pool.stop_deadline = time.monotonic() + 60.0
         if (
             self.config.approve_notices
             and not self._notice_approved
             and self._events is not None
-            and all(w.exit_code is not None for w in self._workers)
+            and not self._pool.any_running
         ):
             self._notice_approved = True
             ok = self._events.approve(notice.event_id)
@@ -561,7 +412,7 @@ class VMAgent:
     def _state_key(self) -> tuple:
         return (
             self._generation,
-            tuple((w.rank, w.exit_code) for w in self._workers),
+            tuple((w.rank, w.exit_code) for w in self._pool.workers),
             self._notice is not None,
         )
 
@@ -572,7 +423,7 @@ class VMAgent:
             generation=self._generation,
             free_port=find_free_port(),
         )
-        for w in self._workers:
+        for w in self._pool.workers:
             req.workers.add(
                 rank=w.rank,
                 pid=w.popen.pid,
@@ -592,13 +443,6 @@ class VMAgent:
                 )
             )
         return req
-
-
-class _FailedPopen:
-    """Stands in for a worker that could not be started."""
-
-    pid = 0
-    returncode = 127
 
 
 def _route_address(manager: str) -> str:

@@ -3,21 +3,31 @@ manager-supervised worker.
 
 The manager's agents start every worker through this shim. It runs ``SCRIPT`` exactly as
 ``python SCRIPT ARGS`` would (as ``__main__``, with ``sys.argv`` and ``sys.path[0]`` set the
-same way), after swapping ``varuna.Engine`` for a subclass that
+same way). When run by the manager (``$VARUNA_MANAGER`` set) it adds the engine plugins of
+:data:`ENGINE_PLUGINS` to ``$VARUNA_ENGINE_PLUGINS`` (varuna/runtime/plugins.py), so every
+``varuna.Engine`` the script builds, once built,
 
 - applies ``$VARUNA_CHECKPOINT_EVERY`` when the script leaves ``checkpoint_every`` at 0, so the
   job spec bounds how many steps a lost VM costs without the script knowing about it, and
-- attaches a :class:`manager.client.WorkerReporter` (one heartbeat per step to the manager).
+- gets a :class:`manager.client.WorkerReporter` (one heartbeat per step to the manager, through
+  ``engine.add_step_callback``): :func:`manager.client.attach_to_engine`;
+- receives a stop asked for while the worker was starting (Note [Early stop]).
+
+Nothing is patched: the engine calls the plugins through its public hooks, and scripts without
+torch pay nothing. Scripts that report by themselves (``WorkerReporter.from_env``) can be
+launched the same way: they get the reporter already attached, and each step is reported once.
 
 With ``$VARUNA_AGENT_PID`` set (the agent sets it) the shim first asks the kernel to kill the
 worker when the agent dies (:func:`manager.procs.die_with_parent`).
 
-The swap only happens inside this worker process (no file or other process is touched), when
-the script imports ``varuna.runtime.engine`` (a meta-path hook: scripts without torch pay nothing); a
-script that builds its engine through ``varuna.Engine`` or ``varuna.runtime.engine.Engine`` gets
-it. Scripts that
-report by themselves (``WorkerReporter.from_env``) can be launched the same way: the subclass
-does not attach a second reporter when the engine already has one.
+Note [Early stop]: a SIGUSR1 ("checkpoint and stop", e.g. an eviction notice) that arrives before
+the engine installed its own handler must neither kill the worker (the manager would count a
+failure) nor be lost. The shim blocks SIGUSR1 in the main thread until the engine is built; the
+plugin :func:`release_early_stop` then unblocks it, so a pending one reaches the engine's handler
+(the engine stops, with a checkpoint, after its first step). A SIGUSR1 received meanwhile by
+another thread (a standby's preloads may have started some) runs the shim's handler, which sends
+it on to the blocked main thread. If the script never builds an engine, the signal stays pending
+and is dropped at exit.
 """
 
 from __future__ import annotations
@@ -25,9 +35,6 @@ from __future__ import annotations
 import atexit
 import gc
 import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import io
 import json
 import os
@@ -36,98 +43,52 @@ import select
 import signal
 import sys
 import threading
-import types
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["ShimState", "install", "main", "standby"]
+__all__ = ["ENGINE_PLUGINS", "enable_engine_plugins", "main", "release_early_stop", "standby"]
+
+#: Engine plugins (``module:function``) that make a ``varuna.Engine`` a managed worker.
+ENGINE_PLUGINS = ("manager.worker_shim:release_early_stop", "manager.client:attach_to_engine")
 
 
-@dataclass
-class ShimState:
-    """What the shim shares with the engine subclass it installs (one per worker process)."""
+def enable_engine_plugins(environ: dict[str, str] | None = None) -> None:
+    """Add :data:`ENGINE_PLUGINS` to ``$VARUNA_ENGINE_PLUGINS`` in ``environ`` (default
+    ``os.environ``), after any plugins already named there.
 
-    early_stop: threading.Event = field(default_factory=threading.Event)
-    """A SIGUSR1 arrived before the engine installed its own handler (during start-up)."""
+    Example::
 
-
-def install(state: ShimState | None = None) -> None:
-    """Make ``varuna.Engine`` the reporting subclass in this process, as soon as
-    ``varuna.runtime.engine`` is imported (now, if it already was). Importing it here would cost every
-    worker a torch import even when its script never uses torch."""
-    state = state if state is not None else ShimState()
-    if "varuna.runtime.engine" in sys.modules:
-        _patch(sys.modules["varuna.runtime.engine"], state)
-    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport(state))
+        >>> env = {"VARUNA_ENGINE_PLUGINS": "mine:attach"}
+        >>> enable_engine_plugins(env)
+        >>> env["VARUNA_ENGINE_PLUGINS"].split(",")[0]
+        'mine:attach'
+    """
+    env = os.environ if environ is None else environ
+    current = [e.strip() for e in env.get("VARUNA_ENGINE_PLUGINS", "").split(",") if e.strip()]
+    env["VARUNA_ENGINE_PLUGINS"] = ",".join(current + [p for p in ENGINE_PLUGINS if p not in current])
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds ``varuna.runtime.engine`` like the normal finders do and patches it right after it ran."""
+def _hold_early_stop() -> None:
+    """Note [Early stop]: keep a SIGUSR1 pending until :func:`release_early_stop`."""
+    main_id = threading.main_thread().ident
 
-    def __init__(self, state: ShimState) -> None:
-        self.state = state
+    def forward_to_main(signum: int, frame: Any) -> None:
+        if main_id is not None:
+            signal.pthread_kill(main_id, signal.SIGUSR1)  # pending there until released
 
-    def find_spec(
-        self, fullname: str, path: Any, target: Any = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != "varuna.runtime.engine":
-            return None
-        sys.meta_path.remove(self)  # one shot; also keeps the lookup below from finding us again
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        exec_module = loader.exec_module
-
-        def exec_and_patch(module: types.ModuleType) -> None:
-            exec_module(module)
-            _patch(module, self.state)
-
-        loader.exec_module = exec_and_patch  # type: ignore[method-assign]
-        return spec
+    signal.signal(signal.SIGUSR1, forward_to_main)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
 
 
-def _patch(engine_mod: types.ModuleType, state: ShimState) -> None:
-    from manager.client import WorkerReporter
+def release_early_stop(engine: Any) -> None:
+    """Engine plugin: unblock SIGUSR1 now that ``engine`` handles it (Note [Early stop]).
 
-    base = engine_mod.Engine
-    if getattr(base, "_varuna_manager_shim", False):
-        return
+    Example::
 
-    class ManagedEngine(base):  # type: ignore[misc, valid-type]
-        """``varuna.Engine`` plus manager heartbeats and the job's checkpoint interval."""
-
-        _varuna_manager_shim = True
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            config = kwargs.get("config", args[1] if len(args) > 1 else None)
-            every = os.environ.get("VARUNA_CHECKPOINT_EVERY", "")
-            if config is not None and every and hasattr(config, "checkpoint_every"):
-                if not getattr(config, "checkpoint_every", 0):
-                    config.checkpoint_every = int(every)
-            super().__init__(*args, **kwargs)
-            if state.early_stop.is_set():
-                # Asked to stop while starting: stop (checkpoint and exit) after the first step.
-                self.stop_requested = True
-            if getattr(self, "manager_reporter", None) is None:
-                self.manager_reporter = WorkerReporter.from_env(self)
-
-        def train_step(self, batch: Any) -> Any:
-            result = super().train_step(batch)
-            if self.manager_reporter is not None:
-                self.manager_reporter.on_step(result)
-            return result
-
-    ManagedEngine.__name__ = ManagedEngine.__qualname__ = "Engine"
-    ManagedEngine.__module__ = base.__module__
-    engine_mod.Engine = ManagedEngine
-    # varuna/__init__ resolves exports lazily through __getattr__, which reads
-    # varuna.runtime.engine.Engine at call time: the patched class is what `varuna.Engine` returns.
-    varuna_pkg = sys.modules.get("varuna")
-    if varuna_pkg is not None and "Engine" in vars(varuna_pkg):
-        varuna_pkg.Engine = ManagedEngine
+        VARUNA_ENGINE_PLUGINS=manager.worker_shim:release_early_stop python train.py
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
 
 
 #: What a standby worker imports ahead of time (``$VARUNA_STANDBY_PRELOAD`` overrides): torch and
@@ -145,9 +106,6 @@ def standby(stdin: IO[bytes] | None = None) -> int:
     output file, and runs like ``python -m manager.worker_shim ARGV``. EOF: exit 0 unused.
     """
     _die_with_agent()
-    state = ShimState()
-    if os.environ.get("VARUNA_MANAGER"):
-        install(state)
     # Importing is seconds of CPU. With $VARUNA_STANDBY_PRIORITY=idle (the agent's default) it
     # runs at idle priority, so a standby never slows the running generation; on a VM whose CPU
     # the training keeps busy it then makes little progress until it is needed. Only where we
@@ -188,7 +146,7 @@ def standby(stdin: IO[bytes] | None = None) -> int:
     os.environ.update(job["env"])
     if job.get("cwd"):
         os.chdir(job["cwd"])
-    return main(list(job["argv"]), state=state)
+    return main(list(job["argv"]))
 
 
 def _set_idle_priority() -> bool:
@@ -221,7 +179,7 @@ def _die_with_agent() -> None:
         die_with_parent(int(agent))
 
 
-def main(argv: list[str] | None = None, *, state: ShimState | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Run the script; returns only on a usage error (the script's own exit ends the process)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["--standby"]:
@@ -236,13 +194,9 @@ def main(argv: list[str] | None = None, *, state: ShimState | None = None) -> in
         )
         return 2
     _die_with_agent()
-    state = state if state is not None else ShimState()
     if os.environ.get("VARUNA_MANAGER"):
-        # Until the engine installs its own handler, a SIGUSR1 ("checkpoint and stop", e.g. an
-        # eviction notice during start-up) is remembered and handed to the engine, instead of
-        # killing the worker (which the manager would count as a failure).
-        signal.signal(signal.SIGUSR1, lambda *_: state.early_stop.set())
-        install(state)
+        _hold_early_stop()
+        enable_engine_plugins()
     target, script_args = args[0], args[1:]
     path = Path(target)
     if not module and not path.is_file():

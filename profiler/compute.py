@@ -51,12 +51,13 @@ from profiler.spec import ModelTarget
 from varuna.cutting.batches import call_with_batch
 from varuna.cutting.cutpoint import CutPoint, DryRun, ForwardRun, SplitState, StopForward
 from varuna.cutting.split import ModelProfile, materialize_stage, profile_model
+from varuna.runtime.executor import leaf
 
 __all__ = ["SegmentMeasurement", "SegmentProfiler", "median_iqr", "DryRunInfo", "dry_run"]
 
-# Note [Tasks]: the three timed tasks are those of varuna.runtime.engine._execute: F (no graph when the
-# micro-batch will be recomputed), R (forward with graph from the stashed input), B (backward from
-# the received gradient). A stage whose forward keeps its graph (last stage, or no recompute) pays
+# Note [Tasks]: the three timed tasks are those of varuna.runtime.executor.ScheduleExecutor: F (no
+# graph when the micro-batch will be recomputed), R (forward with graph from the stashed input),
+# B (backward from the received gradient). A stage whose forward keeps its graph (last stage, or no recompute) pays
 # about R for its forward: the simulator reads recompute_s for that.
 
 
@@ -358,7 +359,7 @@ class SegmentProfiler:
                     per_rep = (time.perf_counter() - t_start) / rep
                     want = math.ceil(self.min_time_s / max(per_rep, 1e-6))
                     rounds = self.warmup + min(max(self.reps, want), self.max_reps)
-                inputs = None if stash is None else tuple(_leaf(x) for x in stash)
+                inputs = None if stash is None else tuple(leaf(x) for x in stash)
                 _, a, b = self._forward(model, state, order, segment, inputs, batch, grad=False)
                 f = b - a
                 out, a, b = self._forward(model, state, order, segment, inputs, batch, grad=True)
@@ -409,7 +410,7 @@ class SegmentProfiler:
 
     def _activation_bytes(self, model, state, order, segment, stash, batch, grads, params) -> tuple[int, str]:
         """Bytes alive for one micro-batch during its recompute/backward (see the module docstring)."""
-        inputs = None if stash is None else tuple(_leaf(x) for x in stash)
+        inputs = None if stash is None else tuple(leaf(x) for x in stash)
         excluded = {_storage_key(p)[0] for p in params.values()}
         excluded |= {_storage_key(x)[0] for x in (stash or ())}
         excluded |= {_storage_key(x)[0] for x in (inputs or ())}
@@ -442,11 +443,3 @@ class SegmentProfiler:
         total = sum(saved.values())
         self._backward(segment, out, grads)
         return total, "saved_tensors"
-
-
-def _leaf(x: torch.Tensor) -> torch.Tensor:
-    # As varuna.runtime.engine._leaf: a received activation becomes a leaf that collects its gradient.
-    t = x.detach()
-    if t.is_floating_point():
-        t.requires_grad_(True)
-    return t

@@ -18,7 +18,7 @@ instead relate the clocks NTP-style from the ping-pongs that open every session,
 shortest round trip; on one busy machine that estimate is worse than none (measured: ±2 ms, as a
 single descheduled ping skews it), hence the default.
 
-**All-reduce**: each ring runs the engine's gradient sync (``varuna.runtime.engine._allreduce_bucketed``:
+**All-reduce**: each ring runs the engine's gradient sync (``varuna.runtime.grad_sync.allreduce_bucketed``:
 ``dist.all_reduce`` of flat 32 MiB buckets) on a buffer of the measured size; rings of one
 configuration start together after a barrier over all of them, so ``concurrent`` all-reduces share
 each host. A ring's time for a repetition is the slowest member's.
@@ -224,7 +224,7 @@ def allreduce_session(
     Every member of ``union_group`` (all rings of one configuration) must call it with the same
     arguments; the barrier before each round starts the concurrent rings together.
     """
-    from varuna.runtime.engine import _allreduce_bucketed  # the engine's own gradient sync (flat buckets)
+    from varuna.runtime.grad_sync import allreduce_bucketed  # the engine's own gradient sync (flat buckets)
 
     bufs = [[torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)] for nbytes in sizes]
     out: list[list[float]] = [[] for _ in sizes]
@@ -232,7 +232,7 @@ def allreduce_session(
         for times, buf in zip(out, bufs):
             dist.barrier(group=union_group)
             t0 = time.perf_counter()
-            _allreduce_bucketed(buf, group)
+            allreduce_bucketed(buf, group)
             times.append(time.perf_counter() - t0)
     return out
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import ctypes
 import datetime
 import json
-import math
 import os
 import platform
 import shutil
@@ -42,31 +41,25 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from profiler.compute import SegmentMeasurement, dry_run, median_iqr
+from profiler.assembly import CalibrationState, add_compute, assemble, state_from_file
+from profiler.compute import SegmentMeasurement, dry_run
 from profiler.hosts import HostSet, open_hosts
 from profiler.network import MessageSpec, allreduce_times, link_stats, mean_std, payload_bytes
 from profiler.spec import load_target, parse_micro_batch_sizes
 from varuna.core.calibration import (
     AllReducePoint,
     Calibration,
-    ComputeStat,
-    CutPointCalibration,
     HostInfo,
-    LinkModel,
     LinkPoint,
-    ModelInfo,
-    SegmentCalibration,
     SendStat,
-    fit_allreduce_model,
-    fit_link_model,
 )
 from varuna.cutting.cutpoint import CutPoint
 
-__all__ = ["ProfileOptions", "calibrate", "measure_allreduce", "EXTRA_KEY", "fit_linear"]
+__all__ = ["ProfileOptions", "calibrate", "measure_allreduce", "EXTRA_KEY"]
 
 #: Top-level key of the calibration file holding the profiler's diagnostics (fit errors, peak
 #: memory, settings, history): ``Calibration.profiler``, an opaque object the schema keeps through
@@ -148,52 +141,6 @@ def _say(opts: ProfileOptions, text: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Fits
-
-
-def fit_linear(ms: Sequence[float], ys: Sequence[float]) -> dict:
-    """Least-squares ``y = intercept + slope·m`` (relative weights) and its errors on the points.
-
-    One point: a line through the origin. Negative intercepts are clamped to 0 (a cost).
-
-    >>> fit = fit_linear([1, 2, 4], [0.011, 0.021, 0.041])
-    >>> round(fit["intercept_s"], 4), round(fit["per_example_s"], 4), fit["max_rel_error"] < 1e-9
-    (0.001, 0.01, True)
-    """
-    pts = [(float(m), float(y)) for m, y in zip(ms, ys)]
-    if len(pts) == 1 or len({m for m, _ in pts}) == 1:
-        a, b = 0.0, pts[0][1] / pts[0][0]
-    else:
-        w = [1.0 / max(y, 1e-12) ** 2 for _, y in pts]
-        sw, sm, sy = (
-            sum(w),
-            sum(wi * m for wi, (m, _) in zip(w, pts)),
-            sum(wi * y for wi, (_, y) in zip(w, pts)),
-        )
-        smm = sum(wi * m * m for wi, (m, _) in zip(w, pts))
-        smy = sum(wi * m * y for wi, (m, y) in zip(w, pts))
-        det = sw * smm - sm * sm
-        b = (sw * smy - sm * sy) / det
-        a = (sy - b * sm) / sw
-        if a < 0:
-            a, b = 0.0, smy / smm
-    errs = [abs(a + b * m - y) / max(y, 1e-12) for m, y in pts]
-    return {
-        "intercept_s": a,
-        "per_example_s": b,
-        "max_rel_error": max(errs),
-        "rms_rel_error": math.sqrt(sum(e * e for e in errs) / len(errs)),
-    }
-
-
-def _link_fit_errors(model: LinkModel) -> dict:
-    errs = [abs(model.time_s(p.bytes) - p.mean_s) / max(p.mean_s, 1e-12) for p in model.points]
-    return {
-        "rms_rel_error": math.sqrt(sum(e * e for e in errs) / len(errs)) if errs else 0.0,
-        "max_rel_error": max(errs, default=0.0),
-    }
-
-
 # ---------------------------------------------------------------------------------------------
 # Plan
 
@@ -214,7 +161,8 @@ def _msg_key(msg: MessageSpec) -> str:
 
 
 def _grad_msg(msg: MessageSpec) -> MessageSpec:
-    # The engine sends back gradients of the floating-point inputs only (varuna.runtime.engine._execute).
+    # The engine sends back gradients of the floating-point inputs only
+    # (varuna.runtime.executor.ScheduleExecutor).
     return [(s, d) for s, d in msg if d.startswith(("float", "bfloat"))]
 
 
@@ -364,164 +312,6 @@ class _Workers:
 
 
 # ---------------------------------------------------------------------------------------------
-# Collected state (per m / per point), from a measurement or from an existing file
-
-
-@dataclass
-class _State:
-    """Everything a calibration file holds, keyed so that new measurements merge in."""
-
-    cutpoint_names: list[str]
-    num_segments: int
-    seg_static: dict[int, dict] = field(default_factory=dict)
-    """segment -> param_bytes, grad_bytes, optimizer_bytes, optimizer_step_s."""
-    seg_at: dict[tuple[int, int], dict] = field(default_factory=dict)
-    """(segment, m) -> fwd/bwd/recompute ComputeStat, stashed_input_bytes, activation_bytes, peak_bytes."""
-    act_bytes: dict[tuple[int, int], int] = field(default_factory=dict)
-    """(cut-point, m) -> bytes."""
-    sends: dict[tuple[str, int, int], SendStat] = field(default_factory=dict)
-    """(act_send_intra_s | ..., cut-point, m) -> SendStat."""
-    link_points: dict[str, list[LinkPoint]] = field(default_factory=lambda: {"intra": [], "inter": []})
-    ar_points: list[AllReducePoint] = field(default_factory=list)
-    memory_source: str = "saved_tensors"
-
-
-def _state_from_file(cal: Calibration, extra: Mapping[str, Any]) -> _State:
-    st = _State(cutpoint_names=list(cal.model.cutpoint_names), num_segments=cal.num_segments)
-    ex_segs = extra.get("segments") or []
-    for i, seg in enumerate(cal.segments):
-        ex = ex_segs[i] if i < len(ex_segs) else {}
-        st.seg_static[i] = {
-            "param_bytes": seg.param_bytes,
-            "grad_bytes": seg.grad_bytes,
-            "optimizer_bytes": seg.optimizer_bytes,
-            "optimizer_step_s": ex.get("optimizer_step_s", 0.0),
-        }
-        peaks = ex.get("peak_bytes") or []
-        for j, m in enumerate(cal.micro_batch_sizes):
-            st.seg_at[(i, m)] = {
-                "fwd_s": seg.fwd_s[j],
-                "bwd_s": seg.bwd_s[j],
-                "recompute_s": seg.recompute_s[j],
-                "stashed_input_bytes": seg.stashed_input_bytes[j],
-                "activation_bytes": seg.activation_bytes[j],
-                "peak_bytes": peaks[j] if j < len(peaks) else None,
-            }
-    for c, cut in enumerate(cal.cutpoints):
-        for j, m in enumerate(cal.micro_batch_sizes):
-            st.act_bytes[(c, m)] = cut.act_bytes[j]
-            for kind in CutPointCalibration._SENDS:
-                values = getattr(cut, kind)
-                if values is not None:
-                    st.sends[(kind, c, m)] = values[j]
-    st.link_points = {"intra": list(cal.intra.points), "inter": list(cal.inter.points)}
-    st.ar_points = list(cal.allreduce.points)
-    st.memory_source = extra.get("memory_source", st.memory_source)
-    return st
-
-
-def _add_compute(st: _State, meas: Sequence[SegmentMeasurement]) -> None:
-    for r in meas:
-        med = {
-            k: ComputeStat(median=a, spread=b)
-            for k, (a, b) in (
-                ("fwd_s", median_iqr(r.fwd_s)),
-                ("bwd_s", median_iqr(r.bwd_s)),
-                ("recompute_s", median_iqr(r.recompute_s)),
-            )
-        }
-        peak = r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.stashed_input_bytes + r.activation_bytes
-        st.seg_at[(r.segment, r.micro_batch_size)] = {
-            **med,
-            "stashed_input_bytes": r.stashed_input_bytes,
-            "activation_bytes": r.activation_bytes,
-            "peak_bytes": peak,
-        }
-        prev = st.seg_static.get(r.segment, {}).get("optimizer_step_s_all", [])
-        st.seg_static[r.segment] = {
-            "param_bytes": r.param_bytes,
-            "grad_bytes": r.grad_bytes,
-            "optimizer_bytes": r.optimizer_bytes,
-            "optimizer_step_s_all": prev + list(r.optimizer_step_s),
-        }
-        st.seg_static[r.segment]["optimizer_step_s"] = median_iqr(
-            st.seg_static[r.segment]["optimizer_step_s_all"]
-        )[0]
-        st.memory_source = r.memory_source
-
-
-def _ms_of(st: _State) -> list[int]:
-    return sorted({m for (_, m) in st.seg_at})
-
-
-def _assemble(st: _State, *, created: str, host: HostInfo, model_name: str) -> tuple[Calibration, dict]:
-    ms = _ms_of(st)
-    segments, extra_segs, compute_fit = [], [], []
-    for i in range(st.num_segments):
-        at = [st.seg_at[(i, m)] for m in ms]
-        static = st.seg_static[i]
-        segments.append(
-            SegmentCalibration(
-                fwd_s=[a["fwd_s"] for a in at],
-                bwd_s=[a["bwd_s"] for a in at],
-                recompute_s=[a["recompute_s"] for a in at],
-                param_bytes=int(static["param_bytes"]),
-                grad_bytes=int(static["grad_bytes"]),
-                optimizer_bytes=int(static["optimizer_bytes"]),
-                stashed_input_bytes=[int(a["stashed_input_bytes"]) for a in at],
-                activation_bytes=[int(a["activation_bytes"]) for a in at],
-            )
-        )
-        peaks = [a.get("peak_bytes") for a in at]
-        extra_segs.append({"peak_bytes": peaks, "optimizer_step_s": static.get("optimizer_step_s", 0.0)})
-        compute_fit.append(
-            {k: fit_linear(ms, [a[k].median for a in at]) for k in ("fwd_s", "bwd_s", "recompute_s")}
-        )
-    cutpoints = []
-    for c, name in enumerate(st.cutpoint_names):
-        sends = {}
-        for kind in CutPointCalibration._SENDS:
-            vals = [st.sends.get((kind, c, m)) for m in ms]
-            sends[kind] = None if any(v is None for v in vals) else vals
-        cutpoints.append(
-            CutPointCalibration(name=name, act_bytes=[st.act_bytes[(c, m)] for m in ms], **sends)
-        )
-    try:
-        links = {kind: fit_link_model(st.link_points[kind]) for kind in ("intra", "inter")}
-        allreduce = fit_allreduce_model(st.ar_points)
-    except ValueError as e:  # noisy measurements, not bad input: not an exit-2 error
-        raise RuntimeError(
-            f"cannot fit the network models ({e}); re-run on a quieter machine or with more "
-            "--link-reps / --allreduce-reps"
-        ) from e
-    total_opt_s = sum(s.get("optimizer_step_s", 0.0) for s in st.seg_static.values())
-    total_param = sum(s["param_bytes"] for s in st.seg_static.values() if s.get("grad_bytes"))
-    cal = Calibration(
-        created=created,
-        model=ModelInfo(
-            name=model_name, cutpoint_names=list(st.cutpoint_names), num_segments=st.num_segments
-        ),
-        host=host,
-        micro_batch_sizes=ms,
-        segments=segments,
-        cutpoints=cutpoints,
-        intra=links["intra"],
-        inter=links["inter"],
-        allreduce=allreduce,
-        optimizer_s_per_param_byte=total_opt_s / total_param if total_param else 0.0,
-    )
-    extra = {
-        "segments": extra_segs,
-        "compute_fit": compute_fit,
-        "memory_source": st.memory_source,
-        "link_fit": {kind: _link_fit_errors(links[kind]) for kind in links},
-        "allreduce_configs": [list(c) for c in sorted({(p.ring_size, p.concurrent) for p in st.ar_points})],
-    }
-    cal.profiler = extra  # the same object: what calibrate() adds to extra lands in the file
-    return cal, extra
-
-
-# ---------------------------------------------------------------------------------------------
 # Public API
 
 
@@ -557,6 +347,223 @@ def _save(path: str | os.PathLike, cal: Calibration, extra: dict) -> None:
     cal.save(path)
 
 
+def _missing_allreduce_configs(ring_sizes: list[int], concurrencies: list[int], old: Calibration | None
+                               ) -> list[tuple[int, int]]:
+    """(ring size, concurrency) pairs to measure: those ``old`` (the file being updated) lacks."""
+    have_ar = {(p.ring_size, p.concurrent) for p in old.allreduce.points} if old else set()
+    return [(d, c) for d in ring_sizes for c in concurrencies if (d, c) not in have_ar]
+
+
+def _check_same_model(old: Calibration | None, info: Any, update: Any, spec: str) -> None:
+    """``--update`` only adds to a file profiled for the same cut-points."""
+    if old is not None and (
+        old.model.cutpoint_names != info.cutpoint_names or old.model.num_segments != info.num_segments
+    ):
+        raise ValueError(
+            f"{update} was profiled for a model with cut-points {old.model.cutpoint_names}, "
+            f"but {spec} has {info.cutpoint_names}; profile it into a new file with --out"
+        )
+
+
+def _apply_overrides(opts: ProfileOptions, overrides: Mapping[str, Any]) -> None:
+    """Set ``calibrate(**overrides)`` on ``opts`` (unknown names: TypeError) and validate."""
+    for k, v in overrides.items():
+        if not hasattr(opts, k):
+            raise TypeError(f"calibrate() got an unknown option {k!r}")
+        setattr(opts, k, v)
+    opts.validate()
+
+
+def _resolve_device(device: str) -> str:
+    """``auto``: cuda when available, else cpu."""
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def _bandwidth(netem: str | None) -> float | None:
+    """The bandwidth limit of a ``$VARUNA_NETEM`` spec (None: none, or no spec)."""
+    if not netem:
+        return None
+    from varuna.testing.netem import NetworkConfig
+
+    return NetworkConfig.parse(netem).bandwidth_bytes_per_s
+
+
+def _boot(opts: ProfileOptions, target: Any, device: str, new_ms: list[int]) -> dict:
+    """What every worker needs before the plan (it starts importing torch while we dry-run)."""
+    return {
+        "spec": target.spec,
+        "model_kwargs": target.kwargs,
+        "threads": opts.threads,
+        "device": device,
+        "compute_ranks": opts.procs if new_ms else 0,
+        "compute_settings": {
+            "warmup": opts.warmup,
+            "reps": opts.reps,
+            "optimizer": opts.optimizer,
+            "min_time_s": opts.min_time_s,
+            "dry_run_m": min(new_ms) if new_ms else 1,  # some models need m > 1 (BatchNorm)
+        },
+    }
+
+
+def _build_plan(opts: ProfileOptions, info: Any, new_ms: list[int], old: Calibration | None,
+                ar_cfgs: list[tuple[int, int]], inter_netem: str | None
+                ) -> tuple[dict[str, Any], dict[str, MessageSpec], dict[str, MessageSpec]]:
+    """The workers' plan (compute, links, all-reduce phases: only those with something to measure)
+    and the activation and gradient messages the links phase sends, by key."""
+    k = opts.procs_per_host
+    ring_sizes = list(range(2, opts.hosts + 1))
+    concurrencies = sorted({1, k})
+    plan: dict[str, Any] = {}
+    if new_ms:
+        plan["compute"] = {
+            "assign": _assign_segments(info.segment_cost_s, opts.procs),
+            "micro_batch_sizes": new_ms,
+        }
+    # Messages: every distinct activation (and its gradient) at the new m's, plus the size
+    # sweep when the file has no link points yet.
+    act_msgs: dict[str, MessageSpec] = {}
+    grad_msgs: dict[str, MessageSpec] = {}
+    for m in new_ms:
+        for cut in info.act_meta[m]:
+            msg = [(tuple(s), d) for s, d in cut]
+            act_msgs.setdefault(_msg_key(msg), msg)
+            grad_msgs.setdefault(_msg_key(_grad_msg(msg)), _grad_msg(msg))
+    if old is None:
+        for nbytes in opts.link_sweep_bytes:
+            act_msgs.setdefault(_msg_key(_sweep_msg(nbytes)), _sweep_msg(nbytes))
+            grad_msgs.setdefault(_msg_key(_sweep_msg(nbytes)), _sweep_msg(nbytes))
+    if act_msgs:
+        plan["links"] = {
+            "pairs": {"intra": [0, 1], "inter": [0, k]},
+            "netem": {"intra": opts.intra_netem, "inter": inter_netem},
+            "act_msgs": list(act_msgs.values()),
+            "grad_msgs": list(grad_msgs.values()),
+            "pings": opts.link_pings,
+            "warmup": 2,
+            "reps": opts.link_reps,
+        }
+    if ar_cfgs:
+        configs = [
+            c
+            for c in _ar_configs(ring_sizes, concurrencies, k)
+            if (c["ring_size"], c["concurrent"]) in ar_cfgs
+        ]
+        plan["allreduce"] = {
+            "configs": configs,
+            "sweep": list(opts.allreduce_sweep_bytes),
+            "warmup": 1,
+            "reps": opts.allreduce_reps,
+            "num_segments": info.num_segments,
+            # None: the compute phase measures them (a fresh file)
+            "segment_grad_bytes": [s.grad_bytes for s in old.segments] if old else None,
+        }
+    return plan, act_msgs, grad_msgs
+
+
+def _reduce_links(st: CalibrationState, plan: dict, results: Sequence[dict], act_msgs: dict[str, MessageSpec],
+                  grad_msgs: dict[str, MessageSpec], info: Any, new_ms: list[int]) -> None:
+    """The links phase's timings into ``st``: link points for the fits and per-cut-point sends."""
+    keys_act, keys_grad = list(act_msgs), list(grad_msgs)
+    for kind, (a, b) in plan["links"]["pairs"].items():
+        act_t, grad_t = link_stats(results[a]["links"][kind], results[b]["links"][kind], warmup=2)
+        act_stat = {
+            key: SendStat(mean=mean_std(t)[0], jitter=mean_std(t)[1]) for key, t in zip(keys_act, act_t)
+        }
+        grad_stat = {
+            key: SendStat(mean=mean_std(t)[0], jitter=mean_std(t)[1]) for key, t in zip(keys_grad, grad_t)
+        }
+        for msgs, stats in ((act_msgs, act_stat), (grad_msgs, grad_stat)):
+            for key, msg in msgs.items():
+                s = stats[key]
+                st.link_points[kind].append(
+                    LinkPoint(bytes=payload_bytes(msg), mean_s=s.mean, jitter_s=s.jitter)
+                )
+        for m in new_ms:
+            for c, cut in enumerate(info.act_meta[m]):
+                msg = [(tuple(s), d) for s, d in cut]
+                st.sends[(f"act_send_{kind}_s", c, m)] = act_stat[_msg_key(msg)]
+                st.sends[(f"grad_send_{kind}_s", c, m)] = grad_stat[_msg_key(_grad_msg(msg))]
+
+
+def _reduce_compute(st: CalibrationState, results: Sequence[dict], info: Any, new_ms: list[int]) -> None:
+    """The compute phase's measurements and the dry run's activation sizes into ``st``."""
+    add_compute(st, [SegmentMeasurement.from_dict(d) for r in results for d in r.get("compute", [])])
+    for m in new_ms:
+        for c, cut in enumerate(info.act_meta[m]):
+            st.act_bytes[(c, m)] = payload_bytes([(tuple(s), d) for s, d in cut])
+
+
+def _reduce_allreduce(st: CalibrationState, plan: dict, results: Sequence[dict], sweep: Sequence[int]
+                      ) -> None:
+    """The all-reduce phase's timings into ``st``: one point per (configuration, segment) and per
+    sweep size, averaged over the configuration's concurrent rings."""
+    ar_sizes, seg_bytes = results[0]["allreduce_sizes"], results[0]["segment_grad_bytes"]
+    for j, cfg in enumerate(plan["allreduce"]["configs"]):
+        per_ring = [
+            allreduce_times([results[r]["allreduce"][str(j)] for r in ring], warmup=1)
+            for ring in cfg["rings"]
+        ]
+        by_size = {size: sum(t[i] for t in per_ring) / len(per_ring) for i, size in enumerate(ar_sizes)}
+        for seg, gb in enumerate(seg_bytes):
+            if gb > 0:
+                st.ar_points.append(
+                    AllReducePoint(
+                        segment=seg,
+                        ring_size=cfg["ring_size"],
+                        concurrent=cfg["concurrent"],
+                        bytes=gb,
+                        time_s=by_size[gb],
+                    )
+                )
+        for size in sweep:
+            st.ar_points.append(
+                AllReducePoint(
+                    segment=None,
+                    ring_size=cfg["ring_size"],
+                    concurrent=cfg["concurrent"],
+                    bytes=size,
+                    time_s=by_size[size],
+                )
+            )
+
+
+def _history_entry(opts: ProfileOptions, target: Any, new_ms: list[int], ar_cfgs: list[tuple[int, int]],
+                   hosts: HostSet, inter_netem: str | None, device: str) -> dict:
+    """What this run measured and how (one entry of the file's ``profiler.history``; the wall time
+    is filled in at the end)."""
+    return {
+        "at": _now(),
+        "wall_time_s": 0.0,
+        "micro_batch_sizes": new_ms,
+        "allreduce_configs": ar_cfgs,
+        "hosts": hosts.describe(),
+        "inter_netem": opts.inter_netem,
+        "inter_netem_applied_to_p2p": inter_netem,
+        "procs": opts.procs,
+        "procs_per_host": opts.procs_per_host,
+        "device": device,
+        "threads": opts.threads,
+        "reps": opts.reps,
+        "warmup": opts.warmup,
+        "optimizer": opts.optimizer,
+        "model_kwargs": target.kwargs,
+    }
+
+
+def _allreduce_note(hosts: HostSet) -> str:
+    """How the all-reduces were emulated (``profiler.allreduce_note`` in the file)."""
+    if hosts.mode == "loopback":
+        return "all-reduce over loopback: the inter-host emulation (netem) does not delay collectives"
+    if hosts.bandwidth_shaped:
+        return "all-reduce across network namespaces; bandwidth shaped by tbf"
+    return "all-reduce across network namespaces"
+
+
 def calibrate(
     model: str | Callable,
     micro_batch_sizes: Sequence[int] | str,
@@ -575,11 +582,7 @@ def calibrate(
     """
     opts = options or ProfileOptions()
     t_start = opts.clock_start if opts.clock_start is not None else time.perf_counter()
-    for k, v in overrides.items():
-        if not hasattr(opts, k):
-            raise TypeError(f"calibrate() got an unknown option {k!r}")
-        setattr(opts, k, v)
-    opts.validate()
+    _apply_overrides(opts, overrides)
     ms = parse_micro_batch_sizes(micro_batch_sizes)
     target = load_target(model, model_kwargs)
 
@@ -594,16 +597,10 @@ def calibrate(
             f"model {target.spec} has no CutPoint; call varuna.CutPoint() on the activations at "
             "candidate stage boundaries (see varuna/cutting/cutpoint.py)"
         )
-    device = opts.device
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = _resolve_device(opts.device)
     k = opts.procs_per_host
     ring_sizes = list(range(2, opts.hosts + 1))
-    concurrencies = sorted({1, k})
-    have_ar = {(p.ring_size, p.concurrent) for p in old.allreduce.points} if old else set()
-    ar_cfgs = [(d, c) for d in ring_sizes for c in concurrencies if (d, c) not in have_ar]
+    ar_cfgs = _missing_allreduce_configs(ring_sizes, sorted({1, k}), old)
     if not new_ms and not ar_cfgs:
         _say(
             opts,
@@ -611,88 +608,19 @@ def calibrate(
         )
         return old  # type: ignore[return-value]
     world = max(opts.procs if new_ms else 0, opts.hosts * k)
-    inter_bw = None
-    if opts.inter_netem:
-        from varuna.testing.netem import NetworkConfig
-
-        inter_bw = NetworkConfig.parse(opts.inter_netem).bandwidth_bytes_per_s
-    boot = {
-        "spec": target.spec,
-        "model_kwargs": target.kwargs,
-        "threads": opts.threads,
-        "device": device,
-        "compute_ranks": opts.procs if new_ms else 0,
-        "compute_settings": {
-            "warmup": opts.warmup,
-            "reps": opts.reps,
-            "optimizer": opts.optimizer,
-            "min_time_s": opts.min_time_s,
-            "dry_run_m": min(new_ms) if new_ms else 1,  # some models need m > 1 (BatchNorm)
-        },
-    }
+    inter_bw = _bandwidth(opts.inter_netem)
+    boot = _boot(opts, target, device, new_ms)
 
     with (
         open_hosts(opts.host_emulation, num_hosts=opts.hosts, bandwidth_bytes_per_s=inter_bw) as hosts,
         _Workers(hosts, world, k, opts, boot) as workers,
     ):  # Note [Early start]
         info = dry_run(target, new_ms or ms[:1])  # shapes at the m's the file already has are in it
-        if old is not None and (
-            old.model.cutpoint_names != info.cutpoint_names or old.model.num_segments != info.num_segments
-        ):
-            raise ValueError(
-                f"{update} was profiled for a model with cut-points {old.model.cutpoint_names}, "
-                f"but {target.spec} has {info.cutpoint_names}; profile it into a new file with --out"
-            )
-        st = (
-            _state_from_file(old, old_extra)
-            if old
-            else _State(cutpoint_names=info.cutpoint_names, num_segments=info.num_segments)
-        )
-        plan: dict[str, Any] = {}
-        if new_ms:
-            plan["compute"] = {
-                "assign": _assign_segments(info.segment_cost_s, opts.procs),
-                "micro_batch_sizes": new_ms,
-            }
-        # Messages: every distinct activation (and its gradient) at the new m's, plus the size
-        # sweep when the file has no link points yet.
-        act_msgs: dict[str, MessageSpec] = {}
-        grad_msgs: dict[str, MessageSpec] = {}
-        for m in new_ms:
-            for cut in info.act_meta[m]:
-                msg = [(tuple(s), d) for s, d in cut]
-                act_msgs.setdefault(_msg_key(msg), msg)
-                grad_msgs.setdefault(_msg_key(_grad_msg(msg)), _grad_msg(msg))
-        if old is None:
-            for nbytes in opts.link_sweep_bytes:
-                act_msgs.setdefault(_msg_key(_sweep_msg(nbytes)), _sweep_msg(nbytes))
-                grad_msgs.setdefault(_msg_key(_sweep_msg(nbytes)), _sweep_msg(nbytes))
+        _check_same_model(old, info, update, target.spec)
+        st = state_from_file(old, old_extra) if old else CalibrationState(
+            cutpoint_names=info.cutpoint_names, num_segments=info.num_segments)
         inter_netem = _strip_bandwidth(opts.inter_netem) if hosts.bandwidth_shaped else opts.inter_netem
-        if act_msgs:
-            plan["links"] = {
-                "pairs": {"intra": [0, 1], "inter": [0, k]},
-                "netem": {"intra": opts.intra_netem, "inter": inter_netem},
-                "act_msgs": list(act_msgs.values()),
-                "grad_msgs": list(grad_msgs.values()),
-                "pings": opts.link_pings,
-                "warmup": 2,
-                "reps": opts.link_reps,
-            }
-        if ar_cfgs:
-            configs = [
-                c
-                for c in _ar_configs(ring_sizes, concurrencies, k)
-                if (c["ring_size"], c["concurrent"]) in ar_cfgs
-            ]
-            plan["allreduce"] = {
-                "configs": configs,
-                "sweep": list(opts.allreduce_sweep_bytes),
-                "warmup": 1,
-                "reps": opts.allreduce_reps,
-                "num_segments": info.num_segments,
-                # None: the compute phase measures them (a fresh file)
-                "segment_grad_bytes": [s.grad_bytes for s in old.segments] if old else None,
-            }
+        plan, act_msgs, grad_msgs = _build_plan(opts, info, new_ms, old, ar_cfgs, inter_netem)
         _say(
             opts,
             f"varuna-profile: {target.spec}: {info.num_segments} segments, m={new_ms or '-'}, "
@@ -704,64 +632,24 @@ def calibrate(
     _say(opts, _timeline(results, t_start, t_plan, t_plan + t_workers))
 
     # -- reduce the raw results --------------------------------------------------------------
-    meas = [SegmentMeasurement.from_dict(d) for r in results for d in r.get("compute", [])]
-    _add_compute(st, meas)
-    for m in new_ms:
-        for c, cut in enumerate(info.act_meta[m]):
-            st.act_bytes[(c, m)] = payload_bytes([(tuple(s), d) for s, d in cut])
+    _reduce_compute(st, results, info, new_ms)
     if "links" in plan:
-        keys_act, keys_grad = list(act_msgs), list(grad_msgs)
-        for kind, (a, b) in plan["links"]["pairs"].items():
-            act_t, grad_t = link_stats(results[a]["links"][kind], results[b]["links"][kind], warmup=2)
-            act_stat = {
-                key: SendStat(mean=mean_std(t)[0], jitter=mean_std(t)[1]) for key, t in zip(keys_act, act_t)
-            }
-            grad_stat = {
-                key: SendStat(mean=mean_std(t)[0], jitter=mean_std(t)[1]) for key, t in zip(keys_grad, grad_t)
-            }
-            for msgs, stats in ((act_msgs, act_stat), (grad_msgs, grad_stat)):
-                for key, msg in msgs.items():
-                    s = stats[key]
-                    st.link_points[kind].append(
-                        LinkPoint(bytes=payload_bytes(msg), mean_s=s.mean, jitter_s=s.jitter)
-                    )
-            for m in new_ms:
-                for c, cut in enumerate(info.act_meta[m]):
-                    msg = [(tuple(s), d) for s, d in cut]
-                    st.sends[(f"act_send_{kind}_s", c, m)] = act_stat[_msg_key(msg)]
-                    st.sends[(f"grad_send_{kind}_s", c, m)] = grad_stat[_msg_key(_grad_msg(msg))]
+        _reduce_links(st, plan, results, act_msgs, grad_msgs, info, new_ms)
     if "allreduce" in plan:
-        ar_sizes, seg_bytes = results[0]["allreduce_sizes"], results[0]["segment_grad_bytes"]
-        for j, cfg in enumerate(plan["allreduce"]["configs"]):
-            per_ring = [
-                allreduce_times([results[r]["allreduce"][str(j)] for r in ring], warmup=1)
-                for ring in cfg["rings"]
-            ]
-            by_size = {size: sum(t[i] for t in per_ring) / len(per_ring) for i, size in enumerate(ar_sizes)}
-            for seg, gb in enumerate(seg_bytes):
-                if gb > 0:
-                    st.ar_points.append(
-                        AllReducePoint(
-                            segment=seg,
-                            ring_size=cfg["ring_size"],
-                            concurrent=cfg["concurrent"],
-                            bytes=gb,
-                            time_s=by_size[gb],
-                        )
-                    )
-            for size in opts.allreduce_sweep_bytes:
-                st.ar_points.append(
-                    AllReducePoint(
-                        segment=None,
-                        ring_size=cfg["ring_size"],
-                        concurrent=cfg["concurrent"],
-                        bytes=size,
-                        time_s=by_size[size],
-                    )
-                )
+        _reduce_allreduce(st, plan, results, opts.allreduce_sweep_bytes)
 
-    host = old.host if old else _host_info(device, opts.threads)
-    cal, extra = _assemble(
+    history = _history_entry(opts, target, new_ms, ar_cfgs, hosts, inter_netem, device)
+    return _finish(st, old, target, opts, history, _allreduce_note(hosts), t_start,
+                   out if out is not None else update)
+
+
+def _finish(st: CalibrationState, old: Calibration | None, target: Any, opts: ProfileOptions, history: dict,
+            allreduce_note: str, t_start: float, dest: str | os.PathLike | None) -> Calibration:
+    """Assemble the calibration, add the run's diagnostics, write it to ``dest`` (and check that
+    it reads back), report."""
+    old_extra = (old.profiler or {}) if old else {}
+    host = old.host if old else _host_info(history["device"], opts.threads)
+    cal, extra = assemble(
         st,
         created=old.created if old else _now(),
         host=host,
@@ -769,43 +657,17 @@ def calibrate(
     )
     # Not measured here (they need the engine running a pipeline; docs/calibration.md): kept.
     cal.runtime_overheads = old.runtime_overheads if old else None
-    wall = time.perf_counter() - t_start
-    history = list(old_extra.get("history", [])) + [
-        {
-            "at": _now(),
-            "wall_time_s": round(wall, 3),
-            "micro_batch_sizes": new_ms,
-            "allreduce_configs": ar_cfgs,
-            "hosts": hosts.describe(),
-            "inter_netem": opts.inter_netem,
-            "inter_netem_applied_to_p2p": inter_netem,
-            "procs": opts.procs,
-            "procs_per_host": k,
-            "device": device,
-            "threads": opts.threads,
-            "reps": opts.reps,
-            "warmup": opts.warmup,
-            "optimizer": opts.optimizer,
-            "model_kwargs": target.kwargs,
-        }
-    ]
+    history["wall_time_s"] = round(time.perf_counter() - t_start, 3)
     extra.update(
         {
             "tool": "varuna-profile",
             "spec": target.spec,
-            "history": history,
+            "history": list(old_extra.get("history", [])) + [history],
             # The schema's convention, restated in the file for readers without the docs.
             "units": {"time": "seconds", "size": "bytes", "bandwidth": "bytes per second"},
-            "allreduce_note": (
-                "all-reduce over loopback: the inter-host emulation (netem) does not delay collectives"
-                if hosts.mode == "loopback"
-                else "all-reduce across network namespaces; bandwidth shaped by tbf"
-                if hosts.bandwidth_shaped
-                else "all-reduce across network namespaces"
-            ),
+            "allreduce_note": allreduce_note,
         }
     )
-    dest = out if out is not None else update
     if dest is not None:
         _save(dest, cal, extra)
         Calibration.load(dest)  # the file must read back through the schema

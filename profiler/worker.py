@@ -47,6 +47,40 @@ def _write_result(run_dir: Path, rank: int, result: dict) -> None:
     os.replace(tmp, out)  # atomic: the parent never reads half a file
 
 
+def _new_groups(links: dict, ar: dict) -> tuple[dict, list]:
+    """The process groups of the links and all-reduce phases. Every rank creates every group, in
+    plan order (new_group is collective over the world)."""
+    import torch.distributed as dist
+
+    pair_groups = {}
+    for name, pair in links.get("pairs", {}).items():
+        pair_groups[name] = (dist.new_group(sorted(pair)), dist.new_group(sorted(pair)))
+    ar_groups = []
+    for cfg in ar.get("configs", []):
+        rings = [dist.new_group(ring) for ring in cfg["rings"]]
+        union = dist.new_group(sorted({r for ring in cfg["rings"] for r in ring}))
+        ar_groups.append((rings, union))
+    return pair_groups, ar_groups
+
+
+def _run_allreduce_phase(ar: dict, ar_groups: list, store, rank: int, result: dict, timeout_s: float) -> None:
+    """This rank's all-reduce measurements of every configuration (its rings' members together)."""
+    from profiler.network import allreduce_session
+
+    seg_bytes = ar.get("segment_grad_bytes")
+    if seg_bytes is None:  # measured in the compute phase (the parent does not build stages)
+        seg_bytes = [int(store.get(f"grad_bytes/{i}")) for i in range(ar["num_segments"])]
+    sizes = sorted({b for b in seg_bytes if b > 0} | set(ar["sweep"]))
+    result["segment_grad_bytes"], result["allreduce_sizes"] = seg_bytes, sizes
+    for j, (cfg, (rings, union)) in enumerate(zip(ar.get("configs", []), ar_groups)):
+        members = sorted({r for ring in cfg["rings"] for r in ring})
+        for ring, group in zip(cfg["rings"], rings):
+            if rank in ring:
+                times = allreduce_session(group, union, sizes, rounds=ar["warmup"] + ar["reps"])
+                result.setdefault("allreduce", {})[str(j)] = times
+        _phase(store, f"allreduce-{j}", rank, members, timeout_s)
+
+
 def run(
     plan: dict,
     rank: int,
@@ -81,17 +115,9 @@ def run(
         result["phase_s"][name] = marks[-1][1] - marks[-2][1]
 
     try:
-        # Every rank creates every group, in plan order (new_group is collective over the world).
         links = plan.get("links") or {}
-        pair_groups = {}
-        for name, pair in links.get("pairs", {}).items():
-            pair_groups[name] = (dist.new_group(sorted(pair)), dist.new_group(sorted(pair)))
         ar = plan.get("allreduce") or {}
-        ar_groups = []
-        for cfg in ar.get("configs", []):
-            rings = [dist.new_group(ring) for ring in cfg["rings"]]
-            union = dist.new_group(sorted({r for ring in cfg["rings"] for r in ring}))
-            ar_groups.append((rings, union))
+        pair_groups, ar_groups = _new_groups(links, ar)
         mark("setup")
 
         compute = plan.get("compute") or {}
@@ -114,20 +140,7 @@ def run(
         mark("links")
 
         if ar:
-            seg_bytes = ar.get("segment_grad_bytes")
-            if seg_bytes is None:  # measured in the compute phase (the parent does not build stages)
-                seg_bytes = [int(store.get(f"grad_bytes/{i}")) for i in range(ar["num_segments"])]
-            sizes = sorted({b for b in seg_bytes if b > 0} | set(ar["sweep"]))
-            result["segment_grad_bytes"], result["allreduce_sizes"] = seg_bytes, sizes
-        for j, (cfg, (rings, union)) in enumerate(zip(ar.get("configs", []), ar_groups)):
-            from profiler.network import allreduce_session
-
-            members = sorted({r for ring in cfg["rings"] for r in ring})
-            for ring, group in zip(cfg["rings"], rings):
-                if rank in ring:
-                    times = allreduce_session(group, union, sizes, rounds=ar["warmup"] + ar["reps"])
-                    result.setdefault("allreduce", {})[str(j)] = times
-            _phase(store, f"allreduce-{j}", rank, members, timeout_s)
+            _run_allreduce_phase(ar, ar_groups, store, rank, result, timeout_s)
         mark("allreduce")
         # Rank 0 hosts the store: everyone leaves together, so no rank loses it while waiting.
         # (On an error a rank just exits; the parent then stops the others.)

@@ -10,7 +10,9 @@ mean mini-batch time over a few steps after warm-up, simulates the same configur
 
 The simulator's calibration is built from KNOWN costs (the blocks' sleeps, the emulated network's
 latency and jitter) plus runtime constants MEASURED by micro-benchmarks in the same worker
-processes, in rounds before, between and after the validation runs (never fitted to them):
+processes, in rounds before, between and after the validation runs (never fitted to them); the
+micro-benchmarks are ``profiler.overhead_runs`` and their fit ``profiler.overheads`` (the notes
+cited below live there):
 
 - *task costs* (Note [Task costs]): the engine's F, R and B times minus the known sleeps, in
   calibration runs of the runtime (W×1 pipelines of 1- and 3-block stages, 1F1B, Nm = 6: model
@@ -27,7 +29,7 @@ processes, in rounds before, between and after the validation runs (never fitted
 
 The workers run with SCHED_RR priority after start-up (``--priority``, see ``_prioritize``):
 on a shared, loaded 2-core host that is what makes the emulated devices behave like dedicated
-ones. Every engine's process groups are destroyed after its run (``_owned_groups``).
+ones. Every engine's process groups are destroyed after its run (``profiler.overhead_runs.owned_groups``).
 
 Usage::
 
@@ -49,14 +51,13 @@ docs/simulator.md, section "Validation".
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -65,14 +66,22 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from profiler.overheads import (  # noqa: E402  (after the sys.path set-up)
+    EMULATED_WIDTH,
+    MICRO_BATCH_SIZE,
+    RuntimeConstants,
+    disturbed,
+    runtime_constants,
+    task_overheads,
+    trimmed_mean,
+    waiting_hops,
+)
+
 #: Emulated compute of one block (paper-like units: F, B = 2F, R = F), seconds.
 BLOCK_FWD_S = 0.010
 #: Blocks (= segments) per pipeline stage: stage F = 2 · BLOCK_FWD_S.
 BLOCKS_PER_STAGE = 2
-#: Width of the blocks' activations (tiny: messages are latency-bound, as the brief's network is).
-WIDTH = 16
-#: Examples per micro-batch (emulated blocks take the same time at any size).
-MICRO_BATCH_SIZE = 1
+# The blocks' width and the micro-batch size are the calibration runs' (profiler.overheads).
 
 #: Network levels: name -> (latency s, mean exponential jitter s); None = no emulation.
 LEVELS: dict[str, tuple[float, float] | None] = {
@@ -82,21 +91,11 @@ LEVELS: dict[str, tuple[float, float] | None] = {
 }
 #: Seed of the emulator's jitter draws (the simulator uses its own seeds, see ``simulate_config``).
 NETEM_SEED = int(os.environ.get("VALIDATE_NETEM_SEED", "1"))
-#: Delay of the latency-only emulation used to measure the emulator's own hand-off overhead.
-PROBE_LATENCY_S = 0.001
 
 LAYOUTS: tuple[tuple[int, int], ...] = ((2, 1), (4, 1), (2, 2), (4, 2), (8, 1))
 SCHEDULES: tuple[str, ...] = ("varuna", "gpipe", "1f1b")
 NUM_MICROBATCHES: tuple[int, ...] = (4, 8, 16)
 LEVEL_NAMES: tuple[str, ...] = tuple(LEVELS)
-
-#: The runtime's calibration runs (per world of W processes, Note [Task costs]): W×1 pipelines,
-#: 1F1B with recompute, whose stages hold this many blocks (each stage's forward sleeping
-#: CALIBRATION_STAGE_FWD_S in all), over CALIBRATION_MICROBATCHES micro-batches -- model cuts and
-#: configurations that are not among the validation runs.
-CALIBRATION_BLOCKS: tuple[int, ...] = (1, 3)
-CALIBRATION_STAGE_FWD_S = BLOCKS_PER_STAGE * BLOCK_FWD_S
-CALIBRATION_MICROBATCHES = 6
 
 #: Configuration whose real and simulated timelines are drawn (``--gantt-dir``).
 GANTT_LABEL = os.environ.get("VALIDATE_GANTT", "4x1 varuna Nm=8 moderate")
@@ -241,288 +240,6 @@ def step_times(ranks: Sequence[dict], key: str, num_stages: int) -> list[float]:
     return [max(s[i]["t1"] for s in per_rank) - min(s[i]["t0"] for s in firsts) for i in range(n)]
 
 
-def known_task_s(op: str, stage_fwd_s: float = BLOCKS_PER_STAGE * BLOCK_FWD_S) -> float:
-    """Emulated compute of one task of a stage whose forward sleeps ``stage_fwd_s`` (B = 2F, R = F)."""
-    return stage_fwd_s * (2.0 if op == "B" else 1.0)
-
-
-def task_overheads(events: Sequence[Sequence],
-                   stage_fwd_s: float = BLOCKS_PER_STAGE * BLOCK_FWD_S) -> dict[str, list[float]]:
-    """Per op (F, R, B): each task's measured time minus its known emulated compute.
-
-    ``events`` are ``(stage, replica, op, microbatch, start_s, end_s)``.
-    """
-    out: dict[str, list[float]] = {"F": [], "R": [], "B": []}
-    for _, _, op, _, start, end in events:
-        if op in out:
-            out[op].append(end - start - known_task_s(op, stage_fwd_s))
-    return out
-
-
-def waiting_hops(events: Sequence[Sequence]) -> list[float]:
-    """Hand-off delays seen by idle receivers in one step of a pipeline run.
-
-    For each activation (F_i on stage s → F_i on s+1) and gradient (B_i on s+1 → B_i on s) of one
-    replica whose receiver was idle when it was produced: consumer start − producer end. This is
-    the runtime's message latency as the simulator's link model sees it (plus the emulated delay).
-    """
-    where: dict[tuple[int, int, str, int], tuple[float, float]] = {}
-    prev_end: dict[tuple[int, int, str, int], float] = {}
-    by_rank: dict[tuple[int, int], list] = {}
-    for e in events:
-        if e[2] in ("F", "R", "B"):
-            by_rank.setdefault((e[0], e[1]), []).append(e)
-    for evs in by_rank.values():
-        last = -float("inf")
-        for stage, rep, op, mb, start, end in sorted(evs, key=lambda e: e[4]):
-            where[(stage, rep, op, mb)] = (start, end)
-            prev_end[(stage, rep, op, mb)] = last
-            last = end
-    hops = []
-    for (stage, rep, op, mb), (_, end) in where.items():
-        if op == "F":
-            consumer = (stage + 1, rep, "F", mb)
-        elif op == "B" and stage > 0:
-            consumer = (stage - 1, rep, "B", mb)
-        else:
-            continue
-        if consumer in where and prev_end[consumer] < end:
-            hops.append(where[consumer][0] - end)
-    return hops
-
-
-def handoff_delays(benches: Sequence[dict], key: str) -> list[float]:
-    """One-way delays (receive − send, seconds) of the hand-off probe ``key`` over all pairs.
-
-    ``benches``: one micro-benchmark result per rank (of one round).
-    """
-    sends: dict[tuple[int, int, int], float] = {}
-    recvs: dict[tuple[int, int, int], float] = {}
-    for b in benches:
-        probe = b["probes"][key]
-        for src, dst, i, t in probe["sent"]:
-            sends[(src, dst, i)] = t
-        for src, dst, i, t in probe["received"]:
-            recvs[(src, dst, i)] = t
-    return [recvs[k] - sends[k] for k in sorted(sends) if k in recvs]
-
-
-def trimmed_mean(xs: Sequence[float], trim: float = 0.1) -> float:
-    """Mean without the ``trim`` fraction at each end (robust to a rare scheduler stall).
-
-    >>> trimmed_mean([1, 2, 3, 4, 100], trim=0.2)
-    3.0
-    """
-    s = sorted(xs)
-    k = int(len(s) * trim)
-    s = s[k:len(s) - k] or s
-    return sum(s) / len(s)
-
-
-@dataclass(kw_only=True)
-class RuntimeConstants:
-    """Runtime constants measured by the micro-benchmarks of one world (seconds)."""
-
-    handoff_s: float
-    """Mean hand-off of an activation or gradient to an idle receiver in the calibration runs
-    (producer's task end → consumer's task start), no network emulation (Note [Hand-off])."""
-    handoff_netem_s: float
-    """The same under the network emulator, without the emulated delay (Note [Hand-off])."""
-    handoff_jitter_s: float = 0.0
-    """Spread of that hand-off: its trimmed mean minus its 10th percentile, simulated as
-    exponential jitter of this mean on top of the rest (Note [Hand-off])."""
-    probe_handoff_s: float
-    """One-way time through the comm threads in the isolated probe (diagnostic)."""
-    task_overhead_s: float
-    """Engine time per F, R or B task beyond its segments: the least of the three ops' (Note
-    [Task costs]); → ``SimConfig.task_overhead_s``."""
-    op_overhead_s: dict[str, float] = field(default_factory=dict)
-    """What each op's task costs beyond ``task_overhead_s`` (F and B send a message, R does
-    not); the simulator gets it inside the segments' costs."""
-    segment_overhead_s: float
-    """Time per segment executed by a task beyond its block's nominal sleep (Note [Task costs])."""
-    placeholder_s: float
-    """F and R time per segment before the stage (Note [Task costs])."""
-    task_jitter_s: float = 0.0
-    """Spread of a single task's duration around its (run, stage, op) mean: the residuals'
-    trimmed mean minus their 10th percentile (→ ``SimConfig.task_jitter_s``, Note [Hand-off])."""
-    step_overhead_s: float
-    """Per mini-batch: step set-up before the first task, and from the end of the gradient
-    all-reduce to the return of ``train_step`` (norms, agreement all-reduce, optimizer)."""
-    allreduce_s: float
-    """A stage's gradients all-reduced over a 2-rank ring (concurrent rings, as in a P×2 run)."""
-    fit_rms_s: float = 0.0
-    """Root-mean-square residual of the task-cost fit on the calibration runs' per-stage means."""
-    samples: dict[str, int] = field(default_factory=dict)
-
-    def task_s(self, op: str, segments: int, first_segment: int) -> float:
-        """Overhead of one task of a stage of ``segments`` segments starting at ``first_segment``."""
-        glue = self.placeholder_s * first_segment if op in ("F", "R") else 0.0
-        return (self.task_overhead_s + self.op_overhead_s.get(op, 0.0) + self.segment_overhead_s * segments
-                + glue)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-# Note [Task costs]: what an engine task costs beyond its blocks' nominal sleeps, measured on
-# calibration runs (W×1 pipelines of 1- and 3-block stages, CALIBRATION_BLOCKS) and fitted per
-# (run, stage, op) cell mean by least squares:
-#
-#     task − nominal = t_op + s·b + p·first_segment·[op ∈ {F, R}]
-#
-# t_op: the executor's work per task of that op (dispatch, RNG re-seeding, slicing, the
-# timeline; F and B also pack and send a message, R does not, ~0.3-0.5 ms apart on this host:
-# with one t for all three the simulator had recomputes ending late and gradients arriving
-# early, which decides the sub-millisecond forks of Finding 7 in docs/simulator.md); s: per
-# segment executed (the block's sleep overshoot — the time an emulated device needs to wake a
-# sleeping process on a loaded host —, its autograd node, the CutPoint); p: per
-# segment BEFORE the stage, which F and R pass through as placeholders (every stage runs the
-# user's forward from the start, Note [Placeholders] in varuna/cutting/split.py). The simulator gets s
-# inside the calibration's segment costs (a profiler timing a segment would include it), the
-# least t_op as SimConfig.task_overhead_s, each op's excess over it inside that op's segment
-# costs, and p as SimConfig.placeholder_s.
-
-
-# Note [Hand-off]: the simulator's link latency for the emulated cluster is the runtime's own
-# hand-off plus the emulated delay. The hand-off is measured where it happens and as the
-# simulator sees it: in the calibration runs, consumer start − producer end for every activation
-# and gradient whose receiver was idle (``waiting_hops``). A probe that sends spaced messages
-# through the same LinkSender/LinkReceiver with the sender otherwise idle measures a different
-# interval (from the send call, without the next task's work competing on the sender); it came
-# out 0.5 ms below the in-pipeline hand-off while sends were issued from the sender thread, and
-# 0.1-0.2 ms above it once the compute thread issued them. It is kept for the network emulator's
-# own extra cost: handoff_netem = handoff + (probe under a 1 ms latency-only emulation − 1 ms −
-# probe without emulation).
-#
-# The hand-off and the tasks also vary (a thread wake-up, a sleep's overshoot on a loaded host):
-# both spreads are measured (trimmed mean − 10th percentile: hand-off 0.1-0.3 ms, a task
-# 0.25-0.3 ms around its (run, stage, op) mean) and printed. They matter only where the policy
-# forks on sub-millisecond timing (docs/simulator.md, Finding 7: a gradient landing just before
-# or just after a recompute ends). ``--spread`` simulates them as independent exponential noise
-# (link jitter and SimConfig.task_jitter_s) over 25 seeds; measured in one run, that turns the
-# forks into mixtures but with too many slow steps (4x2 varuna Nm=4 none: 16 of 25 simulated
-# draws slow, 0 of 8 real steps; +5.9% against −0.4% without the noise), since real variations
-# are not independent (a loaded core slows a process's tasks and its sends alike). So by
-# default the simulator gets the means only; what had put its forks on the wrong branch was a
-# bias, not missing noise: one task overhead for all ops (Note [Task costs]).
-
-
-def _lstsq(rows: list[list[float]], y: list[float]) -> list[float]:
-    """Least squares via the normal equations (a handful of unknowns; pure Python)."""
-    k = len(rows[0])
-    a = [[sum(r[i] * r[j] for r in rows) for j in range(k)] + [sum(r[i] * v for r, v in zip(rows, y))]
-         for i in range(k)]
-    for c in range(k):
-        piv = max(range(c, k), key=lambda r: abs(a[r][c]))
-        a[c], a[piv] = a[piv], a[c]
-        if abs(a[c][c]) < 1e-18:
-            raise ValueError("calibration runs cannot separate the task-cost terms")
-        for r in range(k):
-            if r != c:
-                f = a[r][c] / a[c][c]
-                a[r] = [x - f * z for x, z in zip(a[r], a[c])]
-    return [a[i][k] / a[i][i] for i in range(k)]
-
-
-_OPS = ("F", "R", "B")
-
-
-def fit_task_costs(
-    cells: dict[tuple[int, int, str], list[float]],
-) -> tuple[dict[str, float], float, float, float]:
-    """({op: t_op}, s, p, rms residual) of Note [Task costs] from overhead samples keyed by
-    (blocks per stage, stage, op). Terms that come out negative are dropped (set to 0) and the
-    rest refitted.
-
-    >>> cells = {(b, k, op): [0.5e-3 + 0.4e-3 * b + (0.1e-3 * b * k if op != "B" else 0.0)
-    ...                       + (0.2e-3 if op == "F" else 0.0)]
-    ...          for b in (1, 3) for k in range(4) for op in "FRB"}
-    >>> t, s, p, rms = fit_task_costs(cells)
-    >>> {op: round(v * 1e3, 3) for op, v in t.items()}, round(s * 1e3, 3), round(p * 1e3, 3)
-    ({'F': 0.7, 'R': 0.5, 'B': 0.5}, 0.4, 0.1)
-    """
-    keys = sorted(cells)
-    y = [trimmed_mean(cells[key]) for key in keys]
-    full = [[float(op == o) for o in _OPS] + [float(b), float(b * k) if op in ("F", "R") else 0.0]
-            for b, k, op in keys]
-    n = len(full[0])
-    use = [True] * n
-    while True:
-        cols = [i for i in range(n) if use[i]]
-        sol = _lstsq([[r[i] for i in cols] for r in full], y)
-        coef = [0.0] * n
-        for i, v in zip(cols, sol):
-            coef[i] = v
-        neg = [i for i in cols if coef[i] < 0]
-        if not neg or len(cols) == 1:
-            break
-        use[min(neg, key=lambda i: coef[i])] = False
-    coef = [max(0.0, v) for v in coef]
-    res = [v - sum(c * x for c, x in zip(coef, r)) for r, v in zip(full, y)]
-    return dict(zip(_OPS, coef[:3])), coef[3], coef[4], (sum(x * x for x in res) / len(res)) ** 0.5
-
-
-def runtime_constants(ranks: Sequence[dict], rounds: Sequence[int] | None = None) -> RuntimeConstants:
-    """Reduce one world's micro-benchmark measurements (``rounds``: which rounds, default all)
-    to :class:`RuntimeConstants`.
-
-    Task costs: Note [Task costs]. Hand-offs: Note [Hand-off] (10%-trimmed means). Step
-    overhead: per step of the calibration runs, stage 0's set-up time (step start → first F)
-    plus the time from the end of the last gradient all-reduce to the last return from
-    ``train_step``; the median.
-    """
-    rounds = list(range(len(ranks[0]["bench"]))) if rounds is None else list(rounds)
-    plain: list[float] = []
-    probed: list[float] = []
-    hops: list[float] = []
-    cells: dict[tuple[int, int, str], list[float]] = {}
-    step_extra: list[float] = []
-    ar_times: list[float] = []
-    for k in rounds:
-        benches = [r["bench"][k] for r in ranks]
-        plain += handoff_delays(benches, "none")
-        probed += [d - PROBE_LATENCY_S for d in handoff_delays(benches, "netem")]
-        ar_times += [t for b in benches for t in b["allreduce"]]
-        for blocks in CALIBRATION_BLOCKS:
-            runs = [b["calibration"][str(blocks)] for b in benches]
-            for i in range(min(len(r) for r in runs)):
-                steps = [r[i] for r in runs]
-                if disturbed([e for s in steps for e in s["events"]], CALIBRATION_STAGE_FWD_S):
-                    continue
-                start = min(e[4] for e in steps[0]["events"] if e[2] in "FRB") - steps[0]["t0"]  # stage 0
-                ar_end = max(max(e[5] for e in s["events"] if e[2] == "AR") for s in steps)
-                step_extra.append(start + max(s["t1"] for s in steps) - ar_end)
-                hops += waiting_hops([e for s in steps for e in s["events"]])
-                for stage, s in enumerate(steps):
-                    for op, xs in task_overheads(s["events"], CALIBRATION_STAGE_FWD_S).items():
-                        if xs:
-                            cells.setdefault((blocks, stage, op), []).extend(xs)
-    t_op, seg, ph, rms = fit_task_costs(cells)
-    t = min(t_op.values())
-    residuals = sorted(x - statistics.fmean(xs) for xs in cells.values() for x in xs)
-    task_jitter = trimmed_mean(residuals) - residuals[len(residuals) // 10] if residuals else 0.0
-    handoff = trimmed_mean(hops)
-    p10 = sorted(hops)[len(hops) // 10] if hops else handoff
-    return RuntimeConstants(
-        handoff_s=handoff,
-        handoff_jitter_s=max(0.0, handoff - p10),
-        handoff_netem_s=handoff + max(0.0, trimmed_mean(probed) - trimmed_mean(plain)),
-        probe_handoff_s=trimmed_mean(plain),
-        task_overhead_s=t,
-        op_overhead_s={op: v - t for op, v in t_op.items()},
-        segment_overhead_s=seg,
-        placeholder_s=ph,
-        task_jitter_s=max(0.0, task_jitter),
-        step_overhead_s=statistics.median(step_extra),
-        allreduce_s=statistics.median(ar_times) if ar_times else 0.0,
-        fit_rms_s=rms,
-        samples={"handoff": len(hops), "probe": len(plain), "probe_netem": len(probed),
-                 "tasks": sum(len(v) for v in cells.values()), "steps": len(step_extra),
-                 "allreduce": len(ar_times), "rounds": len(rounds)},
-    )
-
-
 # ============================================================================================
 # The simulator side
 
@@ -547,13 +264,13 @@ def build_calibration(num_stages: int, level: str, rc: RuntimeConstants):
         lat, jit = spec
         latency, jitter = lat + jit + rc.handoff_netem_s, jit + rc.handoff_jitter_s
     link = LinkModel(latency_s=latency, bandwidth_bytes_per_s=1e12, jitter_s=jitter)
-    param_bytes = 2 * WIDTH * 4  # scale and bias, float32
+    param_bytes = 2 * EMULATED_WIDTH * 4  # scale and bias, float32
     cal = Calibration.synthetic(
         BLOCK_FWD_S / MICRO_BATCH_SIZE,
         num_segments=BLOCKS_PER_STAGE * num_stages,
         micro_batch_sizes=(MICRO_BATCH_SIZE,),
         param_bytes=param_bytes,
-        act_bytes_per_example=WIDTH * 4,
+        act_bytes_per_example=EMULATED_WIDTH * 4,
         intra=link,
         inter=link,
         # (D−1)·latency for a D-ring: the measured 2-rank all-reduce is its latency.
@@ -566,7 +283,7 @@ def build_calibration(num_stages: int, level: str, rc: RuntimeConstants):
     # share of what its task costs beyond the cheapest op's (every validated stage has
     # BLOCKS_PER_STAGE segments).
     seg = rc.segment_overhead_s
-    extra = {op: rc.op_overhead_s.get(op, 0.0) / BLOCKS_PER_STAGE for op in _OPS}
+    extra = {op: rc.op_overhead_s.get(op, 0.0) / BLOCKS_PER_STAGE for op in ("F", "R", "B")}
     for s in cal.segments:
         s.fwd_s = [ComputeStat(median=BLOCK_FWD_S + seg + extra["F"])]
         s.recompute_s = [ComputeStat(median=BLOCK_FWD_S + seg + extra["R"])]
@@ -625,213 +342,7 @@ def known_costs_only() -> RuntimeConstants:
 
 
 # ============================================================================================
-# Worker side (one process per rank; torch imported only here)
-
-
-def _batch(num_examples: int):
-    import torch
-
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(num_examples, WIDTH, generator=g), torch.randn(num_examples, WIDTH, generator=g)
-
-
-@contextlib.contextmanager
-def _owned_groups() -> Iterator[list]:
-    """Record every process group created inside the block; destroy them (and free their threads)
-    when the caller's ``finally`` calls :func:`_destroy_groups`.
-
-    Why: every gloo process group costs each member 3 threads that wake periodically (100 groups
-    cost an idle process ~0.1 core, measured), and neither ``Engine.close()`` nor dropping the
-    engine frees them. A worker that builds dozens of engines (this script) would slow down as it
-    goes: the hand-off, the all-reduces and the step overhead grew round after round (2× after
-    ~300 groups at W = 8).
-    """
-    import torch.distributed as dist
-
-    created: list = []
-    original = dist.new_group
-
-    def new_group(*args, **kwargs):
-        g = original(*args, **kwargs)
-        created.append(g)
-        return g
-
-    dist.new_group = new_group
-    try:
-        yield created
-    finally:
-        dist.new_group = original
-
-
-def _destroy_groups(groups: list) -> None:
-    """Destroy the groups this rank is a member of (others got a non-member sentinel)."""
-    import gc
-
-    import torch.distributed as dist
-
-    for g in groups:
-        if isinstance(g, dist.ProcessGroup):
-            try:
-                dist.destroy_process_group(g)
-            except (ValueError, RuntimeError):
-                pass  # Engine.close() already destroyed the groups it created
-    groups.clear()
-    gc.collect()  # the last references (engine, comm threads) go; the groups' threads end
-
-
-@contextlib.contextmanager
-def _engine(num_stages: int, num_replicas: int, schedule: str, num_microbatches: int, recompute: bool,
-            level: str, timeout_s: float, *, blocks_per_stage: int = BLOCKS_PER_STAGE,
-            block_fwd_s: float = BLOCK_FWD_S) -> Iterator[tuple[Any, Any]]:
-    """An engine over ``varuna.testing.emulated_model`` with ``blocks_per_stage · num_stages``
-    blocks, one stage per ``blocks_per_stage`` blocks: yields it and its (whole) mini-batch;
-    closes it and destroys its process groups after."""
-    import torch
-    import torch.distributed as dist
-
-    import varuna
-    from varuna.testing.emulated import emulated_model
-    from varuna.testing.netem import NETEM_ENV_VAR
-
-    M = MICRO_BATCH_SIZE * num_microbatches * num_replicas
-    batch = _batch(M)
-    torch.manual_seed(0)
-    model = emulated_model(blocks_per_stage * num_stages, block_fwd_s, WIDTH)
-    ranges = [(blocks_per_stage * k, blocks_per_stage * (k + 1) - 1) for k in range(num_stages)]
-    netem = netem_string(level)
-    if netem:
-        os.environ[NETEM_ENV_VAR] = netem  # the engine reads it at construction
-    else:
-        os.environ.pop(NETEM_ENV_VAR, None)
-    groups: list = []
-    try:
-        with _owned_groups() as groups:
-            engine = varuna.Engine(
-                model,
-                varuna.VarunaConfig(
-                    global_batch_size=M, micro_batch_size=MICRO_BATCH_SIZE, pipeline_depth=num_stages,
-                    data_parallel=num_replicas, schedule=schedule, recompute=recompute, stage_ranges=ranges,
-                    record_timeline=True, comm_timeout_s=timeout_s, stop_signals=(),
-                ),
-                example_batch=batch, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3),
-            )
-    finally:
-        os.environ.pop(NETEM_ENV_VAR, None)
-    try:
-        yield engine, batch
-    finally:
-        engine.close()
-        del engine
-        dist.barrier()
-        _destroy_groups(groups)
-
-
-def _timed_steps(engine, batch, warmup: int, steps: int, warmup_out: list | None = None) -> list[dict]:
-    """Warm-up, then timed steps, each started after a barrier: per timed step (t0, t1, this
-    rank's events). ``warmup_out`` collects the same for the warm-up steps."""
-    import torch.distributed as dist
-
-    out = []
-    for s in range(warmup + steps):
-        n0 = len(engine.timeline.events)
-        dist.barrier()
-        t0 = time.perf_counter()
-        engine.train_step(batch)
-        t1 = time.perf_counter()
-        events = [[e.stage, e.replica, e.op, e.microbatch, e.start_s, e.end_s]
-                  for e in engine.timeline.events[n0:]]
-        if s >= warmup:
-            out.append({"t0": t0, "t1": t1, "events": events})
-        elif warmup_out is not None:
-            warmup_out.append({"t0": t0, "t1": t1, "events": events})
-    return out
-
-
-def _probe_handoff(rank: int, world: int, messages: int, netem: str | None, timeout_s: float) -> dict:
-    """Send spaced messages along each pair (2j → 2j+1, then back), one pair at a time, through
-    the runtime's LinkSender/LinkReceiver threads; record send-call and inbox-arrival times.
-
-    ``messages`` in all per direction, split over the pairs. The receiver waits on its inbox as
-    the engine's idle stage does; the sender sleeps between messages as a stage computes between
-    sends. One pair at a time: in a pipeline, messages are spread over time, not sent in bursts
-    by every rank at once. perf_counter is system-wide (CLOCK_MONOTONIC), so times of different
-    processes compare.
-    """
-    import queue
-
-    import torch
-    import torch.distributed as dist
-
-    from varuna.core.schedule import FORWARD
-    from varuna.runtime.comm import LinkReceiver, LinkSender
-    from varuna.testing.netem import emulate_network
-
-    pairs = [(2 * j, 2 * j + 1) for j in range(world // 2)]
-    groups = {}
-    with _owned_groups() as owned:
-        for a, b in pairs:  # every rank creates every group, in the same order
-            groups[(a, b)] = dist.new_group([a, b])
-            groups[(b, a)] = dist.new_group([a, b])
-    per_pair = max(4, messages // len(pairs))
-    sent, received = [], []
-    cpu = torch.device("cpu")
-    payload = torch.zeros(MICRO_BATCH_SIZE, WIDTH)
-    gap_s = 0.012
-    with emulate_network(netem):
-        for direction in (0, 1):
-            for a, b in pairs:
-                src, dst = (a, b) if direction == 0 else (b, a)
-                inbox: queue.Queue = queue.Queue()
-                if rank == src:
-                    sender = LinkSender("probe-send", dst, groups[(src, dst)], cpu, inbox, timeout_s)
-                    for i in range(per_pair):
-                        time.sleep(gap_s)
-                        sent.append([src, dst, i, time.perf_counter()])
-                        sender.send(i, (payload,))
-                    sender.close()
-                elif rank == dst:
-                    receiver = LinkReceiver("probe-recv", FORWARD, src, groups[(src, dst)], cpu, inbox,
-                                            timeout_s)
-                    receiver.expect(per_pair)
-                    for _ in range(per_pair):
-                        item = inbox.get(timeout=timeout_s)
-                        t = time.perf_counter()
-                        if isinstance(item, Exception):
-                            raise item
-                        received.append([src, dst, item.microbatch, t])
-                    receiver.close()
-                dist.barrier()
-    groups.clear()
-    _destroy_groups(owned)
-    return {"sent": sent, "received": received}
-
-
-def _probe_allreduce(rank: int, world: int, reps: int) -> list[float]:
-    """Times of one stage's gradient buffer all-reduced over concurrent 2-rank rings (D = 2)."""
-    import torch
-    import torch.distributed as dist
-
-    pairs = [(2 * j, 2 * j + 1) for j in range(world // 2)]
-    mine = None
-    with _owned_groups() as owned:
-        for a, b in pairs:
-            g = dist.new_group([a, b])
-            if rank in (a, b):
-                mine = g
-    out = []
-    if mine is not None:
-        flat = torch.zeros(BLOCKS_PER_STAGE * 2 * WIDTH)
-        for i in range(reps + 1):
-            dist.barrier(group=mine)
-            t0 = time.perf_counter()
-            dist.all_reduce(flat, group=mine)
-            if i > 0:
-                out.append(time.perf_counter() - t0)
-            time.sleep(0.005)
-    mine = g = None
-    dist.barrier()
-    _destroy_groups(owned)
-    return out
+# Worker side (one process per rank; torch imported only here, through profiler.overhead_runs)
 
 
 def _prioritize(mode: str) -> str:
@@ -860,23 +371,33 @@ def _prioritize(mode: str) -> str:
     return "normal"
 
 
-def _micro_benchmarks(spec: WorldSpec, rank: int, world: int) -> dict:
-    """One round of micro-benchmarks: hand-off probes (plain and emulated network), the 2-rank
-    all-reduce, and the calibration runs of Note [Task costs]."""
+def _run_config(spec: WorldSpec, cdict: dict, rank: int, bench_rounds: list[int]) -> dict:
+    """One validation configuration on this rank: build its engine, warm up, time the steps
+    (and gather one more step's timeline when it is the Gantt configuration)."""
+    from profiler.overhead_runs import emulated_engine, timed_steps
+
+    c = ValConfig(**cdict)
     t = time.perf_counter()
-    out: dict[str, Any] = {"probes": {}, "calibration": {}}
-    out["probes"]["none"] = _probe_handoff(rank, world, spec.probe_messages, None, spec.comm_timeout_s)
-    out["probes"]["netem"] = _probe_handoff(rank, world, spec.probe_messages,
-                                            f"latency={PROBE_LATENCY_S * 1e3:g}ms", spec.comm_timeout_s)
-    out["allreduce"] = _probe_allreduce(rank, world, 20)
-    for blocks in CALIBRATION_BLOCKS:
-        run = _engine(world, 1, "1f1b", CALIBRATION_MICROBATCHES, True, "none", spec.comm_timeout_s,
-                      blocks_per_stage=blocks, block_fwd_s=CALIBRATION_STAGE_FWD_S / blocks)
-        with run as (engine, batch):
-            out["calibration"][str(blocks)] = _timed_steps(engine, batch, 1, spec.calibration_steps)
+    with emulated_engine(c.num_stages, c.num_replicas, c.schedule, c.num_microbatches, c.recompute,
+                         netem_string(c.level), spec.comm_timeout_s, blocks_per_stage=BLOCKS_PER_STAGE,
+                         block_fwd_s=BLOCK_FWD_S) as (engine, batch):
+        build_s = time.perf_counter() - t
+        warm: list[dict] = []
+        steps = timed_steps(engine, batch, spec.warmup, spec.steps, warm)
+        trace = None
+        if c.label == spec.gantt_label:
+            engine.timeline.events.clear()  # one more step, gathered on rank 0
+            timed_steps(engine, batch, 0, 1)
+            tl = engine.gather_timeline()
+            if tl is not None:
+                tl.metadata["config"] = c.label
+                trace = tl.to_chrome_dict()
     if rank == 0:
-        print(f"[validate] world {world}: micro-benchmarks {time.perf_counter() - t:.1f} s", flush=True)
-    return out
+        per = [s["t1"] - s["t0"] for s in steps]
+        print(f"[validate] {c.label:<28} rank-0 median step {statistics.median(per):.3f} s "
+              f"(build {build_s:.1f} s, total {time.perf_counter() - t:.1f} s)", flush=True)
+    return {"config": cdict, "steps": steps, "warmup": warm, "build_s": build_s, "trace": trace,
+            "bench_rounds": bench_rounds}
 
 
 def _worker_main(spec_path: str) -> int:
@@ -884,6 +405,8 @@ def _worker_main(spec_path: str) -> int:
 
     import torch
     import torch.distributed as dist
+
+    from profiler.overhead_runs import micro_benchmarks
 
     spec = WorldSpec(**json.loads(Path(spec_path).read_text()))
     torch.set_num_threads(1)
@@ -894,36 +417,20 @@ def _worker_main(spec_path: str) -> int:
         print(f"[validate] could not apply --priority {spec.priority} (needs CAP_SYS_NICE); using "
               f"{priority}: timings will be noisier on a loaded host", flush=True)
     result: dict[str, Any] = {"rank": rank, "runs": {}, "bench": [], "priority": priority}
+
+    def bench() -> dict:
+        return micro_benchmarks(rank, world, spec.probe_messages, spec.calibration_steps, spec.comm_timeout_s)
+
     try:
         for index, cdict in enumerate(spec.configs):
             # Micro-benchmark rounds before the first configuration and every calibrate_every
             # configurations (and after the last): each configuration is simulated with the
             # rounds just before and after it, so slow drift of the host's load cancels.
             if index % spec.calibrate_every == 0:
-                result["bench"].append(_micro_benchmarks(spec, rank, world))
-            c = ValConfig(**cdict)
-            t = time.perf_counter()
-            with _engine(c.num_stages, c.num_replicas, c.schedule, c.num_microbatches, c.recompute, c.level,
-                         spec.comm_timeout_s) as (engine, batch):
-                build_s = time.perf_counter() - t
-                warm: list[dict] = []
-                steps = _timed_steps(engine, batch, spec.warmup, spec.steps, warm)
-                trace = None
-                if c.label == spec.gantt_label:
-                    engine.timeline.events.clear()  # one more step, gathered on rank 0
-                    _timed_steps(engine, batch, 0, 1)
-                    tl = engine.gather_timeline()
-                    if tl is not None:
-                        tl.metadata["config"] = c.label
-                        trace = tl.to_chrome_dict()
-            result["runs"][c.label] = {"config": cdict, "steps": steps, "warmup": warm, "build_s": build_s,
-                                       "trace": trace,
-                                       "bench_rounds": [len(result["bench"]) - 1, len(result["bench"])]}
-            if rank == 0:
-                per = [s["t1"] - s["t0"] for s in steps]
-                print(f"[validate] {c.label:<28} rank-0 median step {statistics.median(per):.3f} s "
-                      f"(build {build_s:.1f} s, total {time.perf_counter() - t:.1f} s)", flush=True)
-        result["bench"].append(_micro_benchmarks(spec, rank, world))
+                result["bench"].append(bench())
+            rounds = [len(result["bench"]) - 1, len(result["bench"])]
+            result["runs"][ValConfig(**cdict).label] = _run_config(spec, cdict, rank, rounds)
+        result["bench"].append(bench())
         Path(spec.out_dir, f"rank{rank}.json").write_text(json.dumps(result))
         dist.barrier()
     finally:
@@ -988,31 +495,11 @@ class Row:
         return self.sim_s / self.real_s - 1.0
 
 
-# Note [Disturbed steps]: the emulated devices promise that a block's forward takes 10 ms. On the
-# shared host that promise sometimes breaks: now and then every process of ours freezes for
-# 70-300 ms at the same instant — every rank's running task, sleeps included, stretched by the
-# same amount, even at SCHED_RR priority (the cause lies outside our processes: presumably the
-# host's other tenants) — and a configuration that catches a few freezes comes out 10-50% slower.
-# No model of the runtime can predict that, so such steps are not valid measurements of it. A step is
-# *disturbed* when any of its F, R or B tasks ran more than DISTURBED_TASK_S past its nominal
-# compute; in undisturbed runs the runtime's own per-task overhead never exceeded 11 ms (typically
-# 1.5-4 ms). The test looks at compute tasks only (never at messages, the schedule or the
-# simulated time). Real time = mean of the undisturbed timed steps; a configuration with fewer
-# than MIN_CLEAN_STEPS of them is run again in a later world (--retries); disturbed steps of the
-# calibration runs are left out of the runtime constants. The table shows how many steps were
-# left out, and the summary also gives the errors with every step kept.
-DISTURBED_TASK_S = 0.025
+# Disturbed steps (Note [Disturbed steps] in profiler/overheads.py): real time = mean of the
+# undisturbed timed steps; a configuration with fewer than MIN_CLEAN_STEPS of them is run again in
+# a later world (--retries). The table shows how many steps were left out, and the summary also
+# gives the errors with every step kept.
 MIN_CLEAN_STEPS = 3
-
-
-def disturbed(events: Sequence[Sequence], stage_fwd_s: float = BLOCKS_PER_STAGE * BLOCK_FWD_S) -> bool:
-    """Whether a step's events show a host freeze (Note [Disturbed steps]).
-
-    >>> disturbed([(0, 0, "F", 0, 0.0, 0.021), (0, 0, "B", 0, 0.021, 0.101)])   # B took 80 ms, not 40
-    True
-    """
-    return any(end - start - known_task_s(op, stage_fwd_s) > DISTURBED_TASK_S
-               for _, _, op, _, start, end in events if op in ("F", "R", "B"))
 
 
 def analyze_run(c: ValConfig, ranks: Sequence[dict], attempt: int = 0, *, spread: bool = False) -> Row:
@@ -1117,7 +604,7 @@ def write_gantt(c: ValConfig, trace: dict, rc: RuntimeConstants, out_dir: Path) 
     return paths
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="two small configurations (the smoke test)")
     p.add_argument("--only", default="", help="comma-separated substrings; keep configs whose label has all")
@@ -1137,6 +624,69 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--work-dir", type=Path,
                    help="keep the workers' raw measurements here (default: a temporary directory)")
     p.add_argument("--_worker", help=argparse.SUPPRESS)
+    return p
+
+
+def _run_all(a: argparse.Namespace, configs: list[ValConfig], gantt: str, tmp: str
+             ) -> tuple[dict[str, Row], dict[int, RuntimeConstants], dict[str, dict]]:
+    """Run every configuration, one world per world size, re-running those with too many
+    disturbed steps (``--retries``): the best row per label, the constants per world size (all
+    rounds of its first world) and the gathered traces."""
+    pending: dict[int, list[ValConfig]] = {}
+    for c in configs:
+        pending.setdefault(c.world, []).append(c)
+    best: dict[str, Row] = {}
+    constants: dict[int, RuntimeConstants] = {}
+    traces: dict[str, dict] = {}
+    for attempt in range(a.retries + 1):
+        for w, cs in sorted(pending.items()):
+            if attempt:
+                print(f"[validate] re-running {len(cs)} configuration(s) with disturbed steps at W={w}: "
+                      + ", ".join(c.label for c in cs), flush=True)
+            spec = WorldSpec(world=w, configs=[asdict(c) for c in cs],
+                             out_dir=str(Path(tmp, f"w{w}" + (f"-retry{attempt}" if attempt else ""))),
+                             warmup=a.warmup, steps=a.steps, probe_messages=a.probe_messages,
+                             priority=a.priority,
+                             gantt_label=gantt if any(c.label == gantt for c in cs) else None)
+            ranks = run_world(spec, a.timeout)
+            constants.setdefault(w, runtime_constants(ranks))
+            for c in cs:
+                row = analyze_run(c, ranks, attempt, spread=a.spread)
+                prev = best.get(c.label)
+                if prev is None or row.clean_steps >= prev.clean_steps:
+                    best[c.label] = row
+                    tr = ranks[0]["runs"][c.label].get("trace")
+                    if tr:
+                        traces[c.label] = tr
+        pending = {w: [c for c in cs if best[c.label].clean_steps < min(MIN_CLEAN_STEPS, a.steps)]
+                   for w, cs in pending.items()}
+        pending = {w: cs for w, cs in pending.items() if cs}
+        if not pending:
+            break
+    return best, constants, traces
+
+
+def _write_json(path: Path, rows: Sequence[Row], constants: dict[int, RuntimeConstants],
+                traces: dict[str, dict]) -> None:
+    """``--json``: constants, rows (with their steps) and traces."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "constants": {str(w): rc.to_dict() for w, rc in constants.items()},
+        "rows": [{"config": asdict(r.config), "label": r.config.label, "real_s": r.real_s,
+                  "sim_s": r.sim_s, "known_sim_s": r.known_sim_s, "error": r.error,
+                  "real_median_s": r.real_median_s, "sim_median_s": r.sim_median_s,
+                  "real_steps_s": r.real_steps_s,
+                  "task_overhead_ms": r.task_overhead_ms, "first_step_s": r.first_step_s,
+                  "all_steps_s": r.all_steps_s, "clean_steps": r.clean_steps, "attempt": r.attempt,
+                  "hop_ms": r.hop_ms, "model_task_overhead_ms": r.model_task_overhead_ms,
+                  "constants": r.constants.to_dict()} for r in rows],
+        "traces": traces,
+    }, indent=1))
+    print(f"wrote {path}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = _parser()
     a = p.parse_args(argv)
     if a._worker:
         return _worker_main(a._worker)
@@ -1153,39 +703,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{len(configs)} configurations, {a.warmup} warm-up + {a.steps} timed steps each; "
           f"estimated {budget / 60:.1f} min + world start-up", flush=True)
     t_start = time.perf_counter()
-    pending: dict[int, list[ValConfig]] = {}
-    for c in configs:
-        pending.setdefault(c.world, []).append(c)
-    best: dict[str, Row] = {}
-    constants: dict[int, RuntimeConstants] = {}
-    traces: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="varuna-validate-") as tmp_dir:
-        tmp = str(a.work_dir) if a.work_dir else tmp_dir
-        for attempt in range(a.retries + 1):
-            for w, cs in sorted(pending.items()):
-                if attempt:
-                    print(f"[validate] re-running {len(cs)} configuration(s) with disturbed steps at W={w}: "
-                          + ", ".join(c.label for c in cs), flush=True)
-                spec = WorldSpec(world=w, configs=[asdict(c) for c in cs],
-                                 out_dir=str(Path(tmp, f"w{w}" + (f"-retry{attempt}" if attempt else ""))),
-                                 warmup=a.warmup, steps=a.steps, probe_messages=a.probe_messages,
-                                 priority=a.priority,
-                                 gantt_label=gantt if any(c.label == gantt for c in cs) else None)
-                ranks = run_world(spec, a.timeout)
-                constants.setdefault(w, runtime_constants(ranks))
-                for c in cs:
-                    row = analyze_run(c, ranks, attempt, spread=a.spread)
-                    prev = best.get(c.label)
-                    if prev is None or row.clean_steps >= prev.clean_steps:
-                        best[c.label] = row
-                        tr = ranks[0]["runs"][c.label].get("trace")
-                        if tr:
-                            traces[c.label] = tr
-            pending = {w: [c for c in cs if best[c.label].clean_steps < min(MIN_CLEAN_STEPS, a.steps)]
-                       for w, cs in pending.items()}
-            pending = {w: cs for w, cs in pending.items() if cs}
-            if not pending:
-                break
+        best, constants, traces = _run_all(a, configs, gantt, str(a.work_dir) if a.work_dir else tmp_dir)
     rows = list(best.values())
     order = {c.label: i for i, c in enumerate(configs)}
     rows.sort(key=lambda r: order[r.config.label])
@@ -1197,20 +716,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for path in write_gantt(c, traces[gantt], row.constants, a.gantt_dir):
             print(f"wrote {path}")
     if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps({
-            "constants": {str(w): rc.to_dict() for w, rc in constants.items()},
-            "rows": [{"config": asdict(r.config), "label": r.config.label, "real_s": r.real_s,
-                      "sim_s": r.sim_s, "known_sim_s": r.known_sim_s, "error": r.error,
-                      "real_median_s": r.real_median_s, "sim_median_s": r.sim_median_s,
-                      "real_steps_s": r.real_steps_s,
-                      "task_overhead_ms": r.task_overhead_ms, "first_step_s": r.first_step_s,
-                      "all_steps_s": r.all_steps_s, "clean_steps": r.clean_steps, "attempt": r.attempt,
-                      "hop_ms": r.hop_ms, "model_task_overhead_ms": r.model_task_overhead_ms,
-                      "constants": r.constants.to_dict()} for r in rows],
-            "traces": traces,
-        }, indent=1))
-        print(f"wrote {a.json}")
+        _write_json(a.json, rows, constants, traces)
     return 0
 
 

@@ -7,7 +7,8 @@ Given a calibration, G GPUs, the global batch M_total and (optionally) the memor
    not fit in memory, the largest smaller measured m that fits;
 2. sweep the pipeline depth P from the smallest that fits in memory up to min(K+1, G), with
    D = ⌊G/P⌋ replicas (never more than M_total), micro-batches split as the runtime splits them
-   (``split_minibatch``: replicas differ by at most one, the last micro-batch may be smaller),
+   (``varuna.core.batching.microbatch_counts``: replicas differ by at most one, the last
+   micro-batch may be smaller),
    and a balanced contiguous segment→stage map (``varuna.core.partition``);
 3. bound every candidate's mini-batch time from below analytically (Note [Lower bound]) and
    simulate candidates in increasing order of that bound, stopping as soon as the next bound is
@@ -32,20 +33,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
-from simulator.engine import (
-    SIM_SCHEDULE_KINDS,
-    SimConfig,
-    SimResult,
-    host_of_ranks,
-    segment_costs,
-    simulate,
-    split_minibatch,
-    stage_memory,
-    sync_costs,
-)
+from simulator.config import SimConfig, SimResult, host_of_ranks, segment_costs
+from simulator.costs import stage_memory, sync_costs
+from simulator.engine import simulate
+from varuna.core.batching import microbatch_counts
 from varuna.core.calibration import Calibration
 from varuna.core.partition import balanced_stages, candidate_maxima
+from varuna.core.schedule import schedule_kind
 
 __all__ = [
     "Candidate",
@@ -172,6 +168,7 @@ class _Planner:
     def __init__(self, cal: Calibration, schedule: str, recompute: bool, chunks: int, host_slots, memory):
         self.cal = cal
         self.schedule = schedule
+        self.kind = schedule_kind(schedule)
         self.recompute = recompute
         self.chunks = chunks
         self.host_slots = host_slots
@@ -197,22 +194,18 @@ class _Planner:
             self._part[key] = tuple(balanced_stages(full, last, num_virtual, candidates=cands))
         return self._part[key]
 
+    @property
+    def chunks_per_device(self) -> int:
+        return self.kind.chunks_per_device(self.chunks)
+
     def stash_estimate(self, P: int, k: int, nm: int) -> int:
         """Peak in-flight micro-batches of stage k (analytic, before any simulation)."""
-        if self.schedule == "gpipe":
-            return nm
-        if self.schedule == "1f1b":
-            return min(nm, P - k)
-        if self.schedule == "interleaved":
-            v = self.chunks
-            return min(nm * v, 2 * (P - k - 1) + (v - 1) * P + 1)
-        # varuna: observed on the static lists, 3 per later stage (F, R and B in flight), capped.
-        return 1 if k == P - 1 else min(nm, 3 * (P - 1 - k))
+        return self.kind.stash_peak(P, k, nm, chunks=self.chunks)
 
     def stage_recomputes(self, P: int, k: int) -> bool:
-        if self.schedule == "varuna":
-            return k < P - 1
-        return self.recompute
+        """Whether device k of P recomputes (any of its model chunks does)."""
+        v = self.chunks_per_device
+        return any(self.kind.recomputes(P * v, ch * P + k, recompute=self.recompute) for ch in range(v))
 
     def stage_memories(
         self, P: int, m: int, nm: int, ranges, stash: Sequence[int] | None = None
@@ -231,7 +224,7 @@ class _Planner:
         """The time-balanced map, or, when that overflows memory, the fastest map found whose
         stages keep their static bytes (parameters, gradients, optimizer state) under the
         memory left after their activations. Returns (ranges, largest stage memory)."""
-        v = self.chunks if self.schedule == "interleaved" else 1
+        v = self.chunks_per_device
         ranges = self.partition(m, P * v)
         mem = self.memory_of(P, m, nm, ranges)
         if self.memory is None or mem <= self.memory or v > 1:
@@ -271,7 +264,7 @@ class _Planner:
             stage_segments=ranges,
             schedule=self.schedule,
             recompute=self.recompute,
-            chunks=self.chunks if self.schedule == "interleaved" else 1,
+            chunks=self.chunks_per_device,
             host_slots=self.host_slots,
             jitter_scale=0.0,
         )
@@ -310,9 +303,9 @@ class _Planner:
         head = 0.0  # Σ_{j<k} (F_j + act send_j)
         tail = 0.0  # Σ_{j<k} (B_j + grad send_j)
         for k in range(P):
-            n_rec = 0 if k == P - 1 else max(n_full - 1, 0)
-            if self.schedule in ("gpipe", "1f1b") and not self.recompute:
-                n_rec = 0
+            # Recomputes: at least Nm-1 where the stage recomputes; none counted on the last stage
+            # (gpipe's does recompute, but a weaker bound is still a bound).
+            n_rec = max(n_full - 1, 0) if k < P - 1 and self.stage_recomputes(P, k) else 0
             work = n_full * (fk[k] + bk[k]) + n_rec * rk[k]
             chain.append(head + work + tail)
             tails.append(tail)
@@ -327,8 +320,7 @@ class _Planner:
 
 
 def _check_schedule(schedule: str) -> None:
-    if schedule not in SIM_SCHEDULE_KINDS:
-        raise ValueError(f"unknown schedule kind {schedule!r}; choose one of {', '.join(SIM_SCHEDULE_KINDS)}")
+    schedule_kind(schedule)  # raises "unknown schedule kind ..." with the choices
 
 
 def autoconfigure(
@@ -365,7 +357,6 @@ def autoconfigure(
     if global_batch_size < 1:
         raise ValueError(f"global batch size must be >= 1, got {global_batch_size}")
     planner = _planner or _Planner(cal, schedule, recompute, chunks, host_slots, gpu_memory_bytes)
-    notes: list[str] = []
     if micro_batch_size is not None:
         cal.fwd_s(0, micro_batch_size)  # raises the "calibration lacks m=..." error when it must
         preferred = micro_batch_size
@@ -373,128 +364,17 @@ def autoconfigure(
     else:
         preferred = choose_micro_batch_size(cal)
         m_options = [x for x in reversed(cal.micro_batch_sizes) if x <= preferred]
-    v = chunks if schedule == "interleaved" else 1
-    max_p = min(cal.num_segments // v, gpus)
-
-    candidates: list[Candidate] = []
-    smallest_fit: int | None = None
-    for P in range(1, max_p + 1):
-        D = min(gpus // P, global_batch_size)
-        # m must leave every replica at least one micro-batch.
-        usable = [x for x in m_options if -(-global_batch_size // x) >= D]
-        if not usable:
-            notes.append(f"P={P}: every micro-batch size leaves a replica empty with D={D}")
-            continue
-        chosen = None
-        for m in usable:
-            counts, _ = split_minibatch(global_batch_size, m, D)
-            ranges, mem = planner.fit(P, m, counts[0])
-            if gpu_memory_bytes is None or mem <= gpu_memory_bytes:
-                chosen = (m, ranges, counts, mem)
-                break
-        if chosen is None:
-            m = usable[-1]
-            counts, _ = split_minibatch(global_batch_size, m, D)
-            ranges, mem = planner.fit(P, m, counts[0])
-            cfg = planner.config(P, D, m, global_batch_size, ranges)
-            candidates.append(
-                Candidate(
-                    num_stages=P,
-                    num_replicas=D,
-                    micro_batch_size=m,
-                    num_microbatches=counts,
-                    stage_segments=ranges,
-                    lower_bound_s=float("inf"),
-                    memory_bytes=mem,
-                    status="no-memory",
-                    config=cfg,
-                )
-            )
-            continue
-        m, ranges, counts, mem = chosen
-        if schedule == "interleaved" and any(n % P for n in counts):
-            notes.append(f"P={P}: interleaved needs Nm divisible by P (Nm={max(counts)})")
-            continue
-        if smallest_fit is None:
-            smallest_fit = P
-        cfg = planner.config(P, D, m, global_batch_size, ranges)
-        lb = planner.lower_bound(cfg, max(counts), m)
-        candidates.append(
-            Candidate(
-                num_stages=P,
-                num_replicas=D,
-                micro_batch_size=m,
-                num_microbatches=counts,
-                stage_segments=ranges,
-                lower_bound_s=lb,
-                memory_bytes=mem,
-                status="pruned",
-                config=cfg,
-            )
-        )
-
-    if smallest_fit is None:
-        if gpu_memory_bytes is not None and any(c.status == "no-memory" for c in candidates):
-            mem_txt = f"{gpu_memory_bytes / 2**30:.2f} GiB"
-            # Which depth would fit if G were larger? Tell the user how many GPUs to ask for.
-            m = m_options[-1]
-            for P in range(max_p + 1, cal.num_segments // v + 1):
-                if planner.fit(P, m, -(-global_batch_size // m))[1] <= gpu_memory_bytes:
-                    raise ValueError(
-                        f"the model needs at least P={P} pipeline stages to fit in {mem_txt} per GPU, but "
-                        f"only G={gpus} GPUs were given; ask for at least {P} GPUs or use GPUs with more "
-                        f"memory"
-                    )
-            raise ValueError(
-                f"the model does not fit in {mem_txt} per GPU even at P={cal.num_segments // v} "
-                f"(one segment per stage); use GPUs with more memory or add cut-points"
-            )
-        more = f" (and {len(notes) - 2} more)" if len(notes) > 2 else ""
-        raise ValueError(
-            f"no valid configuration for G={gpus}, global batch {global_batch_size}: "
-            + "; ".join(notes[:2])
-            + more
-            + "; use a smaller --micro-batch-size or a larger global batch"
-        )
-
-    # Branch and bound over the analytic lower bound.
-    live = sorted(
-        (c for c in candidates if c.status == "pruned"), key=lambda c: (c.lower_bound_s, c.num_stages)
-    )
-    best: Candidate | None = None
-    simulations = 0
-    for cand in live:
-        if not exhaustive and best is not None and cand.lower_bound_s >= best.result.minibatch_s:
-            break  # sorted: no later candidate can win either
-        cand.result = simulate(cal, cand.config)
-        simulations += 1
-        cand.status = "simulated"
-        cand.memory_bytes = planner.memory_of(
-            cand.num_stages,
-            cand.micro_batch_size,
-            max(cand.num_microbatches),
-            cand.stage_segments,
-            stash=cand.result.peak_stashed,
-        )
-        if gpu_memory_bytes is not None and cand.memory_bytes > gpu_memory_bytes:
-            cand.status = "no-memory"
-            continue
-        if best is None or cand.result.minibatch_s < best.result.minibatch_s:
-            best = cand
-    if best is None:
-        raise ValueError(
-            f"no configuration for G={gpus} fits in memory once simulated stash counts are used; "
-            f"use GPUs with more memory or a smaller micro-batch size"
-        )
-
-    def rank(c: Candidate):
-        if c.status == "simulated":
-            return (0, c.result.minibatch_s, c.num_stages)
-        if c.status == "pruned":
-            return (1, c.lower_bound_s, c.num_stages)
-        return (2, 0.0, c.num_stages)
-
-    candidates.sort(key=rank)
+    notes: list[str] = []
+    max_p = min(cal.num_segments // planner.chunks_per_device, gpus)
+    candidates = [
+        cand
+        for P in range(1, max_p + 1)
+        if (cand := _candidate(planner, P, gpus, global_batch_size, m_options, notes)) is not None
+    ]
+    if not any(c.status == "pruned" for c in candidates):
+        _explain_nothing_fits(planner, candidates, notes, gpus, global_batch_size, m_options, max_p)
+    best, simulations = _branch_and_bound(planner, candidates, gpus, exhaustive)
+    candidates.sort(key=_rank)
     return AutoConfigResult(
         best=best,
         candidates=candidates,
@@ -505,6 +385,124 @@ def autoconfigure(
         elapsed_s=time.perf_counter() - t0,
         notes=notes,
     )
+
+
+def _candidate(
+    planner: _Planner, P: int, gpus: int, M: int, m_options: Sequence[int], notes: list[str]
+) -> Candidate | None:
+    """Depth P's candidate: the largest m (of ``m_options``, descending) whose map fits in memory,
+    else a "no-memory" one at the smallest m; None (with a note) when P cannot run at all."""
+    D = min(gpus // P, M)
+    # m must leave every replica at least one micro-batch.
+    usable = [x for x in m_options if -(-M // x) >= D]
+    if not usable:
+        notes.append(f"P={P}: every micro-batch size leaves a replica empty with D={D}")
+        return None
+    fits = False
+    for m in usable:
+        counts, _ = microbatch_counts(M, m, D)
+        ranges, mem = planner.fit(P, m, counts[0])
+        fits = planner.memory is None or mem <= planner.memory
+        if fits:
+            break
+    # Nothing fits: the smallest m's map is kept, marked "no-memory".
+    if fits:
+        reason = next((r for n in counts if (r := planner.kind.unsupported(P, n)) is not None), None)
+        if reason is not None:
+            notes.append(f"P={P}: {reason} (Nm={max(counts)})")
+            return None
+    cfg = planner.config(P, D, m, M, ranges)
+    return Candidate(
+        num_stages=P,
+        num_replicas=D,
+        micro_batch_size=m,
+        num_microbatches=counts,
+        stage_segments=ranges,
+        lower_bound_s=planner.lower_bound(cfg, max(counts), m) if fits else float("inf"),
+        memory_bytes=mem,
+        status="pruned" if fits else "no-memory",
+        config=cfg,
+    )
+
+
+def _explain_nothing_fits(
+    planner: _Planner,
+    candidates: Sequence[Candidate],
+    notes: Sequence[str],
+    gpus: int,
+    M: int,
+    m_options: Sequence[int],
+    max_p: int,
+) -> NoReturn:
+    """Raise the ValueError that says why no depth fits and what to change."""
+    memory, v = planner.memory, planner.chunks_per_device
+    num_segments = planner.cal.num_segments
+    if memory is not None and any(c.status == "no-memory" for c in candidates):
+        mem_txt = f"{memory / 2**30:.2f} GiB"
+        # Which depth would fit if G were larger? Tell the user how many GPUs to ask for.
+        m = m_options[-1]
+        for P in range(max_p + 1, num_segments // v + 1):
+            if planner.fit(P, m, -(-M // m))[1] <= memory:
+                raise ValueError(
+                    f"the model needs at least P={P} pipeline stages to fit in {mem_txt} per GPU, but "
+                    f"only G={gpus} GPUs were given; ask for at least {P} GPUs or use GPUs with more "
+                    f"memory"
+                )
+        raise ValueError(
+            f"the model does not fit in {mem_txt} per GPU even at P={num_segments // v} "
+            f"(one segment per stage); use GPUs with more memory or add cut-points"
+        )
+    more = f" (and {len(notes) - 2} more)" if len(notes) > 2 else ""
+    raise ValueError(
+        f"no valid configuration for G={gpus}, global batch {M}: "
+        + "; ".join(notes[:2])
+        + more
+        + "; use a smaller --micro-batch-size or a larger global batch"
+    )
+
+
+def _branch_and_bound(
+    planner: _Planner, candidates: Sequence[Candidate], gpus: int, exhaustive: bool
+) -> tuple[Candidate, int]:
+    """Simulate the candidates in increasing order of their lower bound until the next bound
+    cannot beat the best time; returns (best, simulations run)."""
+    live = sorted(
+        (c for c in candidates if c.status == "pruned"), key=lambda c: (c.lower_bound_s, c.num_stages)
+    )
+    best: Candidate | None = None
+    simulations = 0
+    for cand in live:
+        if not exhaustive and best is not None and cand.lower_bound_s >= best.result.minibatch_s:
+            break  # sorted: no later candidate can win either
+        cand.result = simulate(planner.cal, cand.config)
+        simulations += 1
+        cand.status = "simulated"
+        cand.memory_bytes = planner.memory_of(
+            cand.num_stages,
+            cand.micro_batch_size,
+            max(cand.num_microbatches),
+            cand.stage_segments,
+            stash=cand.result.peak_stashed,
+        )
+        if planner.memory is not None and cand.memory_bytes > planner.memory:
+            cand.status = "no-memory"
+            continue
+        if best is None or cand.result.minibatch_s < best.result.minibatch_s:
+            best = cand
+    if best is None:
+        raise ValueError(
+            f"no configuration for G={gpus} fits in memory once simulated stash counts are used; "
+            f"use GPUs with more memory or a smaller micro-batch size"
+        )
+    return best, simulations
+
+
+def _rank(c: Candidate):
+    if c.status == "simulated":
+        return (0, c.result.minibatch_s, c.num_stages)
+    if c.status == "pruned":
+        return (1, c.lower_bound_s, c.num_stages)
+    return (2, 0.0, c.num_stages)
 
 
 @dataclass(kw_only=True)

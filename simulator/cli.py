@@ -28,8 +28,11 @@ from simulator.autoconfig import (
     choose_micro_batch_size,
     sweep_gpus,
 )
-from simulator.engine import SIM_SCHEDULE_KINDS, SimConfig, SimResult, simulate
+from simulator.config import SIM_SCHEDULE_KINDS, SimConfig, SimResult
+from simulator.engine import simulate
 from varuna.core.calibration import Calibration
+from varuna.core.cli import OneLineParser
+from varuna.core.schedule import schedule_kind
 
 PROG = "varuna-simulate"
 
@@ -53,11 +56,6 @@ _UNITS = {
 
 class _UsageError(Exception):
     """Bad command-line input: reported as one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage dump (argparse prints two)
-        raise _UsageError(f"{message} (see {PROG} --help)")
 
 
 def _bytes(text: str) -> int:
@@ -97,7 +95,7 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
         prog=PROG,
         description="Simulate pipeline+data-parallel training from a calibration file and "
         "pick the fastest configuration.",
@@ -213,118 +211,126 @@ def _run(args) -> int:
     if args.jitter_scale < 0:
         raise _UsageError("--jitter-scale must be >= 0")
     cal = Calibration.load(args.calibration)
-    recompute = not args.no_recompute
-    out: dict = {}
-    if args.config is not None:
-        P, D = args.config
-        if P * D > args.gpus:
-            raise _UsageError(
-                f"--config {P}x{D} needs {P * D} GPUs but --gpus is {args.gpus}; "
-                f"use a smaller config or more GPUs"
-            )
-        m = args.micro_batch_size or choose_micro_batch_size(cal)
-        cfg = SimConfig.for_global_batch(
-            global_batch_size=args.global_batch_size,
-            num_replicas=D,
-            micro_batch_size=m,
-            num_stages=P,
-            schedule=args.schedule,
-            recompute=recompute,
-            chunks=args.chunks if args.schedule == "interleaved" else 1,
-            host_slots=args.hosts_slots,
-            jitter_scale=args.jitter_scale,
-            seed=args.seed,
-        )
-        res = simulate(cal, cfg)
-        _outputs(args, cal, cfg)
-        if args.gpu_memory is not None and max(res.stage_memory_bytes) > args.gpu_memory:
-            print(
-                f"{PROG}: warning: config {P}x{D} needs {max(res.stage_memory_bytes) / 2**30:.2f} GiB on its "
-                f"largest stage, more than --gpu-memory",
-                file=sys.stderr,
-            )
-        if args.json:
-            out = {"best": res.summary(), "candidates": [res.summary()]}
-        else:
-            nm = cfg.num_microbatches
-            print(f"config {cfg.label()}  Nm per replica {min(nm)}-{max(nm)}")
-            print(
-                f"  time per mini-batch {res.minibatch_s:.4f} s  ({res.examples_per_s:.2f} examples/s, "
-                f"{res.examples_per_s / (P * D):.3f} per GPU)"
-            )
-            print(
-                f"  {'stage':>5} {'busy s':>9} {'idle s':>9} {'allreduce s':>11} {'stash':>6} {'mem GiB':>8}"
-            )
-            for k in range(P):
-                print(
-                    f"  {k:>5} {res.stage_busy_s[k]:9.4f} {res.stage_idle_s[k]:9.4f} "
-                    f"{res.stage_allreduce_s[k]:11.4f} {res.peak_stashed[k]:>6} "
-                    f"{res.stage_memory_bytes[k] / 2**30:8.2f}"
-                )
-    else:
-        plan = autoconfigure(
-            cal,
-            gpus=args.gpus,
-            global_batch_size=args.global_batch_size,
-            gpu_memory_bytes=args.gpu_memory,
-            schedule=args.schedule,
-            recompute=recompute,
-            chunks=args.chunks,
-            micro_batch_size=args.micro_batch_size,
-            host_slots=args.hosts_slots,
-        )
-        best: Candidate = plan.best
-        cfg = best.config
-        if args.jitter_scale > 0:
-            cfg = dataclasses.replace(cfg, jitter_scale=args.jitter_scale, seed=args.seed)
-        _outputs(args, cal, cfg)
-        if args.json:
-            out = plan.to_dict()
-        else:
-            b = best.result
-            print(
-                f"best: P={best.num_stages} D={best.num_replicas} m={best.micro_batch_size} "
-                f"({best.num_gpus} of {args.gpus} GPUs): {b.minibatch_s:.4f} s per mini-batch, "
-                f"{b.examples_per_s:.2f} examples/s  [{plan.simulations} simulated of {len(plan.candidates)} "
-                f"candidates in {plan.elapsed_s:.2f} s]"
-            )
-            print(_table(plan, args.top))
+    out = _estimate(args, cal) if args.config is not None else _search(args, cal)
     if args.sweep_gpus:
-        points = sweep_gpus(
-            cal,
-            args.sweep_gpus,
-            global_batch_size=args.global_batch_size,
-            gpu_memory_bytes=args.gpu_memory,
-            schedule=args.schedule,
-            recompute=recompute,
-            chunks=args.chunks,
-            micro_batch_size=args.micro_batch_size,
-            host_slots=args.hosts_slots,
-        )
+        sweep = _sweep(args, cal)
         if args.json:
-            out["sweep"] = [
-                {
-                    "gpus": p.gpus,
-                    "examples_per_s": p.examples_per_s,
-                    "examples_per_s_per_gpu": p.examples_per_s_per_gpu,
-                    "best": p.best.summary() if p.best else None,
-                    "error": p.error,
-                }
-                for p in points
-            ]
-        else:
-            print(f"\n{'G':>6} {'P':>4} {'D':>5} {'examples/s':>11} {'ex/s/GPU':>9}")
-            for p in points:
-                if p.best is None:
-                    print(f"{p.gpus:>6}    -     - {'':>11} {'':>9}  {p.error}")
-                else:
-                    print(
-                        f"{p.gpus:>6} {p.best.num_stages:>4} {p.best.num_replicas:>5} "
-                        f"{p.examples_per_s:11.2f} {p.examples_per_s_per_gpu:9.3f}"
-                    )
+            out["sweep"] = sweep
     if args.json:
         print(json.dumps(out, indent=1))
     return 0
+
+
+def _estimate(args, cal: Calibration) -> dict:
+    """``--config PxD``: simulate that configuration; prints it unless ``--json``."""
+    P, D = args.config
+    if P * D > args.gpus:
+        raise _UsageError(
+            f"--config {P}x{D} needs {P * D} GPUs but --gpus is {args.gpus}; "
+            f"use a smaller config or more GPUs"
+        )
+    cfg = SimConfig.for_global_batch(
+        global_batch_size=args.global_batch_size,
+        num_replicas=D,
+        micro_batch_size=args.micro_batch_size or choose_micro_batch_size(cal),
+        num_stages=P,
+        schedule=args.schedule,
+        recompute=not args.no_recompute,
+        chunks=schedule_kind(args.schedule).chunks_per_device(args.chunks),
+        host_slots=args.hosts_slots,
+        jitter_scale=args.jitter_scale,
+        seed=args.seed,
+    )
+    res = simulate(cal, cfg)
+    _outputs(args, cal, cfg)
+    if args.gpu_memory is not None and max(res.stage_memory_bytes) > args.gpu_memory:
+        print(
+            f"{PROG}: warning: config {P}x{D} needs {max(res.stage_memory_bytes) / 2**30:.2f} GiB on its "
+            f"largest stage, more than --gpu-memory",
+            file=sys.stderr,
+        )
+    if args.json:
+        return {"best": res.summary(), "candidates": [res.summary()]}
+    nm = cfg.num_microbatches
+    print(f"config {cfg.label()}  Nm per replica {min(nm)}-{max(nm)}")
+    print(
+        f"  time per mini-batch {res.minibatch_s:.4f} s  ({res.examples_per_s:.2f} examples/s, "
+        f"{res.examples_per_s / (P * D):.3f} per GPU)"
+    )
+    print(f"  {'stage':>5} {'busy s':>9} {'idle s':>9} {'allreduce s':>11} {'stash':>6} {'mem GiB':>8}")
+    for k in range(P):
+        print(
+            f"  {k:>5} {res.stage_busy_s[k]:9.4f} {res.stage_idle_s[k]:9.4f} "
+            f"{res.stage_allreduce_s[k]:11.4f} {res.peak_stashed[k]:>6} "
+            f"{res.stage_memory_bytes[k] / 2**30:8.2f}"
+        )
+    return {}
+
+
+def _search(args, cal: Calibration) -> dict:
+    """Auto-configuration: rank the candidates; prints the ranking unless ``--json``."""
+    plan = autoconfigure(
+        cal,
+        gpus=args.gpus,
+        global_batch_size=args.global_batch_size,
+        gpu_memory_bytes=args.gpu_memory,
+        schedule=args.schedule,
+        recompute=not args.no_recompute,
+        chunks=args.chunks,
+        micro_batch_size=args.micro_batch_size,
+        host_slots=args.hosts_slots,
+    )
+    best: Candidate = plan.best
+    cfg = best.config
+    if args.jitter_scale > 0:
+        cfg = dataclasses.replace(cfg, jitter_scale=args.jitter_scale, seed=args.seed)
+    _outputs(args, cal, cfg)
+    if args.json:
+        return plan.to_dict()
+    b = best.result
+    print(
+        f"best: P={best.num_stages} D={best.num_replicas} m={best.micro_batch_size} "
+        f"({best.num_gpus} of {args.gpus} GPUs): {b.minibatch_s:.4f} s per mini-batch, "
+        f"{b.examples_per_s:.2f} examples/s  [{plan.simulations} simulated of {len(plan.candidates)} "
+        f"candidates in {plan.elapsed_s:.2f} s]"
+    )
+    print(_table(plan, args.top))
+    return {}
+
+
+def _sweep(args, cal: Calibration) -> list[dict]:
+    """``--sweep-gpus``: the best configuration at each G; prints a table unless ``--json``."""
+    points = sweep_gpus(
+        cal,
+        args.sweep_gpus,
+        global_batch_size=args.global_batch_size,
+        gpu_memory_bytes=args.gpu_memory,
+        schedule=args.schedule,
+        recompute=not args.no_recompute,
+        chunks=args.chunks,
+        micro_batch_size=args.micro_batch_size,
+        host_slots=args.hosts_slots,
+    )
+    if not args.json:
+        print(f"\n{'G':>6} {'P':>4} {'D':>5} {'examples/s':>11} {'ex/s/GPU':>9}")
+        for p in points:
+            if p.best is None:
+                print(f"{p.gpus:>6}    -     - {'':>11} {'':>9}  {p.error}")
+            else:
+                print(
+                    f"{p.gpus:>6} {p.best.num_stages:>4} {p.best.num_replicas:>5} "
+                    f"{p.examples_per_s:11.2f} {p.examples_per_s_per_gpu:9.3f}"
+                )
+    return [
+        {
+            "gpus": p.gpus,
+            "examples_per_s": p.examples_per_s,
+            "examples_per_s_per_gpu": p.examples_per_s_per_gpu,
+            "best": p.best.summary() if p.best else None,
+            "error": p.error,
+        }
+        for p in points
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

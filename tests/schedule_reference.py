@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import math
 
-from varuna.core.schedule import BACKWARD, FORWARD, RECOMPUTE, Task
+from varuna.core.tasks import BACKWARD, FORWARD, RECOMPUTE, Task
 
 _UNIT_F, _UNIT_R, _UNIT_B = 1, 1, 2
 

@@ -172,7 +172,7 @@ def test_gpt_without_cutpoints_gets_valid_cuts_and_keeps_names() -> None:
 
 def test_residual_inside_a_block_is_not_a_boundary() -> None:
     from varuna.cutting.autocut import _evaluate, _group
-    from varuna.cutting.tracer import record_forward
+    from varuna.cutting.recorder import record_forward
 
     model, batch = build("gpt")
     rec = record_forward(model, _micro(batch), None)

@@ -12,10 +12,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "bench_schedules.py"
+RESULTS = ROOT / "scripts" / "bench_schedules_results.py"
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_schedules", SCRIPT)
+    """The script's results module (configurations, analysis, tables: pure Python)."""
+    spec = importlib.util.spec_from_file_location("bench_schedules_results", RESULTS)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
     spec.loader.exec_module(module)

@@ -19,9 +19,8 @@ from varuna.core.calibration import (
     LinkModel,
     LinkPoint,
     RuntimeOverheads,
-    fit_allreduce_model,
-    fit_link_model,
 )
+from varuna.core.calibration_fit import fit_allreduce_model, fit_link_model
 
 
 def _cal(**kw) -> Calibration:

@@ -1,5 +1,5 @@
 """Tests of the environment contract (varuna.core.env) and the single-machine launcher
-(varuna.launch.launcher).
+(varuna.launch: spec, local, supervisor, job, launcher).
 
 Worker scripts are tiny pure-Python files written to tmp_path, so the multi-process tests cost
 interpreter start-ups, not torch imports (except the one gloo test). "No processes left behind"
@@ -22,14 +22,10 @@ from pathlib import Path
 import pytest
 
 from varuna.core.env import WorkerEnv, rank_of, stage_and_replica
-from varuna.launch.launcher import (
-    LaunchConfig,
-    LocalHost,
-    launch,
-    main,
-    plan_workers,
-    resolve_data_parallel,
-)
+from varuna.launch.job import launch
+from varuna.launch.launcher import main
+from varuna.launch.local import LocalHost
+from varuna.launch.spec import LaunchConfig, plan_workers, resolve_data_parallel
 
 PREFIX_RE = re.compile(r"^\[rank (\d+) stage (\d+) replica (\d+)\] (.*)$")
 

@@ -20,7 +20,8 @@ import pytest
 
 from manager import varuna_manager_pb2 as pb
 from manager.calibrate import ProfileRun, failure_reason
-from manager.controller import CALIBRATION_MAX_ATTEMPTS, ManagerError
+from manager.calibration_orders import CALIBRATION_MAX_ATTEMPTS
+from manager.context import ManagerError
 from manager.jobspec import JobSpec, ProfileSpec, load_jobspec, spec_from_pb, spec_to_pb
 from manager.providers import ProviderContext
 from manager.providers.local import LocalProvider, LocalProviderOptions

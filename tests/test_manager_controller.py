@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from manager import varuna_manager_pb2 as pb
-from manager.controller import Manager, ManagerConfig, ManagerError
+from manager.context import ManagerConfig, ManagerError
+from manager.controller import Manager
 from manager.jobspec import JobSpec, spec_to_pb
 from manager.policy import StutterConfig
 from manager.providers import NewVM
@@ -532,3 +533,46 @@ def test_layout_comes_from_the_simulator_with_a_calibration(tmp_path):
     assert (gen.pipeline_depth, gen.data_parallel) == (best.num_stages, best.num_replicas)
     assert gen.pipeline_depth > 1 and gen.predicted_samples_per_s == pytest.approx(best.examples_per_s)
     assert w.running(job)[0].launches[0].env["VARUNA_PIPELINE_DEPTH"] == str(best.num_stages)
+
+
+def test_planner_and_workers_get_the_jobs_schedule(tmp_path, monkeypatch):
+    # A 1f1b job (its script says --schedule 1f1b): auto-config must rank layouts for 1f1b, and
+    # the workers' run plan must say 1f1b and the spec's global batch.
+    import simulator.autoconfig
+
+    seen: list[str] = []
+    real = simulator.autoconfig.autoconfigure
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("schedule", "varuna"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(simulator.autoconfig, "autoconfigure", spy)
+    cal = Calibration.synthetic(0.002, num_segments=4, micro_batch_sizes=(1, 2, 4))
+    w = World(tmp_path, provider=FakeProvider(capacity=2))
+    job = w.submit(
+        max_vms=2,
+        num_segments=0,
+        micro_batch_size=0,
+        args=["--steps", "50", "--schedule", "1f1b"],
+        calibration_json=json.dumps(cal.to_dict()),
+    )
+    w.tick()
+    w.tick(0.1)
+    assert seen and set(seen) == {"1f1b"}
+    gen = w.gen(job)
+    env = w.running(job)[0].launches[0].env
+    assert env["VARUNA_SCHEDULE"] == "1f1b" and env["VARUNA_GLOBAL_BATCH_SIZE"] == "24"
+    # m chosen by auto-config (the spec left it to the manager) is part of the plan.
+    assert env["VARUNA_MICRO_BATCH_SIZE"] == str(gen.micro_batch_size)
+
+
+def test_run_plan_leaves_out_what_the_spec_fixed(tmp_path):
+    w = World(tmp_path, provider=FakeProvider(capacity=2))
+    job = w.submit(max_vms=2, micro_batch_size=2)
+    w.tick()
+    w.tick(0.1)
+    env = w.running(job)[0].launches[0].env
+    assert env["VARUNA_SCHEDULE"] == "varuna" and env["VARUNA_GLOBAL_BATCH_SIZE"] == "24"
+    assert "VARUNA_MICRO_BATCH_SIZE" not in env  # the script's own m stands
+    assert "VARUNA_STAGE_RANGES" not in env

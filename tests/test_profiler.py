@@ -22,14 +22,13 @@ import profiler.network
 import profiler.runner
 import profiler.spec
 import profiler.targets
+from profiler.assembly import CalibrationState, add_compute, assemble, state_from_file
 from profiler.cli import main
 from profiler.compute import SegmentMeasurement, SegmentProfiler
 from profiler.runner import (
     EXTRA_KEY,
     ProfileOptions,
-    _assemble,
     _save,
-    _State,
     calibrate,
     measure_allreduce,
 )
@@ -39,8 +38,8 @@ from varuna.core.calibration import (
     Calibration,
     LinkPoint,
     RuntimeOverheads,
-    fit_allreduce_model,
 )
+from varuna.core.calibration_fit import fit_allreduce_model
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT_SPEC = str(ROOT / "examples" / "gpt2" / "profile_target.py") + ":build"
@@ -136,8 +135,8 @@ def test_memory_accounting_of_a_segment():
 # The file, in process (fabricated measurements)
 
 
-def _fake_state() -> _State:
-    st = _State(cutpoint_names=["cut"], num_segments=2)
+def _fake_state() -> CalibrationState:
+    st = CalibrationState(cutpoint_names=["cut"], num_segments=2)
     meas = [
         SegmentMeasurement(
             segment=s,
@@ -156,7 +155,7 @@ def _fake_state() -> _State:
         for s in (0, 1)
         for m in (1, 2)
     ]
-    profiler.runner._add_compute(st, meas)
+    add_compute(st, meas)
     for m in (1, 2):
         st.act_bytes[(0, m)] = 64 * m
     for kind in ("intra", "inter"):
@@ -172,7 +171,7 @@ def _fake_state() -> _State:
 
 
 def test_assembled_file_round_trips_through_the_schema(tmp_path):
-    cal, extra = _assemble(
+    cal, extra = assemble(
         _fake_state(),
         created="2026-01-01T00:00:00Z",
         host=profiler.runner._host_info("cpu", 1),
@@ -193,7 +192,7 @@ def test_assembled_file_round_trips_through_the_schema(tmp_path):
 
 
 def test_profiler_diagnostics_and_runtime_overheads_survive_load_and_save(tmp_path):
-    cal, extra = _assemble(
+    cal, extra = assemble(
         _fake_state(),
         created="2026-01-01T00:00:00Z",
         host=profiler.runner._host_info("cpu", 1),
@@ -213,7 +212,7 @@ def test_profiler_diagnostics_and_runtime_overheads_survive_load_and_save(tmp_pa
     assert back.profiler["allreduce_configs"] == [[2, 1], [3, 1]]
     assert back.runtime_overheads.task_overhead_s == 5e-4
     # --update starts from the file's state, diagnostics included
-    st = profiler.runner._state_from_file(back, back.profiler)
+    st = state_from_file(back, back.profiler)
     assert st.seg_at[(0, 2)]["peak_bytes"] == 3000 + 1000 + 128 + 512
 
 

@@ -1,6 +1,6 @@
-"""Tests of the multi-host launcher: host files and their validation (varuna.launch.hosts), the per-host
-agent (varuna.launch.agent), and whole jobs over pretend ``localhost`` hosts and over a real OpenSSH
-server on loopback.
+"""Tests of the multi-host launcher: host files and their validation (varuna.launch.hosts, .ssh), the
+per-host agent (varuna.launch.agent, .agent_host, .protocol), and whole jobs over pretend
+``localhost`` hosts and over a real OpenSSH server on loopback.
 
 The sshd tests start Debian's ``/usr/sbin/sshd`` as a child with host and user keys generated
 into tmp_path, a non-standard port, and ``AuthorizedKeysFile``/``PidFile`` in tmp_path; they skip
@@ -32,18 +32,20 @@ from pathlib import Path
 import pytest
 
 import varuna.runtime.engine
-from varuna.launch.agent import decode_message, encode_message
 from varuna.launch.hosts import (
     HostEntry,
-    SshOptions,
     assign_slots,
     parse_host_entry,
     parse_host_file,
     parse_hosts_arg,
-    probe_hosts,
-    remote_agent_command,
+    select_hosts,
 )
-from varuna.launch.launcher import LaunchConfig, Layout, launch_on_hosts, main, resolve_layout, select_hosts
+from varuna.launch.job import launch_on_hosts
+from varuna.launch.launcher import main
+from varuna.launch.layout import Layout, resolve_layout
+from varuna.launch.protocol import decode_message, encode_message
+from varuna.launch.spec import LaunchConfig
+from varuna.launch.ssh import SshOptions, probe_hosts, remote_agent_command
 
 ROOT = Path(__file__).resolve().parent.parent
 SSHD = "/usr/sbin/sshd"

@@ -8,17 +8,9 @@ import sys
 import pytest
 from schedule_reference import varuna_by_rules
 
-from varuna.core.schedule import (
-    SCHEDULE_KINDS,
-    StagePolicy,
-    Task,
-    build_schedule,
-    format_tasks,
-    get_schedule,
-    parse_tasks,
-    peak_stashed,
-    validate_stage_tasks,
-)
+from varuna.core.policy import StagePolicy
+from varuna.core.schedule import SCHEDULE_KINDS, build_schedule, get_schedule
+from varuna.core.tasks import Task, format_tasks, parse_tasks, peak_stashed, validate_stage_tasks
 
 
 def one_based(tasks) -> str:

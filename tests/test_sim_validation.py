@@ -1,4 +1,5 @@
-"""scripts/validate_simulator.py: the configuration design, the measurement analysis, the
+"""scripts/validate_simulator.py and profiler/overheads.py: the configuration design, the
+measurement analysis (the runtime-overhead fit), the
 simulator's runtime-overhead terms (fast), and a 2-configuration end-to-end run (slow, < 90 s)."""
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from profiler.overheads import fit_task_costs, task_overheads, waiting_hops
 from simulator.engine import SimConfig, simulate
-from varuna.core.calibration import Calibration
+from varuna.core.calibration import Calibration, RuntimeOverheads
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "validate_simulator.py"
@@ -48,18 +50,27 @@ def test_default_configs_cover_every_factor_pair_within_budget():
 
 
 def test_fit_task_costs_recovers_terms_and_drops_negative_ones():
-    v = _load()
     per_op = {"F": 0.6e-3, "R": 0.3e-3, "B": 0.5e-3}  # F and B send a message, R does not
     cells = {(b, k, op): [per_op[op] + 0.5e-3 * b + (0.05e-3 * b * k if op != "B" else 0.0)]
              for b in (1, 3) for k in range(8) for op in "FRB"}
-    t, s, p, rms = v.fit_task_costs(cells)
+    t, s, p, rms = fit_task_costs(cells)
     assert t == pytest.approx(per_op, abs=1e-9)
     assert (s, p) == pytest.approx((0.5e-3, 0.05e-3), abs=1e-9)
     assert rms < 1e-9
     # Costs that fall with the stage index would need p < 0: the term is dropped, not negative.
     cells = {(b, k, op): [1e-3 * b - (1e-5 * k if op != "B" else 0.0)]
              for b in (1, 3) for k in range(4) for op in "FRB"}
-    assert v.fit_task_costs(cells)[2] == 0.0
+    assert fit_task_costs(cells)[2] == 0.0
+
+
+def test_runtime_constants_become_the_calibrations_runtime_overheads():
+    from profiler.overheads import RuntimeConstants
+
+    rc = RuntimeConstants(handoff_s=1e-4, handoff_netem_s=1e-4, probe_handoff_s=1e-4, task_overhead_s=5e-4,
+                          segment_overhead_s=1e-4, placeholder_s=4e-5, step_overhead_s=2e-3, allreduce_s=1e-3)
+    ro = rc.to_runtime_overheads(source="W=2")
+    assert ro == RuntimeOverheads(task_overhead_s=5e-4, placeholder_s=4e-5, step_overhead_s=2e-3,
+                                  source="W=2")
 
 
 def test_measurement_analysis_on_a_hand_made_step():
@@ -69,8 +80,8 @@ def test_measurement_analysis_on_a_hand_made_step():
     # is produced; stage 0 idle until B0's gradient arrives 2 ms after it is produced.
     events = [(0, 0, "F", 0, 0.0, f + 0.001), (1, 0, "F", 0, f + 0.002, 2 * f + 0.003),
               (1, 0, "B", 0, 2 * f + 0.003, 4 * f + 0.004), (0, 0, "B", 0, 4 * f + 0.006, 6 * f + 0.006)]
-    assert sorted(v.waiting_hops(events)) == pytest.approx([0.001, 0.002])
-    over = v.task_overheads(events)
+    assert sorted(waiting_hops(events)) == pytest.approx([0.001, 0.002])
+    over = task_overheads(events)
     assert over["F"] == pytest.approx([0.001, 0.001]) and over["B"] == pytest.approx([0.001, 0.0])
     ranks = [{"runs": {"x": {"steps": [{"t0": 0.0, "t1": 1.0}]}}},
              {"runs": {"x": {"steps": [{"t0": -0.5, "t1": 1.2}]}}}]

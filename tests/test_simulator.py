@@ -10,11 +10,14 @@ import pytest
 
 from simulator.autoconfig import autoconfigure, choose_micro_batch_size, sweep_gpus
 from simulator.cli import main
-from simulator.engine import SimConfig, simulate, split_minibatch
-from simulator.interleaved import interleaved_order
+from simulator.engine import SimConfig, simulate
+from varuna.core.batching import microbatch_counts
 from varuna.core.calibration import AllReduceModel, Calibration, LinkModel
+from varuna.core.interleaved import interleaved_order
 from varuna.core.partition import balanced_stages, stage_costs
-from varuna.core.schedule import BACKWARD, FORWARD, RECOMPUTE, StagePolicy, Task, get_schedule, peak_stashed
+from varuna.core.policy import StagePolicy
+from varuna.core.schedule import get_schedule
+from varuna.core.tasks import BACKWARD, FORWARD, RECOMPUTE, Task, peak_stashed
 from varuna.core.timeline import Timeline
 
 F_PER_SEGMENT = 0.01  # synthetic costs: F = 0.01 s per segment at m=1, B = 2F, R = F
@@ -368,7 +371,7 @@ def test_allreduce_and_optimizer_costs_appear():
 
 def test_uneven_replicas_and_short_last_microbatch():
     cal = _uniform(2, micro_batch_sizes=(1, 2))
-    counts, last = split_minibatch(global_batch_size=9, micro_batch_size=2, num_replicas=2)
+    counts, last = microbatch_counts(global_batch_size=9, micro_batch_size=2, data_parallel=2)
     assert (counts, last) == ((3, 2), (2, 1))  # 5 micro-batches, the last holds 1 example
     r = simulate(
         cal,
@@ -397,9 +400,11 @@ def test_split_matches_the_runtime_batching():
     batching = pytest.importorskip("varuna.core.batching")
     for M, m, D in [(10, 4, 2), (8192, 3, 28), (100, 7, 5), (64, 8, 8)]:
         plan = batching.plan_microbatches(M, m, D)
-        counts, last = split_minibatch(M, m, D)
-        assert counts == tuple(len(p) for p in plan)
-        assert last[-1] == plan[-1][-1].size
+        cfg = SimConfig.for_global_batch(
+            global_batch_size=M, num_replicas=D, micro_batch_size=m, num_stages=1
+        )
+        assert cfg.num_microbatches == tuple(len(p) for p in plan)
+        assert cfg.last_microbatch_sizes == tuple(p[-1].size for p in plan)
 
 
 # -- the policy's fast bookkeeping equals the plain scan ------------------------------------

@@ -13,10 +13,11 @@ import importlib
 _EXPORTS = {
     "CutPoint": "varuna.cutting.cutpoint",
     "Engine": "varuna.runtime.engine",
-    "VarunaConfig": "varuna.runtime.engine",
-    "StepResult": "varuna.runtime.engine",
+    "VarunaConfig": "varuna.runtime.config",
+    "StepResult": "varuna.runtime.config",
     "balanced_partition": "varuna.core.partition",
     "auto_cutpoints": "varuna.cutting.autocut",
+    "apply_cutpoints": "varuna.cutting.autocut",
     "keyed_seed": "varuna.cutting.split",
 }
 

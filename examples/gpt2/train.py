@@ -69,10 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    data = ByteBatches(args.block_size, seed=args.seed)
+def build_engine(args: argparse.Namespace, data: ByteBatches) -> varuna.Engine:
+    """The GPT model and its varuna engine, configured from the command line."""
     cfg = GPTConfig(
         block_size=args.block_size,
         n_layer=args.n_layer,
@@ -82,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     torch.manual_seed(args.seed)
     model = GPT(cfg)
-    engine = varuna.Engine(
+    return varuna.Engine(
         model,
         varuna.VarunaConfig(
             global_batch_size=args.global_batch_size,
@@ -102,6 +100,23 @@ def main(argv: list[str] | None = None) -> int:
         example_batch=data.get("train", 0, args.global_batch_size),
         optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0),
     )
+
+
+def write_trace(engine: varuna.Engine, path: Path, info: dict) -> None:
+    """Gather every rank's task timeline (a collective) and write it, on rank 0, with a Gantt chart."""
+    tl = engine.gather_timeline()
+    if tl is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tl.to_chrome_trace(path)
+        tl.plot_gantt(path.with_suffix(".png"), title=f"GPT example, P={info['P']} D={info['D']}")
+        print(f"wrote {path} and {path.with_suffix('.png')}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    data = ByteBatches(args.block_size, seed=args.seed)
+    engine = build_engine(args, data)
     info = engine.describe()
     leader = engine.layout.rank == 0
     if leader:
@@ -144,14 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                     out.write(json.dumps(row) + "\n")
                     out.flush()
         if args.trace is not None:
-            tl = engine.gather_timeline()
-            if tl is not None:
-                args.trace.parent.mkdir(parents=True, exist_ok=True)
-                tl.to_chrome_trace(args.trace)
-                tl.plot_gantt(
-                    args.trace.with_suffix(".png"), title=f"GPT example, P={info['P']} D={info['D']}"
-                )
-                print(f"wrote {args.trace} and {args.trace.with_suffix('.png')}", flush=True)
+            write_trace(engine, args.trace, info)
     finally:
         if out:
             out.close()

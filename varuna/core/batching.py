@@ -9,13 +9,15 @@ Example::
 
     >>> [[mb.index for mb in replica] for replica in plan_microbatches(10, 4, 2)]
     [[0, 1], [2]]
+    >>> microbatch_counts(10, 4, 2)   # the same split, counted: (per replica, its last one's size)
+    ((2, 1), (4, 2))
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MicroBatch", "plan_microbatches"]
+__all__ = ["MicroBatch", "microbatch_counts", "plan_microbatches"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,10 +31,15 @@ class MicroBatch:
         return self.end - self.start
 
 
-def plan_microbatches(
+def microbatch_counts(
     global_batch_size: int, micro_batch_size: int, data_parallel: int
-) -> list[list[MicroBatch]]:
-    """Per replica, its micro-batches (see module docstring)."""
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per replica, how many micro-batches :func:`plan_microbatches` gives it, and the size of its
+    last one, without building them (the simulator and auto-config count millions of examples).
+
+    >>> microbatch_counts(9, 2, 2)
+    ((3, 2), (2, 1))
+    """
     M, m, D = global_batch_size, micro_batch_size, data_parallel
     if m < 1 or M < 1 or D < 1:
         raise ValueError(f"batch sizes and D must be >= 1 (global {M}, micro {m}, D {D})")
@@ -47,10 +54,21 @@ def plan_microbatches(
             f"global batch {M} at micro-batch size {m} gives {n} micro-batch(es), fewer than D={D} replicas; "
             f"use --micro-batch-size <= {M // D}"
         )
-    mbs = [MicroBatch(i, i * m, min((i + 1) * m, M)) for i in range(n)]
+    counts = tuple(n // D + (1 if d < n % D else 0) for d in range(D))
+    # Only the mini-batch's final micro-batch may be short, and the last replica holds it.
+    last = (m,) * (D - 1) + (M - (n - 1) * m,)
+    return counts, last
+
+
+def plan_microbatches(
+    global_batch_size: int, micro_batch_size: int, data_parallel: int
+) -> list[list[MicroBatch]]:
+    """Per replica, its micro-batches (see module docstring)."""
+    M, m = global_batch_size, micro_batch_size
+    counts, _ = microbatch_counts(M, m, data_parallel)
+    mbs = [MicroBatch(i, i * m, min((i + 1) * m, M)) for i in range(sum(counts))]
     out, pos = [], 0
-    for d in range(D):
-        cnt = n // D + (1 if d < n % D else 0)
+    for cnt in counts:
         out.append(mbs[pos : pos + cnt])
         pos += cnt
     return out

@@ -204,7 +204,6 @@ class Timeline:
         # pyplot's global state (safe in servers and threads).
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
-        from matplotlib.patches import Patch
 
         ops = set(COLORS) if show_sends else {"F", "R", "B", "AR", "OPT"}
         events = [e for e in self.events if e.op in ops and (replica is None or e.replica == replica)]
@@ -222,53 +221,69 @@ class Timeline:
         FigureCanvasAgg(fig)
         ax = fig.add_axes((0.07, bottom_in / height_in, 0.91, 1 - (bottom_in + top_in) / height_in))
         px_per_s = 0.91 * width_in * dpi / span
-        fontsize = 7
-        for e in events:
-            y = row_of[(e.replica, e.stage)]
-            w = e.end_s - e.start_s
-            ax.broken_barh(
-                [(e.start_s - t0, w)],
-                (y - 0.4, 0.8),
-                facecolors=COLORS.get(e.op, "#bcbd22"),
-                edgecolors="black",
-                linewidth=0.3,
-            )
-            label = str(e.microbatch) if e.microbatch is not None else ("AR" if e.op == "AR" else "")
-            # Text fits when the box is wider than ~0.62 em per character plus a small margin.
-            if label and w * px_per_s > (0.62 * fontsize * dpi / 72) * len(label) + 2:
-                ax.text(
-                    e.start_s - t0 + w / 2,
-                    y,
-                    label,
-                    ha="center",
-                    va="center",
-                    fontsize=fontsize,
-                    color="white" if e.op in ("F", "B", "AR") else "black",
-                )
+        _draw_boxes(ax, events, row_of, t0, px_per_s, dpi)
         ax.set_ylim(len(row_keys) - 0.5, -0.5)
         ax.set_xlim(0, span)
         ax.set_yticks(range(len(row_keys)))
         multi = replica is None and len({r for r, _ in row_keys}) > 1
         ax.set_yticklabels([f"r{r} s{s}" if multi else f"stage {s}" for r, s in row_keys], fontsize=8)
         ax.set_xlabel("time (s)")
-        names = {
-            "F": "forward",
-            "R": "recompute",
-            "B": "backward",
-            "AR": "all-reduce",
-            "OPT": "optimizer",
-            "SEND_ACT": "send activation",
-            "SEND_GRAD": "send gradient",
-        }
-        present = [op for op in COLORS if any(e.op == op for e in events)]
-        ax.legend(
-            handles=[Patch(facecolor=COLORS[op], edgecolor="black", label=names[op]) for op in present],
-            loc="lower center",
-            bbox_to_anchor=(0.5, 1.0),
-            ncol=len(present) or 1,
-            fontsize=8,
-            frameon=False,
-        )
+        _draw_legend(ax, events)
         if title:
             fig.suptitle(title, fontsize=10, y=1 - 0.06 / height_in, va="top")
         fig.savefig(os.fspath(path))
+
+
+# Legend names of the timeline's ops.
+_OP_NAMES = {
+    "F": "forward",
+    "R": "recompute",
+    "B": "backward",
+    "AR": "all-reduce",
+    "OPT": "optimizer",
+    "SEND_ACT": "send activation",
+    "SEND_GRAD": "send gradient",
+}
+
+
+def _draw_boxes(ax: Any, events: list[Event], row_of: dict[tuple[int, int], int], t0: float,
+                px_per_s: float, dpi: int) -> None:
+    """One box per event on its (replica, stage) row, labelled with its micro-batch where it fits."""
+    fontsize = 7
+    for e in events:
+        y = row_of[(e.replica, e.stage)]
+        w = e.end_s - e.start_s
+        ax.broken_barh(
+            [(e.start_s - t0, w)],
+            (y - 0.4, 0.8),
+            facecolors=COLORS.get(e.op, "#bcbd22"),
+            edgecolors="black",
+            linewidth=0.3,
+        )
+        label = str(e.microbatch) if e.microbatch is not None else ("AR" if e.op == "AR" else "")
+        # Text fits when the box is wider than ~0.62 em per character plus a small margin.
+        if label and w * px_per_s > (0.62 * fontsize * dpi / 72) * len(label) + 2:
+            ax.text(
+                e.start_s - t0 + w / 2,
+                y,
+                label,
+                ha="center",
+                va="center",
+                fontsize=fontsize,
+                color="white" if e.op in ("F", "B", "AR") else "black",
+            )
+
+
+def _draw_legend(ax: Any, events: list[Event]) -> None:
+    """A one-row legend above the axes, of the ops present."""
+    from matplotlib.patches import Patch
+
+    present = [op for op in COLORS if any(e.op == op for e in events)]
+    ax.legend(
+        handles=[Patch(facecolor=COLORS[op], edgecolor="black", label=_OP_NAMES[op]) for op in present],
+        loc="lower center",
+        bbox_to_anchor=(0.5, 1.0),
+        ncol=len(present) or 1,
+        fontsize=8,
+        frameon=False,
+    )

@@ -48,17 +48,10 @@ import torch
 from torch import nn
 
 from varuna.core.partition import balanced_partition
+from varuna.cutting.batches import call_with_batch, to_meta
 from varuna.cutting.cutpoint import CutPoint
-from varuna.cutting.tracer import (
-    _Call,
-    _call,
-    _Info,
-    _preserved_state,
-    _Recorder,
-    _to_meta,
-    record_forward,
-    trace_model,
-)
+from varuna.cutting.recorder import ModuleCall, Recorder, TensorInfo, preserved_state, record_forward
+from varuna.cutting.tracer import trace_model
 
 __all__ = ["auto_cutpoints", "apply_cutpoints", "remove_cutpoints", "choose_cuts", "AutoCutPlan", "CutChoice",
            "engine_auto_cutpoints", "CUT_ATTR"]
@@ -297,12 +290,12 @@ class AutoCutPlan:
 
 @dataclass
 class _Candidate:
-    call: _Call
+    call: ModuleCall
     valid: bool = True
     reason: str = ""
 
 
-def _is_family(info: _Info, alias: _Info) -> bool:
+def _is_family(info: TensorInfo, alias: TensorInfo) -> bool:
     """True if ``info`` is ``alias`` or an alias of it made by enclosing modules returning it."""
     while info is not None:
         if info is alias:
@@ -318,7 +311,7 @@ def _batch_size(batch) -> int | None:
     return sizes.pop() if len(sizes) == 1 else None
 
 
-def _window(info: _Info, calls: list[_Call]) -> tuple[int, int]:
+def _window(info: TensorInfo, calls: list[ModuleCall]) -> tuple[int, int]:
     """Boundaries strictly inside every call of ``info.chain``: there the value is glue-computed."""
     lo, hi = -1, math.inf
     for c in info.chain:
@@ -326,7 +319,7 @@ def _window(info: _Info, calls: list[_Call]) -> tuple[int, int]:
     return lo, hi
 
 
-def _blocking(info: _Info, calls: list[_Call]) -> list[tuple[int, float]]:
+def _blocking(info: TensorInfo, calls: list[ModuleCall]) -> list[tuple[int, float]]:
     """Clock ranges [a, z) of boundaries that this value crosses without being valid on every stage."""
     a, z = info.created, info.last_use
     if z <= a:
@@ -342,7 +335,22 @@ def _blocking(info: _Info, calls: list[_Call]) -> list[tuple[int, float]]:
     return out
 
 
-def _evaluate(rec: _Recorder, batch_size: int | None, *, explain: bool = False) -> list[_Candidate]:
+def _unroutable(rec: Recorder, c: ModuleCall, batch_size: int | None) -> str:
+    """Why the output of call ``c`` cannot be routed through a CutPoint ("" when it can)."""
+    n = rec.call_counts.get(id(c.module), 1)
+    src, meta = c.first_src, c.first_meta
+    if n > 1:
+        return f"called {n} times per forward"
+    if src is None or meta is None:
+        return "returns no tensor (nor a tuple/list starting with one)"
+    if len(meta[0]) == 0 or (batch_size is not None and meta[0][0] != batch_size):
+        return f"output shape {list(meta[0])} is not batch-major (batch {batch_size})"
+    if src.kind in ("input", "buffer", "external", "param") or src.created <= c.start:
+        return "returns a value it did not compute (its input, a parameter or buffer)"
+    return ""
+
+
+def _evaluate(rec: Recorder, batch_size: int | None, *, explain: bool = False) -> list[_Candidate]:
     """Every non-root module call with its validity as a boundary (see the module docstring).
 
     ``explain``: name the value that blocks each invalid boundary (a scan per boundary: for
@@ -354,18 +362,9 @@ def _evaluate(rec: _Recorder, batch_size: int | None, *, explain: bool = False) 
             continue
         cand = _Candidate(c)
         cands.append(cand)
-        n = rec.call_counts.get(id(c.module), 1)
-        src, meta = c.first_src, c.first_meta
-        if n > 1:
-            cand.valid, cand.reason = False, f"called {n} times per forward"
-        elif src is None or meta is None:
-            cand.valid, cand.reason = False, "returns no tensor (nor a tuple/list starting with one)"
-        elif len(meta[0]) == 0 or (batch_size is not None and meta[0][0] != batch_size):
-            cand.valid = False
-            cand.reason = f"output shape {list(meta[0])} is not batch-major (batch {batch_size})"
-        elif src.kind in ("input", "buffer", "external", "param") or src.created <= c.start:
-            cand.valid = False
-            cand.reason = "returns a value it did not compute (its input, a parameter or buffer)"
+        reason = _unroutable(rec, c, batch_size)
+        if reason:
+            cand.valid, cand.reason = False, reason
     live = [c for c in cands if c.valid]
     if not live:
         return cands
@@ -389,7 +388,7 @@ def _evaluate(rec: _Recorder, batch_size: int | None, *, explain: bool = False) 
         if any(not w.pure or any(calls[i].parent is not None for i in w.chain) for _, w, _ in writes):
             first, last = rec.buffer_span[bname]
             add(first, last, 1, count)
-    by_origin: dict[int, list[_Info]] = {}
+    by_origin: dict[int, list[TensorInfo]] = {}
     for info in rec.all_infos:
         by_origin.setdefault(id(info.origin), []).append(info)
     run = 0
@@ -406,7 +405,7 @@ def _evaluate(rec: _Recorder, batch_size: int | None, *, explain: bool = False) 
     return cands
 
 
-def _blocker(rec: _Recorder, call: _Call, b: int) -> str:
+def _blocker(rec: Recorder, call: ModuleCall, b: int) -> str:
     for info in rec.all_infos:
         if info.origin is call.first_src.origin and _is_family(info, call.first_alias):
             continue
@@ -415,10 +414,10 @@ def _blocker(rec: _Recorder, call: _Call, b: int) -> str:
     return "a buffer written by module code is read on both sides"
 
 
-def _group(cands: list[_Candidate]) -> list[_Call]:
+def _group(cands: list[_Candidate]) -> list[ModuleCall]:
     """One call per distinct boundary: of nested calls ending together on the same output, the
     outermost valid one that can host a CutPoint (not a Sequential/ModuleList/ModuleDict)."""
-    groups: dict[tuple[int, int], list[_Call]] = {}
+    groups: dict[tuple[int, int], list[ModuleCall]] = {}
     for cand in cands:
         if cand.valid and not isinstance(cand.call.module, _CONTAINERS):
             c = cand.call
@@ -448,10 +447,10 @@ def _timed_positions(model: nn.Module, batch, loss_fn: Callable | None, names: l
                 stamps[n] = time.perf_counter()
             handles.append(mods[n].register_forward_hook(hook))
         try:
-            with _preserved_state(model), torch.no_grad():
+            with preserved_state(model), torch.no_grad():
                 sync()
                 t0 = time.perf_counter()
-                out = _call(model, batch)
+                out = call_with_batch(model, batch)
                 if loss_fn is not None:
                     loss_fn(out, batch)
                 sync()
@@ -473,6 +472,46 @@ def _timed_positions(model: nn.Module, batch, loss_fn: Callable | None, names: l
         acc += g
         pos.append(acc)
     return pos, acc + best[-1]
+
+
+def _positions(model: nn.Module, rec: Recorder, chosen_calls: list[ModuleCall], batch,
+               loss_fn: Callable | None, module_costs: Mapping[str, float] | None, counter, timing_reps: int
+               ) -> tuple[list[float], float, str]:
+    """Cumulative cost at each candidate boundary, the total and its unit: from ``module_costs``,
+    the FLOP counter of the recording, or timed runs of the forward (``batch``: on ``meta`` when
+    the model is)."""
+    names = [c.name for c in chosen_calls]
+    if module_costs is not None:
+        known = dict(model.named_modules())
+        bad = [n for n in module_costs if n not in known]
+        if bad:
+            raise ValueError(f"module_costs names {bad[:3]} are not modules of the model")
+        # A cost counts before a cut if all of its module's operations ran before the cut.
+        ends = [(c.ops_end, float(module_costs[c.name])) for c in rec.calls if c.name in module_costs]
+        positions = [sum(v for e, v in ends if e <= c.ops_end) for c in chosen_calls]
+        total, unit = sum(v for _, v in ends), "given"
+    elif counter is not None:
+        positions = [c.flops_end for c in chosen_calls]
+        total, unit = float(counter.get_total_flops()), "flop"
+    else:
+        positions, total = _timed_positions(model, batch, loss_fn, names, timing_reps)
+        unit = "s"
+    return positions, total, unit
+
+
+def _check_request(model: nn.Module, max_cuts: int, cost: str) -> None:
+    """Validate :func:`auto_cutpoints`' arguments; remove cut-points an earlier call inserted and
+    refuse a model with CutPoints of its own."""
+    if not isinstance(max_cuts, int) or max_cuts < 1:
+        raise ValueError(f"max_cuts must be an integer >= 1, got {max_cuts!r}")
+    if cost not in ("time", "flop"):
+        raise ValueError(f"cost must be 'time' or 'flop', got {cost!r}")
+    remove_cutpoints(model)
+    own = [n for n, m in model.named_modules() if isinstance(m, CutPoint)]
+    if own:
+        raise ValueError(f"the model already has {len(own)} CutPoint(s) ({', '.join(own[:3])}); "
+                         "automatic cut-points are for models without any: remove them, or do not ask for "
+                         "auto cut-points")
 
 
 def auto_cutpoints(
@@ -509,16 +548,7 @@ def auto_cutpoints(
         >>> varuna.auto_cutpoints(m, torch.randn(2, 4), 2, cost="flop", verbose=False).module_names
         ['0', '1']
     """
-    if not isinstance(max_cuts, int) or max_cuts < 1:
-        raise ValueError(f"max_cuts must be an integer >= 1, got {max_cuts!r}")
-    if cost not in ("time", "flop"):
-        raise ValueError(f"cost must be 'time' or 'flop', got {cost!r}")
-    remove_cutpoints(model)
-    own = [n for n, m in model.named_modules() if isinstance(m, CutPoint)]
-    if own:
-        raise ValueError(f"the model already has {len(own)} CutPoint(s) ({', '.join(own[:3])}); "
-                         "automatic cut-points are for models without any: remove them, or do not ask for "
-                         "auto cut-points")
+    _check_request(model, max_cuts, cost)
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and cost == "time":
         cost = "flop"  # nothing to time on `meta`
@@ -533,23 +563,9 @@ def auto_cutpoints(
     if not chosen_calls:
         raise ValueError(_no_boundary_message(_evaluate(rec, _batch_size(example_batch), explain=True)))
 
-    names = [c.name for c in chosen_calls]
-    if module_costs is not None:
-        known = dict(model.named_modules())
-        bad = [n for n in module_costs if n not in known]
-        if bad:
-            raise ValueError(f"module_costs names {bad[:3]} are not modules of the model")
-        # A cost counts before a cut if all of its module's operations ran before the cut.
-        ends = [(c.ops_end, float(module_costs[c.name])) for c in rec.calls if c.name in module_costs]
-        positions = [sum(v for e, v in ends if e <= c.ops_end) for c in chosen_calls]
-        total, unit = sum(v for _, v in ends), "given"
-    elif counter is not None:
-        positions = [c.flops_end for c in chosen_calls]
-        total, unit = float(counter.get_total_flops()), "flop"
-    else:
-        batch = _to_meta(example_batch) if on_meta else example_batch
-        positions, total = _timed_positions(model, batch, loss_fn, names, timing_reps)
-        unit = "s"
+    batch = to_meta(example_batch) if on_meta else example_batch
+    positions, total, unit = _positions(model, rec, chosen_calls, batch, loss_fn, module_costs, counter,
+                                        timing_reps)
     acts = [c.first_meta[2] for c in chosen_calls]
     picked = choose_cuts(positions, total, acts, max_cuts, balance_slack)
     marks = [0.0, *[positions[i] for i in picked], total]

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["batch_size_of", "call_with_batch", "slice_batch"]
+__all__ = ["batch_size_of", "call_with_batch", "slice_batch", "to_meta"]
 
 
 def batch_size_of(batch) -> int:
@@ -56,3 +57,18 @@ def call_with_batch(model: nn.Module, batch: Any) -> Any:
     if isinstance(batch, (tuple, list)):
         return model(*batch)
     return model(batch)
+
+
+def to_meta(tree: Any) -> Any:
+    """``tree`` (a batch, or call arguments) with every tensor replaced by an empty ``meta`` tensor
+    of its shape and dtype: what a dry run of a ``meta`` model takes.
+
+    >>> to_meta({"x": torch.zeros(2, 3), "n": 3})
+    {'x': tensor(..., device='meta', size=(2, 3)), 'n': 3}
+    """
+    leaves, spec = tree_flatten(tree)
+    return tree_unflatten(
+        [torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+         for x in leaves],
+        spec,
+    )

@@ -35,7 +35,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from varuna.cutting.batches import call_with_batch
+from varuna.cutting.batches import call_with_batch, to_meta
 from varuna.cutting.cutpoint import CutPoint, DryRun, SplitState
 
 __all__ = ["ModelProfile", "profile_model", "materialize_stage", "resident_param_bytes", "keyed_seed"]
@@ -120,17 +120,27 @@ def _named_params(model: nn.Module) -> dict[str, nn.Parameter]:
     return dict(model.named_parameters())  # remove_duplicate=True: tied tensors get one name
 
 
+def _boundary_hooks(model: nn.Module, state: SplitState, called: set[str], spanning: set[str]) -> list:
+    """Module hooks of the dry run: fill ``called`` with every module that runs and ``spanning``
+    with those whose call contains a boundary. Returns the handles (remove them after)."""
+    entry: dict[int, list[int]] = {}
+    mod_names = {id(m): n for n, m in model.named_modules()}
 
+    def pre(mod, args):
+        called.add(mod_names[id(mod)])
+        entry.setdefault(id(mod), []).append(state.run.segment if state.run else 0)
 
-def _to_meta(tree):
-    leaves, spec = tree_flatten(tree)
-    return tree_unflatten(
-        [
-            torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
-            for x in leaves
-        ],
-        spec,
-    )
+    def post(mod, args, out):
+        start = entry[id(mod)].pop()
+        if state.run is not None and state.run.segment != start:
+            spanning.add(mod_names[id(mod)])
+
+    handles = []
+    for m in model.modules():
+        if not isinstance(m, CutPoint):
+            handles.append(m.register_forward_pre_hook(pre))
+            handles.append(m.register_forward_hook(post))
+    return handles
 
 
 def profile_model(
@@ -158,29 +168,12 @@ def profile_model(
     params = _named_params(model)
     on_meta = any(p.is_meta for p in params.values())
     if on_meta:
-        batch = _to_meta(batch)
+        batch = to_meta(batch)
     param_ids = {id(p): n for n, p in params.items()}
     uses: dict[str, set[int]] = {}
-    spanning: set[str] = set()
-    entry: dict[int, list[int]] = {}
-    handles = []
-    mod_names = {id(m): n for n, m in model.named_modules()}
-
     called: set[str] = set()
-
-    def pre(mod, args):
-        called.add(mod_names[id(mod)])
-        entry.setdefault(id(mod), []).append(state.run.segment if state.run else 0)
-
-    def post(mod, args, out):
-        start = entry[id(mod)].pop()
-        if state.run is not None and state.run.segment != start:
-            spanning.add(mod_names[id(mod)])
-
-    for m in model.modules():
-        if not isinstance(m, CutPoint):
-            handles.append(m.register_forward_pre_hook(pre))
-            handles.append(m.register_forward_hook(post))
+    spanning: set[str] = set()
+    handles = _boundary_hooks(model, state, called, spanning)
     flops_at: list[float] = []
     if costs:
         from torch.utils.flop_counter import FlopCounterMode
@@ -331,7 +324,7 @@ class _Skipper:
             key = None
         out = self.cache.get(key) if key is not None else None
         if out is None:
-            margs, mkwargs = _to_meta((args, kwargs))
+            margs, mkwargs = to_meta((args, kwargs))
             self.state.in_placeholder = True
             try:
                 res = torch.func.functional_call(self.module, self.meta, margs, mkwargs)
@@ -359,6 +352,44 @@ class _Const:
     value: object
 
 
+def _replace_params(model: nn.Module, canon_of: dict[int, str], keep: set[str], device: torch.device
+                    ) -> dict[str, tuple[str, nn.Module]]:
+    """Put the stage's parameters (``keep``, by canonical name) on ``device`` and stride-0 zeros
+    in place of the others (tied parameters stay tied). Returns, for each kept parameter that was
+    on ``meta`` (now uninitialised), its first owning module (name, module)."""
+    new: dict[int, nn.Parameter] = {}
+    owners: dict[str, tuple[str, nn.Module]] = {}
+    for mname, mod in model.named_modules():
+        for pname, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            canon = canon_of.get(id(p))
+            if id(p) not in new:
+                if canon in keep:
+                    if p.is_meta:
+                        t = torch.empty(p.shape, dtype=p.dtype, device=device)
+                        owners.setdefault(canon, (mname, mod))
+                    else:
+                        t = p.detach().to(device)
+                    new[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
+                else:
+                    z = torch.zeros((), dtype=p.dtype, device=device).expand(p.shape)
+                    new[id(p)] = nn.Parameter(z, requires_grad=False)
+            mod._parameters[pname] = new[id(p)]
+    return owners
+
+
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Every buffer to ``device`` (zeros for ``meta`` ones): every stage keeps every buffer."""
+    for mod in model.modules():
+        for bname, b in list(mod._buffers.items()):
+            if b is not None:
+                if b.is_meta:
+                    mod._buffers[bname] = torch.zeros(b.shape, dtype=b.dtype, device=device)
+                else:
+                    mod._buffers[bname] = b.to(device)
+
+
 def materialize_stage(
     model: nn.Module,
     profile: ModelProfile,
@@ -383,33 +414,8 @@ def materialize_stage(
     # Wrap first: the meta shape dictionaries need the original parameter shapes.
     for _qname, mod in _wrap_candidates(model, profile.spanning_modules, profile.called_modules):
         mod.forward = _Skipper(mod, state, device)
-    canon_of = {id(p): n for n, p in params.items()}
-    new: dict[int, nn.Parameter] = {}
-    owners: dict[str, tuple[str, nn.Module]] = {}
-    for mname, mod in model.named_modules():
-        for pname, p in list(mod._parameters.items()):
-            if p is None:
-                continue
-            canon = canon_of.get(id(p))
-            if id(p) not in new:
-                if canon in keep:
-                    if p.is_meta:
-                        t = torch.empty(p.shape, dtype=p.dtype, device=device)
-                        owners.setdefault(canon, (mname, mod))
-                    else:
-                        t = p.detach().to(device)
-                    new[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
-                else:
-                    z = torch.zeros((), dtype=p.dtype, device=device).expand(p.shape)
-                    new[id(p)] = nn.Parameter(z, requires_grad=False)
-            mod._parameters[pname] = new[id(p)]
-    for mod in model.modules():
-        for bname, b in list(mod._buffers.items()):
-            if b is not None:
-                if b.is_meta:
-                    mod._buffers[bname] = torch.zeros(b.shape, dtype=b.dtype, device=device)
-                else:
-                    mod._buffers[bname] = b.to(device)
+    owners = _replace_params(model, {id(p): n for n, p in params.items()}, keep, device)
+    _move_buffers(model, device)
     if owners:
         init = param_init or default_param_init
         # Initialise each owning module once, seeded by its name, so any stage split gives the

@@ -2,30 +2,13 @@
 
 The launcher starts one agent per host, over ssh (``ssh HOST exec env PYTHONPATH=... python -m
 varuna.launch.agent ...``) or, for a pretend ``localhost`` host, as a local process. The agent talks to
-the launcher over its own stdin/stdout (the ssh channel), one JSON object per line
-(Note [Agent protocol]); its stderr carries its own diagnostics, which the launcher relays.
+the launcher over its own stdin/stdout (the ssh channel), one JSON object per line (Note [Agent
+protocol] in :mod:`varuna.launch.protocol`); its stderr carries its own diagnostics, which the
+launcher relays.
 
 The agent starts workers exactly as the single-machine launcher does (``LocalHost.spawn``: own
-session, parent-death signal, group kill on exit; Note [No orphans] in :mod:`varuna.launch.launcher`), so
+session, parent-death signal, group kill on exit; Note [No orphans] in :mod:`varuna.launch.procs`), so
 killing the agent by any means takes its workers with it.
-
-Note [Agent protocol] (version :data:`PROTOCOL_VERSION`). Agent → launcher:
-
-- ``{"type": "ready", "protocol": 1, "pid": P, "hostname": H, "free_port": N}`` once, first
-  (``free_port``: a port free on this host, used as MASTER_PORT when this is host 0);
-- ``{"type": "spawned", "started": [{"rank": r, "pid": p}, ...], "failed": null | {"rank": r,
-  "error": "..."}}`` answers a spawn request (after a failure the rest are not started);
-- ``{"type": "out", "rank": r, "stream": "stdout"|"stderr", "line": "...\\n"}`` per output line;
-- ``{"type": "exit", "rank": r, "code": c}`` after the worker's last output line (``c < 0``:
-  killed by signal ``-c``; its leftover processes are already killed);
-- ``{"type": "message", "text": "..."}`` agent diagnostics; ``{"type": "bye"}`` last.
-
-Launcher → agent:
-
-- ``{"type": "spawn", "workers": [{"rank": r, "argv": [...], "env": {...}, "cwd": "..."}]}``;
-  ``env`` is added to the agent's environment (ssh forwards none of the launcher's);
-- ``{"type": "signal", "rank": r, "signal": "SIGTERM"}`` (``rank`` null: every worker);
-- ``{"type": "ping"}`` (every few seconds), ``{"type": "shutdown"}``.
 
 Launcher gone: EOF on stdin, a broken stdout, or no line for ``--heartbeat-timeout`` seconds (a
 network partition keeps a TCP connection open for hours) all mean the launcher is gone; the
@@ -37,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import select
 import signal
@@ -48,9 +30,14 @@ import time
 from collections.abc import Mapping
 from typing import IO, Any
 
-__all__ = ["PROTOCOL_VERSION", "HEARTBEAT_TIMEOUT_S", "Agent", "decode_message", "encode_message", "main"]
+from varuna.core.env import WorkerEnv
+from varuna.launch.local import LocalHost, LocalWorker
+from varuna.launch.procs import find_free_port
+from varuna.launch.protocol import PROTOCOL_VERSION, decode_message, encode_message
+from varuna.launch.spec import WorkerSpec
 
-PROTOCOL_VERSION = 1
+__all__ = ["HEARTBEAT_TIMEOUT_S", "Agent", "main"]
+
 #: Default for ``--heartbeat-timeout``: the launcher pings every 5 s, so this tolerates long
 #: stalls (a loaded launcher VM) while still ending orphaned jobs within a minute.
 HEARTBEAT_TIMEOUT_S = 60.0
@@ -61,34 +48,6 @@ MAX_LINE_BYTES = 16 << 20
 OUTPUT_DRAIN_TIMEOUT_S = 5.0
 
 _ALLOWED_SIGNALS = frozenset({"SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGKILL", "SIGCONT"})
-
-
-def encode_message(message: Mapping[str, Any]) -> bytes:
-    """One protocol line (ASCII JSON, so no byte of it can be a newline inside a string).
-
-    Example::
-
-        >>> encode_message({"type": "ping"})
-        b'{"type":"ping"}\\n'
-    """
-    return json.dumps(message, separators=(",", ":"), ensure_ascii=True).encode("ascii") + b"\n"
-
-
-def decode_message(raw: bytes) -> dict[str, Any]:
-    """Parse one protocol line; ``ValueError`` if it is not a JSON object with a ``type``.
-
-    Example::
-
-        >>> decode_message(b'{"type":"ping"}\\n')
-        {'type': 'ping'}
-    """
-    try:
-        msg = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"not a protocol line: {raw[:80]!r}") from exc
-    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
-        raise ValueError(f"not a protocol message: {raw[:80]!r}")
-    return msg
 
 
 class Agent:
@@ -110,7 +69,7 @@ class Agent:
         self._stdin_fd = stdin_fd
         self._out = stdout if stdout is not None else sys.stdout.buffer
         self._out_lock = threading.Lock()
-        self._workers: dict[int, Any] = {}  # rank -> varuna.launch.LocalWorker
+        self._workers: dict[int, LocalWorker] = {}
         self._readers: dict[int, list[threading.Thread]] = {}
         self._exited: dict[int, tuple[int, float]] = {}  # rank -> (code, report deadline)
         self._reported: set[int] = set()
@@ -170,12 +129,9 @@ class Agent:
         # "ping" (and unknown types from a newer launcher) only count as a sign of life.
 
     def _spawn(self, requests: list[dict[str, Any]]) -> None:
-        from varuna.core.env import WorkerEnv
-        from varuna.launch.launcher import LocalHost, WorkerSpec
-
         started: list[dict[str, int]] = []
         failed: dict[str, Any] | None = None
-        new: list[Any] = []
+        new: list[LocalWorker] = []
         if self._stopping is not None:
             failed = {
                 "rank": requests[0]["rank"] if requests else -1,
@@ -232,7 +188,7 @@ class Agent:
 
     # -- supervision ---------------------------------------------------------------------------
 
-    def _running(self) -> list[Any]:
+    def _running(self) -> list[LocalWorker]:
         return [w for r, w in self._workers.items() if r not in self._exited]
 
     def _begin_stop(self, why: str) -> None:
@@ -274,7 +230,7 @@ class Agent:
                 "protocol": PROTOCOL_VERSION,
                 "pid": os.getpid(),
                 "hostname": socket.gethostname(),
-                "free_port": _free_port(),
+                "free_port": find_free_port(),
                 "job_id": self.job_id,
             }
         )
@@ -328,12 +284,6 @@ class Agent:
             self._say(f"rank(s) {unreaped} could not be reaped (stuck in the kernel?)")
         self.emit({"type": "bye"})
         return 0 if self._stopping == "the launcher asked to shut down" else 1
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:

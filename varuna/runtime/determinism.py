@@ -152,14 +152,28 @@ class DeterministicGrads:
     reduction with canonical-order versions.
     """
 
-    def __init__(self, engine) -> None:
+    def __init__(
+        self,
+        *,
+        model,
+        profile,
+        trainable: dict,
+        first_segment: int,
+        last_segment: int,
+        layout,
+        stage_ranges: list[tuple[int, int]],
+    ) -> None:
         from torch import nn
 
-        self.e = engine
-        prof = engine.profile
-        first, last = engine.first_segment, engine.last_segment
+        self.trainable = trainable
+        self.profile, self.layout, self.stage_ranges = profile, layout, stage_ranges
+        self.first_segment = first_segment
+        #: the engine's process groups (``varuna.runtime.groups.ProcessGroups``), set once built
+        self.groups = None
+        prof = profile
+        first, last = first_segment, last_segment
         self.aliases: dict[str, dict[int, nn.Parameter]] = {}
-        for n, p in engine._trainable.items():
+        for n, p in trainable.items():
             segs = prof.param_segments.get(n, ())
             if len(segs) > 1:
                 # One autograd leaf per reading segment, sharing the parameter's storage: the
@@ -167,14 +181,14 @@ class DeterministicGrads:
                 self.aliases[n] = {
                     s: nn.Parameter(p.detach(), requires_grad=True) for s in segs if first <= s <= last
                 }
-        owners = {id(p): n for n, p in engine._trainable.items() if n in self.aliases}
+        owners = {id(p): n for n, p in trainable.items() if n in self.aliases}
         self.regs: dict[str, list[tuple[nn.Module, str]]] = {n: [] for n in self.aliases}
-        for mod in engine.model.modules():
+        for mod in model.modules():
             for attr, p in mod._parameters.items():
                 if p is not None and id(p) in owners:
                     self.regs[owners[id(p)]].append((mod, attr))
         self.leaves: list[tuple[str, int | None, torch.Tensor]] = []
-        for n, p in engine._trainable.items():
+        for n, p in trainable.items():
             if n in self.aliases:
                 self.leaves += [(n, s, a) for s, a in sorted(self.aliases[n].items())]
             else:
@@ -185,14 +199,14 @@ class DeterministicGrads:
     # -- forward: route each segment's reads of a shared parameter to that segment's alias
     def on_segment(self, segment: int) -> None:
         for n, per_seg in self.aliases.items():
-            target = per_seg.get(segment, self.e._trainable[n])
+            target = per_seg.get(segment, self.trainable[n])
             for mod, attr in self.regs[n]:
                 mod._parameters[attr] = target
 
     def restore(self) -> None:
         for n in self.aliases:
             for mod, attr in self.regs[n]:
-                mod._parameters[attr] = self.e._trainable[n]
+                mod._parameters[attr] = self.trainable[n]
 
     # -- backward: one tree leaf per micro-batch
     def begin_step(self, mbs, num_microbatches: int) -> None:
@@ -210,36 +224,37 @@ class DeterministicGrads:
 
     def reduce(self) -> None:
         """Canonical mini-batch gradients into every trainable parameter's ``.grad``."""
-        e = self.e
-        flat = canonical_allreduce(self.acc.partial_nodes(), self.n, e._dp_group, e.layout.D, e.replica)
+        flat = canonical_allreduce(
+            self.acc.partial_nodes(), self.n, self.groups.dp_group, self.layout.D, self.layout.replica
+        )
         per_seg: dict[str, dict[int, torch.Tensor]] = {}
         pos = 0
         for n, s, t in self.leaves:
             g = flat[pos : pos + t.numel()].view_as(t)
             pos += t.numel()
             if s is None:
-                e._trainable[n].grad = g.clone()
+                self.trainable[n].grad = g.clone()
             else:
                 per_seg.setdefault(n, {})[s] = g
         for n, rows in per_seg.items():
-            segs = e.profile.param_segments[n]
+            segs = self.profile.param_segments[n]
             rows = self._gather_segments(n, segs, rows)
             total = rows[segs[0]].clone()
             for s in segs[1:]:
                 total = total + rows[s]  # segment order, at any P
-            e._trainable[n].grad = total
+            self.trainable[n].grad = total
         self.acc = None
 
     def _gather_segments(self, n, segs, rows):
-        e = self.e
+        layout = self.layout
         if all(s in rows for s in segs):
             return rows
         from varuna.core.partition import stage_of_segment
 
-        seg_stage = stage_of_segment(e.stage_ranges)
+        seg_stage = stage_of_segment(self.stage_ranges)
         stages = sorted({seg_stage[s] for s in segs})
-        ranks = sorted(e.layout.rank_of(k, d) for k in stages for d in range(e.layout.D))
-        group = next(g for g, names in e._shared_groups if n in names)
+        ranks = sorted(layout.rank_of(k, d) for k in stages for d in range(layout.D))
+        group = next(g for g, names in self.groups.shared if n in names)
         like = next(iter(rows.values()))
         mine = torch.zeros(len(segs), *like.shape, dtype=like.dtype)
         for i, s in enumerate(segs):
@@ -249,21 +264,20 @@ class DeterministicGrads:
         dist.all_gather(out, mine, group=group)
         full = {}
         for i, s in enumerate(segs):
-            src = ranks.index(next(r for r in ranks if seg_stage[s] == r % e.layout.P))
+            src = ranks.index(next(r for r in ranks if seg_stage[s] == r % layout.P))
             full[s] = out[src][i]
         return full
 
     def scalar_slots(self, nonfinite: bool, stop: bool, norm_elsewhere: set[str]) -> torch.Tensor:
         """[per-segment sum of squares..., nonfinite, stop, per-micro-batch loss...] with exactly
         one contributing rank per slot, so a SUM all-reduce is exact."""
-        e = self.e
-        nseg = e.profile.num_segments
+        nseg = self.profile.num_segments
         v = torch.zeros(nseg + 2 + self.n, dtype=torch.float64)
-        if e.replica == 0:
-            for n, p in e._trainable.items():
+        if self.layout.replica == 0:
+            for n, p in self.trainable.items():
                 if n in norm_elsewhere:
                     continue
-                s0 = e.profile.param_segments.get(n, (e.first_segment,))[0]
+                s0 = self.profile.param_segments.get(n, (self.first_segment,))[0]
                 v[s0] += torch.linalg.vector_norm(p.grad).double() ** 2
         v[nseg] = float(nonfinite)
         v[nseg + 1] = float(stop)
@@ -274,7 +288,7 @@ class DeterministicGrads:
     def read_slots(
         self, v: list[float], mb_sizes: list[int], global_batch: int
     ) -> tuple[float, bool, float, bool]:
-        nseg = self.e.profile.num_segments
+        nseg = self.profile.num_segments
         total_sq = 0.0
         for s in range(nseg):
             total_sq += v[s]

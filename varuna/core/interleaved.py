@@ -1,8 +1,8 @@
 """Interleaved 1F1B (Megatron-LM, v model chunks per device) — SIMULATION ONLY.
 
-The runtime does not execute this schedule; it is here so the simulator can compare Varuna with
-the interleaved schedule of Narayanan et al. (SC'21). Its ordering therefore lives in the
-simulator, not in ``varuna/core/schedule.py``; do not use it to drive a real pipeline.
+The runtime does not execute this schedule (``InterleavedKind.runtime`` is false, and it is not
+in ``SCHEDULE_KINDS``); it is here so the simulator can compare Varuna with the interleaved
+schedule of Narayanan et al. (SC'21). Do not use it to drive a real pipeline.
 
 Device d (0-based, of P) holds model chunks d, d+P, ..., d+(v-1)·P of the P·v virtual stages.
 The order follows Megatron's ``forward_backward_pipelining_with_interleaving``: virtual
@@ -21,8 +21,11 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-__all__ = ["ChunkTask", "interleaved_order", "InterleavedPolicy"]
+from varuna.core.schedule_kind import ScheduleKind
+
+__all__ = ["ChunkTask", "interleaved_order", "InterleavedPolicy", "InterleavedSchedule", "InterleavedKind"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +91,7 @@ def interleaved_order(
 
 class InterleavedPolicy:
     """Strict in-order executor of one device's interleaved list; the simulator drives it through
-    the same calls as :class:`varuna.core.schedule.StagePolicy` (``arrived`` takes the chunk too).
+    the same calls as :class:`varuna.core.policy.StagePolicy` (``arrived`` takes the chunk too).
 
     >>> p = InterleavedPolicy(interleaved_order(2, 2, 2, stage=1), stage=1, num_stages=2, chunks=2)
     >>> p.next_task() is None   # waiting for micro-batch 0's activation of chunk 0
@@ -136,3 +139,58 @@ class InterleavedPolicy:
             raise RuntimeError(f"task {task} completed out of order on device {self.stage}")
         self._pos += 1
         self.executed.append(task)
+
+
+@dataclass(frozen=True)
+class InterleavedSchedule:
+    """One interleaved pipeline as the simulator drives it (``varuna.core.schedule_kind.Pipeline``).
+
+    >>> pipe = InterleavedSchedule(2, 2, 2, recompute=False)
+    >>> [str(t) for t in pipe.policy(1).tasks][:2]
+    ['F0.0', 'F1.0']
+    """
+
+    num_stages: int
+    num_microbatches: int
+    chunks: int
+    recompute: bool
+
+    def policy(self, stage: int, *, stash_headroom: int = 0) -> InterleavedPolicy:
+        """A fresh strict policy for device ``stage`` (``stash_headroom`` does not apply)."""
+        P, v = self.num_stages, self.chunks
+        order = interleaved_order(P, self.num_microbatches, v, stage=stage, recompute=self.recompute)
+        return InterleavedPolicy(order, stage=stage, num_stages=P, chunks=v)
+
+    def recomputes(self, stage: int) -> bool:
+        return self.recompute
+
+
+class InterleavedKind(ScheduleKind):
+    """The facts of interleaved 1F1B: strict, chunked, recomputing when asked to on every virtual
+    stage but the last, which (with Nm > P, so that it has a steady phase) runs each B right
+    after its F, as 1f1b's last stage does. (With Nm == P every forward runs first and it
+    recomputes too: the balancing costs then undercharge that one stage's R.)
+
+    >>> InterleavedKind().stash_peak(4, 3, 8, chunks=2)   # (v-1)·P + 1 warm-up chunk activations
+    5
+    """
+
+    name: ClassVar[str] = "interleaved"
+    runtime: ClassVar[bool] = False
+    chunked: ClassVar[bool] = True
+
+    def _recomputes(self, *, last: bool, recompute: bool) -> bool:
+        return recompute and not last
+
+    def stash_peak(self, num_stages: int, stage: int, num_microbatches: int, *, chunks: int = 1) -> int:
+        # The warm-up forwards plus the one of the first steady step (an estimate: exact unless
+        # Nm == P, where every forward runs before the first backward).
+        return min(num_microbatches * chunks, 2 * (num_stages - stage - 1) + (chunks - 1) * num_stages + 1)
+
+    def pipeline(
+        self, num_stages: int, num_microbatches: int, *, recompute: bool = True, chunks: int = 1
+    ) -> InterleavedSchedule:
+        return InterleavedSchedule(num_stages, num_microbatches, chunks, recompute)
+
+    def unsupported(self, num_stages: int, num_microbatches: int) -> str | None:
+        return "interleaved needs Nm divisible by P" if num_microbatches % num_stages else None

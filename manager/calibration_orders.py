@@ -1,0 +1,266 @@
+"""Calibration at job start: the PROFILE orders and their results (Note [Calibration at job
+start] in manager/controller.py).
+
+A job whose spec has ``[profile]`` and no calibration file is calibrated once, on its first
+usable VM: the VM's agent runs ``varuna-profile`` and sends the file back with
+``ReportCalibration``. Everything is kept in the job's row, so a restarted manager re-sends the
+same attempt and reuses a stored result.
+
+    >>> CALIBRATION_SETTLED
+    ('given', 'none', 'done', 'failed')
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+from manager import varuna_manager_pb2 as pb
+from manager.context import ManagerContext
+from manager.jobspec import ProfileSpec
+from manager.store import JobRecord, VMRecord
+from varuna.core.calibration import Calibration
+
+__all__ = ["CALIBRATION_MAX_ATTEMPTS", "CALIBRATION_SETTLED", "CalibrationOrders", "calibration_state"]
+
+#: Profiling attempts per job: a VM lost during the run re-issues it on another one, this often.
+CALIBRATION_MAX_ATTEMPTS = 3
+#: Calibration states after which the job may be planned (Note [Calibration at job start]).
+CALIBRATION_SETTLED = ("given", "none", "done", "failed")
+
+
+def calibration_state(job: JobRecord) -> str:
+    """The job's calibration state; rows written before calibration states existed are given or
+    none.
+
+    Example: ``calibration_state(job)`` → ``"profiling"`` while a VM runs ``varuna-profile``.
+    """
+    return job.calibration_state or ("given" if job.calibration_json else "none")
+
+
+class CalibrationOrders:
+    """Drives each job's calibration: orders the profile, takes its report, gives up when it
+    cannot succeed. Callers hold ``ctx.lock``.
+
+    Example::
+
+        orders = CalibrationOrders(ctx)
+        if orders.ready(job, vms, now):  # True once the job may be planned
+            ...
+    """
+
+    def __init__(self, ctx: ManagerContext) -> None:
+        self.ctx = ctx
+
+    # -- the agent's report --------------------------------------------------------------------
+
+    def report(self, req: pb.ReportCalibrationRequest, vm: VMRecord) -> pb.ReportCalibrationReply:
+        """An agent's result of a PROFILE order. Only the job's current attempt, from the VM it
+        was ordered on, is taken; anything else is answered ``accepted=False`` and ignored."""
+        ctx = self.ctx
+        now = ctx.clock()
+        job = ctx.store.job(vm.job_id)
+        if job is None or job.terminal:
+            return pb.ReportCalibrationReply(accepted=False, message="the job is over")
+        current = (
+            job.calibration_state == "profiling"
+            and job.calibration_attempt == req.attempt
+            and job.calibration_vm == vm.vm_id
+        )
+        if not current:
+            return pb.ReportCalibrationReply(
+                accepted=False,
+                message=f"attempt {req.attempt} is not current (job calibration {job.calibration_state}, "
+                f"attempt {job.calibration_attempt} on {job.calibration_vm or '-'}); ignored",
+            )
+        where = f"on {vm.vm_id} after {req.wall_s:.1f} s"
+        if not req.ok:
+            reason = (req.error or "varuna-profile failed").splitlines()[0]
+            self.failed(job, f"{reason} ({where})", vm_id=vm.vm_id, wall_s=req.wall_s)
+            return pb.ReportCalibrationReply(accepted=True, message="failure recorded")
+        try:
+            cal = Calibration.from_dict(
+                json.loads(req.calibration_json), source=f"calibration profiled on {vm.vm_id}"
+            )
+        except (ValueError, TypeError, KeyError) as exc:  # JSONDecodeError is a ValueError
+            detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            reason = f"invalid calibration file: {detail}"
+            self.failed(job, f"{reason} ({where})", vm_id=vm.vm_id, wall_s=req.wall_s)
+            return pb.ReportCalibrationReply(accepted=True, message="invalid calibration recorded")
+        self._store_result(job, req, vm, cal, now)
+        return pb.ReportCalibrationReply(accepted=True, message="stored")
+
+    def _store_result(
+        self, job: JobRecord, req: pb.ReportCalibrationRequest, vm: VMRecord, cal: Calibration, now: float
+    ) -> None:
+        ctx = self.ctx
+        source = f"profiled on {vm.vm_id} in {req.wall_s:.1f} s"
+        ctx.store.update_job(
+            job.job_id,
+            calibration_json=req.calibration_json,
+            calibration_state="done",
+            calibration_source=source,
+        )
+        cache = ctx.cache(job)
+        cache.calibration = cal
+        cache.plans.clear()
+        ctx.event(
+            job.job_id,
+            "calibration-finished",
+            f"calibration {source} (attempt {req.attempt}): {cal.num_segments} segments, "
+            f"m = {', '.join(str(m) for m in cal.micro_batch_sizes)}; stored with the job",
+            vm_id=vm.vm_id,
+            data={
+                "attempt": req.attempt,
+                "wall_s": round(req.wall_s, 3),
+                "num_segments": cal.num_segments,
+                "micro_batch_sizes": list(cal.micro_batch_sizes),
+                "bytes": len(req.calibration_json),
+                "ordered_s": round(now - (job.calibration_started or now), 3),
+            },
+        )
+
+    # -- what status and launch events say -----------------------------------------------------
+
+    def text(self, job: JobRecord, now: float) -> str:
+        """Where the job's calibration comes from, for ``status``."""
+        state = calibration_state(job)
+        if state == "pending":
+            return "pending: varuna-profile runs on the first usable VM"
+        if state == "profiling":
+            profile = self.ctx.cache(job).profile
+            limit = f" of at most {profile.timeout_s:g} s" if profile is not None else ""
+            elapsed = now - (job.calibration_started or now)
+            return (
+                f"profiling on {job.calibration_vm} (attempt {job.calibration_attempt}, "
+                f"{elapsed:.0f} s{limit})"
+            )
+        if state == "given":
+            return job.calibration_source or "from the job spec"
+        return job.calibration_source or state
+
+    def order(self, job: JobRecord) -> pb.ProfileOrder:
+        """The PROFILE order of the job's current attempt (the same after a restart)."""
+        cache = self.ctx.cache(job)
+        profile = cache.profile
+        assert profile is not None, "a profiling job has a [profile]"
+        return pb.ProfileOrder(
+            attempt=job.calibration_attempt,
+            argv=profile.profiler_args(job_micro_batch_size=cache.spec.micro_batch_size),
+            env=dict(cache.spec.env),
+            cwd=cache.spec.workdir,
+            timeout_s=profile.timeout_s,
+        )
+
+    # -- one step of the control loop ----------------------------------------------------------
+
+    def ready(self, job: JobRecord, vms: list[VMRecord], now: float) -> bool:
+        """Drive the job's calibration one step; True once the job may be planned."""
+        ctx = self.ctx
+        state = calibration_state(job)
+        profile = ctx.cache(job).profile
+        if state == "failed" and profile is not None and profile.required:
+            ctx.finish_job(
+                job,
+                "failed",
+                f"calibration failed and the job spec requires one (profile.required): "
+                f"{job.calibration_source}",
+            )
+            return False
+        if state in CALIBRATION_SETTLED or profile is None:
+            return True
+        if state == "pending":
+            usable = [vm for vm in vms if ctx.usable(vm, now, since=0.0)]
+            if not usable:
+                ctx.set_message(job, "waiting for a usable VM to calibrate on (varuna-profile)")
+                return False
+            self._start(job, usable[0], profile, now)
+            return False
+        self._watch(job, vms, profile, now)
+        return False
+
+    def _watch(self, job: JobRecord, vms: list[VMRecord], profile: ProfileSpec, now: float) -> None:
+        """A profiling job: notice a lost VM or a run past its deadline."""
+        ctx = self.ctx
+        vm = next((v for v in vms if v.vm_id == job.calibration_vm), None)
+        if vm is None or vm.state != "up" or vm.notice:
+            what = "is gone" if vm is None or vm.state != "up" else "has an eviction notice"
+            self.lost(job, f"{job.calibration_vm} {what}")
+            return
+        elapsed = now - (job.calibration_started or now)
+        # The agent kills the run at timeout_s and reports it; this deadline is for an agent that
+        # cannot report. After a manager restart, give agents a heartbeat timeout to report first.
+        grace = ctx.config.heartbeat_timeout_s
+        if elapsed > profile.timeout_s + grace and now - ctx.started_at > grace:
+            self.failed(
+                job,
+                f"no result from {vm.vm_id} within the profile's timeout_s = {profile.timeout_s:g} s "
+                "(raise profile.timeout_s or make the profile cheaper)",
+                vm_id=vm.vm_id,
+            )
+            return  # the next tick plans with the fallback rule, or fails the job
+        ctx.set_message(job, f"calibrating on {vm.vm_id}: {elapsed:.0f} s of at most {profile.timeout_s:g} s")
+
+    def _start(self, job: JobRecord, vm: VMRecord, profile: ProfileSpec, now: float) -> None:
+        ctx = self.ctx
+        attempt = job.calibration_attempt + 1
+        ctx.store.update_job(
+            job.job_id,
+            calibration_state="profiling",
+            calibration_attempt=attempt,
+            calibration_vm=vm.vm_id,
+            calibration_started=now,
+        )
+        argv = profile.profiler_args(job_micro_batch_size=ctx.cache(job).spec.micro_batch_size)
+        ctx.event(
+            job.job_id,
+            "calibration-started",
+            f"calibrating on {vm.vm_id} (attempt {attempt}, timeout {profile.timeout_s:g} s): "
+            f"varuna-profile {shlex.join(argv)}",
+            vm_id=vm.vm_id,
+            data={"attempt": attempt, "argv": argv, "timeout_s": profile.timeout_s},
+        )
+        ctx.set_message(job, f"calibrating on {vm.vm_id}")
+
+    def lost(self, job: JobRecord, reason: str) -> None:
+        """The VM running the profile went away: re-issue on another VM, or give up."""
+        if job.calibration_attempt >= CALIBRATION_MAX_ATTEMPTS:
+            self.failed(
+                job,
+                f"{reason} during attempt {job.calibration_attempt} of {CALIBRATION_MAX_ATTEMPTS}",
+                vm_id=job.calibration_vm,
+            )
+            return
+        self.ctx.store.update_job(job.job_id, calibration_state="pending")
+        self.ctx.event(
+            job.job_id,
+            "calibration-lost",
+            f"calibration attempt {job.calibration_attempt} lost: {reason}; re-issuing it on the next "
+            f"usable VM (at most {CALIBRATION_MAX_ATTEMPTS} attempts)",
+            vm_id=job.calibration_vm,
+            data={"attempt": job.calibration_attempt, "reason": reason},
+        )
+
+    def failed(self, job: JobRecord, reason: str, *, vm_id: str = "", wall_s: float = 0.0) -> None:
+        """Record that calibration is over without a result (never retried)."""
+        profile = self.ctx.cache(job).profile
+        required = profile is not None and profile.required
+        source = ("failed" if required else "fallback rule") + f" (calibration failed: {reason})"
+        self.ctx.store.update_job(job.job_id, calibration_state="failed", calibration_source=source)
+        self.ctx.event(
+            job.job_id,
+            "calibration-failed",
+            f"calibration failed: {reason}; "
+            + (
+                "the job spec requires one (profile.required), so the job fails"
+                if required
+                else "planning with the fallback rule instead (profile.required = true would fail the job)"
+            ),
+            vm_id=vm_id,
+            data={
+                "attempt": job.calibration_attempt,
+                "reason": reason,
+                "wall_s": round(wall_s, 3),
+                "required": required,
+            },
+        )

@@ -1,0 +1,224 @@
+"""The requests of ``varuna-manager`` users: submit a job, cancel it, read its status and its
+events. Validation happens here, at submit time, so a bad spec is refused with one line instead
+of failing at the first tick.
+
+    >>> job_id_for("GPT tiny (test)")[:14]
+    'gpt-tiny-test-'
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+
+import grpc
+
+from manager import varuna_manager_pb2 as pb
+from manager.calibration_orders import CalibrationOrders, calibration_state
+from manager.context import ManagerContext, ManagerError
+from manager.jobspec import JobSpec, spec_from_pb
+from manager.store import GenerationRecord, JobRecord, VMRecord, WorkerStatRecord
+from manager.vm_book import VMBook
+from varuna.core.calibration import Calibration
+
+__all__ = ["JobRequests", "job_id_for"]
+
+
+def job_id_for(display_name: str) -> str:
+    """A new job id: a slug of the job's name and 6 random hex digits.
+
+    >>> len(job_id_for("x"))
+    8
+    """
+    slug = re.sub(r"[^a-z0-9]+", "-", display_name.lower()).strip("-")[:24] or "job"
+    return f"{slug}-{secrets.token_hex(3)}"
+
+
+def _not_found(job_id: str) -> ManagerError:
+    return ManagerError(grpc.StatusCode.NOT_FOUND, f"no job {job_id!r}; see varuna-manager status")
+
+
+class JobRequests:
+    """Submit, cancel, status and events (the CLI's RPCs).
+
+    Example::
+
+        requests = JobRequests(ctx, calibration, vm_book)
+        job_id = requests.submit(spec_to_pb(spec))
+        [status] = requests.status(job_id, history=10)
+    """
+
+    def __init__(self, ctx: ManagerContext, calibration: CalibrationOrders, vms: VMBook) -> None:
+        self.ctx = ctx
+        self.calibration = calibration
+        self.vms = vms
+
+    def submit(self, msg: pb.JobSpec) -> str:
+        """Validate and store a new job; returns its id. ``ManagerError`` INVALID_ARGUMENT."""
+        try:
+            spec = spec_from_pb(msg)
+            calibration_json = msg.calibration_json
+            if calibration_json:
+                Calibration.from_dict(json.loads(calibration_json), source="calibration")
+            # The provider options must make sense now, not at the first tick.
+            if spec.provider == "local":
+                from manager.providers.local import LocalProviderOptions
+
+                LocalProviderOptions.from_dict(spec.provider_options)
+            elif spec.provider == "azure":
+                from manager.providers.azure import AzureProviderOptions
+
+                AzureProviderOptions.from_dict(spec.provider_options)
+        except (ValueError, TypeError) as exc:
+            raise ManagerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc).splitlines()[0]) from None
+        if calibration_json and spec.profile:
+            raise ManagerError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "jobspec: give either 'calibration' (a file) or [profile] (calibrate on the first VM), "
+                "not both",
+            )
+        if calibration_json:
+            cal_state, cal_source = "given", "from the job spec"
+        elif spec.profile:
+            cal_state, cal_source = "pending", ""
+        else:
+            cal_state = "none"
+            cal_source = "none: fallback rule (the job spec has neither a calibration nor [profile])"
+        job_id = job_id_for(spec.display_name)
+        with self.ctx.lock:
+            self.ctx.store.add_job(
+                job_id,
+                spec.to_dict(),
+                calibration_json,
+                calibration_state=cal_state,
+                calibration_source=cal_source,
+            )
+            self.ctx.event(
+                job_id,
+                "submitted",
+                f"{spec.display_name}: {spec.min_vms}..{spec.max_vms} VMs × "
+                f"{spec.procs_per_vm} on {spec.provider}, M={spec.global_batch_size}, "
+                f"schedule {spec.schedule}, target step {spec.target_steps}; calibration: "
+                + (cal_source if cal_state != "pending" else "to be profiled on the first VM"),
+            )
+        return job_id
+
+    def cancel(self, job_id: str) -> str:
+        """Ask for a graceful stop and the deletion of the job's VMs; returns the job's state."""
+        with self.ctx.lock:
+            job = self.ctx.store.job(job_id)
+            if job is None:
+                raise _not_found(job_id)
+            if not job.terminal and not job.cancel_requested:
+                self.ctx.store.update_job(job_id, cancel_requested=1)
+                self.ctx.event(job_id, "cancel-requested", "cancel requested: checkpoint, stop, delete VMs")
+            return "cancelling" if not job.terminal else job.state
+
+    def events(self, job_id: str, after_id: int, limit: int) -> list[pb.Event]:
+        """The job's (or every job's, ``job_id`` empty) events after ``after_id``."""
+        if job_id and self.ctx.store.job(job_id) is None:
+            raise _not_found(job_id)
+        return [
+            pb.Event(
+                id=e.id,
+                job_id=e.job_id,
+                time=e.time,
+                kind=e.kind,
+                vm_id=e.vm_id,
+                generation=e.generation,
+                message=e.message,
+                data_json=e.data_json,
+            )
+            for e in self.ctx.store.events(job_id, after_id=after_id, limit=limit)
+        ]
+
+    def status(self, job_id: str, history: int) -> list[pb.JobStatus]:
+        """The job's (or every job's) status with its last ``history`` throughput points."""
+        with self.ctx.lock:
+            if job_id:
+                job = self.ctx.store.job(job_id)
+                if job is None:
+                    raise _not_found(job_id)
+                jobs = [job]
+            else:
+                jobs = self.ctx.store.jobs()
+            return [self._job_status(job, history) for job in jobs]
+
+    def _job_status(self, job: JobRecord, history: int) -> pb.JobStatus:
+        store = self.ctx.store
+        now = self.ctx.clock()
+        spec = JobSpec.from_dict(job.spec)
+        gen = store.generation(job.job_id, job.generation) if job.generation else None
+        out = pb.JobStatus(
+            job_id=job.job_id,
+            name=spec.display_name,
+            state=job.state,
+            message=job.message,
+            generation=job.generation,
+            step=job.step,
+            target_steps=spec.target_steps,
+            created=job.created,
+            provider=spec.provider,
+            checkpoint_dir=spec.checkpoint_dir,
+            calibration_state=calibration_state(job),
+            calibration=self.calibration.text(job, now),
+        )
+        stats: dict[int, WorkerStatRecord] = {}
+        if gen is not None:
+            out.generation_state = gen.state
+            out.pipeline_depth, out.data_parallel = gen.pipeline_depth, gen.data_parallel
+            out.micro_batch_size = gen.micro_batch_size
+            stats = {s.rank: s for s in store.worker_stats(job.job_id, gen.generation)}
+        for vm in store.vms(job.job_id):
+            self._add_vm_status(out, vm, gen, stats, now)
+        for p in store.progress(job.job_id, last=history):
+            out.throughput.add(
+                step=p.step,
+                generation=p.generation,
+                time=p.time,
+                samples_per_s=p.samples_per_s,
+                loss=p.loss,
+                pipeline_depth=p.pipeline_depth,
+                data_parallel=p.data_parallel,
+            )
+        return out
+
+    def _add_vm_status(
+        self,
+        out: pb.JobStatus,
+        vm: VMRecord,
+        gen: GenerationRecord | None,
+        stats: dict[int, WorkerStatRecord],
+        now: float,
+    ) -> None:
+        st = out.vms.add(
+            vm_id=vm.vm_id,
+            state=vm.state,
+            health=self.vms.health(vm, now),
+            slots=vm.slots,
+            address=vm.address,
+            in_generation=gen is not None and vm.vm_id in gen.vm_ids,
+            agent_pid=vm.agent_pid,
+            heartbeat_age_s=(now - vm.last_heartbeat) if vm.last_heartbeat else -1.0,
+        )
+        st.detail = (
+            vm.slow_reason
+            or (f"notice {vm.notice['event_type']} {vm.notice['event_id']}" if vm.notice else "")
+            or vm.gone_reason
+        )
+        if gen is None or vm.reported_generation != gen.generation:
+            return
+        for w in vm.workers:
+            s = stats.get(int(w["rank"]))
+            st.workers.add(
+                rank=int(w["rank"]),
+                pid=int(w["pid"]),
+                running=bool(w["running"]),
+                exit_code=int(w["exit_code"]),
+                stage=s.stage if s else 0,
+                replica=s.replica if s else 0,
+                step=s.step if s else 0,
+                fwd_s=s.fwd_s if s else 0.0,
+                bwd_s=s.bwd_s if s else 0.0,
+            )

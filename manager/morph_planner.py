@@ -1,0 +1,161 @@
+"""Morph planning: which P×D to run on the usable VMs, whether growing onto new VMs pays, and
+what each VM of a generation runs (its workers' command lines and the run plan they get).
+
+The decisions themselves are the pure functions of :mod:`manager.policy` (the simulator's
+auto-config, for the schedule the job runs, or the fallback rule); this part feeds them the
+job's state and caches their answers per set of VMs.
+
+    >>> _PlannedHost(address="10.0.0.4", slots=2).slots
+    2
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from manager import varuna_manager_pb2 as pb
+from manager.context import ManagerContext
+from manager.policy import LayoutPlan, choose_layout, grow_gain
+from manager.store import GenerationRecord, JobRecord, VMRecord
+from varuna.core.env import RunPlan
+
+__all__ = ["MorphPlanner"]
+
+
+class MorphPlanner:
+    """P×D for a job on given VMs, the grow rule, and a generation's worker launches. Callers hold
+    ``ctx.lock``.
+
+    Example::
+
+        planner = MorphPlanner(ctx)
+        plan = planner.plan(job, [vm.slots for vm in usable])  # ValueError when nothing fits
+        launches = planner.launches(job, generation)            # vm_id -> [WorkerLaunch]
+    """
+
+    def __init__(self, ctx: ManagerContext) -> None:
+        self.ctx = ctx
+
+    def plan(self, job: JobRecord, slots: list[int]) -> LayoutPlan:
+        """The layout for VMs with ``slots`` workers each (cached: the answer only changes with the
+        calibration, which clears the cache). ``ValueError`` (one line) when nothing fits."""
+        cache = self.ctx.cache(job)
+        key = tuple(slots)
+        if key not in cache.plans:
+            spec = cache.spec
+            try:
+                cache.plans[key] = choose_layout(
+                    slots=slots,
+                    global_batch_size=spec.global_batch_size,
+                    calibration=cache.calibration,
+                    micro_batch_size=spec.micro_batch_size,
+                    pipeline_depth=spec.pipeline_depth,
+                    num_segments=spec.num_segments,
+                    gpu_memory_bytes=int(spec.gpu_memory_gib * 2**30),
+                    schedule=spec.schedule,
+                )
+            except ValueError as exc:
+                cache.plans[key] = str(exc)
+        plan = cache.plans[key]
+        if isinstance(plan, str):
+            raise ValueError(plan)
+        return plan
+
+    def grow_trigger(
+        self, job: JobRecord, gen: GenerationRecord, vms: list[VMRecord], now: float
+    ) -> str | None:
+        """Why to morph onto usable VMs outside the running generation, or None: only after the
+        cool-down, once no VM of the same request is still booting, and when the predicted gain
+        is worth a morph."""
+        ctx, cfg = self.ctx, self.ctx.config
+        if gen.first_step_time is None or now - gen.first_step_time < cfg.grow_cooldown_s:
+            return None
+        extra = [vm for vm in vms if vm.vm_id not in gen.vm_ids and ctx.usable(vm, now, since=0.0)]
+        if not extra:
+            return None
+        starting = [vm for vm in vms if vm.state == "requested" and now - vm.created < cfg.gather_timeout_s]
+        if starting:
+            # VMs of the same request are still booting: let them join first (at most the gather
+            # timeout), so that capacity coming back costs one morph, not one per VM.
+            ctx.set_message(job, f"{len(extra)} new VM(s) ready, {len(starting)} still starting: grow waits")
+            return None
+        ctx.set_message(job, "")
+        candidates = [vm for vm in vms if (vm.vm_id in gen.vm_ids and ctx.healthy(vm, now)) or vm in extra]
+        try:
+            plan = self.plan(job, [vm.slots for vm in candidates])
+        except ValueError:
+            return None
+        gain = grow_gain(gen.predicted_samples_per_s, plan)
+        if plan.world_size > gen.pipeline_depth * gen.data_parallel and gain * 100 >= cfg.grow_min_gain_pct:
+            return (
+                f"grow: {len(extra)} new VM(s); P={plan.pipeline_depth} × D={plan.data_parallel} predicted "
+                f"{gain * 100:+.0f} % over P={gen.pipeline_depth} × D={gen.data_parallel}"
+            )
+        return None
+
+    def run_plan(self, job: JobRecord, gen: GenerationRecord) -> RunPlan:
+        """What the manager planned ``gen`` for, as the workers' ``VARUNA_*`` run plan: the job's
+        global batch and schedule, and m when auto-config chose it (the spec did not fix it)."""
+        spec = self.ctx.cache(job).spec
+        planned_m = gen.micro_batch_size if gen.micro_batch_size and not spec.micro_batch_size else None
+        return RunPlan(
+            global_batch_size=spec.global_batch_size,
+            micro_batch_size=planned_m,
+            schedule=spec.schedule,
+        )
+
+    def launches(self, job: JobRecord, gen: GenerationRecord) -> dict[str, list[pb.WorkerLaunch]]:
+        """This generation's workers per VM (deterministic from the stored generation, so a
+        restarted manager hands out the same ones)."""
+        from varuna.launch.spec import LaunchConfig, plan_workers
+
+        cache = self.ctx.cache(job)
+        if gen.generation in cache.launches:
+            return cache.launches[gen.generation]
+        spec = cache.spec
+        vms = [self.ctx.store.vm(v) for v in gen.vm_ids]
+        hosts = [
+            _PlannedHost(address=vm.address or "127.0.0.1", slots=vm.slots) for vm in vms if vm is not None
+        ]
+        env = dict(spec.env)
+        env.update(
+            {
+                "VARUNA_CHECKPOINT_DIR": spec.checkpoint_dir,
+                "VARUNA_RESUME": "auto",
+                "VARUNA_JOB_ID": job.job_id,
+                "VARUNA_GENERATION": str(gen.generation),
+            }
+        )
+        if spec.checkpoint_every:
+            env["VARUNA_CHECKPOINT_EVERY"] = str(spec.checkpoint_every)
+        env.update(self.run_plan(job, gen).to_env())
+        config = LaunchConfig(
+            script=spec.script,
+            script_args=tuple(spec.args),
+            module=spec.module,
+            pipeline_depth=gen.pipeline_depth,
+            data_parallel=gen.data_parallel,
+            master_addr=gen.master_addr,
+            master_port=gen.master_port,
+            worker_env=env,
+        )
+        specs = plan_workers(
+            config, hosts, master_port=gen.master_port, launcher_environ={}, cwd=spec.workdir
+        )
+        argv = ["-m", "manager.worker_shim", *(["-m"] if spec.module else []), spec.script, *spec.args]
+        out: dict[str, list[pb.WorkerLaunch]] = {}
+        for s in specs:
+            vm_id = gen.vm_ids[s.env.host_id]
+            out.setdefault(vm_id, []).append(
+                pb.WorkerLaunch(rank=s.env.rank, argv=argv, env=dict(s.set_vars), cwd=s.cwd or "")
+            )
+        cache.launches[gen.generation] = out
+        return out
+
+
+@dataclass(frozen=True)
+class _PlannedHost:
+    """Just enough of a ``varuna.launch.spec.Host`` for ``plan_workers`` (address and slots)."""
+
+    address: str
+    slots: int

@@ -1,0 +1,154 @@
+"""What the simulator charges: task and message costs per (virtual) stage, runtime overheads,
+the gradient all-reduce and optimizer step, and per-stage memory (docs/simulator.md, formulas).
+
+Example::
+
+    >>> from varuna.core.calibration import Calibration
+    >>> cal = Calibration.synthetic(0.01, num_segments=4, micro_batch_sizes=(1,))
+    >>> t = stage_cost_tables(cal, [(0, 1), (2, 3)], {1}, task_overhead_s=0.0, placeholder_s=0.0)
+    >>> [round(x, 3) for x in t[1].fwd]   # two segments of 0.01 s per stage
+    [0.02, 0.02]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from simulator.config import SimConfig, host_of_ranks
+from varuna.core.calibration import Calibration, RuntimeOverheads
+
+__all__ = [
+    "StageCosts",
+    "stage_cost_tables",
+    "runtime_overheads",
+    "sync_costs",
+    "allreduce_concurrency",
+    "stage_memory",
+]
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per (virtual) stage at one micro-batch size: seconds of F, R and B (segments' calibrated
+    compute plus the runtime's overheads), and per cut-point after the stage the serialization
+    seconds of its activation (or gradient) on an (inter, intra) link."""
+
+    fwd: list[float]
+    rec: list[float]
+    bwd: list[float]
+    wire: list[tuple[float, float]]
+
+
+def stage_cost_tables(
+    cal: Calibration,
+    ranges: Sequence[tuple[int, int]],
+    sizes: Iterable[int],
+    *,
+    task_overhead_s: float,
+    placeholder_s: float,
+) -> dict[int, StageCosts]:
+    """:class:`StageCosts` at each micro-batch size in ``sizes``. F and R also pay
+    ``placeholder_s`` per segment before the stage (its placeholders); every task pays
+    ``task_overhead_s``."""
+    glue = [task_overhead_s + placeholder_s * a for a, _ in ranges]  # F and R also pass segments 0..a-1
+    out = {}
+    for size in sorted(set(sizes)):
+        fwd = [g + sum(cal.fwd_s(s, size) for s in range(a, b + 1)) for g, (a, b) in zip(glue, ranges)]
+        rec = [g + sum(cal.recompute_s(s, size) for s in range(a, b + 1)) for g, (a, b) in zip(glue, ranges)]
+        bwd = [task_overhead_s + sum(cal.bwd_s(s, size) for s in range(a, b + 1)) for a, b in ranges]
+        # Bytes leaving virtual stage c forwards (and its gradient backwards): the cut-point
+        # after its last segment. The last virtual stage sends nothing.
+        nbytes = [cal.act_bytes(b, size) if b < cal.num_segments - 1 else 0 for _, b in ranges]
+        # Serialization time on an (inter, intra) link; latency is added per link kind.
+        wire = [(x / cal.inter.bandwidth_bytes_per_s, x / cal.intra.bandwidth_bytes_per_s) for x in nbytes]
+        out[size] = StageCosts(fwd, rec, bwd, wire)
+    return out
+
+
+def runtime_overheads(cal: Calibration, config: SimConfig) -> tuple[float, float, float]:
+    """(task_overhead_s, placeholder_s, step_overhead_s) that ``simulate`` applies: each
+    ``config`` field that is set, else the calibration's ``runtime_overheads`` value, else 0.
+
+    >>> from varuna.core.calibration import RuntimeOverheads
+    >>> cal = Calibration.synthetic(0.01, num_segments=2, runtime_overheads=RuntimeOverheads(
+    ...     task_overhead_s=1e-3, placeholder_s=1e-4, step_overhead_s=2e-3))
+    >>> from simulator.config import SimConfig
+    >>> runtime_overheads(cal, SimConfig(num_stages=2, micro_batch_size=1, num_microbatches=4,
+    ...                                  step_overhead_s=0.0))
+    (0.001, 0.0001, 0.0)
+    """
+    ro = cal.runtime_overheads or RuntimeOverheads()  # none in the file: all 0
+    c = config
+    return (
+        float(ro.task_overhead_s if c.task_overhead_s is None else c.task_overhead_s),
+        float(ro.placeholder_s if c.placeholder_s is None else c.placeholder_s),
+        float(ro.step_overhead_s if c.step_overhead_s is None else c.step_overhead_s),
+    )
+
+
+def sync_costs(
+    cal: Calibration, config: SimConfig, device_segments: Sequence[Sequence[int]]
+) -> list[tuple[float, float]]:
+    """Per device: (gradient all-reduce seconds, optimizer step seconds) after its last backward.
+
+    A ring that never leaves one host uses the intra link (latency, bandwidth) in the ring
+    formula; otherwise the calibration's fitted model with k = :func:`allreduce_concurrency`.
+    """
+    c = config
+    P, D = c.num_stages, c.num_replicas
+    concurrency = allreduce_concurrency(host_of_ranks(c), P, D)
+    out = []
+    for k in range(P):
+        ar = 0.0
+        if c.allreduce and D > 1:
+            nbytes = cal.grad_bytes(device_segments[k])
+            if concurrency[k] == 0:
+                ar = (
+                    2.0 * (D - 1) / D * nbytes / cal.intra.bandwidth_bytes_per_s
+                    + (D - 1) * cal.intra.latency_s
+                )
+            else:
+                ar = cal.allreduce_s(nbytes, D, concurrency[k])
+        opt = cal.optimizer_s(cal.param_bytes(device_segments[k])) if c.optimizer else 0.0
+        out.append((ar, opt))
+    return out
+
+
+def allreduce_concurrency(host: Sequence[int], P: int, D: int) -> list[int]:
+    """Per stage, k: how many all-reduce rings share the busiest host NIC on its ring (0: the
+    ring never leaves one host). A static upper bound: we count every ring that crosses the host,
+    whether or not their all-reduces overlap in time.
+
+    >>> allreduce_concurrency([0, 0, 1, 1], P=2, D=2)   # 2 hosts × 2 slots: both rings cross both hosts
+    [2, 2]
+    """
+    if D <= 1:
+        return [0] * P
+    ring_hosts = [{host[d * P + k] for d in range(D)} for k in range(P)]
+    crosses = [len(h) > 1 for h in ring_hosts]
+    rings_on: dict[int, int] = {}
+    for k in range(P):
+        if crosses[k]:
+            for h in ring_hosts[k]:
+                rings_on[h] = rings_on.get(h, 0) + 1
+    return [max(rings_on[h] for h in ring_hosts[k]) if crosses[k] else 0 for k in range(P)]
+
+
+def stage_memory(
+    cal: Calibration, ranges: Sequence[tuple[int, int]], m: int, stashed: int, recompute: bool
+) -> int:
+    """Peak memory of one device holding the segment ``ranges`` (one per model chunk) with
+    ``stashed`` micro-batches in flight (``Calibration.stage_memory_bytes``)."""
+    if len(ranges) == 1:
+        a, b = ranges[0]
+        return cal.stage_memory_bytes(range(a, b + 1), m, stashed, recompute=recompute)
+    # Interleaved: the static memory of every chunk; in-flight activations are counted per chunk
+    # and sized by the largest chunk (an upper bound).
+    static = sum(cal.stage_memory_bytes(range(a, b + 1), m, 0, recompute=False) for a, b in ranges)
+    dynamic = max(
+        cal.stage_memory_bytes(range(a, b + 1), m, stashed, recompute=recompute)
+        - cal.stage_memory_bytes(range(a, b + 1), m, 0, recompute=False)
+        for a, b in ranges
+    )
+    return int(static + dynamic)

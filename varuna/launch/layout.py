@@ -1,0 +1,178 @@
+"""P×D for the slots a job may use: as given on the command line, or chosen by the simulator's
+auto-config from a calibration (:func:`resolve_layout`), and the run plan exported to every
+worker (:meth:`Layout.run_plan`, a :class:`varuna.core.env.RunPlan`).
+
+Auto-config (``--calibration FILE --global-batch-size M``, P not given) plans for a schedule kind
+(``--schedule``, default ``varuna``) and also picks the micro-batch size m and the
+segment→stage map; the workers' engine adopts both and refuses to start when the script's own
+global batch or schedule differs from the one planned for (Note [Run plan] in
+:mod:`varuna.core.env`).
+
+Example::
+
+    >>> layout = resolve_layout(slots=[2, 2], pipeline_depth=2)
+    >>> (layout.pipeline_depth, layout.data_parallel)
+    (2, 2)
+    >>> layout.run_plan(global_batch_size=32).to_env()
+    {'VARUNA_GLOBAL_BATCH_SIZE': '32'}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from varuna.core.env import RunPlan
+
+__all__ = ["LAYOUT_REQUIRED", "Layout", "auto_configure", "resolve_layout"]
+
+
+LAYOUT_REQUIRED = (
+    "argument required: --pipeline-depth P (or --calibration FILE --global-batch-size M for auto-config)"
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """P×D (and, from auto-config, m) chosen for the slots that are available.
+
+    Example::
+
+        >>> resolve_layout(slots=[2, 2, 1], pipeline_depth=2)  # doctest: +NORMALIZE_WHITESPACE
+        Layout(pipeline_depth=2, data_parallel=2, micro_batch_size=None, stage_ranges=None,
+               schedule=None, note='')
+    """
+
+    pipeline_depth: int
+    data_parallel: int
+    micro_batch_size: int | None = None
+    """m picked by auto-config (exported to workers as ``VARUNA_MICRO_BATCH_SIZE``), else None."""
+    stage_ranges: tuple[tuple[int, int], ...] | None = None
+    """Segment→stage map auto-config simulated (exported as ``VARUNA_STAGE_RANGES``), else None."""
+    schedule: str | None = None
+    """Schedule kind auto-config planned for (exported as ``VARUNA_SCHEDULE``), else None."""
+    note: str = ""
+    """How auto-config chose it, for the launcher's log."""
+
+    def run_plan(self, *, global_batch_size: int | None = None, schedule: str | None = None) -> RunPlan:
+        """The plan every worker gets: ``global_batch_size`` and ``schedule`` as the user gave
+        them (the schedule auto-config planned for when none is given), m and the stage ranges
+        when auto-config chose them; ``None`` fields are not exported.
+
+        Example::
+
+            >>> Layout(pipeline_depth=2, data_parallel=1, micro_batch_size=4, schedule="1f1b").run_plan()
+            RunPlan(global_batch_size=None, micro_batch_size=4, schedule='1f1b', stage_ranges=None)
+        """
+        return RunPlan(
+            global_batch_size=global_batch_size,
+            micro_batch_size=self.micro_batch_size,
+            schedule=schedule if schedule is not None else self.schedule,
+            stage_ranges=self.stage_ranges,
+        )
+
+
+def auto_configure(
+    calibration: str,
+    *,
+    gpus: int,
+    global_batch_size: int,
+    host_slots: Sequence[int],
+    gpu_memory_bytes: int | None = None,
+    schedule: str = "varuna",
+) -> Layout:
+    """The simulator's fastest P×D (and m) for ``gpus`` accelerators running ``schedule``
+    (``simulator.autoconfig``).
+
+    The simulator is imported here, not at module load: the launcher must work on hosts where
+    only the runtime is installed, as long as P is given explicitly. ``ValueError`` carries
+    auto-config's reason when nothing fits (e.g. the smallest P that fits in memory exceeds G).
+    """
+    try:
+        from simulator.autoconfig import autoconfigure
+    except ImportError as exc:
+        raise ValueError(
+            f"--calibration needs the simulator (simulator/autoconfig.py), which cannot be imported here"
+            f" ({exc}); give --pipeline-depth P instead"
+        ) from None
+    from varuna.core.calibration import Calibration
+
+    try:
+        cal = Calibration.load(calibration)
+    except OSError as exc:
+        raise ValueError(f"cannot read calibration {calibration!r}: {exc.strerror or exc}") from None
+    result = autoconfigure(
+        cal,
+        gpus=gpus,
+        global_batch_size=global_batch_size,
+        gpu_memory_bytes=gpu_memory_bytes,
+        host_slots=tuple(host_slots),
+        schedule=schedule,
+    )
+    best = result.best
+    speed = f", simulated {best.examples_per_s:.3g} examples/s" if best.examples_per_s else ""
+    return Layout(
+        pipeline_depth=best.num_stages,
+        data_parallel=best.num_replicas,
+        micro_batch_size=best.micro_batch_size,
+        stage_ranges=tuple(tuple(r) for r in best.stage_segments),
+        schedule=schedule,
+        note=f"auto-config for G={gpus}: P={best.num_stages} D={best.num_replicas}"
+        f" m={best.micro_batch_size}{speed}",
+    )
+
+
+def resolve_layout(
+    *,
+    slots: Sequence[int],
+    pipeline_depth: int | None = None,
+    data_parallel: int | None = None,
+    calibration: str | None = None,
+    global_batch_size: int | None = None,
+    gpu_memory_bytes: int | None = None,
+    schedule: str = "varuna",
+) -> Layout:
+    """P×D for the available ``slots`` (one count per host): P and D as given; P given, D the
+    most replicas that fit; or neither, from auto-config on ``calibration`` planning for
+    ``schedule``. ``ValueError`` says why nothing fits.
+
+    Example::
+
+        >>> resolve_layout(slots=[1, 1], pipeline_depth=4)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: the hosts hold 2 slot(s), fewer than the 4 stages of --pipeline-depth 4; ...
+    """
+    capacity = sum(slots)
+    if pipeline_depth is not None:
+        if pipeline_depth < 1:
+            raise ValueError(f"--pipeline-depth must be >= 1, got {pipeline_depth}")
+        if capacity < pipeline_depth:
+            raise ValueError(
+                f"the hosts hold {capacity} slot(s), fewer than the {pipeline_depth} stages of"
+                f" --pipeline-depth {pipeline_depth}; add hosts or use a smaller --pipeline-depth"
+            )
+        if data_parallel is None:
+            return Layout(pipeline_depth=pipeline_depth, data_parallel=capacity // pipeline_depth)
+        if data_parallel < 1:
+            raise ValueError(f"--data-parallel must be >= 1, got {data_parallel}")
+        if pipeline_depth * data_parallel > capacity:
+            raise ValueError(
+                f"P={pipeline_depth} × D={data_parallel} needs {pipeline_depth * data_parallel} slots but the"
+                f" hosts hold {capacity}; use --data-parallel {capacity // pipeline_depth} or add hosts"
+            )
+        return Layout(pipeline_depth=pipeline_depth, data_parallel=data_parallel)
+    if data_parallel is not None:
+        raise ValueError("--data-parallel needs --pipeline-depth")
+    if calibration is None:
+        raise ValueError(LAYOUT_REQUIRED)
+    if global_batch_size is None:
+        raise ValueError("--calibration needs --global-batch-size M (the mini-batch size to plan for)")
+    return auto_configure(
+        calibration,
+        gpus=capacity,
+        global_batch_size=global_batch_size,
+        host_slots=slots,
+        gpu_memory_bytes=gpu_memory_bytes,
+        schedule=schedule,
+    )

@@ -1,0 +1,68 @@
+"""The line protocol between ``varuna-launch`` and its per-host agents
+(:mod:`varuna.launch.agent`): one ASCII JSON object per line, over the agent's stdin/stdout
+(the ssh channel for a remote host).
+
+Note [Agent protocol] (version :data:`PROTOCOL_VERSION`). Agent → launcher:
+
+- ``{"type": "ready", "protocol": 1, "pid": P, "hostname": H, "free_port": N}`` once, first
+  (``free_port``: a port free on this host, used as MASTER_PORT when this is host 0);
+- ``{"type": "spawned", "started": [{"rank": r, "pid": p}, ...], "failed": null | {"rank": r,
+  "error": "..."}}`` answers a spawn request (after a failure the rest are not started);
+- ``{"type": "out", "rank": r, "stream": "stdout"|"stderr", "line": "...\\n"}`` per output line;
+- ``{"type": "exit", "rank": r, "code": c}`` after the worker's last output line (``c < 0``:
+  killed by signal ``-c``; its leftover processes are already killed);
+- ``{"type": "message", "text": "..."}`` agent diagnostics; ``{"type": "bye"}`` last.
+
+Launcher → agent:
+
+- ``{"type": "spawn", "workers": [{"rank": r, "argv": [...], "env": {...}, "cwd": "..."}]}``;
+  ``env`` is added to the agent's environment (ssh forwards none of the launcher's);
+- ``{"type": "signal", "rank": r, "signal": "SIGTERM"}`` (``rank`` null: every worker);
+- ``{"type": "ping"}`` (every few seconds), ``{"type": "shutdown"}``.
+
+The launcher refuses an agent whose "ready" line names another protocol version (the message
+names both: install the same varuna on every host).
+
+Example::
+
+    >>> decode_message(encode_message({"type": "signal", "rank": 3, "signal": "SIGTERM"}))["rank"]
+    3
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["PROTOCOL_VERSION", "decode_message", "encode_message"]
+
+PROTOCOL_VERSION = 1
+
+
+def encode_message(message: Mapping[str, Any]) -> bytes:
+    """One protocol line (ASCII JSON, so no byte of it can be a newline inside a string).
+
+    Example::
+
+        >>> encode_message({"type": "ping"})
+        b'{"type":"ping"}\\n'
+    """
+    return json.dumps(message, separators=(",", ":"), ensure_ascii=True).encode("ascii") + b"\n"
+
+
+def decode_message(raw: bytes) -> dict[str, Any]:
+    """Parse one protocol line; ``ValueError`` if it is not a JSON object with a ``type``.
+
+    Example::
+
+        >>> decode_message(b'{"type":"ping"}\\n')
+        {'type': 'ping'}
+    """
+    try:
+        msg = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not a protocol line: {raw[:80]!r}") from exc
+    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+        raise ValueError(f"not a protocol message: {raw[:80]!r}")
+    return msg

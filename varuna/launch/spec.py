@@ -1,0 +1,264 @@
+"""What a job is and where each rank runs: :class:`LaunchConfig` (script and P×D), one
+:class:`WorkerSpec` per rank from :func:`plan_workers`, and the two interfaces a place to run
+workers implements (:class:`Host`, which spawns; :class:`WorkerHandle`, what it returns).
+
+The supervisor only talks to handles, so it does not care whether a worker runs on this machine
+(:class:`varuna.launch.local.LocalHost`) or through a per-host agent
+(:class:`varuna.launch.agent_host.AgentHost`).
+
+Example::
+
+    >>> from varuna.launch.local import LocalHost
+    >>> cfg = LaunchConfig(script="train.py", pipeline_depth=2, data_parallel=2)
+    >>> [s.label for s in plan_workers(cfg, [LocalHost(slots=2), LocalHost(slots=2)], master_port=29500)][2]
+    'rank 2 stage 0 replica 1'
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Protocol
+
+from varuna.core.env import CONTRACT_VARS, PASSTHROUGH_PREFIX, WorkerEnv, is_passthrough
+
+__all__ = ["Host", "LaunchConfig", "WorkerHandle", "WorkerSpec", "plan_workers", "resolve_data_parallel"]
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    """What to run and in which layout. Runtime objects (hosts, output streams) go to
+    :func:`launch` separately.
+
+    Example::
+
+        >>> cfg = LaunchConfig(script="train.py", pipeline_depth=2, data_parallel=3)
+        >>> cfg.world_size
+        6
+    """
+
+    script: str
+    """Path of the Python script each worker runs, or a module name when ``module`` is set."""
+    script_args: Sequence[str] = ()
+    """Arguments passed to the script unchanged."""
+    module: bool = False
+    """Run ``python -m script`` instead of ``python script``."""
+    pipeline_depth: int
+    """P, the number of pipeline stages."""
+    data_parallel: int
+    """D, the number of replicas; the job has P×D workers."""
+    master_addr: str | None = None
+    """Rendezvous address given to workers; None means the first host's address."""
+    master_port: int | None = None
+    """Rendezvous port; None (or 0) picks a free one by binding port 0."""
+    log_dir: str | None = None
+    """When set: the resolved config goes to ``launch.json`` and each rank's raw output (stdout
+    and stderr, unprefixed) to ``rank{r}.log`` in this directory."""
+    stop_timeout_s: float = 10.0
+    """Grace period between SIGTERM (or a forwarded SIGINT/SIGTERM) and SIGKILL."""
+    python: str = field(default_factory=lambda: sys.executable or "python3")
+    """Interpreter that runs the workers."""
+    worker_env: Mapping[str, str] = field(default_factory=dict)
+    """Extra variables for every worker (e.g. ``OMP_NUM_THREADS``); ``VARUNA_*`` ones are
+    passed like the launcher's own. Contract variables (``RANK``, ...) cannot be set here."""
+
+    def __post_init__(self) -> None:
+        if not self.script:
+            raise ValueError("no script given; pass the training script (or -m MODULE) to run")
+        if self.pipeline_depth < 1:
+            raise ValueError(f"--pipeline-depth must be >= 1, got {self.pipeline_depth}")
+        if self.data_parallel < 1:
+            raise ValueError(f"--data-parallel must be >= 1, got {self.data_parallel}")
+        if self.master_port is not None and not 0 <= self.master_port < 65536:
+            raise ValueError(f"--master-port {self.master_port} is not a TCP port; use 1..65535 or 0 for any")
+        if self.stop_timeout_s < 0:
+            raise ValueError(f"--stop-timeout must be >= 0 seconds, got {self.stop_timeout_s}")
+        bad = sorted(set(self.worker_env) & set(CONTRACT_VARS))
+        if bad:
+            raise ValueError(
+                f"worker_env cannot set contract variables {bad}; the launcher sets them per rank"
+            )
+        self.script_args = tuple(self.script_args)
+        self.worker_env = dict(self.worker_env)
+
+    @property
+    def world_size(self) -> int:
+        """P×D, the number of worker processes."""
+        return self.pipeline_depth * self.data_parallel
+
+    def worker_argv(self) -> tuple[str, ...]:
+        """The command every worker runs."""
+        if self.module:
+            return (self.python, "-m", self.script, *self.script_args)
+        return (self.python, self.script, *self.script_args)
+
+
+def resolve_data_parallel(num_procs: int, pipeline_depth: int, data_parallel: int | None) -> int:
+    """D for ``--procs N --pipeline-depth P [--data-parallel D]``; ValueError unless N == P×D.
+
+    Example::
+
+        >>> resolve_data_parallel(8, 4, None)
+        2
+        >>> resolve_data_parallel(6, 4, None)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: --procs 6 is not --pipeline-depth 4 × --data-parallel D for any D; use ...
+    """
+    if num_procs < 1:
+        raise ValueError(f"--procs must be >= 1, got {num_procs}")
+    if pipeline_depth < 1:
+        raise ValueError(f"--pipeline-depth must be >= 1, got {pipeline_depth}")
+    if data_parallel is None:
+        if num_procs % pipeline_depth == 0:
+            return num_procs // pipeline_depth
+        below = (num_procs // pipeline_depth) * pipeline_depth
+        above = below + pipeline_depth
+        options = " or ".join(f"--procs {n}" for n in (below, above) if n >= 1)
+        raise ValueError(
+            f"--procs {num_procs} is not --pipeline-depth {pipeline_depth} × --data-parallel D for any D;"
+            f" use {options}"
+        )
+    if num_procs != pipeline_depth * data_parallel:
+        fix = f"use --procs {pipeline_depth * data_parallel}"
+        if num_procs % pipeline_depth == 0:
+            fix += f" or --data-parallel {num_procs // pipeline_depth}"
+        raise ValueError(
+            f"--procs {num_procs} is not --pipeline-depth {pipeline_depth}"
+            f" × --data-parallel {data_parallel}; {fix}"
+        )
+    return data_parallel
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSpec:
+    """Everything a host needs to start the worker of one rank.
+
+    Example::
+
+        >>> from varuna.launch.local import LocalHost
+        >>> cfg = LaunchConfig(script="train.py", pipeline_depth=2, data_parallel=1)
+        >>> specs = plan_workers(cfg, [LocalHost(slots=2)], master_port=29500)
+        >>> specs[1].label, specs[1].set_vars["VARUNA_STAGE"]
+        ('rank 1 stage 1 replica 0', '1')
+    """
+
+    env: WorkerEnv
+    """The rank's identity (the environment contract)."""
+    argv: tuple[str, ...]
+    """Command line; ``argv[0]`` is the interpreter."""
+    set_vars: Mapping[str, str]
+    """Variables to set in the worker's environment on its host: the contract, pass-through
+    ``VARUNA_*`` variables and ``LaunchConfig.worker_env``. A local host adds them to its own
+    environment; a remote host has to send them."""
+    cwd: str | None = None
+    """Working directory on the host; None keeps the host's default."""
+
+    @property
+    def label(self) -> str:
+        """``rank r stage k replica d``, the output prefix without brackets."""
+        return f"rank {self.env.rank} stage {self.env.stage} replica {self.env.replica}"
+
+
+def plan_workers(
+    config: LaunchConfig,
+    hosts: Sequence[Host],
+    *,
+    master_port: int,
+    launcher_environ: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+) -> list[WorkerSpec]:
+    """One spec per rank; hosts get contiguous rank ranges in order (Note [Rank layout] in
+    :mod:`varuna.core.env`), so a host with several slots holds consecutive stages of a pipeline.
+
+    ``launcher_environ`` (default ``os.environ``) supplies the ``VARUNA_*`` pass-through.
+
+    Example::
+
+        >>> from varuna.launch.local import LocalHost
+        >>> cfg = LaunchConfig(script="t.py", pipeline_depth=2, data_parallel=2)
+        >>> [(s.env.rank, s.env.host_id, s.env.local_rank)
+        ...  for s in plan_workers(cfg, [LocalHost(slots=2), LocalHost(slots=2)], master_port=1)]
+        [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+    """
+    if not hosts:
+        raise ValueError("no hosts to run workers on")
+    world_size = config.world_size
+    capacity = sum(host.slots for host in hosts)
+    if capacity < world_size:
+        raise ValueError(
+            f"{world_size} workers (P={config.pipeline_depth} × D={config.data_parallel}) need {world_size}"
+            f" slots but the hosts have {capacity}; add hosts or use a smaller --procs"
+        )
+    launcher_environ = os.environ if launcher_environ is None else launcher_environ
+    passthrough = {k: v for k, v in {**launcher_environ, **config.worker_env}.items() if is_passthrough(k)}
+    plain_vars = {k: v for k, v in config.worker_env.items() if not k.startswith(PASSTHROUGH_PREFIX)}
+    master_addr = config.master_addr or hosts[0].address
+    argv = config.worker_argv()
+
+    specs: list[WorkerSpec] = []
+    for host_id, host in enumerate(hosts):
+        local_world_size = min(host.slots, world_size - len(specs))
+        for local_rank in range(local_world_size):
+            env = WorkerEnv(
+                master_addr=master_addr,
+                master_port=master_port,
+                rank=len(specs),
+                world_size=world_size,
+                local_rank=local_rank,
+                local_world_size=local_world_size,
+                pipeline_depth=config.pipeline_depth,
+                data_parallel=config.data_parallel,
+                host_id=host_id,
+                extra=passthrough,
+            )
+            set_vars = {**plain_vars, **env.to_env()}
+            # Line-buffered worker output, so prefixed lines reach the launcher as they are
+            # printed rather than in 8 KiB blocks at exit; a user's explicit choice wins.
+            if "PYTHONUNBUFFERED" not in launcher_environ and "PYTHONUNBUFFERED" not in set_vars:
+                set_vars["PYTHONUNBUFFERED"] = "1"
+            specs.append(WorkerSpec(env=env, argv=argv, set_vars=set_vars, cwd=cwd))
+        if len(specs) == world_size:
+            break
+    return specs
+
+
+class WorkerHandle(Protocol):
+    """A started worker, wherever it runs; the supervisor needs nothing else."""
+
+    spec: WorkerSpec
+
+    @property
+    def pid(self) -> int:
+        """Process id on the worker's host (for logs and tests)."""
+        ...
+
+    @property
+    def output_streams(self) -> tuple[IO[bytes], IO[bytes]]:
+        """``(stdout, stderr)`` of the worker as binary streams; EOF when the worker is gone."""
+        ...
+
+    def poll(self) -> int | None:
+        """Exit code once the worker has exited (negative: killed by that signal), else None.
+        On exit, leftover processes of the worker are killed before this returns."""
+        ...
+
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` to the worker and every process it started; no-op once it exited."""
+        ...
+
+
+class Host(Protocol):
+    """A machine that can run workers: :class:`varuna.launch.local.LocalHost` (this machine) or
+    :class:`varuna.launch.agent_host.AgentHost` (a per-host agent, local or over OpenSSH)."""
+
+    address: str
+    """Address other hosts reach this one at (used as MASTER_ADDR when it is host 0)."""
+    slots: int
+    """How many workers it runs at most."""
+
+    def spawn(self, spec: WorkerSpec) -> WorkerHandle:
+        """Start the worker described by ``spec``; raise ``OSError`` if that is impossible."""
+        ...

@@ -1,0 +1,364 @@
+"""The :class:`Supervisor`: starts the planned workers on their hosts, relays their output
+prefixed with ``[rank r stage k replica d]`` (preceded by the host in a multi-host job), stops
+the whole job when one worker fails, and forwards SIGINT/SIGTERM/SIGUSR1 to the workers.
+
+Note [Stop protocol]: the engine treats SIGUSR1 and SIGTERM as "finish the current mini-batch,
+run the stop callbacks (a checkpoint), exit 0". The launcher forwards SIGUSR1 (through the
+agents on other hosts) with no deadline, so the job ends with the workers' code, 0 after a
+complete checkpoint; SIGINT/SIGTERM are forwarded with a SIGKILL deadline (``--stop-timeout``)
+and the launcher exits 128+N. Any second signal (SIGUSR1, SIGINT, SIGTERM) while stopping kills
+every worker at once.
+
+Exit codes: 0 all workers exited 0; 1 a worker failed (the message names its rank and exit
+code) or could not be started, an agent failed, or the job does not fit the reachable hosts; 2
+bad usage; 128+N the launcher was stopped by signal N (130 for SIGINT, 143 for SIGTERM).
+
+Example::
+
+    >>> from varuna.launch.local import LocalHost
+    >>> from varuna.launch.spec import LaunchConfig, plan_workers
+    >>> cfg = LaunchConfig(script="-c", script_args=("pass",), pipeline_depth=2, data_parallel=1)
+    >>> hosts = [LocalHost(slots=2)]
+    >>> sup = Supervisor(plan_workers(cfg, hosts, master_port=29500), hosts)
+    >>> sup.start(); code = sup.wait(); sup.close()
+    >>> code
+    0
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, TextIO
+
+from varuna.launch.procs import KILL_REAP_TIMEOUT_S
+from varuna.launch.spec import Host, WorkerHandle, WorkerSpec
+
+__all__ = [
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "EXIT_WORKER_FAILED",
+    "FORWARDED_SIGNALS",
+    "PROG",
+    "Supervisor",
+]
+
+PROG = "varuna-launch"
+
+EXIT_OK = 0
+EXIT_WORKER_FAILED = 1
+EXIT_USAGE = 2
+
+#: How often the supervisor polls worker exits. Signals wake it at once (self-pipe), so this
+#: only bounds how late a worker exit is noticed.
+POLL_INTERVAL_S = 0.05
+#: After the last worker exits, how long to wait for its output to drain. Only a process that
+#: escaped the worker's group (its own setsid) and still holds the pipe makes this expire.
+OUTPUT_DRAIN_TIMEOUT_S = 5.0
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+#: The signals the launcher handles while a job runs and forwards to its workers.
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+def _where(worker: WorkerHandle) -> str:
+    """``rank r stage k replica d``, preceded by the host for workers of a multi-host job."""
+    host_label = getattr(worker, "host_label", None)
+    return f"{host_label} {worker.spec.label}" if host_label else worker.spec.label
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = "an unknown signal"
+    return f"was killed by {name} ({-returncode})"
+
+
+class Supervisor:
+    """Starts the planned workers, relays their output, and stops them all on failure or on a
+    signal. ``notify_signal`` may be called from a signal handler or another thread.
+
+    Example::
+
+        >>> sup = Supervisor(specs, hosts)  # doctest: +SKIP
+        >>> sup.start(); code = sup.wait(); sup.close()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[WorkerSpec],
+        hosts: Sequence[Host],
+        *,
+        stop_timeout_s: float = 10.0,
+        stdout: TextIO | None = None,
+        stderr: TextIO | None = None,
+        log_dir: str | None = None,
+        out_lock: threading.Lock | None = None,
+    ) -> None:
+        self._specs = list(specs)
+        self._hosts = list(hosts)
+        self._stop_timeout_s = stop_timeout_s
+        self._stdout = stdout if stdout is not None else sys.stdout
+        self._stderr = stderr if stderr is not None else sys.stderr
+        self._log_dir = Path(log_dir) if log_dir is not None else None
+        self.workers: list[WorkerHandle] = []
+        self._exit_codes: dict[int, int] = {}  # rank -> exit code
+        # Why the job ends early: ("failed", message) or ("signal", signum); the first one wins.
+        self._cause: tuple[str, object] | None = None
+        self._kill_at: float | None = None  # monotonic time to SIGKILL stragglers after a stop
+        self._killed_at: float | None = None
+        self._graceful_stop = False  # SIGUSR1 was forwarded (Note [Stop protocol])
+        # One lock for all output, so lines from different workers never interleave mid-line.
+        self._out_lock = out_lock if out_lock is not None else threading.Lock()
+        self._broken_sinks: set[int] = set()
+        self._readers: list[threading.Thread] = []
+        self._log_files: dict[int, IO[str]] = {}
+        # Signals are queued (deque.append is atomic) and a byte written to a pipe wakes the
+        # loop; a signal handler must not take locks the interrupted main thread may hold.
+        self._pending_signals: collections.deque[int] = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        os.set_blocking(self._wake_r, False)
+
+    # -- public --------------------------------------------------------------------------------
+
+    def notify_signal(self, signum: int) -> None:
+        """Ask the supervisor to handle ``signum`` as if the launcher had received it."""
+        self._pending_signals.append(signum)
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"\0")
+
+    def start(self) -> None:
+        """Spawn every worker, then start the output readers. A spawn failure stops the
+        workers already started; :meth:`wait` still has to be called."""
+        if self._log_dir is not None:
+            self._log_dir.mkdir(parents=True, exist_ok=True)
+        for host_id, group in itertools.groupby(self._specs, key=lambda s: s.env.host_id):
+            if self._cause is not None:
+                break
+            host = self._hosts[host_id]
+            batch = list(group)
+            spawn_many = getattr(host, "spawn_many", None)
+            if spawn_many is not None:
+                # A host with an agent starts its workers in one request (one round trip).
+                started, failure = spawn_many(batch)
+                self.workers.extend(started)
+                if failure is not None:
+                    self._fail(f"{failure[0].label} could not be started {failure[1]}")
+                continue
+            for spec in batch:
+                try:
+                    worker = host.spawn(spec)
+                except (OSError, subprocess.SubprocessError) as exc:
+                    self._fail(f"{spec.label} could not be started: {exc}")
+                    break
+                self.workers.append(worker)
+        # Readers start only after all forks: preexec_fn runs between fork and exec, which is
+        # only safe while no other thread of ours may hold a lock the child needs.
+        for worker in self.workers:
+            if self._log_dir is not None:
+                path = self._log_dir / f"rank{worker.spec.env.rank}.log"
+                self._log_files[worker.spec.env.rank] = open(path, "w", encoding="utf-8")
+            for stream, sink in zip(worker.output_streams, (self._stdout, self._stderr)):
+                thread = threading.Thread(
+                    target=self._relay,
+                    args=(worker, stream, sink),
+                    name=f"varuna-launch-relay-{worker.spec.env.rank}",
+                    daemon=True,  # never keep the launcher alive for a stuck pipe
+                )
+                thread.start()
+                self._readers.append(thread)
+
+    def wait(self) -> int:
+        """Supervise until every worker has exited; return the launcher's exit code."""
+        unreaped = True
+        while True:
+            while self._pending_signals:
+                self._on_signal(self._pending_signals.popleft())
+            for worker in self.workers:
+                rank = worker.spec.env.rank
+                if rank not in self._exit_codes:
+                    code = worker.poll()
+                    if code is not None:
+                        self._on_exit(worker, code)
+            running = self._running()
+            if not running:
+                unreaped = False
+                break
+            now = time.monotonic()
+            if self._killed_at is None and self._kill_at is not None and now >= self._kill_at:
+                ranks = ", ".join(str(w.spec.env.rank) for w in running)
+                self._message(
+                    f"rank(s) {ranks} did not exit within {self._stop_timeout_s:g} s; sending SIGKILL"
+                )
+                self._kill_all()
+            elif self._killed_at is not None and now >= self._killed_at + KILL_REAP_TIMEOUT_S:
+                break
+            with contextlib.suppress(InterruptedError):
+                select.select([self._wake_r], [], [], POLL_INTERVAL_S)
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.read(self._wake_r, 4096)
+        if unreaped:
+            ranks = ", ".join(str(w.spec.env.rank) for w in self._running())
+            self._message(f"rank(s) {ranks} still exist {KILL_REAP_TIMEOUT_S:g} s after SIGKILL; giving up")
+        self._drain_output()
+        return self._finish()
+
+    def close(self) -> None:
+        """Kill whatever still runs (any exit path, exceptions included) and free resources."""
+        for worker in self._running():
+            worker.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + KILL_REAP_TIMEOUT_S
+        while self._running() and time.monotonic() < deadline:
+            for worker in self._running():
+                code = worker.poll()
+                if code is not None:
+                    self._exit_codes[worker.spec.env.rank] = code
+            time.sleep(POLL_INTERVAL_S)
+        with self._out_lock:
+            for log in self._log_files.values():
+                log.close()
+            self._log_files.clear()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _running(self) -> list[WorkerHandle]:
+        return [w for w in self.workers if w.spec.env.rank not in self._exit_codes]
+
+    def _on_exit(self, worker: WorkerHandle, code: int) -> None:
+        self._exit_codes[worker.spec.env.rank] = code
+        # Non-zero codes after we began stopping are our own doing (SIGTERM/SIGKILL), not failures.
+        if code != 0 and self._cause is None:
+            detail = getattr(worker, "exit_detail", None) or _describe_exit(code)
+            self._fail(f"{_where(worker)} {detail}")
+
+    def _fail(self, what: str) -> None:
+        self._cause = ("failed", what)  # before `what` gets the "stopping ..." suffix
+        others = len(self._running())
+        if others:
+            what += (
+                f"; stopping the other {others} worker(s) (SIGTERM, SIGKILL after {self._stop_timeout_s:g} s)"
+            )
+        self._message(what)
+        self._begin_stop(signal.SIGTERM)
+
+    def _on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if self._graceful_stop and (signum in _STOP_SIGNALS or signum == signal.SIGUSR1):
+            # The workers were already asked to finish their mini-batch and checkpoint: a second
+            # request means "now" (Note [Stop protocol]).
+            self._message(f"received {name} after SIGUSR1; killing {len(self._running())} worker(s) now")
+            if self._cause is None:
+                self._cause = ("signal", signum)
+            self._kill_all()
+            return
+        if signum not in _STOP_SIGNALS:
+            # SIGUSR1: relay only, without a SIGKILL deadline (a checkpoint takes as long as it
+            # takes); the workers' exit codes (0 after a graceful stop) decide the outcome.
+            self._graceful_stop = signum == signal.SIGUSR1
+            what = (
+                ": finish the mini-batch, checkpoint, exit (a second signal kills them at once)"
+                if self._graceful_stop
+                else ""
+            )
+            self._message(f"received {name}; forwarding it to {len(self._running())} worker(s){what}")
+            for worker in self._running():
+                worker.send_signal(signum)
+            return
+        if self._kill_at is not None:
+            # Already stopping (a first SIGINT/SIGTERM or a failed worker): stop at once.
+            self._message(f"received {name} while stopping; killing {len(self._running())} worker(s) now")
+            if self._cause is None:
+                self._cause = ("signal", signum)
+            self._kill_all()
+            return
+        self._cause = ("signal", signum)
+        self._message(
+            f"received {name}; forwarding it to {len(self._running())} worker(s)"
+            f" (SIGKILL after {self._stop_timeout_s:g} s, or at once on a second SIGINT/SIGTERM)"
+        )
+        self._begin_stop(signum)
+
+    def _begin_stop(self, signum: int) -> None:
+        for worker in self._running():
+            worker.send_signal(signum)
+        self._kill_at = time.monotonic() + self._stop_timeout_s
+
+    def _kill_all(self) -> None:
+        for worker in self._running():
+            worker.send_signal(signal.SIGKILL)
+        self._killed_at = time.monotonic()
+        self._kill_at = self._kill_at or self._killed_at
+
+    def _finish(self) -> int:
+        """The exit code; names the failed rank once more as the last line."""
+        if self._cause is None:
+            return EXIT_OK
+        kind, detail = self._cause
+        if kind == "signal":
+            assert isinstance(detail, int)
+            return 128 + detail
+        self._message(f"job failed: {detail}")
+        return EXIT_WORKER_FAILED
+
+    def _relay(self, worker: WorkerHandle, stream: IO[bytes], sink: TextIO) -> None:
+        """Copy one worker stream to ``sink`` line by line, prefixed; runs in a reader thread."""
+        prefix = f"[{_where(worker)}] "
+        rank = worker.spec.env.rank
+        try:
+            for raw in iter(stream.readline, b""):
+                text = raw.decode("utf-8", errors="replace")
+                if not text.endswith("\n"):
+                    text += "\n"  # a last line without newline must not glue onto the next prefix
+                with self._out_lock:
+                    self._write(sink, prefix + text)
+                    log = self._log_files.get(rank)
+                    if log is not None:
+                        log.write(text)
+                        log.flush()
+        except (OSError, ValueError):
+            pass  # the pipe closed under us (launcher shutting down): nothing left to relay
+        finally:
+            with contextlib.suppress(OSError):
+                stream.close()
+
+    def _write(self, sink: TextIO, text: str) -> None:
+        # A closed or broken sink (e.g. `varuna-launch ... | head`) must not stop the relay:
+        # workers would block on a full pipe. Keep draining, stop writing.
+        if id(sink) in self._broken_sinks:
+            return
+        try:
+            sink.write(text)
+            sink.flush()
+        except (OSError, ValueError):
+            self._broken_sinks.add(id(sink))
+
+    def _message(self, text: str) -> None:
+        with self._out_lock:
+            self._write(self._stderr, f"{PROG}: {text}\n")
+
+    def _drain_output(self) -> None:
+        deadline = time.monotonic() + OUTPUT_DRAIN_TIMEOUT_S
+        for thread in self._readers:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in self._readers):
+            self._message(
+                "some worker output may be missing: a pipe is still held open by a process outside the job"
+            )

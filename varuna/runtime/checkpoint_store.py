@@ -1,0 +1,273 @@
+"""The checkpoint store on disk: step directories, manifests, shard files (docs/checkpoints.md).
+
+Everything here works on paths only (no engine, no process group): naming, listing, validating
+and pruning step directories, reading shard files safely, and the crash-safe file primitives the
+background writer uses (atomic write, fsynced copy, hashed ``torch.save``).
+
+Example::
+
+    >>> list_checkpoints("/nonexistent"), step_dir_name(7)
+    ([], 'step_00000007')
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "MANIFEST",
+    "MARKERS",
+    "CheckpointError",
+    "CheckpointInfo",
+    "atomic_write",
+    "check_file",
+    "copy_file",
+    "fsync_dir",
+    "list_checkpoints",
+    "prune",
+    "read_manifest",
+    "read_shard",
+    "save_hashed",
+    "step_dir_name",
+    "verify_checkpoint",
+]
+
+FORMAT = "varuna-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+MARKERS = ".markers"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_SHARD_NAME = re.compile(r"^seg\d{3,}-\d{2,}\.pt$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be used (none found, corrupt, unsafe, or from a different model).
+
+    A ``ValueError``: like other bad input, scripts report it as one line."""
+
+
+def step_dir_name(step: int) -> str:
+    """Directory name of the checkpoint taken after ``step`` steps.
+
+    >>> step_dir_name(300)
+    'step_00000300'
+    """
+    return f"step_{step:08d}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Files: shards, markers, manifests
+
+
+def read_shard(path: Path, data: bytes | None = None) -> dict:
+    """Unpickle a shard file safely (``weights_only``: tensors and plain containers only).
+
+    Raises :class:`CheckpointError` naming the file when it holds anything else (a pickled
+    custom class, code) or does not have the shard layout.
+    """
+    path = Path(path)
+    raw = data if data is not None else path.read_bytes()
+    try:
+        obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{path}: refusing to load: the file holds pickled objects other than tensors and plain "
+            f"containers ({first}); varuna checkpoints never do, so it is not one or it was tampered with"
+        ) from None
+    if not (
+        isinstance(obj, dict)
+        and obj.get("format") == FORMAT
+        and isinstance(obj.get("params"), dict)
+        and isinstance(obj.get("optimizer"), dict)
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj["params"].items())
+    ):
+        raise ValueError(f"{path}: not a varuna checkpoint shard (unexpected layout)")
+    return obj
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems (blob mounts) do not support fsync on directories
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes, before_replace: Callable[[], None] | None = None) -> None:
+    """Write ``path`` so that readers see either nothing (or the old file) or all of it."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    if before_replace is not None:
+        before_replace()
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+class _HashingWriter:
+    """File-like sink for ``torch.save`` that computes the sha256 of what it writes (one pass)."""
+
+    def __init__(self, f) -> None:
+        self.f, self.sha, self.nbytes = f, hashlib.sha256(), 0
+
+    def write(self, b) -> int:
+        self.sha.update(b)
+        self.nbytes += len(b)
+        return self.f.write(b)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def save_hashed(obj: Any, path: Path) -> tuple[int, str]:
+    """``torch.save(obj, path)``; returns (bytes, sha256 hex) of the file."""
+    with open(path, "wb") as f:
+        w = _HashingWriter(f)
+        torch.save(obj, w)
+    return w.nbytes, w.sha.hexdigest()
+
+
+def copy_file(src: Path, dst: Path, chunk_bytes: int, on_chunk: Callable[[], None]) -> None:
+    """Copy ``src`` to ``dst`` via a tmp name, fsynced, then renamed into place. The data moves
+    inside the kernel (sendfile), so the copy costs training processes almost no CPU."""
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    with open(src, "rb") as fi, open(tmp, "wb") as fo:
+        size, off = os.fstat(fi.fileno()).st_size, 0
+        while off < size:
+            try:
+                n = os.sendfile(fo.fileno(), fi.fileno(), off, min(chunk_bytes, size - off))
+            except OSError:  # a filesystem without sendfile support: plain reads and writes
+                fi.seek(off)
+                n = fo.write(fi.read(min(chunk_bytes, size - off)))
+                fo.flush()
+            if n == 0:
+                raise OSError(f"{src}: file shrank while being copied")
+            off += n
+            on_chunk()
+        os.fsync(fo.fileno())
+    os.replace(tmp, dst)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointInfo:
+    """One ``step_*`` directory of a checkpoint store."""
+
+    step: int
+    path: Path
+    complete: bool
+    """It has a manifest (its files may still turn out corrupt: see :func:`verify_checkpoint`)."""
+
+
+def list_checkpoints(root: str | Path) -> list[CheckpointInfo]:
+    """Every ``step_*`` directory under ``root``, oldest first (empty when ``root`` is absent).
+
+    >>> list_checkpoints("/nonexistent")
+    []
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and p.is_dir():
+            out.append(CheckpointInfo(step=int(m.group(1)), path=p, complete=(p / MANIFEST).is_file()))
+    return sorted(out, key=lambda c: c.step)
+
+
+def read_manifest(path: str | Path) -> dict:
+    """Parse and validate ``<step dir>/manifest.json``; ``ValueError`` says what is wrong."""
+    path = Path(path)
+    try:
+        m = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no {MANIFEST} (an incomplete checkpoint)") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path / MANIFEST}: unreadable ({e})") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise ValueError(f"{path / MANIFEST}: not a varuna checkpoint manifest")
+    if m.get("version") != VERSION:
+        raise ValueError(
+            f"{path / MANIFEST}: format version {m.get('version')!r}, this varuna reads {VERSION}"
+        )
+    for key in ("step", "files", "parameters", "loss_scale"):
+        if key not in m:
+            raise ValueError(f"{path / MANIFEST}: missing {key!r}")
+    for f in m["files"]:
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not _SHARD_NAME.match(f["name"]):
+            raise ValueError(f"{path / MANIFEST}: bad file entry {f!r}")
+    return m
+
+
+def check_file(path: Path, entry: dict) -> tuple[bytes | None, str | None]:
+    """Read a file and compare it with its manifest entry; (data, None) or (None, problem)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None, f"{path.name}: missing"
+    except OSError as e:
+        return None, f"{path.name}: unreadable ({e})"
+    if len(data) != entry.get("bytes"):
+        return None, (
+            f"{path.name}: {len(data)} bytes, the manifest says {entry.get('bytes')} (truncated or altered)"
+        )
+    if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
+        return None, f"{path.name}: sha256 mismatch (corrupt or altered)"
+    return data, None
+
+
+def verify_checkpoint(path: str | Path) -> list[str]:
+    """Problems with a checkpoint directory: no/bad manifest, missing, truncated or altered
+    files (size and sha256 of every file; nothing is unpickled). Empty when it is sound."""
+    path = Path(path)
+    try:
+        m = read_manifest(path)
+    except ValueError as e:
+        return [str(e)]
+    problems = []
+    for f in m["files"]:
+        _, problem = check_file(path / f["name"], f)
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def prune(root: Path, step: int, keep: int) -> None:
+    """After the checkpoint of ``step`` is complete: keep the newest ``keep`` complete ones up to
+    it; remove older and incomplete leftovers, and those *after* it (a lineage this run
+    abandoned by resuming from an older checkpoint, which a later resume must not pick)."""
+    infos = list_checkpoints(root)
+    kept = {
+        c.step
+        for c in sorted((c for c in infos if c.complete and c.step <= step), key=lambda c: -c.step)[:keep]
+    }
+    kept.add(step)
+    for c in infos:
+        if c.step in kept:
+            continue
+        # Manifest first: a reader racing with us sees an incomplete checkpoint, never a
+        # complete one with missing files.
+        (c.path / MANIFEST).unlink(missing_ok=True)
+        shutil.rmtree(c.path, ignore_errors=True)

@@ -1,0 +1,228 @@
+"""The background half of a checkpoint save (Note [Save] in checkpoint.py).
+
+:func:`build_shard_payloads` takes the host snapshot of this rank's shard files (the only part
+training waits for); :func:`run_save_job`, on a background thread, writes them to local disk
+(sha256 on the way), copies them to the global store, drops this rank's marker and, on rank 0,
+waits for every writer's marker and commits the manifest (:func:`commit`). A :class:`SaveJob` is
+plain data: the thread never touches the engine.
+
+Example::
+
+    files, payloads = build_shard_payloads(mine, stage_params, opt_state, step=300, rank=0)
+    ok = run_save_job(SaveJob(root=root, target=root / "step_00000300", ..., files=files,
+                              payloads=payloads, ...))
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from varuna.runtime.checkpoint_shards import Shard
+from varuna.runtime.checkpoint_store import (
+    FORMAT,
+    MANIFEST,
+    MARKERS,
+    VERSION,
+    CheckpointError,
+    atomic_write,
+    copy_file,
+    fsync_dir,
+    prune,
+    save_hashed,
+)
+
+__all__ = ["SaveJob", "build_shard_payloads", "commit", "run_save_job"]
+
+log = logging.getLogger("varuna.runtime.checkpoint")
+
+
+@dataclass(kw_only=True)
+class SaveJob:
+    """Everything the background thread needs (plain data: it never touches the engine)."""
+
+    root: Path
+    target: Path
+    local: Path
+    step: int
+    nonce: int
+    rank: int
+    files: list[dict]
+    """This rank's files: name, segment, stage, replica, rank, params {name: {shape, dtype}}."""
+    payloads: list[dict]
+    """What to ``torch.save`` in each of ``files`` (host snapshots; dropped once written)."""
+    writers: list[int]
+    """Ranks whose markers rank 0 waits for (those with files)."""
+    expected_files: list[str]
+    manifest_base: dict | None
+    """Rank 0 only: everything of the manifest but ``files`` and ``parameters``."""
+    param_segments: dict[str, list[int]]
+    keep: int
+    timeout_s: float
+    chunk_bytes: int
+    hook: Callable[[str], None] | None
+
+
+def snapshot(x: Any) -> Any:
+    """A host copy of ``x``'s tensors, compact and contiguous (torch.save writes a view's whole
+    storage), so training can go on updating the originals while the copy is being written."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().to(device="cpu", memory_format=torch.contiguous_format, copy=True)
+    if isinstance(x, dict):
+        return {k: snapshot(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [snapshot(v) for v in x]
+    if isinstance(x, tuple):
+        return tuple(snapshot(v) for v in x)
+    return x
+
+
+def build_shard_payloads(
+    shards: Sequence[Shard],
+    stage_params: Mapping[str, torch.Tensor],
+    opt: dict | None,
+    *,
+    step: int,
+    rank: int,
+) -> tuple[list[dict], list[dict]]:
+    """Host snapshots of ``shards`` (this rank's files): their manifest entries and what to save.
+
+    ``opt``: the stage's name-keyed optimizer state (``optimizer_state_by_name``)."""
+    files, payloads = [], []
+    for shard in shards:
+        keep = set(shard.params)
+        # The synchronous part of a save (Note [Save]): a host snapshot of this rank's part.
+        # Serialising it (to local disk) and copying it (to the global store) happen in the
+        # background thread; the snapshot is freed once it is on local disk.
+        params = {n: snapshot(stage_params[n]) for n in shard.params}
+        opt_part = {
+            "class": opt["class"],
+            "state": {n: snapshot(v) for n, v in opt["state"].items() if n in keep},
+            "param_groups": [
+                {
+                    **snapshot({k: v for k, v in g.items() if k != "params"}),
+                    "params": [n for n in g["params"] if n in keep],
+                }
+                for g in opt["param_groups"]
+                if any(n in keep for n in g["params"])
+            ],
+        }
+        payloads.append(
+            {
+                "format": FORMAT,
+                "version": VERSION,
+                "step": step,
+                "segment": shard.segment,
+                "params": params,
+                "optimizer": opt_part,
+            }
+        )
+        files.append(
+            {
+                "name": shard.name,
+                "segment": shard.segment,
+                "stage": shard.stage,
+                "replica": shard.replica,
+                "rank": rank,
+                "params": {
+                    n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                    for n, t in params.items()
+                },
+            }
+        )
+    return files, payloads
+
+
+def run_save_job(job: SaveJob) -> bool:
+    """The background part of a save (Note [Save]): serialise to local disk, copy to the store,
+    drop a marker, and on rank 0 commit; True when this rank's part (and rank 0's commit)
+    succeeded. Never raises: a failed save must not stop training."""
+    hook = job.hook or (lambda event: None)
+    try:
+        job.local.mkdir(parents=True, exist_ok=True)
+        for i, f in enumerate(job.files):
+            hook("local-write")
+            f["bytes"], f["sha256"] = save_hashed(job.payloads[i], job.local / f["name"])
+            job.payloads[i] = None  # free the snapshot: the file on local disk is the copy now
+        job.target.mkdir(parents=True, exist_ok=True)
+        for f in job.files:
+            copy_file(
+                job.local / f["name"], job.target / f["name"], job.chunk_bytes, lambda: hook("copy-chunk")
+            )
+            hook("copied")
+        fsync_dir(job.target)
+        if job.files:
+            markers = job.target / MARKERS
+            markers.mkdir(exist_ok=True)
+            marker = {"nonce": job.nonce, "rank": job.rank, "files": job.files}
+            atomic_write(markers / f"rank{job.rank}.json", json.dumps(marker).encode())
+            hook("marker")
+        shutil.rmtree(job.local, ignore_errors=True)
+        if job.rank == 0:
+            commit(job, hook)
+        return True
+    except Exception as e:  # a failed save must not stop training: the checkpoint just never exists
+        log.warning(
+            "varuna: the checkpoint of step %d failed on rank %d and will not exist: %s",
+            job.step,
+            job.rank,
+            e,
+        )
+        return False
+    finally:
+        shutil.rmtree(job.local, ignore_errors=True)  # local copies are only a staging area
+
+
+def commit(job: SaveJob, hook: Callable[[str], None]) -> None:
+    """Rank 0: wait for every writer's marker, write the manifest (the commit), prune."""
+    markers = job.target / MARKERS
+    deadline = time.monotonic() + job.timeout_s
+    files: list[dict] = []
+    pending = set(job.writers)
+    while pending:
+        for r in sorted(pending):
+            try:
+                m = json.loads((markers / f"rank{r}.json").read_text())
+            except (FileNotFoundError, json.JSONDecodeError):
+                continue
+            if m.get("nonce") == job.nonce:  # markers of an abandoned earlier attempt differ
+                files.extend(m["files"])
+                pending.discard(r)
+        if pending:
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"no marker from rank(s) {sorted(pending)} after {job.timeout_s:.0f}s")
+            time.sleep(0.05)
+    got = sorted(f["name"] for f in files)
+    if got != sorted(job.expected_files):
+        raise CheckpointError(f"writers produced files {got}, expected {sorted(job.expected_files)}")
+    parameters = {}
+    for f in files:
+        for n, meta in f["params"].items():
+            parameters[n] = {**meta, "segments": job.param_segments.get(n, []), "file": f["name"]}
+    missing = set(job.param_segments) - set(parameters)
+    if missing:
+        raise CheckpointError(f"no file holds parameter(s) {sorted(missing)[:5]}")
+    manifest = {
+        **job.manifest_base,
+        "parameters": parameters,
+        "files": sorted(files, key=lambda f: f["name"]),
+    }
+    atomic_write(
+        job.target / MANIFEST,
+        json.dumps(manifest, indent=1).encode(),
+        before_replace=lambda: hook("manifest-tmp"),
+    )
+    hook("manifest")
+    shutil.rmtree(markers, ignore_errors=True)
+    prune(job.root, job.step, job.keep)
+
+
+# ---- load

@@ -1,0 +1,179 @@
+"""The engine's configuration (:class:`VarunaConfig`), what one step reports (:class:`StepResult`,
+:class:`StepTimings`), and the engine side of the run contract (:func:`adopt_plan`).
+
+Example::
+
+    >>> from varuna.core.env import RunPlan
+    >>> cfg = VarunaConfig(global_batch_size=32, micro_batch_size=4)
+    >>> print(adopt_plan(cfg, RunPlan(global_batch_size=32, micro_batch_size=8)))  # doctest: +ELLIPSIS
+    varuna: using the launcher's planned micro-batch size 8 (VARUNA_MICRO_BATCH_SIZE) instead of ...
+    >>> cfg.micro_batch_size
+    8
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from varuna.core.env import RunPlan
+from varuna.core.schedule import DEFAULT_STASH_HEADROOM, SCHEDULE_KINDS
+
+__all__ = ["PRECISIONS", "VarunaConfig", "StepResult", "StepTimings", "adopt_plan"]
+
+#: Autocast dtype per ``VarunaConfig.precision`` (None: plain fp32).
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(kw_only=True)
+class VarunaConfig:
+    """Engine configuration. P and D default to the launcher's environment (1 when absent)."""
+
+    global_batch_size: int
+    """M_total: examples per optimizer step, whatever P×D; hyper-parameters depend on it only."""
+    micro_batch_size: int
+    """m: examples per micro-batch."""
+    pipeline_depth: int | None = None
+    """P; defaults to $VARUNA_PIPELINE_DEPTH or 1."""
+    data_parallel: int | None = None
+    """D; defaults to $VARUNA_DATA_PARALLEL or WORLD_SIZE // P."""
+    schedule: str = "varuna"
+    """One of varuna, gpipe, 1f1b."""
+    recompute: bool = True
+    """Activation recompute for gpipe/1f1b (varuna always recomputes except on its last stage)."""
+    stash_headroom: int = DEFAULT_STASH_HEADROOM
+    """varuna schedule: how many more boundary inputs than its list's peak a stage may stash by
+    running graph-less forwards out of list order -- while it waits for a late gradient, or to
+    feed a next stage that ran dry (Notes [Filling the wait] and [Keeping the next stage fed] in
+    varuna/core/schedule.py). 0: only within the list's own peak."""
+    seed: int = 0
+    """Keys dropout masks (with step, micro-batch and segment) and parameter init."""
+    precision: str = "fp32"
+    """fp32, bf16 (autocast) or fp16 (autocast + dynamic loss scaling)."""
+    max_grad_norm: float | None = None
+    """Clip by the global gradient norm over all stages (shared parameters counted once)."""
+    stage_ranges: list[tuple[int, int]] | None = None
+    """Explicit segment ranges per stage; default: balanced on costs measured in a dry run."""
+    comm_timeout_s: float = 300.0
+    """Every wait on another process gives up after this long."""
+    dry_run_reps: int = 2
+    record_timeline: bool = False
+    """Record (stage, op, micro-batch, start, end) of every task, for traces."""
+    deterministic: bool = False
+    """Bit-for-bit identical weights at any P×D and across morphs (docs/determinism.md): canonical
+    summation order for gradients, norms and losses; deterministic kernels; pinned threads."""
+    deterministic_threads: int = 1
+    """Intra-op threads in deterministic mode (kernels may sum in a thread-count-dependent order)."""
+    rng_keyed: bool = True
+    """Key dropout by (seed, step, micro-batch, segment). Off only as a test's negative control."""
+    canonical_reduction: bool = True
+    """With ``deterministic``: canonical-order sums. Off only as a test's negative control."""
+    device: str | None = None
+    """Default: cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    loss_scale: float = 2.0**16
+    loss_scale_growth_interval: int = 2000
+    stop_signals: tuple[str, ...] = ("SIGUSR1", "SIGTERM")
+    """Signals that ask for a graceful stop: every rank finishes the current mini-batch, runs the
+    stop callbacks (e.g. writes a checkpoint) and exits 0. Empty: install no handler."""
+    # ---- checkpoints (see varuna/runtime/checkpoint.py and docs/checkpoints.md)
+    checkpoint_dir: str | None = None
+    """Global checkpoint store (shared filesystem or mounted blob); default $VARUNA_CHECKPOINT_DIR.
+    When set, a graceful stop (SIGUSR1/SIGTERM) checkpoints before exiting."""
+    checkpoint_every: int = 0
+    """Save every N steps (0: only on a graceful stop or an explicit ``save_checkpoint``)."""
+    keep_checkpoints: int = 2
+    """How many complete checkpoints to keep (the newest complete one is never deleted first)."""
+    local_checkpoint_dir: str | None = None
+    """Fast local disk where files are written before the background copy; default a tmp dir."""
+    resume: str | bool | None = None
+    """"1"/True: load the newest complete checkpoint (error if none); "auto": if there is one;
+    "0"/False: never. None: $VARUNA_RESUME (default never)."""
+    auto_cutpoints: int | None = None
+    """Insert up to this many CutPoints automatically into a model that has none (rank 0 picks the
+    boundaries from a dry run, every rank applies them; see varuna/cutting/autocut.py). None: use the
+    model's."""
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` (one line) for a setting the engine cannot run with.
+
+        Example::
+
+            VarunaConfig(global_batch_size=32, micro_batch_size=4, schedule="zigzag").validate()
+            # ValueError: unknown schedule 'zigzag'; choose one of varuna, gpipe, 1f1b
+        """
+        if self.schedule not in SCHEDULE_KINDS:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULE_KINDS)}")
+        if self.stash_headroom < 0:
+            raise ValueError(f"stash_headroom must be >= 0 (got {self.stash_headroom})")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; choose fp32, bf16 or fp16")
+        if self.micro_batch_size < 1 or self.global_batch_size < 1:
+            raise ValueError("--global-batch-size and --micro-batch-size must be >= 1")
+
+
+def adopt_plan(config: VarunaConfig, plan: RunPlan) -> str | None:
+    """Apply the launcher's run plan to ``config`` in place (Note [Run plan] in varuna/core/env.py).
+
+    The plan's global batch and schedule must be the script's (else ``ValueError``, one line
+    naming both values and the fix); its micro-batch size and stage ranges are adopted (the
+    simulator chose them for this cluster). Returns the line to print (on rank 0) when the planned
+    micro-batch size overrides the script's, else None.
+
+    Example::
+
+        >>> cfg = VarunaConfig(global_batch_size=32, micro_batch_size=4)
+        >>> adopt_plan(cfg, RunPlan(stage_ranges=((0, 1), (2, 3)))), cfg.stage_ranges
+        (None, [(0, 1), (2, 3)])
+    """
+    if plan.global_batch_size is not None and plan.global_batch_size != config.global_batch_size:
+        raise ValueError(
+            f"the launcher planned global batch {plan.global_batch_size} (VARUNA_GLOBAL_BATCH_SIZE) but the "
+            f"script asks for {config.global_batch_size}: pass the same --global-batch-size to "
+            "varuna-launch and the script"
+        )
+    if plan.schedule is not None and plan.schedule != config.schedule:
+        raise ValueError(
+            f"the launcher planned schedule {plan.schedule} (VARUNA_SCHEDULE) but the script asks for "
+            f"{config.schedule}: pass the same --schedule to varuna-launch and the script"
+        )
+    note = None
+    if plan.micro_batch_size is not None:
+        if plan.micro_batch_size != config.micro_batch_size:
+            note = (
+                f"varuna: using the launcher's planned micro-batch size {plan.micro_batch_size} "
+                f"(VARUNA_MICRO_BATCH_SIZE) instead of the script's {config.micro_batch_size}"
+            )
+        config.micro_batch_size = plan.micro_batch_size
+    if plan.stage_ranges is not None:
+        config.stage_ranges = [tuple(r) for r in plan.stage_ranges]
+    return note
+
+
+@dataclass(frozen=True)
+class StepTimings:
+    """Where one step's time went on this rank: mean seconds per micro-batch of each task kind
+    (0.0 when the stage ran none), how many forwards ran, and the end of step (gradient sync and
+    optimizer) in seconds."""
+
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+    recompute_s: float = 0.0
+    num_forwards: int = 0
+    sync_s: float = 0.0
+
+
+@dataclass
+class StepResult:
+    """What one ``train_step`` did; step callbacks (``Engine.add_step_callback``) get it too.
+    ``loss`` is the mean over the whole mini-batch (all replicas)."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    skipped: bool
+    loss_scale: float
+    samples_per_s: float
+    wall_time: float
+    timings: StepTimings = field(default_factory=StepTimings)
+    """This rank's per-task compute times during the step."""

@@ -1,0 +1,301 @@
+"""The schedule executor: runs one stage's tasks for one mini-batch (Note [Step] in engine.py).
+
+A loop asks the stage's :class:`~varuna.core.schedule.StagePolicy` for the next task, runs it, and
+drains the inbox fed by the link receiver threads. F runs without a graph (stashing its input)
+when the schedule recomputes that micro-batch, else it keeps its graph; R rebuilds the graph from
+the stash; B back-propagates the received gradient (the loss on the last stage) and sends the
+input gradients upstream.
+
+Example::
+
+    executor = ScheduleExecutor(stage=stage_setup, config=cfg, links=links, inbox=inbox,
+                                timeline=timeline, det=None)
+    run = executor.run(batch, micro_plan[replica], step=1, scale=1.0, train=True)
+    run.loss_sum, run.timings.fwd_s
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from varuna.core.batching import MicroBatch
+from varuna.core.schedule import BACKWARD, FORWARD, RECOMPUTE, StagePolicy, Task, get_schedule
+from varuna.core.timeline import Timeline
+from varuna.cutting.batches import call_with_batch, slice_batch
+from varuna.cutting.cutpoint import CutPoint, ForwardRun, SplitState, StopForward
+from varuna.cutting.split import keyed_seed
+from varuna.runtime.comm import Arrival
+from varuna.runtime.config import PRECISIONS, StepTimings, VarunaConfig
+from varuna.runtime.groups import StageLinks
+
+__all__ = ["StageModel", "ScheduleExecutor", "StageRun", "leaf"]
+
+
+@dataclass(kw_only=True)
+class StageModel:
+    """The materialised model of one stage and what its forward needs to run."""
+
+    model: nn.Module
+    loss_fn: Callable
+    split: SplitState
+    cutpoints: list[CutPoint]
+    """The model's CutPoints in segment order."""
+    first_segment: int
+    last_segment: int
+    num_segments: int
+    stage: int
+    replica: int
+    num_stages: int
+    device: torch.device
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
+@dataclass
+class StageRun:
+    """What running one mini-batch through the stage produced."""
+
+    loss_sum: float
+    """Sum over this replica's micro-batches of loss × size / M_total (last stage; else 0)."""
+    executed: list[Task]
+    timings: StepTimings
+
+
+@dataclass
+class _Work:
+    """Per-step state of the loop: what arrived, what waits for its backward, the loss so far."""
+
+    acts: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    grads: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    stash: dict[int, tuple[torch.Tensor, ...] | None] = field(default_factory=dict)
+    graphs: dict[int, tuple] = field(default_factory=dict)
+    loss_sum: float = 0.0
+    busy_s: dict[str, float] = field(default_factory=lambda: {FORWARD: 0.0, RECOMPUTE: 0.0, BACKWARD: 0.0})
+    count: dict[str, int] = field(default_factory=lambda: {FORWARD: 0, RECOMPUTE: 0, BACKWARD: 0})
+
+    def timings(self) -> StepTimings:
+        def mean(op: str) -> float:
+            return self.busy_s[op] / self.count[op] if self.count[op] else 0.0
+
+        return StepTimings(
+            fwd_s=mean(FORWARD),
+            bwd_s=mean(BACKWARD),
+            recompute_s=mean(RECOMPUTE),
+            num_forwards=self.count[FORWARD],
+        )
+
+
+def leaf(x: torch.Tensor) -> torch.Tensor:
+    """A received activation as an autograd leaf that collects its gradient (floating point only)."""
+    t = x.detach()
+    if t.is_floating_point():
+        t.requires_grad_(True)
+    return t
+
+
+class ScheduleExecutor:
+    """Runs the schedule of one stage (one per engine; see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        stage: StageModel,
+        config: VarunaConfig,
+        links: StageLinks,
+        inbox: queue.Queue,
+        timeline: Timeline,
+        det=None,
+    ) -> None:
+        self.s = stage
+        self.config = config
+        self.links = links
+        self.inbox = inbox
+        self.timeline = timeline
+        self.det = det
+        self._step = 0
+        self._scale = 1.0
+
+    def run(self, batch, mbs: list[MicroBatch], *, step: int, scale: float, train: bool) -> StageRun:
+        """Run this replica's micro-batches ``mbs`` of ``batch`` (forward only unless ``train``)."""
+        P, k, n = self.s.num_stages, self.s.stage, len(mbs)
+        self._step, self._scale = step, scale
+        if train:
+            sched = get_schedule(self.config.schedule, P, n, self.config.recompute)
+            policy = sched.policy(k, stash_headroom=self.config.stash_headroom)
+            recomputed = sched.recomputed(k)
+        else:
+            policy = StagePolicy([Task(FORWARD, i) for i in range(n)], k, P, opportunistic=False)
+            recomputed = frozenset(range(n))  # forward-only: never keep a graph
+        self.links.begin_step(n, train=train)
+        # Dropout draws are keyed by work (Note [Step]); the user's RNG stream is restored after.
+        devices = [self.s.device] if self.s.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            work = self._execute(batch, mbs, policy, recomputed, train)
+        return StageRun(loss_sum=work.loss_sum, executed=list(policy.executed), timings=work.timings())
+
+    def _execute(
+        self, batch, mbs: list[MicroBatch], policy, recomputed: frozenset[int], train: bool
+    ) -> _Work:
+        work = _Work()
+        timeout = self.config.comm_timeout_s
+        record = self.config.record_timeline
+        while not policy.finished:
+            self._drain(policy, work, block=False, timeout=timeout)
+            task = policy.next_task()
+            if task is None:
+                self._drain(policy, work, block=True, timeout=timeout)
+                continue
+            t0 = time.perf_counter()
+            i, mb = task.microbatch, mbs[task.microbatch]
+            if task.op == FORWARD:
+                self._run_forward(work, batch, mb, i, keep_graph=train and i not in recomputed, train=train)
+            elif task.op == RECOMPUTE:
+                inputs = work.stash.pop(i)
+                if inputs is not None:
+                    inputs = tuple(leaf(x) for x in inputs)
+                work.graphs[i] = (inputs, self._forward(batch, mb, inputs, with_grad=True))
+            else:
+                self._run_backward(work, mb, i, train=train)
+            policy.complete(task)
+            t1 = time.perf_counter()
+            work.busy_s[task.op] += t1 - t0
+            work.count[task.op] += 1
+            if record:
+                self.timeline.add(self.s.stage, self.s.replica, task.op, mb.index, t0, t1)
+        return work
+
+    def _run_forward(
+        self, work: _Work, batch, mb: MicroBatch, i: int, *, keep_graph: bool, train: bool
+    ) -> None:
+        inputs = work.acts.pop(i, None)
+        if inputs is not None and keep_graph:
+            inputs = tuple(leaf(x) for x in inputs)
+        out = self._forward(batch, mb, inputs, with_grad=keep_graph)
+        if self.s.is_last_stage:
+            loss_value = float(out.detach())  # a sync point on GPU; one per micro-batch
+            work.loss_sum += loss_value * mb.size / self.config.global_batch_size
+            if self.det is not None:
+                self.det.losses[mb.index] = loss_value
+        else:
+            self.links.act_out.send(i, tuple(x.detach() for x in out))
+        if keep_graph:
+            work.graphs[i] = (inputs, out)
+        elif train:
+            work.stash[i] = inputs
+
+    def _run_backward(self, work: _Work, mb: MicroBatch, i: int, *, train: bool) -> None:
+        inputs, out = work.graphs.pop(i)
+        if self.s.is_last_stage:
+            (out * (mb.size / self.config.global_batch_size * self._scale)).backward()
+        else:
+            g = work.grads.pop(i)
+            pairs = [(o, gi) for o, gi in zip(out, g) if o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [gi for _, gi in pairs])
+        if self.det is not None and train:
+            self.det.capture(mb.index)
+        if self.links.grad_out is not None:
+            self.links.grad_out.send(
+                i,
+                tuple(
+                    (x.grad if x.grad is not None else torch.zeros_like(x))
+                    for x in inputs
+                    if x.is_floating_point()
+                ),
+            )
+
+    def _drain(self, policy, work: _Work, *, block: bool, timeout: float) -> None:
+        while True:
+            try:
+                item = self.inbox.get(timeout=timeout) if block else self.inbox.get_nowait()
+            except queue.Empty:
+                if block:
+                    raise TimeoutError(
+                        f"stage {self.s.stage} replica {self.s.replica} waited {timeout:.0f}s for an "
+                        "activation or "
+                        "gradient; a peer process is stuck or gone (raise VarunaConfig.comm_timeout_s if "
+                        "steps are legitimately this slow)"
+                    ) from None
+                return
+            if isinstance(item, Exception):
+                raise RuntimeError(f"communication thread failed: {item}") from item
+            assert isinstance(item, Arrival)
+            (work.acts if item.kind == FORWARD else work.grads)[item.microbatch] = item.tensors
+            policy.arrived(item.kind, item.microbatch)
+            block = False
+
+    # ------------------------------------------------------------------ the forward of one micro-batch
+
+    def _reseed(self, microbatch: int) -> Callable[[int], None]:
+        seed, step = self.config.seed, self._step
+        # Seed only the generators this process draws from: torch.manual_seed would also queue
+        # lazy seeding of every accelerator backend (with a captured stack), per segment.
+        gens = [torch.default_generator]
+        if self.s.device.type == "cuda":
+            gens.append(torch.cuda.default_generators[self.s.device.index or 0])
+
+        if not self.config.rng_keyed:  # negative control: draws depend on the process's history
+            return lambda segment: None
+
+        def reseed(segment: int) -> None:
+            s = keyed_seed(seed, step, microbatch, segment)
+            for g in gens:
+                g.manual_seed(s)
+
+        return reseed
+
+    def _autocast(self):
+        dt = PRECISIONS[self.config.precision]
+        if dt is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.s.device.type, dtype=dt)
+
+    def _forward(self, batch, mb: MicroBatch, inputs, with_grad: bool):
+        """Run the user's forward for this stage; returns the loss (last stage) or outputs."""
+        s = self.s
+        data = slice_batch(batch, mb.start, mb.end)
+        reseed = self._reseed(mb.index)
+        on_segment = reseed
+        if self.det is not None and self.det.aliases:
+            det = self.det
+
+            def on_segment(segment: int) -> None:
+                reseed(segment)
+                det.on_segment(segment)
+
+        run = ForwardRun(
+            cutpoints=s.cutpoints,
+            first_segment=s.first_segment,
+            last_segment=s.last_segment if not s.is_last_stage else len(s.cutpoints),
+            num_segments=s.num_segments,
+            inputs=inputs,
+            on_segment=on_segment,
+        )
+        s.split.run = run
+        try:
+            with torch.set_grad_enabled(with_grad), self._autocast():
+                on_segment(0)
+                try:
+                    out = call_with_batch(s.model, data)
+                except StopForward as stop:
+                    return stop.outputs
+                if not s.is_last_stage:
+                    raise RuntimeError(
+                        f"stage {s.stage}'s forward returned without reaching CutPoint "
+                        f"#{s.last_segment}; "
+                        "the forward must pass every CutPoint on every call"
+                    )
+                return s.loss_fn(out, data)
+        finally:
+            s.split.run = None
+            if self.det is not None:
+                self.det.restore()

@@ -1,0 +1,108 @@
+"""Who this process is in the P×D grid, and the process group that connects it to the others.
+
+The rank layout is the launcher's (Note [Rank layout] in varuna/core/env.py): ``rank = replica * P
++ stage``; :class:`Layout` delegates to :func:`varuna.core.env.rank_of` and
+:func:`~varuna.core.env.stage_and_replica`, so the launcher and the engine cannot disagree.
+
+Example::
+
+    >>> layout = Layout(world=4, rank=3, P=2, D=2)
+    >>> layout.stage, layout.replica, layout.rank_of(0, 1)
+    (1, 1, 2)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from varuna.core.env import rank_of, stage_and_replica
+
+__all__ = ["Layout", "init_distributed", "pick_device"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """This process's place: ``world`` = P×D processes, this one is ``rank``."""
+
+    world: int
+    rank: int
+    P: int
+    D: int
+
+    @property
+    def stage(self) -> int:
+        return stage_and_replica(self.rank, self.P)[0]
+
+    @property
+    def replica(self) -> int:
+        return stage_and_replica(self.rank, self.P)[1]
+
+    def rank_of(self, stage: int, replica: int) -> int:
+        """Global rank of ``stage`` in ``replica``."""
+        return rank_of(stage=stage, replica=replica, pipeline_depth=self.P)
+
+
+def _env_int(environ: Mapping[str, str], name: str) -> int | None:
+    v = environ.get(name)
+    return int(v) if v not in (None, "") else None
+
+
+def init_distributed(
+    pipeline_depth: int | None,
+    data_parallel: int | None,
+    *,
+    device: str | None,
+    timeout_s: float,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[Layout, bool]:
+    """Resolve P and D (arguments, else ``$VARUNA_PIPELINE_DEPTH`` / ``$VARUNA_DATA_PARALLEL``) and
+    join the default process group when there are several processes and nobody joined it yet.
+    Returns the layout and whether this call created the process group (the engine then destroys
+    it on close).
+
+    Example::
+
+        layout, owns = init_distributed(None, None, device="cpu", timeout_s=60.0, environ={})
+        # Layout(world=1, rank=0, P=1, D=1), False
+    """
+    env = os.environ if environ is None else environ
+    world = dist.get_world_size() if dist.is_initialized() else (_env_int(env, "WORLD_SIZE") or 1)
+    P = pipeline_depth or _env_int(env, "VARUNA_PIPELINE_DEPTH") or 1
+    D = data_parallel or _env_int(env, "VARUNA_DATA_PARALLEL") or max(world // P, 1)
+    if P < 1 or D < 1:
+        raise ValueError(f"pipeline depth and data parallelism must be >= 1 (got P={P}, D={D})")
+    if world != P * D:
+        raise ValueError(
+            f"world size {world} != pipeline depth {P} x data parallel {D}; launch P×D processes "
+            f"(varuna-launch --procs {P * D} --pipeline-depth {P}) or change P/D"
+        )
+    owns = False
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() and device != "cpu" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        owns = True
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return Layout(world=world, rank=rank, P=P, D=D), owns
+
+
+def pick_device(device: str | None, environ: Mapping[str, str] | None = None) -> torch.device:
+    """``device`` if given, else ``cuda:$LOCAL_RANK`` (made current) when CUDA is available, else cpu.
+
+    Example::
+
+        pick_device("cpu")   # device(type='cpu')
+    """
+    if device:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        env = os.environ if environ is None else environ
+        dev = torch.device("cuda", _env_int(env, "LOCAL_RANK") or 0)
+        torch.cuda.set_device(dev)
+        return dev
+    return torch.device("cpu")

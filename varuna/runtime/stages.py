@@ -1,0 +1,77 @@
+"""Which segments each pipeline stage runs (paper §3.3).
+
+Explicit ranges (the config's or the launcher's plan) are checked; otherwise the segments are
+split by :func:`varuna.core.partition.balanced_stages` on the costs measured in the dry run, the
+schedule kind saying what a segment costs on a non-last and on the last stage (varuna's last stage
+never recomputes). Timings differ between processes, so rank 0's split is broadcast.
+
+Example::
+
+    ranges = assign_stages(layout, profile, schedule="varuna", recompute=True, explicit=None)
+    # [(0, 2), (3, 4)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from varuna.core.partition import balanced_stages
+from varuna.core.schedule import schedule_kind
+from varuna.cutting.split import ModelProfile
+from varuna.runtime.layout import Layout
+
+__all__ = ["assign_stages", "check_pipeline_depth"]
+
+
+def check_pipeline_depth(P: int, num_cutpoints: int) -> None:
+    """Raise ``ValueError`` (one line) when the model's CutPoints cannot make ``P`` stages.
+
+    Example::
+
+        check_pipeline_depth(4, 2)   # ValueError: pipeline depth 4 exceeds the 3 segments ...
+    """
+    K = num_cutpoints
+    if P > 1 and K == 0:
+        raise ValueError(
+            f"the model has no CutPoint, so it cannot be split into {P} pipeline stages; call "
+            "varuna.CutPoint() on activations at stage boundaries, or use --pipeline-depth 1"
+        )
+    if P > K + 1:
+        raise ValueError(
+            f"pipeline depth {P} exceeds the {K + 1} segments defined by the model's {K} CutPoints; "
+            f"use --pipeline-depth <= {K + 1} or add CutPoints"
+        )
+
+
+def assign_stages(
+    layout: Layout,
+    profile: ModelProfile,
+    *,
+    schedule: str,
+    recompute: bool,
+    explicit: Sequence[tuple[int, int]] | None,
+) -> list[tuple[int, int]]:
+    """Inclusive segment range of every stage (a collective when it balances on several ranks)."""
+    P, nseg = layout.P, profile.num_segments
+    if explicit is not None:
+        ranges = [tuple(r) for r in explicit]
+        flat = [s for a, b in ranges for s in range(a, b + 1)]
+        if len(ranges) != P or flat != list(range(nseg)):
+            raise ValueError(
+                f"stage_ranges {ranges} must be {P} contiguous ranges covering segments 0..{nseg - 1}"
+            )
+        return ranges
+    fwd, bwd = profile.fwd_cost, profile.bwd_cost
+    # A recompute is a forward again: the dry run's forward cost stands for it.
+    full, last = schedule_kind(schedule).balancing_costs(fwd, fwd, bwd, recompute=recompute)
+    ranges = balanced_stages(full, last, P) if P > 1 else [(0, nseg - 1)]
+    if layout.world > 1:
+        # Timings differ between processes: rank 0's split is the one everybody uses.
+        t = torch.tensor([x for r in ranges for x in r], dtype=torch.int64)
+        dist.broadcast(t, src=0)
+        v = t.tolist()
+        ranges = [(v[2 * i], v[2 * i + 1]) for i in range(P)]
+    return ranges
