@@ -57,8 +57,8 @@ __all__ = ["SegmentMeasurement", "SegmentProfiler", "median_iqr", "DryRunInfo", 
 
 # Note [Tasks]: the three timed tasks are those of varuna.runtime.executor.ScheduleExecutor: F (no
 # graph when the micro-batch will be recomputed), R (forward with graph from the stashed input),
-# B (backward from the received gradient). A stage whose forward keeps its graph (last stage, or no recompute) pays
-# about R for its forward: the simulator reads recompute_s for that.
+# B (backward from the received gradient). A stage whose forward keeps its graph (last stage, or no
+# recompute) pays about R for its forward: the simulator reads recompute_s for that.
 
 
 @dataclass(kw_only=True)
