@@ -22,12 +22,12 @@ worker when the agent dies (:func:`manager.procs.die_with_parent`).
 
 Note [Early stop]: a SIGUSR1 ("checkpoint and stop", e.g. an eviction notice) that arrives before
 the engine installed its own handler must neither kill the worker (the manager would count a
-failure) nor be lost. The shim blocks SIGUSR1 in the main thread until the engine is built; the
-plugin :func:`release_early_stop` then unblocks it, so a pending one reaches the engine's handler
-(the engine stops, with a checkpoint, after its first step). A SIGUSR1 received meanwhile by
-another thread (a standby's preloads may have started some) runs the shim's handler, which sends
-it on to the blocked main thread. If the script never builds an engine, the signal stays pending
-and is dropped at exit.
+failure) nor be lost. Until then the shim's handler only remembers it; the plugin
+:func:`release_early_stop` then asks the engine to stop (it does, with a checkpoint, after its first
+step). The signal is never blocked: a script that installs its own SIGUSR1 handler (or never builds
+an engine) gets every signal as it would without the shim. The memory is one object per process
+because signal handlers are per process; ``python -m manager.worker_shim`` runs this module under
+its importable name, so the plugin the engine imports by name sees the same object.
 """
 
 from __future__ import annotations
@@ -68,27 +68,34 @@ def enable_engine_plugins(environ: dict[str, str] | None = None) -> None:
     env["VARUNA_ENGINE_PLUGINS"] = ",".join(current + [p for p in ENGINE_PLUGINS if p not in current])
 
 
+class _EarlyStop:
+    """SIGUSR1 handler during start-up: remembers the request (Note [Early stop])."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.requested.set()
+
+
+#: The process's start-up SIGUSR1 memory (Note [Early stop]: signal handlers are per process).
+_EARLY_STOP = _EarlyStop()
+
+
 def _hold_early_stop() -> None:
-    """Note [Early stop]: keep a SIGUSR1 pending until :func:`release_early_stop`."""
-    main_id = threading.main_thread().ident
-
-    def forward_to_main(signum: int, frame: Any) -> None:
-        if main_id is not None:
-            signal.pthread_kill(main_id, signal.SIGUSR1)  # pending there until released
-
-    signal.signal(signal.SIGUSR1, forward_to_main)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    """Note [Early stop]: remember a SIGUSR1 until :func:`release_early_stop` hands it on."""
+    signal.signal(signal.SIGUSR1, _EARLY_STOP)
 
 
 def release_early_stop(engine: Any) -> None:
-    """Engine plugin: unblock SIGUSR1 now that ``engine`` handles it (Note [Early stop]).
+    """Engine plugin: hand a stop asked for during start-up to ``engine`` (Note [Early stop]).
 
     Example::
 
         VARUNA_ENGINE_PLUGINS=manager.worker_shim:release_early_stop python train.py
     """
-    if threading.current_thread() is threading.main_thread():
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+    if _EARLY_STOP.requested.is_set():
+        engine.stop_requested = True
 
 
 #: What a standby worker imports ahead of time (``$VARUNA_STANDBY_PRELOAD`` overrides): torch and
@@ -268,4 +275,8 @@ def _fast_exit(code: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run under the importable name, so the engine plugins named in $VARUNA_ENGINE_PLUGINS
+    # (imported as manager.worker_shim) share this process's state (Note [Early stop]).
+    from manager import worker_shim
+
+    sys.exit(worker_shim.main())

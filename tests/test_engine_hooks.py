@@ -175,3 +175,24 @@ def test_worker_shim_attaches_the_reporter_and_checkpoint_interval_without_patch
     assert run.returncode == 0, run.stderr[-3000:]
     assert "every 7 stop True" in run.stdout and "not reached" not in run.stdout
     assert (tmp_path / "ckpt" / "step_00000001" / "manifest.json").is_file()
+
+
+def test_worker_shim_leaves_a_scripts_own_sigusr1_handler_working(tmp_path):
+    # Negative control for Note [Early stop]: the shim must not block SIGUSR1, or a script that
+    # handles the signal itself (and builds no engine) would never see it.
+    token = tmp_path / "token"
+    token.write_text("secret-token-0123456789")
+    token.chmod(0o600)
+    script = tmp_path / "own_handler.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, threading
+        got = threading.Event()
+        signal.signal(signal.SIGUSR1, lambda *_: got.set())
+        os.kill(os.getpid(), signal.SIGUSR1)
+        print("handled" if got.wait(30) else "blocked", flush=True)
+    """))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VARUNA_MANAGER": "127.0.0.1:1",
+           "VARUNA_MANAGER_TOKEN_FILE": str(token)}
+    run = subprocess.run([sys.executable, "-m", "manager.worker_shim", str(script)], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "handled", run.stdout + run.stderr[-2000:]
