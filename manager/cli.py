@@ -201,7 +201,7 @@ def _add_client_parsers(sub: Any) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from manager.policy import StutterConfig
-    from manager.server import ManagerServer, ServeConfig
+    from manager.server import ManagerServer, ServeConfig, insecure_listen_warning
 
     tuning = {
         "heartbeat_interval_s": args.heartbeat_interval,
@@ -235,6 +235,8 @@ def _serve(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise _UsageError(str(exc)) from None
+    except OSError as exc:  # another manager holds the state file, or it cannot be written
+        raise _Failure(str(exc)) from None
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -243,6 +245,9 @@ def _serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise _Failure(str(exc)) from None
     assert server.manager is not None
+    warning = insecure_listen_warning(args.listen.rpartition(":")[0], tls=bool(args.tls_cert))
+    if warning is not None:
+        print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
     print(
         f"{PROG}: listening on {server.address} (agents dial {server.manager.config.advertise_address}); "
         f"state in {args.db}",

@@ -205,7 +205,7 @@ class WorkerReporter:
         self._resumed_from = int(engine.step_count)
         info = engine.describe()
         ranges = info.get("stage_ranges") or []
-        first, end = ranges[self._stage] if self._stage < len(ranges) else (0, 0)
+        first, end = ranges[self._stage] if self._stage < len(ranges) else (0, -1)  # empty: unknown
         self._segments = (int(first), int(end))
         self._m = int(info.get("m") or 0)
         self._last_step = self._resumed_from

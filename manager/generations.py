@@ -74,6 +74,8 @@ class JobController:
             cfg = self.ctx.config
             if all_done:
                 self.end_generation(job, gen, now, graceful=all_clean, reason=gen.stop_reason)
+                if all_clean:
+                    self._finish_if_target_reached(job, gen)
             elif failed:
                 what = ", ".join(vm.vm_id for vm in failed)
                 self.begin_kill(job, gen, f"failure during the graceful stop on {what}", now)
@@ -138,6 +140,20 @@ class JobController:
             else f" (before target step {spec.target_steps}: the script stopped)"
         )
         self.ctx.finish_job(job, "finished", msg)
+
+    def _finish_if_target_reached(self, job: JobRecord, gen: GenerationRecord) -> None:
+        """A graceful stop whose workers had already reached the target step: the job is done.
+        Relaunching would start a generation with nothing left to train (it would only load the
+        checkpoint and exit), so this branch checks the target as the running branch does."""
+        fresh = self.ctx.store.job(job.job_id) or job
+        gen = self.ctx.store.generation(job.job_id, gen.generation) or gen
+        spec = self.ctx.cache(fresh).spec
+        last = max(gen.last_step, fresh.step)
+        if fresh.terminal or fresh.cancel_requested or last < spec.target_steps:
+            return
+        self.ctx.finish_job(
+            fresh, "finished", f"reached step {last} (generation {gen.generation} stopped at the target)"
+        )
 
     def _graceful_trigger(
         self, job: JobRecord, gen: GenerationRecord, gen_vms: list[VMRecord], vms: list[VMRecord], now: float

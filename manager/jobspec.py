@@ -47,8 +47,11 @@ from pathlib import Path
 from typing import Any
 
 from varuna.core.schedule import SCHEDULE_KINDS
+from varuna.launch.spec import default_max_procs_per_host
 
 __all__ = [
+    "MAX_PROCS_PER_VM",
+    "MAX_VMS",
     "PROVIDERS",
     "JobSpec",
     "ProfileSpec",
@@ -57,6 +60,12 @@ __all__ = [
     "spec_from_pb",
     "spec_to_pb",
 ]
+
+#: Most VMs one job may ask for: the manager is sized and load-tested for 1,000 VMs (docs/manager.md);
+#: a larger number is a typo that would have the provider create VMs without end.
+MAX_VMS = 1024
+#: Most workers per VM (accelerators of one machine; the largest VM sizes hold 8-16).
+MAX_PROCS_PER_VM = 64
 
 #: Providers the manager knows (manager/providers/).
 PROVIDERS = ("local", "azure")
@@ -251,6 +260,8 @@ class JobSpec:
             raise ValueError("jobspec: 'checkpoint_dir' is required: morphs resume from its checkpoints")
         if not isinstance(self.provider_options, dict):
             raise ValueError("jobspec: 'provider_options' must be a table/object")
+        if self.provider == "local":
+            self._check_local_capacity()
         self._check_env()
         if not isinstance(self.gpu_memory_gib, (int, float)) or self.gpu_memory_gib < 0:
             raise ValueError(f"jobspec: 'gpu_memory_gib' must be a number >= 0, got {self.gpu_memory_gib!r}")
@@ -277,6 +288,26 @@ class JobSpec:
             raise ValueError(
                 f"jobspec: min_vms {self.min_vms} exceeds max_vms {self.max_vms}; "
                 "raise max_vms or lower min_vms"
+            )
+        if self.max_vms > MAX_VMS:
+            raise ValueError(f"jobspec: max_vms {self.max_vms} is above the limit of {MAX_VMS}; lower it")
+        if self.procs_per_vm > MAX_PROCS_PER_VM:
+            raise ValueError(
+                f"jobspec: procs_per_vm {self.procs_per_vm} is above the limit of {MAX_PROCS_PER_VM};"
+                " lower it"
+            )
+
+    def _check_local_capacity(self) -> None:
+        """Pretend VMs are processes on this machine (an agent and procs_per_vm workers each):
+        bound them as ``varuna-launch`` bounds workers per host."""
+        created = self.provider_options.get("max_created")
+        vms = min(self.max_vms, created) if isinstance(created, int) and created >= 0 else self.max_vms
+        limit = default_max_procs_per_host()
+        if vms * self.procs_per_vm > limit:
+            raise ValueError(
+                f"jobspec: the local provider would run {vms} × {self.procs_per_vm} workers on this machine,"
+                f" more than its limit of {limit} (4 × its CPU cores, at least 8); lower max_vms"
+                " (or set provider_options.max_created)"
             )
 
     def _check_env(self) -> None:

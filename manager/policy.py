@@ -180,12 +180,21 @@ def grow_gain(current: LayoutPlan | float, candidate: LayoutPlan) -> float:
 
 
 def predicted_compute_s(
-    calibration: Calibration, first_segment: int, end_segment: int, micro_batch_size: int, *, recompute: bool
+    calibration: Calibration, first_segment: int, last_segment: int, micro_batch_size: int, *, recompute: bool
 ) -> float:
     """What the calibration predicts one micro-batch's forward + backward (+ recompute) takes on
-    segments ``[first_segment, end_segment)``: the reference for the fail-stutter rule."""
+    segments ``first_segment..last_segment`` (both included, the engine's stage ranges): the
+    reference for the fail-stutter rule.
+
+    >>> cal = Calibration.synthetic(0.01, num_segments=4, micro_batch_sizes=(1, 2))
+    >>> one = predicted_compute_s(cal, 0, 0, 2, recompute=False)
+    >>> round(predicted_compute_s(cal, 0, 1, 2, recompute=False) / one, 6)  # two segments
+    2.0
+    """
+    if last_segment < first_segment:
+        raise ValueError(f"segment range {first_segment}..{last_segment} is empty")
     total = 0.0
-    for s in range(first_segment, end_segment):
+    for s in range(first_segment, last_segment + 1):
         total += calibration.fwd_s(s, micro_batch_size) + calibration.bwd_s(s, micro_batch_size)
         if recompute:
             total += calibration.recompute_s(s, micro_batch_size)

@@ -8,7 +8,11 @@ workers running: they keep training, and a manager started again on the same ``-
 
 from __future__ import annotations
 
+import errno
+import ipaddress
+import os
 import socket
+import sqlite3
 import sys
 import threading
 import traceback
@@ -25,9 +29,10 @@ from manager import varuna_manager_pb2_grpc as pb_grpc
 from manager.auth import TokenInterceptor, load_token, server_credentials
 from manager.context import ManagerConfig, ManagerError
 from manager.controller import Manager
+from manager.daemon_lock import DaemonLock
 from manager.store import Store
 
-__all__ = ["MAX_MESSAGE_BYTES", "ManagerServer", "ServeConfig"]
+__all__ = ["MAX_MESSAGE_BYTES", "ManagerServer", "ServeConfig", "insecure_listen_warning"]
 
 #: Largest request the server takes (agents keep calibration files below it:
 #: ``manager.calibrate.MAX_CALIBRATION_BYTES``).
@@ -131,8 +136,21 @@ class ManagerServer:
         if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
             raise ValueError(f"--listen {config.listen!r} is not HOST:PORT (port 0: any free port)")
         self._host = host
-        Path(config.db).parent.mkdir(parents=True, exist_ok=True)
-        self.store = Store(config.db)
+        if config.advertise:
+            a_host, a_sep, a_port = config.advertise.rpartition(":")
+            if not a_sep or not a_host or not a_port.isdigit() or not 0 < int(a_port) < 65536:
+                raise ValueError(f"--advertise {config.advertise!r} is not HOST:PORT")
+        self._lock = _lock_state_file(config.db)
+        try:
+            _check_writable_dir(config.state_dir or f"{config.db}.d", "--state-dir")
+        except OSError:
+            self._lock.release()
+            raise
+        try:
+            self.store = Store(config.db)
+        except (OSError, sqlite3.Error) as exc:
+            self._lock.release()
+            raise OSError(f"cannot open the state file {config.db}: {exc}") from None
         self._server = grpc.server(
             futures.ThreadPoolExecutor(
                 max_workers=config.max_workers, thread_name_prefix="varuna-manager-rpc"
@@ -156,16 +174,21 @@ class ManagerServer:
     def start(self) -> None:
         """Bind, start serving and start the control loop. ``OSError`` when the address is taken."""
         bind = f"{self._host}:{self.config.listen.rpartition(':')[2]}"
+        problem = _port_taken(self._host, int(self.config.listen.rpartition(":")[2]))
+        if problem is not None:
+            # Asked before grpc binds: its failure comes with a log line of its own on stderr.
+            self._close_state()
+            raise OSError(f"cannot listen on {bind}: {problem}")
         try:
             if self._creds is not None:
                 self.port = self._server.add_secure_port(bind, self._creds)
             else:
                 self.port = self._server.add_insecure_port(bind)
         except RuntimeError as exc:  # grpc raises RuntimeError when it cannot bind
-            self.store.close()
-            raise OSError(f"cannot listen on {bind}: {exc}") from None
+            self._close_state()
+            raise OSError(f"cannot listen on {bind}: {exc}; is another process using the port?") from None
         if not self.port:
-            self.store.close()
+            self._close_state()
             raise OSError(f"cannot listen on {bind} (address in use?)")
         advertise = self.config.advertise
         if not advertise:
@@ -192,4 +215,86 @@ class ManagerServer:
         self._server.stop(grace_s).wait(grace_s + 3.0)
         if self.manager is not None:
             self.manager.stop()
+        self._close_state()
+
+    def _close_state(self) -> None:
+        """Close the store, then free the state file for the next manager."""
         self.store.close()
+        self._lock.release()
+
+
+def _lock_state_file(db: str) -> DaemonLock:
+    """The state file's daemon lock (``manager.daemon_lock``), its directory made first.
+    ``OSError`` with one line: another manager holds it, or the path cannot be written."""
+    try:
+        Path(db).parent.mkdir(parents=True, exist_ok=True)
+        return DaemonLock.acquire(db)
+    except FileExistsError:
+        raise OSError(
+            f"cannot create the state file {db}: a parent of it is a file, not a directory"
+        ) from None
+    except OSError as exc:
+        if exc.strerror is None:  # DaemonLockHeld: already one line
+            raise
+        raise OSError(f"cannot create the state file {db}: {exc.strerror} ({exc.filename or db})") from None
+
+
+def _check_writable_dir(path: str, option: str) -> None:
+    """Create ``path`` and write a file there, or ``OSError`` with one line: pretend VMs keep
+    their directories there, and finding out at the first VM would only be a provider error."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        probe = Path(path) / f".varuna-manager-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise OSError(
+            f"{option} {path}: cannot write there ({exc.strerror or exc}); pick a writable directory"
+        ) from None
+
+
+def _port_taken(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound now (in use, not an address of this machine), or None.
+    SO_REUSEADDR as grpc sets it: a port left in TIME_WAIT is free, a listening one is not."""
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"cannot resolve {host}: {exc.strerror}"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return "the port is in use (another manager?); stop that process or pick another port"
+            return f"{exc.strerror}; pick an address of this machine for --listen"
+    return None
+
+
+def insecure_listen_warning(listen_host: str, tls: bool) -> str | None:
+    """The warning for serving without TLS on an address other machines can reach, or None.
+
+    >>> insecure_listen_warning("127.0.0.1", tls=False) is None
+    True
+    >>> insecure_listen_warning("0.0.0.0", tls=False)[:30]
+    'listening on 0.0.0.0 without T'
+    """
+    if tls or _is_loopback(listen_host):
+        return None
+    return (
+        f"listening on {listen_host} without TLS: the token and all job data cross the network in"
+        " clear text; pass --tls-cert/--tls-key, or listen on 127.0.0.1"
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

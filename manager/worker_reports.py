@@ -155,9 +155,13 @@ class WorkerReports:
         ctx.store.update_job(job.job_id, detection_time=None, detection_reason="")
 
     def _predicted_s(self, job: JobRecord, req: pb.WorkerHeartbeatRequest) -> float | None:
-        """The calibration's compute time for this worker's segments, when it can say."""
+        """The calibration's compute time for this worker's segments, when it can say.
+
+        ``end_segment`` is the stage's last segment, included (Note [Stage ranges on the wire]
+        in manager/varuna_manager.proto): summing up to it excluded left one segment out, so a
+        healthy stage looked slower than predicted and its VM was evicted."""
         calibration = self.ctx.cache(job).calibration
-        if calibration is None or req.end_segment <= req.first_segment or req.micro_batch_size <= 0:
+        if calibration is None or req.end_segment < req.first_segment or req.micro_batch_size <= 0:
             return None
         try:
             return predicted_compute_s(

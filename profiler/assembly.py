@@ -17,12 +17,15 @@ Example::
 from __future__ import annotations
 
 import math
+import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from profiler.compute import SegmentMeasurement, median_iqr
 from varuna.core.calibration import (
+    AllReduceModel,
     AllReducePoint,
     Calibration,
     ComputeStat,
@@ -34,7 +37,7 @@ from varuna.core.calibration import (
     SegmentCalibration,
     SendStat,
 )
-from varuna.core.calibration_fit import fit_allreduce_model, fit_link_model
+from varuna.core.calibration_fit import FitFallbackWarning, fit_allreduce_model, fit_link_model
 
 __all__ = ["CalibrationState", "add_compute", "assemble", "fit_linear", "state_from_file"]
 
@@ -82,6 +85,26 @@ def _link_fit_errors(model: LinkModel) -> dict:
     }
 
 
+
+
+def _fit_network(st: CalibrationState) -> tuple[dict[str, LinkModel], AllReduceModel, list[str]]:
+    """The link and all-reduce models, and the fallbacks taken (Note [Robust fits] in
+    varuna/core/calibration_fit.py), each also printed as one warning line on stderr: a busy
+    machine gives a usable, conservative file and says so, never an error."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FitFallbackWarning)
+        try:
+            links = {kind: fit_link_model(st.link_points[kind]) for kind in ("intra", "inter")}
+            allreduce = fit_allreduce_model(st.ar_points)
+        except ValueError as e:  # too few sizes/rings measured: the plan, not the noise
+            raise RuntimeError(
+                f"cannot fit the network models ({e}); measure more sizes "
+                "(ProfileOptions.link_sweep_bytes, allreduce_sweep_bytes)"
+            ) from e
+    notes = [str(w.message) for w in caught if issubclass(w.category, FitFallbackWarning)]
+    for note in notes:
+        print(f"varuna-profile: warning: {note}", file=sys.stderr, flush=True)
+    return links, allreduce, notes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,14 +232,7 @@ def assemble(st: CalibrationState, *, created: str, host: HostInfo, model_name: 
         cutpoints.append(
             CutPointCalibration(name=name, act_bytes=[st.act_bytes[(c, m)] for m in ms], **sends)
         )
-    try:
-        links = {kind: fit_link_model(st.link_points[kind]) for kind in ("intra", "inter")}
-        allreduce = fit_allreduce_model(st.ar_points)
-    except ValueError as e:  # noisy measurements, not bad input: not an exit-2 error
-        raise RuntimeError(
-            f"cannot fit the network models ({e}); re-run on a quieter machine or with more "
-            "--link-reps / --allreduce-reps"
-        ) from e
+    links, allreduce, fit_warnings = _fit_network(st)
     total_opt_s = sum(s.get("optimizer_step_s", 0.0) for s in st.seg_static.values())
     total_param = sum(s["param_bytes"] for s in st.seg_static.values() if s.get("grad_bytes"))
     cal = Calibration(
@@ -238,6 +254,7 @@ def assemble(st: CalibrationState, *, created: str, host: HostInfo, model_name: 
         "compute_fit": compute_fit,
         "memory_source": st.memory_source,
         "link_fit": {kind: _link_fit_errors(links[kind]) for kind in links},
+        "fit_warnings": fit_warnings,
         "allreduce_configs": [list(c) for c in sorted({(p.ring_size, p.concurrent) for p in st.ar_points})],
     }
     cal.profiler = extra  # the same object: what calibrate() adds to extra lands in the file

@@ -36,6 +36,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -471,17 +472,16 @@ def _reduce_links(st: CalibrationState, plan: dict, results: Sequence[dict], act
     keys_act, keys_grad = list(act_msgs), list(grad_msgs)
     for kind, (a, b) in plan["links"]["pairs"].items():
         act_t, grad_t = link_stats(results[a]["links"][kind], results[b]["links"][kind], warmup=2)
-        act_stat = {
-            key: SendStat(mean=mean_std(t)[0], jitter=mean_std(t)[1]) for key, t in zip(keys_act, act_t)
-        }
-        grad_stat = {
-            key: SendStat(mean=mean_std(t)[0], jitter=mean_std(t)[1]) for key, t in zip(keys_grad, grad_t)
-        }
-        for msgs, stats in ((act_msgs, act_stat), (grad_msgs, grad_stat)):
-            for key, msg in msgs.items():
-                s = stats[key]
+        stat = {key: mean_std(t) for key, t in [*zip(keys_act, act_t), *zip(keys_grad, grad_t)]}
+        act_stat = {key: SendStat(mean=stat[key][0], jitter=stat[key][1]) for key in keys_act}
+        grad_stat = {key: SendStat(mean=stat[key][0], jitter=stat[key][1]) for key in keys_grad}
+        # The fit's points take the median of the rounds (Note [Robust fits] in
+        # varuna/core/calibration_fit.py): one descheduled round must not move a size's time.
+        for msgs, stats, times in ((act_msgs, act_stat, act_t), (grad_msgs, grad_stat, grad_t)):
+            for (key, msg), t in zip(msgs.items(), times):
                 st.link_points[kind].append(
-                    LinkPoint(bytes=payload_bytes(msg), mean_s=s.mean, jitter_s=s.jitter)
+                    LinkPoint(bytes=payload_bytes(msg), mean_s=statistics.median(t),
+                              jitter_s=stats[key].jitter)
                 )
         for m in new_ms:
             for c, cut in enumerate(info.act_meta[m]):

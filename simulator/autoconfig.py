@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn
 
-from simulator.config import SimConfig, SimResult, host_of_ranks, segment_costs
+from simulator.config import MAX_GPUS, MAX_MICROBATCHES, SimConfig, SimResult, host_of_ranks, segment_costs
 from simulator.costs import stage_memory, sync_costs
 from simulator.engine import simulate
 from varuna.core.batching import microbatch_counts
@@ -352,8 +352,8 @@ def autoconfigure(
     """
     t0 = time.perf_counter()
     _check_schedule(schedule)
-    if gpus < 1:
-        raise ValueError(f"gpus must be >= 1, got {gpus}")
+    if not 1 <= gpus <= MAX_GPUS:
+        raise ValueError(f"gpus must be between 1 and {MAX_GPUS}, got {gpus}")
     if global_batch_size < 1:
         raise ValueError(f"global batch size must be >= 1, got {global_batch_size}")
     planner = _planner or _Planner(cal, schedule, recompute, chunks, host_slots, gpu_memory_bytes)
@@ -397,6 +397,11 @@ def _candidate(
     usable = [x for x in m_options if -(-M // x) >= D]
     if not usable:
         notes.append(f"P={P}: every micro-batch size leaves a replica empty with D={D}")
+        return None
+    usable = [x for x in usable if -(-M // (x * D)) <= MAX_MICROBATCHES]
+    if not usable:
+        notes.append(f"P={P}: more than {MAX_MICROBATCHES} micro-batches per replica at every m (too large "
+                     "a global batch to simulate)")
         return None
     fits = False
     for m in usable:

@@ -208,8 +208,8 @@ def _run(args) -> int:
         raise _UsageError(
             f"unknown schedule kind {args.schedule!r}; choose one of {', '.join(SIM_SCHEDULE_KINDS)}"
         )
-    if args.jitter_scale < 0:
-        raise _UsageError("--jitter-scale must be >= 0")
+    if not 0 <= args.jitter_scale <= 1e6:  # also refuses nan and inf
+        raise _UsageError(f"--jitter-scale must be a number >= 0 (at most 1e6), got {args.jitter_scale}")
     cal = Calibration.load(args.calibration)
     out = _estimate(args, cal) if args.config is not None else _search(args, cal)
     if args.sweep_gpus:

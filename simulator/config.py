@@ -21,6 +21,8 @@ from varuna.core.schedule import ALL_SCHEDULE_KINDS, schedule_kind
 from varuna.core.timeline import Timeline
 
 __all__ = [
+    "MAX_MICROBATCHES",
+    "MAX_GPUS",
     "SIM_SCHEDULE_KINDS",
     "SimConfig",
     "SimResult",
@@ -29,6 +31,15 @@ __all__ = [
     "segment_costs",
     "stage_segments_for",
 ]
+
+#: Most micro-batches per replica one simulation takes: each is simulated event by event, and
+#: beyond this a simulation runs for hours (a mistyped batch size, not a real job).
+MAX_MICROBATCHES = 100_000
+#: Most P×D one simulation takes (every rank has its host index, list, ...).
+MAX_GPUS = 1_000_000
+#: Bound of the time knobs (seconds) and of jitter_scale: beyond it a value is a mistake, and the
+#: event times lose all precision.
+_MAX_KNOB = 1e6
 
 #: Schedules the simulator knows: the runtime's, plus interleaved 1F1B (simulation only).
 SIM_SCHEDULE_KINDS = ALL_SCHEDULE_KINDS
@@ -216,6 +227,10 @@ def validate_config(cal: Calibration, c: SimConfig) -> tuple[tuple[int, int], ..
         raise ValueError(
             f"P, D and m must be >= 1 (got P={c.num_stages}, D={c.num_replicas}, m={c.micro_batch_size})"
         )
+    if c.num_gpus > MAX_GPUS:
+        raise ValueError(
+            f"P×D={c.num_gpus} is more than the simulator takes ({MAX_GPUS}); use fewer replicas"
+        )
     kind.check_chunks(c.chunks)
     _check_replicas(c)
     _check_knobs(c)
@@ -246,6 +261,11 @@ def _check_replicas(c: SimConfig) -> None:
             f"D={c.num_replicas} replicas"
         )
     for d in range(c.num_replicas):
+        if c.microbatches_of(d) > MAX_MICROBATCHES:
+            raise ValueError(
+                f"num_microbatches: replica {d} has {c.microbatches_of(d)} micro-batches, more than the "
+                f"simulator takes ({MAX_MICROBATCHES}); use a larger micro-batch size or more replicas"
+            )
         if c.microbatches_of(d) < 1:
             raise ValueError(
                 f"replica {d} has {c.microbatches_of(d)} micro-batches; every replica needs >= 1"
@@ -255,17 +275,20 @@ def _check_replicas(c: SimConfig) -> None:
 
 
 def _check_knobs(c: SimConfig) -> None:
+    # ``not 0 <= x <= max`` so that NaN is refused too (every comparison with NaN is False).
     if c.stash_headroom < 0:
         raise ValueError(f"stash_headroom must be >= 0 (got {c.stash_headroom})")
     if c.max_sends_per_link < 1:
         raise ValueError("max_sends_per_link must be >= 1")
-    if c.jitter_scale < 0:
-        raise ValueError("jitter_scale must be >= 0")
-    if not c.task_jitter_s >= 0:
-        raise ValueError(f"task_jitter_s must be >= 0 seconds, got {c.task_jitter_s}")
+    if not 0 <= c.jitter_scale <= _MAX_KNOB:
+        raise ValueError(f"jitter_scale must be >= 0 (and at most {_MAX_KNOB:.0e}), got {c.jitter_scale}")
+    for name in ("task_jitter_s", "extra_latency_s"):
+        if not 0 <= getattr(c, name) <= _MAX_KNOB:
+            value = getattr(c, name)
+            raise ValueError(f"{name} must be >= 0 seconds (and at most {_MAX_KNOB:.0e}), got {value}")
     for name in ("task_overhead_s", "placeholder_s", "step_overhead_s"):
         value = getattr(c, name)
-        if value is not None and not value >= 0:
+        if value is not None and not 0 <= value <= _MAX_KNOB:
             raise ValueError(f"{name} must be >= 0 seconds or None (from the calibration), got {value}")
 
 

@@ -146,7 +146,7 @@ class SimVM:
                     num_microbatches=2,
                     micro_batch_size=2,
                     first_segment=rank % P,
-                    end_segment=rank % P + 1,
+                    end_segment=rank % P,  # one segment per stage, last one included
                 )
             )
 

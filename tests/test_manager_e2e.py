@@ -4,7 +4,7 @@ the test makes trouble, and the result matches an undisturbed run.
 1. a VM's worker is slowed with SIGSTOP/SIGCONT bursts: detected as fail-stutter slow (replicas'
    median rule, D = 3) and left out at the next morph (a graceful one: checkpoint, then resume);
 2. two VMs are killed with ``kill -9`` at random points: the manager morphs each time, redoing at
-   most the checkpoint interval of steps;
+   most 2·checkpoint_every − 1 steps (a save may still be committing; docs/checkpoints.md);
 3. the manager itself is killed with ``kill -9`` and restarted mid-job: the job goes on;
 4. the job reaches its target step, and its final loss is within noise of an undisturbed
    single-process run of the same script (the engine's numerics do not depend on P×D).
@@ -195,7 +195,7 @@ def test_gpt_on_six_pretend_vms_survives_kills_stutter_and_a_manager_restart(tmp
         resumed = [json.loads(e.data_json) for e in evs if e.kind == "resumed"]
         assert len(resumed) == 3
         for r in resumed:
-            assert r["redone_steps"] <= CHECKPOINT_EVERY, r
+            assert r["redone_steps"] <= 2 * CHECKPOINT_EVERY - 1, r  # docs/checkpoints.md: steps redone
         gone = [e.vm_id for e in evs if e.kind == "vm-gone"]
         assert set(killed) <= set(gone)
 
@@ -209,7 +209,7 @@ def test_gpt_on_six_pretend_vms_survives_kills_stutter_and_a_manager_restart(tmp
         redone = [
             prev["step"] - row["step"] + 1 for prev, row in zip(rows, rows[1:]) if row["step"] <= prev["step"]
         ]
-        assert all(r <= CHECKPOINT_EVERY for r in redone), redone
+        assert all(r <= 2 * CHECKPOINT_EVERY - 1 for r in redone), redone
         final = rows[-1]["loss"]
         assert abs(final - reference[-1]) < 0.02 * reference[-1], (final, reference[-1])
 

@@ -316,7 +316,7 @@ def test_local_provider_through_every_kind_of_trouble(tmp_path):
         ended = [json.loads(e.data_json) for e in evs if e.kind == "generation-ended"]
         assert [e["graceful"] for e in ended] == [False, True, True, True]  # kill -9, slow, notice, done
         resumed = [json.loads(e.data_json) for e in evs if e.kind == "resumed"]
-        assert resumed[0]["redone_steps"] <= spec["checkpoint_every"]
+        assert resumed[0]["redone_steps"] <= 2 * spec["checkpoint_every"] - 1  # a save may be committing
         assert all(r["redone_steps"] == 0 for r in resumed[1:])  # graceful stops checkpoint the last step
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
         assert rows[-1]["step"] == 70 and {r["step"] for r in rows} == set(range(1, 71))

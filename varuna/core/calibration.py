@@ -63,6 +63,7 @@ __all__ = [
     "HostInfo",
     "RuntimeOverheads",
     "Calibration",
+    "plan_model_mismatch",
 ]
 
 #: The schema version this code reads and writes. Bump on any incompatible change.
@@ -204,6 +205,11 @@ class Calibration:
                 f"{name}: cannot read calibration file ({e.strerror}) — check the path or "
                 f"run varuna-profile to create it"
             ) from None
+        except UnicodeDecodeError as e:
+            raise ValueError(
+                f"{name}: not a calibration file (not UTF-8 text: byte {e.object[e.start]:#04x} at offset "
+                f"{e.start}) — check the path or {REPROFILE_FIX}"
+            ) from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
@@ -228,6 +234,27 @@ class Calibration:
     @property
     def num_cutpoints(self) -> int:
         return len(self.cutpoints)
+
+    def check_model(self, cutpoint_names: Sequence[str], *, source: str = "the calibration") -> None:
+        """Raise ``ValueError`` (one line, with the fix) unless this calibration was made for a
+        model with these cut-points, in this order: a calibration of another model gives stage
+        ranges and costs that do not fit, and would otherwise surface only as a stage-range error.
+
+        >>> cal = Calibration.synthetic(0.01, num_segments=3)
+        >>> cal.check_model(["cut0", "cut1"])
+        >>> cal.check_model(["h.0"], source="cal.json")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: cal.json is a calibration of model 'synthetic' with 2 cut-points (cut0, cut1), but ...
+        """
+        names = list(cutpoint_names)
+        if names == list(self.model.cutpoint_names):
+            return
+        have = ", ".join(self.model.cutpoint_names) or "none"
+        raise ValueError(
+            f"{source} is a calibration of model {self.model.name!r} with {len(self.model.cutpoint_names)} "
+            f"cut-points ({have}), but this model has {len(names)} ({', '.join(names) or 'none'}); "
+            f"run varuna-profile on this model and use that file"
+        )
 
     def _at(self, values: Sequence[float], m: float) -> float:
         """Value at micro-batch size m: exact, else linear in m through the two nearest points."""
@@ -462,3 +489,25 @@ def _json_copy(value: Any, what: str) -> Any:
 def _now() -> str:
     now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
     return now.isoformat().replace("+00:00", "Z")
+
+
+def plan_model_mismatch(stage_ranges: Sequence[tuple[int, int]], num_segments: int) -> str | None:
+    """For the engine, which sees only the planned stage ranges: the one-line message when they
+    are a well-formed plan (contiguous from segment 0) for another number of segments than the
+    model has — auto-config ran on a calibration of another model — else None.
+
+    >>> plan_model_mismatch([(0, 1), (2, 4)], 5) is None
+    True
+    >>> plan_model_mismatch([(0, 1), (2, 4)], 3)  # doctest: +ELLIPSIS
+    'the planned stage ranges [(0, 1), (2, 4)] cover 5 segments (4 cut-points) but this model has 3 (2 ...'
+    """
+    ranges = [tuple(r) for r in stage_ranges]
+    flat = [s for a, b in ranges for s in range(a, b + 1)]
+    if not ranges or flat != list(range(len(flat))) or len(flat) == num_segments:
+        return None
+    return (
+        f"the planned stage ranges {ranges} cover {len(flat)} segments ({len(flat) - 1} cut-points) but "
+        f"this model has {num_segments} ({num_segments - 1} CutPoints): the calibration auto-config "
+        "planned from is of another model — run varuna-profile on this model and pass that file to "
+        "--calibration (or the job spec); if you set stage_ranges yourself, cover all the segments"
+    )

@@ -48,6 +48,21 @@ REMEASURE_FIX = (
 )
 
 
+#: Largest time a field in seconds may hold (11.6 days for one task or message): beyond it a
+#: value is corrupt, and sums of such values overflow the simulator's arithmetic.
+MAX_SECONDS = 1e6
+#: Largest value of any other number (bytes, counts, bandwidths): 1e18 bytes is an exabyte.
+MAX_VALUE = 1e18
+_SECONDS_KEYS = ("median", "spread", "mean", "jitter")
+
+
+def _limit_of(path: str) -> float:
+    """The upper bound of field ``path`` (e.g. ``segments[0].fwd_s[1].median``: seconds)."""
+    last = path.rsplit(".", 1)[-1].split("[", 1)[0]
+    seconds = (last.endswith("_s") and not last.endswith("_per_s")) or last in _SECONDS_KEYS
+    return MAX_SECONDS if seconds else MAX_VALUE
+
+
 # ---------------------------------------------------------------------------------------------
 # Reading helpers: every error names the source file and the dotted field path, on one line.
 
@@ -96,6 +111,11 @@ class FieldReader:
             )
         if kind in ("num", "int") and value < 0:
             raise self.fail(f"field '{path}' must be >= 0, got {value} — {fix}")
+        if kind in ("num", "int") and value > _limit_of(path):
+            raise self.fail(
+                f"field '{path}' is {float(value):.3g}, beyond any real measurement (at most "
+                f"{_limit_of(path):.0e}) — {fix}"
+            )
         return value
 
     def per_m(self, obj: Any, key: str, path: str, n: int, kind: str, *, optional: bool = False) -> Any:
@@ -282,8 +302,8 @@ class LinkModel:
     @classmethod
     def _read(cls, r: FieldReader, obj: Any, path: str) -> LinkModel:
         bw = r.get(obj, "bandwidth_bytes_per_s", path, "num")
-        if bw <= 0:
-            raise r.fail(f"field '{path}.bandwidth_bytes_per_s' must be > 0, got {bw} — {REPROFILE_FIX}")
+        if bw < 1:  # bytes per second: below it, message times overflow
+            raise r.fail(f"field '{path}.bandwidth_bytes_per_s' must be >= 1, got {bw} — {REPROFILE_FIX}")
         pts = r.get(obj, "points", path, "list")
         return cls(
             latency_s=r.get(obj, "latency_s", path, "num"),
@@ -362,8 +382,8 @@ class AllReduceModel:
     @classmethod
     def _read(cls, r: FieldReader, obj: Any, path: str) -> AllReduceModel:
         bw = r.get(obj, "bandwidth_bytes_per_s", path, "num")
-        if bw <= 0:
-            raise r.fail(f"field '{path}.bandwidth_bytes_per_s' must be > 0, got {bw} — {REPROFILE_FIX}")
+        if bw < 1:  # bytes per second: below it, message times overflow
+            raise r.fail(f"field '{path}.bandwidth_bytes_per_s' must be >= 1, got {bw} — {REPROFILE_FIX}")
         pts = r.get(obj, "points", path, "list")
         return cls(
             bandwidth_bytes_per_s=bw,

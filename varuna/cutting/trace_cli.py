@@ -16,18 +16,21 @@ keys; ``example_batch`` is one micro-batch as the model's forward takes it. Exam
 the plan. ``--json PATH`` also writes the machine-readable report (``-``: print only the JSON).
 
 Exit status: 0 when the model can be split at its CutPoints, 1 when it cannot (hidden
-dependencies, or no valid boundary for ``--cuts``), 2 on bad usage (one line on stderr).
+dependencies, no valid boundary for ``--cuts``, or what the engine refuses: no CutPoint at all, a
+forward that returns no scalar loss and no ``loss_fn`` — one line on stderr), 2 on bad usage (one
+line on stderr).
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
 import importlib
 import importlib.util
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from varuna.core.cli import OneLineParser
 
 __all__ = ["main", "load_target"]
 
@@ -44,6 +47,11 @@ def _parse_arg(text: str) -> tuple[str, object]:
         return key, ast.literal_eval(value)
     except (ValueError, SyntaxError):
         return key, value
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def load_target(target: str, kwargs: dict | None = None) -> tuple:
@@ -67,12 +75,17 @@ def load_target(target: str, kwargs: dict | None = None) -> tuple:
         mspec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(mspec)
         sys.modules[name] = module  # dataclasses and pickling look the module up by name
-        mspec.loader.exec_module(module)
+        try:
+            mspec.loader.exec_module(module)
+        except Exception as e:  # e.g. a file that is not UTF-8 text: one line naming it, no traceback
+            raise UsageError(f"importing {spec} failed: {type(e).__name__}: {_first_line(e)}") from None
     else:
         try:
             module = importlib.import_module(spec)
         except ImportError as e:
             raise UsageError(f"cannot import {spec!r}: {e}") from None
+        except Exception as e:
+            raise UsageError(f"cannot import {spec!r}: {type(e).__name__}: {_first_line(e)}") from None
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise UsageError(f"{spec} has no callable {factory_name!r}; name the factory: {spec}:FACTORY")
@@ -94,7 +107,7 @@ def load_target(target: str, kwargs: dict | None = None) -> tuple:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="varuna-trace",
         description="Dry-run a model and report tied weights, values read across segments and hidden "
                     "dependencies that would break a pipeline split.",
@@ -117,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         parser.error(str(e))  # exits 2 with one line on stderr
     from varuna.cutting.autocut import auto_cutpoints
-    from varuna.cutting.tracer import trace_model
+    from varuna.cutting.tracer import trace_for_engine
 
     quiet = args.json == "-"
     try:
@@ -125,9 +138,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             plan = auto_cutpoints(model, batch, args.cuts, loss_fn, cost=args.cost, verbose=False)
             if not quiet:
                 print(plan, end="\n\n")
-        report = trace_model(model, batch, loss_fn)
+        report, refusals = trace_for_engine(model, batch, loss_fn)
     except ValueError as e:  # about the model, not the command line
         print(f"varuna-trace: {e}", file=sys.stderr)
+        return 1
+    if refusals:  # what the engine would refuse: one line, never a table that looks fine
+        print(f"varuna-trace: {refusals[0]}", file=sys.stderr)
         return 1
     if quiet:
         print(report.to_json())

@@ -46,6 +46,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from varuna.cutting.recorder import ModuleCall, Recorder, TensorInfo, record_forward
@@ -69,6 +70,7 @@ __all__ = [
     "ExternalTensor",
     "GlobalSync",
     "trace_model",
+    "trace_for_engine",
     "check_splittable",
 ]
 
@@ -93,6 +95,43 @@ def trace_model(model: nn.Module, example_batch, loss_fn: Callable | None = None
     """
     rec = record_forward(model, example_batch, loss_fn)
     return _analyse(rec)
+
+
+def _describe(output) -> str:
+    if isinstance(output, torch.Tensor):
+        return f"a tensor of shape {list(output.shape)}"
+    return f"a {type(output).__name__}"
+
+
+def trace_for_engine(
+    model: nn.Module, example_batch, loss_fn: Callable | None = None
+) -> tuple[TraceReport, list[str]]:
+    """:func:`trace_model`, plus what :class:`varuna.Engine` would refuse that the report cannot
+    show: a model without CutPoints (one stage only), and, without ``loss_fn``, a forward that does
+    not return a scalar loss (e.g. a Hugging Face-style output object). Returns the report and
+    those refusals, one line each with the fix (empty: the engine takes the model)."""
+    outputs: list = []
+    hook = None if loss_fn is not None else model.register_forward_hook(lambda m, a, out: outputs.append(out))
+    try:
+        report = trace_model(model, example_batch, loss_fn)
+    finally:
+        if hook is not None:
+            hook.remove()
+    problems = []
+    if not report.cutpoints:
+        problems.append(
+            "the model has no CutPoint, so the engine cannot split it into pipeline stages (only "
+            "--pipeline-depth 1); call varuna.CutPoint() on activations at stage boundaries, or run "
+            "varuna-trace --cuts K to insert K automatically"
+        )
+    out = outputs[-1] if outputs else None
+    if loss_fn is None and not (isinstance(out, torch.Tensor) and out.dim() == 0):
+        problems.append(
+            f"the model's forward returns {_describe(out)}, not a scalar loss, so the engine would "
+            "refuse it; return the loss, or have the factory return (model, example_batch, loss_fn) "
+            "with loss_fn(output, batch) -> scalar (as for Engine(loss_fn=...))"
+        )
+    return report, problems
 
 
 def check_splittable(model: nn.Module, example_batch, loss_fn: Callable | None = None, *,

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import functools
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -33,11 +35,20 @@ from varuna.launch.agent_host import AgentError, AgentHost, new_job_id, record_o
 from varuna.launch.hosts import HostEntry
 from varuna.launch.local import LocalHost
 from varuna.launch.procs import find_free_port
-from varuna.launch.spec import Host, LaunchConfig, WorkerSpec, plan_workers
+from varuna.launch.spec import Host, LaunchConfig, WorkerSpec, check_procs_per_host, plan_workers
 from varuna.launch.ssh import SshOptions
 from varuna.launch.supervisor import EXIT_OK, EXIT_WORKER_FAILED, FORWARDED_SIGNALS, PROG, Supervisor
 
-__all__ = ["check_local_script", "default_pythonpath", "launch", "launch_on_hosts", "write_launch_json"]
+__all__ = [
+    "check_hosts_capacity",
+    "check_local_script",
+    "check_master_port_free",
+    "default_pythonpath",
+    "launch",
+    "launch_on_hosts",
+    "prepare_log_dir",
+    "write_launch_json",
+]
 
 
 class _ForwardedSignals:
@@ -98,6 +109,9 @@ def launch(
         hosts = [LocalHost(slots=config.world_size)]
     if all(isinstance(h, LocalHost) for h in hosts):
         check_local_script(config)
+        check_procs_per_host(config.world_size, "this machine", config.max_procs_per_host)
+        check_master_port_free(config)
+    prepare_log_dir(config)
     port = config.master_port or find_free_port()
     specs = plan_workers(config, hosts, master_port=port, cwd=os.getcwd())
     stderr = stderr if stderr is not None else sys.stderr
@@ -118,6 +132,69 @@ def launch(
             return supervisor.wait()
         finally:
             supervisor.close()
+
+
+def check_hosts_capacity(entries: Sequence[HostEntry], limit: int | None) -> None:
+    """ValueError (one line) when a host's slots, or the pretend ``localhost`` hosts' slots
+    together (they all run on this machine), exceed ``limit`` workers per host
+    (:func:`varuna.launch.spec.check_procs_per_host`).
+
+    Example::
+
+        >>> from varuna.launch.hosts import assign_slots, parse_hosts_arg
+        >>> check_hosts_capacity(assign_slots(parse_hosts_arg("localhost,localhost"), 2), 8)
+    """
+    for entry in entries:
+        check_procs_per_host(entry.slots or 0, f"host {entry.display}", limit)
+    local = sum(e.slots or 0 for e in entries if e.is_local)
+    if local:
+        check_procs_per_host(local, "this machine (its pretend localhost hosts together)", limit)
+
+
+def check_master_port_free(config: LaunchConfig) -> None:
+    """ValueError (one line) when ``config.master_port`` is taken on this machine, where rank 0
+    would bind it: otherwise every rank fails its rendezvous with a traceback of its own.
+
+    Example::
+
+        >>> check_master_port_free(LaunchConfig(script="t.py", pipeline_depth=1, data_parallel=1))
+    """
+    if not config.master_port:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # SO_REUSEADDR as torch's store sets it: a port in TIME_WAIT is free, a listening one not.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", config.master_port))
+        except OSError as exc:
+            why = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+            raise ValueError(
+                f"--master-port {config.master_port} {why} on this machine; pick another, or leave it"
+                " out to use a free one"
+            ) from None
+
+
+def prepare_log_dir(config: LaunchConfig) -> None:
+    """Create ``config.log_dir`` and make sure files can be written there, before any worker
+    starts: ValueError (one line) instead of a traceback once they run.
+
+    Example::
+
+        >>> prepare_log_dir(LaunchConfig(script="t.py", pipeline_depth=1, data_parallel=1))
+    """
+    if config.log_dir is None:
+        return
+    path = Path(config.log_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".varuna-launch-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(
+            f"--log-dir {config.log_dir}: cannot write there ({exc.strerror or exc});"
+            " pick a writable directory"
+        ) from None
 
 
 def check_local_script(config: LaunchConfig) -> None:
@@ -219,10 +296,7 @@ def launch_on_hosts(
             stderr.write(f"{PROG}: {text}\n")
             stderr.flush()
 
-    if not entries:
-        raise ValueError("no hosts to run workers on")
-    if any(e.is_local for e in entries):
-        check_local_script(config)
+    _check_before_agents(config, entries)
     job_id = job_id or new_job_id()
     agent_host = functools.partial(
         AgentHost,
@@ -263,6 +337,18 @@ def launch_on_hosts(
             return EXIT_WORKER_FAILED
         finally:
             _close_all(supervisor, hosts)
+
+
+def _check_before_agents(config: LaunchConfig, entries: Sequence[HostEntry]) -> None:
+    """What can be refused (ValueError, one line) before any agent or worker starts."""
+    if not entries:
+        raise ValueError("no hosts to run workers on")
+    check_hosts_capacity(entries, config.max_procs_per_host)
+    if any(e.is_local for e in entries):
+        check_local_script(config)
+        if entries[0].is_local:
+            check_master_port_free(config)
+    prepare_log_dir(config)
 
 
 def _start_agents(

@@ -33,12 +33,18 @@ import os
 import re
 import sys
 
+from varuna.core.batching import microbatch_counts
 from varuna.core.cli import OneLineParser
 from varuna.core.schedule import SCHEDULE_KINDS
 from varuna.launch.hosts import HostEntry, assign_slots, parse_hosts_arg, select_hosts
-from varuna.launch.job import check_local_script, launch, launch_on_hosts
+from varuna.launch.job import check_hosts_capacity, check_local_script, launch, launch_on_hosts
 from varuna.launch.layout import LAYOUT_REQUIRED, Layout, resolve_layout
-from varuna.launch.spec import LaunchConfig, resolve_data_parallel
+from varuna.launch.spec import (
+    MAX_PROCS_PER_HOST_CEILING,
+    LaunchConfig,
+    check_procs_per_host,
+    resolve_data_parallel,
+)
 from varuna.launch.ssh import SshOptions, probe_hosts
 from varuna.launch.supervisor import EXIT_USAGE, EXIT_WORKER_FAILED, PROG
 
@@ -93,6 +99,14 @@ def _add_placement_args(parser: argparse.ArgumentParser) -> None:
     )
     where.add_argument(
         "--procs-per-host", type=int, default=None, metavar="K", help="slots of hosts without slots=N"
+    )
+    where.add_argument(
+        "--max-procs-per-host",
+        type=int,
+        default=None,
+        metavar="K",
+        help="refuse to start more than K workers on one host (default: 4 × this machine's CPU cores,"
+        f" at least 8; at most {MAX_PROCS_PER_HOST_CEILING})",
     )
 
 
@@ -230,8 +244,11 @@ def main(argv: list[str] | None = None) -> int:
             log_dir=args.log_dir,
             stop_timeout_s=args.stop_timeout,
             worker_env=_worker_env_from_args(args),
+            max_procs_per_host=args.max_procs_per_host,
         )
         if args.procs is not None:
+            # Before auto-config too: planning for 100000 slots would take as long as forking them.
+            check_procs_per_host(args.procs, "this machine", args.max_procs_per_host)
             layout = _local_layout(args)
             check_local_script(config)
             return launch(_with_layout(config, layout, args))
@@ -306,6 +323,12 @@ def _with_layout(config: LaunchConfig, layout: Layout, args: argparse.Namespace)
     if layout.note:
         print(f"{PROG}: {layout.note}", file=sys.stderr, flush=True)
     plan = layout.run_plan(global_batch_size=args.global_batch_size, schedule=args.schedule)
+    if args.global_batch_size is not None:
+        # What every rank's engine would refuse (one traceback per rank), said once before spawning.
+        try:
+            microbatch_counts(args.global_batch_size, plan.micro_batch_size or 1, layout.data_parallel)
+        except ValueError as exc:
+            raise ValueError(f"P={layout.pipeline_depth} × D={layout.data_parallel}: {exc}") from None
     return dataclasses.replace(
         config,
         pipeline_depth=layout.pipeline_depth,
@@ -323,6 +346,7 @@ def _main_hosts(args: argparse.Namespace, config: LaunchConfig) -> int:
     """``--hosts``: validate, probe, choose P×D for what answered, start agents. Usage errors
     raise ``ValueError`` (exit 2); a job that cannot be placed exits 1."""
     entries = assign_slots(parse_hosts_arg(args.hosts), args.procs_per_host)
+    check_hosts_capacity(entries, args.max_procs_per_host)
     ssh = SshOptions(
         key_file=args.ssh_key or os.environ.get("VARUNA_SSH_KEY") or None,
         known_hosts_file=args.ssh_known_hosts or os.environ.get("VARUNA_SSH_KNOWN_HOSTS") or None,

@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -24,7 +25,56 @@ from typing import IO, Protocol
 
 from varuna.core.env import CONTRACT_VARS, PASSTHROUGH_PREFIX, WorkerEnv, is_passthrough
 
-__all__ = ["Host", "LaunchConfig", "WorkerHandle", "WorkerSpec", "plan_workers", "resolve_data_parallel"]
+__all__ = [
+    "MAX_PROCS_PER_HOST_CEILING",
+    "Host",
+    "LaunchConfig",
+    "WorkerHandle",
+    "WorkerSpec",
+    "check_procs_per_host",
+    "default_max_procs_per_host",
+    "plan_workers",
+    "resolve_data_parallel",
+]
+
+#: The most workers one host may ever be asked to run, ``--max-procs-per-host`` included: far
+#: more than any accelerator host holds, far fewer than a typo (``--procs 100000``) would fork.
+MAX_PROCS_PER_HOST_CEILING = 1024
+
+
+def default_max_procs_per_host() -> int:
+    """Workers per host allowed without ``--max-procs-per-host``: 4 × this machine's CPU cores,
+    at least 8 (an 8-accelerator host; emulated devices on a small machine).
+
+    >>> default_max_procs_per_host() >= 8
+    True
+    """
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
+def check_procs_per_host(count: int, where: str, limit: int | None = None) -> None:
+    """ValueError (one line naming the fix) when ``count`` workers on one host (``where``: "this
+    machine", "host h1") exceed ``limit`` (None: :func:`default_max_procs_per_host`). Without
+    it, a mistyped count forks workers until the machine gives out, with no message.
+
+    >>> check_procs_per_host(4, "this machine", 8)
+    >>> check_procs_per_host(100000, "this machine", 8)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: 100000 workers on this machine exceed the limit of 8 per host; ...
+    """
+    if limit is None:
+        limit = default_max_procs_per_host()
+        why = f"4 × {os.cpu_count() or 1} CPU cores, at least 8"
+    else:
+        why = "--max-procs-per-host"
+    if count <= limit:
+        return
+    if count > MAX_PROCS_PER_HOST_CEILING:
+        fix = f"no host may run more than {MAX_PROCS_PER_HOST_CEILING}; check the number"
+    else:
+        fix = f"pass --max-procs-per-host {count} if you mean it"
+    raise ValueError(f"{count} workers on {where} exceed the limit of {limit} per host ({why}); {fix}")
 
 
 @dataclass(kw_only=True)
@@ -63,6 +113,9 @@ class LaunchConfig:
     worker_env: Mapping[str, str] = field(default_factory=dict)
     """Extra variables for every worker (e.g. ``OMP_NUM_THREADS``); ``VARUNA_*`` ones are
     passed like the launcher's own. Contract variables (``RANK``, ...) cannot be set here."""
+    max_procs_per_host: int | None = None
+    """Most workers one host may run (:func:`check_procs_per_host`); None:
+    :func:`default_max_procs_per_host`. At most :data:`MAX_PROCS_PER_HOST_CEILING`."""
 
     def __post_init__(self) -> None:
         if not self.script:
@@ -73,8 +126,13 @@ class LaunchConfig:
             raise ValueError(f"--data-parallel must be >= 1, got {self.data_parallel}")
         if self.master_port is not None and not 0 <= self.master_port < 65536:
             raise ValueError(f"--master-port {self.master_port} is not a TCP port; use 1..65535 or 0 for any")
-        if self.stop_timeout_s < 0:
+        if not math.isfinite(self.stop_timeout_s) or self.stop_timeout_s < 0:
             raise ValueError(f"--stop-timeout must be >= 0 seconds, got {self.stop_timeout_s}")
+        cap = self.max_procs_per_host
+        if cap is not None and not 1 <= cap <= MAX_PROCS_PER_HOST_CEILING:
+            raise ValueError(
+                f"--max-procs-per-host must be 1..{MAX_PROCS_PER_HOST_CEILING}, got {self.max_procs_per_host}"
+            )
         bad = sorted(set(self.worker_env) & set(CONTRACT_VARS))
         if bad:
             raise ValueError(

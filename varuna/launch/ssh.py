@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import subprocess
@@ -68,7 +69,7 @@ class SshOptions:
             # ssh splits UserKnownHostsFile at whitespace and expands %-tokens in both options.
             if path is not None and (any(c.isspace() for c in path) or "%" in path):
                 raise ValueError(f"{what} {path!r} may not contain whitespace or '%'")
-        if self.connect_timeout_s <= 0:
+        if not math.isfinite(self.connect_timeout_s) or self.connect_timeout_s <= 0:
             raise ValueError(f"--ssh-connect-timeout must be > 0, got {self.connect_timeout_s}")
 
     def argv(self, entry: HostEntry, remote_command: str) -> list[str]:

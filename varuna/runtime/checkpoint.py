@@ -200,6 +200,8 @@ class Checkpointer:
         self._last_saved: tuple[Path, int] | None = None
         #: outcome of the latest background job: None while running / never run, else True/False
         self.last_ok: bool | None = None
+        #: why the latest background job failed (its step directory and the error), else None
+        self.last_error: str | None = None
         #: seconds training stood still in the latest save (waiting for the previous one, agreeing,
         #: snapshotting), and the part of it spent waiting for the previous save
         self.last_stall_s = self.last_wait_s = 0.0
@@ -225,7 +227,7 @@ class Checkpointer:
     def attach(self) -> None:
         """Register the save-on-stop callback and resume when asked (a collective then)."""
         if self.directory is not None:
-            self.state.add_stop_callback(lambda _state: self.save(wait=True))
+            self.state.add_stop_callback(lambda _state: self.save_on_stop())
         if self.resume_mode != "never":
             if self.directory is None:
                 raise ValueError(
@@ -293,7 +295,7 @@ class Checkpointer:
             )
             return None
         job = self._save_job(root, target, step, nonce)
-        self.last_ok = None
+        self.last_ok, self.last_error = None, None
         # Not a daemon: a started save finishes (or times out) even if the training script
         # returns right away; the interpreter joins the thread at exit.
         self._thread = threading.Thread(target=self._run_job, args=(job,), name=f"varuna-ckpt-{step}")
@@ -369,7 +371,38 @@ class Checkpointer:
         }
 
     def _run_job(self, job: SaveJob) -> None:
-        self.last_ok = run_save_job(job)
+        ok = run_save_job(job)
+        self.last_error = job.error
+        self.last_ok = ok
+
+    def save_on_stop(self) -> None:
+        """The graceful stop's save (a collective): checkpoint, wait until it is in the global
+        store, and raise :class:`CheckpointError` on every rank when it failed on any of them.
+
+        A stop that exits 0 tells the launcher and the manager that nothing is lost; when the
+        checkpoint failed (a full or read-only store), the steps since the last complete one
+        are, so the stop must fail, with one line naming the directory and the error."""
+        step, root = self.state.step_count, self.directory
+        try:
+            target = self.save(wait=True)
+        except OSError as e:  # e.g. the staging directory: still agree below, so no rank hangs
+            target, self.last_ok, self.last_error = root, False, str(e)
+        if target is None:
+            problem = f"the previous checkpoint was still being copied to {root} after {self.timeout_s:.0f}s"
+        elif self.last_ok is False:
+            problem = self.last_error or f"{target}: failed (see the warning above)"
+        elif self._thread is not None and self._thread.is_alive():
+            problem = f"{target}: still being written after {2 * self.timeout_s + 60:.0f}s"
+        else:
+            problem = None  # saved, or nothing to save (just resumed from this very step)
+        failed = self._agree_verdict(_FATAL if problem else _OK) != _OK
+        if failed:
+            where = f"on rank {self.rank}: {problem}" if problem else "on another rank (see its output)"
+            raise CheckpointError(
+                f"the checkpoint of step {step} at the graceful stop failed {where}; the steps since the "
+                f"last complete checkpoint in {root} are lost: make it writable or free space on it, "
+                "then resume"
+            )
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait for the save in flight (rank 0: until its manifest is written). True when none
@@ -452,69 +485,11 @@ class Checkpointer:
         """This rank's verdict on a checkpoint, and what it read (its stage's parameters)."""
         try:
             m = read_manifest(path)
-            return self._read_files(path, m)
+            return _read_stage_files(path, m, self.state)
         except ValueError as e:
             return _SKIP, str(e), None
         except (KeyError, TypeError, AttributeError) as e:
             return _SKIP, f"{path / MANIFEST}: malformed ({type(e).__name__}: {e})", None
-
-    def _read_files(self, path: Path, m: dict) -> tuple[int, str | None, dict | None]:
-        eng = self.state
-        mine = eng.stage_params
-        params_meta = m["parameters"]
-        missing = [n for n in mine if n not in params_meta]
-        if missing:
-            return (
-                _FATAL,
-                (
-                    f"checkpoint {path} has no parameter {missing[0]!r} (and {len(missing) - 1} "
-                    "more) of this model: it was saved from a different model"
-                ),
-                None,
-            )
-        for n, p in mine.items():
-            shape = list(params_meta[n].get("shape", []))
-            if shape != list(p.shape):
-                return (
-                    _FATAL,
-                    (
-                        f"checkpoint {path}: parameter {n!r} has shape {tuple(shape)}, the model's "
-                        f"is {tuple(p.shape)}: it was saved from another model configuration"
-                    ),
-                    None,
-                )
-        saved_opt = m.get("optimizer")
-        if saved_opt and saved_opt != type(eng.optimizer).__name__:
-            return (
-                _FATAL,
-                (
-                    f"checkpoint {path} holds {saved_opt} state but the engine's optimizer is "
-                    f"{type(eng.optimizer).__name__}; build the optimizer the saving run used"
-                ),
-                None,
-            )
-        entries = {f["name"]: f for f in m["files"]}
-        needed = sorted({params_meta[n]["file"] for n in mine})
-        params: dict[str, torch.Tensor] = {}
-        opts = []
-        for name in needed:
-            if name not in entries:
-                return _SKIP, f"the manifest names file {name!r} for a parameter but does not list it", None
-            data, problem = check_file(path / name, entries[name])
-            if problem:
-                return _SKIP, problem, None
-            try:
-                shard = read_shard(path / name, data)
-            except CheckpointError as e:
-                return _FATAL, str(e), None
-            except Exception as e:  # checksum matched but torch cannot parse it: treat as corrupt
-                return _SKIP, f"{name}: unreadable ({e})", None
-            params.update(shard["params"])
-            opts.append(shard["optimizer"])
-        absent = [n for n in mine if n not in params]
-        if absent:
-            return _SKIP, f"parameter {absent[0]!r} is not in the file the manifest names", None
-        return _OK, None, {"manifest": m, "params": params, "optimizer": merge_optimizer_states(opts)}
 
     def _apply(self, payload: dict, root: Path, step: int) -> None:
         eng = self.state
@@ -554,6 +529,87 @@ class Checkpointer:
         v = torch.tensor([verdict], dtype=torch.int64)
         dist.all_reduce(v, op=dist.ReduceOp.MAX)
         return int(v)
+
+
+def _read_stage_files(path: Path, m: dict, state: CheckpointState) -> tuple[int, str | None, dict | None]:
+    """This rank's verdict on a checkpoint's files for its stage (Note [Load]), and what it read."""
+    eng = state
+    mine = eng.stage_params
+    params_meta = m["parameters"]
+    missing = [n for n in mine if n not in params_meta]
+    if missing:
+        return (
+            _FATAL,
+            (
+                f"checkpoint {path} has no parameter {missing[0]!r} (and {len(missing) - 1} "
+                "more) of this model: it was saved from a different model"
+            ),
+            None,
+        )
+    for n, p in mine.items():
+        shape = list(params_meta[n].get("shape", []))
+        if shape != list(p.shape):
+            return (
+                _FATAL,
+                (
+                    f"checkpoint {path}: parameter {n!r} has shape {tuple(shape)}, the model's "
+                    f"is {tuple(p.shape)}: it was saved from another model configuration"
+                ),
+                None,
+            )
+    saved_opt = m.get("optimizer")
+    if saved_opt and saved_opt != type(eng.optimizer).__name__:
+        return (
+            _FATAL,
+            (
+                f"checkpoint {path} holds {saved_opt} state but the engine's optimizer is "
+                f"{type(eng.optimizer).__name__}; build the optimizer the saving run used"
+            ),
+            None,
+        )
+    entries = {f["name"]: f for f in m["files"]}
+    needed = sorted({params_meta[n]["file"] for n in mine})
+    params: dict[str, torch.Tensor] = {}
+    opts = []
+    for name in needed:
+        if name not in entries:
+            return _SKIP, f"the manifest names file {name!r} for a parameter but does not list it", None
+        try:
+            data, problem = check_file(path / name, entries[name])
+            if problem:
+                return _SKIP, problem, None
+            shard = read_shard(path / name, data)
+        except CheckpointError as e:  # a link, a FIFO, a device, or pickled code: not ours
+            return _FATAL, str(e), None
+        except Exception as e:  # checksum matched but torch cannot parse it: treat as corrupt
+            return _SKIP, f"{name}: unreadable ({e})", None
+        problem = _wrong_shape(path / name, shard["params"], mine)
+        if problem:
+            return _FATAL, problem, None
+        params.update(shard["params"])
+        opts.append(shard["optimizer"])
+    absent = [n for n in mine if n not in params]
+    if absent:
+        return _SKIP, f"parameter {absent[0]!r} is not in the file the manifest names", None
+    return _OK, None, {"manifest": m, "params": params, "optimizer": merge_optimizer_states(opts)}
+
+
+def _wrong_shape(
+    path: Path, saved: Mapping[str, torch.Tensor], mine: Mapping[str, torch.Tensor]
+) -> str | None:
+    """A tensor of the file whose shape is not its parameter's, or None.
+
+    ``copy_`` broadcasts (a ``[16]`` tensor would fill every row of a ``[16, 16]`` weight), so a
+    file whose tensors disagree with the manifest it matches must be refused, not loaded."""
+    for n, t in saved.items():
+        p = mine.get(n)
+        if p is not None and tuple(t.shape) != tuple(p.shape):
+            return (
+                f"{path}: parameter {n!r} has shape {tuple(t.shape)} in the file but {tuple(p.shape)} "
+                f"in the model and the manifest: the file was altered or written by another tool; "
+                f"delete {path.parent} to resume from an older checkpoint"
+            )
+    return None
 
 
 # ---------------------------------------------------------------------------------------------

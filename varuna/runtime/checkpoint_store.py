@@ -12,13 +12,16 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
+import logging
 import os
 import pickle
 import re
 import shutil
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +43,7 @@ __all__ = [
     "list_checkpoints",
     "prune",
     "read_manifest",
+    "read_regular",
     "read_shard",
     "save_hashed",
     "step_dir_name",
@@ -52,6 +56,10 @@ MANIFEST = "manifest.json"
 MARKERS = ".markers"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _SHARD_NAME = re.compile(r"^seg\d{3,}-\d{2,}\.pt$")
+#: Largest manifest or marker read (JSON of the parameter table: ~150 bytes a parameter).
+JSON_MAX_BYTES = 256 << 20
+
+log = logging.getLogger("varuna.runtime.checkpoint")
 
 
 class CheckpointError(ValueError):
@@ -73,6 +81,75 @@ def step_dir_name(step: int) -> str:
 # Files: shards, markers, manifests
 
 
+def _file_kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+    ):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def _open_regular(path: Path) -> tuple[int, int]:
+    """Open ``path`` for reading only if it is a regular file in place: (fd, size).
+
+    ``O_NOFOLLOW`` refuses a symbolic link (it could point out of the step directory, e.g. at
+    ``/dev/zero``) and ``O_NONBLOCK`` keeps opening a FIFO from blocking until a writer comes;
+    the type is checked on the opened descriptor, so nothing can swap the file in between.
+    Raises ``FileNotFoundError`` when absent, :class:`CheckpointError` for a link or another
+    file type."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fix = "varuna writes only regular files; delete the step directory or put the real file back"
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(f"{path}: refusing to read a symbolic link ({fix})") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path}: refusing to read {_file_kind(st.st_mode)} ({fix})")
+    return fd, st.st_size
+
+
+def _read_fd(fd: int, limit: int) -> bytes:
+    """Up to ``limit`` bytes from ``fd`` (fewer only at end of file)."""
+    parts, got = [], 0
+    while got < limit:
+        b = os.read(fd, min(limit - got, 64 << 20))
+        if not b:
+            break
+        parts.append(b)
+        got += len(b)
+    return b"".join(parts)
+
+
+def read_regular(path: Path, max_bytes: int | None = None) -> bytes:
+    """The bytes of a regular file that is not a link, reading at most ``max_bytes``.
+
+    Raises ``FileNotFoundError`` when absent and :class:`CheckpointError` (naming the file)
+    for a link, a FIFO, a device or a file larger than ``max_bytes``: never blocks, never
+    reads without bound."""
+    fd, size = _open_regular(path)
+    try:
+        if max_bytes is not None and size > max_bytes:
+            raise CheckpointError(
+                f"{path}: {size} bytes, more than the {max_bytes} a checkpoint file of its kind may have"
+            )
+        limit = size if max_bytes is None else max_bytes
+        data = _read_fd(fd, limit + 1)  # one more: a file growing under us is noticed
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise CheckpointError(f"{path}: grew while being read (something else is writing it)")
+    return data
+
+
 def read_shard(path: Path, data: bytes | None = None) -> dict:
     """Unpickle a shard file safely (``weights_only``: tensors and plain containers only).
 
@@ -80,7 +157,7 @@ def read_shard(path: Path, data: bytes | None = None) -> dict:
     custom class, code) or does not have the shard layout.
     """
     path = Path(path)
-    raw = data if data is not None else path.read_bytes()
+    raw = data if data is not None else read_regular(path)
     try:
         obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -116,14 +193,26 @@ def fsync_dir(path: Path) -> None:
 def atomic_write(path: Path, data: bytes, before_replace: Callable[[], None] | None = None) -> None:
     """Write ``path`` so that readers see either nothing (or the old file) or all of it."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    if before_replace is not None:
-        before_replace()
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if before_replace is not None:
+            before_replace()
+        os.replace(tmp, path)
+    except BaseException:
+        _discard(tmp)
+        raise
     fsync_dir(path.parent)
+
+
+def _discard(tmp: Path) -> None:
+    """Remove a temporary file of a failed write (a full disk must not keep its half copies)."""
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:
+        pass  # a read-only or vanished directory: nothing was written there either
 
 
 class _HashingWriter:
@@ -153,21 +242,28 @@ def copy_file(src: Path, dst: Path, chunk_bytes: int, on_chunk: Callable[[], Non
     """Copy ``src`` to ``dst`` via a tmp name, fsynced, then renamed into place. The data moves
     inside the kernel (sendfile), so the copy costs training processes almost no CPU."""
     tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
-    with open(src, "rb") as fi, open(tmp, "wb") as fo:
-        size, off = os.fstat(fi.fileno()).st_size, 0
-        while off < size:
-            try:
-                n = os.sendfile(fo.fileno(), fi.fileno(), off, min(chunk_bytes, size - off))
-            except OSError:  # a filesystem without sendfile support: plain reads and writes
-                fi.seek(off)
-                n = fo.write(fi.read(min(chunk_bytes, size - off)))
-                fo.flush()
-            if n == 0:
-                raise OSError(f"{src}: file shrank while being copied")
-            off += n
-            on_chunk()
-        os.fsync(fo.fileno())
-    os.replace(tmp, dst)
+    try:
+        with open(src, "rb") as fi, open(tmp, "wb") as fo:
+            size, off = os.fstat(fi.fileno()).st_size, 0
+            while off < size:
+                try:
+                    n = os.sendfile(fo.fileno(), fi.fileno(), off, min(chunk_bytes, size - off))
+                except OSError as e:
+                    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO):
+                        raise  # a real write failure, not a missing sendfile
+                    # a filesystem without sendfile support: plain reads and writes
+                    fi.seek(off)
+                    n = fo.write(fi.read(min(chunk_bytes, size - off)))
+                    fo.flush()
+                if n == 0:
+                    raise OSError(f"{src}: file shrank while being copied")
+                off += n
+                on_chunk()
+            os.fsync(fo.fileno())
+        os.replace(tmp, dst)
+    except BaseException:
+        _discard(tmp)
+        raise
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,7 +288,18 @@ def list_checkpoints(root: str | Path) -> list[CheckpointInfo]:
     out = []
     for p in root.iterdir():
         m = _STEP_DIR.match(p.name)
-        if m and p.is_dir():
+        if not m:
+            continue
+        if p.is_symlink():
+            # Never followed: pruning would delete files outside the root, and loading would
+            # read a checkpoint this job never wrote.
+            log.warning(
+                "varuna: ignoring %s: a symbolic link (checkpoints are only real directories "
+                "inside %s; move the checkpoint there or remove the link)",
+                p,
+                root,
+            )
+        elif p.is_dir():
             out.append(CheckpointInfo(step=int(m.group(1)), path=p, complete=(p / MANIFEST).is_file()))
     return sorted(out, key=lambda c: c.step)
 
@@ -201,7 +308,7 @@ def read_manifest(path: str | Path) -> dict:
     """Parse and validate ``<step dir>/manifest.json``; ``ValueError`` says what is wrong."""
     path = Path(path)
     try:
-        m = json.loads((path / MANIFEST).read_text())
+        m = json.loads(read_regular(path / MANIFEST, JSON_MAX_BYTES).decode())
     except FileNotFoundError:
         raise ValueError(f"{path}: no {MANIFEST} (an incomplete checkpoint)") from None
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -222,17 +329,26 @@ def read_manifest(path: str | Path) -> dict:
 
 
 def check_file(path: Path, entry: dict) -> tuple[bytes | None, str | None]:
-    """Read a file and compare it with its manifest entry; (data, None) or (None, problem)."""
+    """Read a file and compare it with its manifest entry; (data, None) or (None, problem).
+
+    Reads only a regular file that is not a link, and never more than the manifest's size
+    (plus one byte); raises :class:`CheckpointError` for a link, a FIFO or a device."""
+    expected = entry.get("bytes")
     try:
-        data = path.read_bytes()
+        fd, size = _open_regular(path)
     except FileNotFoundError:
         return None, f"{path.name}: missing"
     except OSError as e:
         return None, f"{path.name}: unreadable ({e})"
-    if len(data) != entry.get("bytes"):
-        return None, (
-            f"{path.name}: {len(data)} bytes, the manifest says {entry.get('bytes')} (truncated or altered)"
-        )
+    try:
+        data = _read_fd(fd, expected + 1) if isinstance(expected, int) and size == expected else b""
+    except OSError as e:
+        return None, f"{path.name}: unreadable ({e})"
+    finally:
+        os.close(fd)
+    if size != expected or len(data) != expected:
+        got = size if size != expected else len(data)
+        return None, f"{path.name}: {got} bytes, the manifest says {expected} (truncated or altered)"
     if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
         return None, f"{path.name}: sha256 mismatch (corrupt or altered)"
     return data, None
@@ -244,11 +360,14 @@ def verify_checkpoint(path: str | Path) -> list[str]:
     path = Path(path)
     try:
         m = read_manifest(path)
-    except ValueError as e:
+    except ValueError as e:  # CheckpointError included
         return [str(e)]
     problems = []
     for f in m["files"]:
-        _, problem = check_file(path / f["name"], f)
+        try:
+            _, problem = check_file(path / f["name"], f)
+        except CheckpointError as e:
+            problem = str(e)
         if problem:
             problems.append(problem)
     return problems

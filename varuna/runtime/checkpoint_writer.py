@@ -29,6 +29,7 @@ import torch
 from varuna.runtime.checkpoint_shards import Shard
 from varuna.runtime.checkpoint_store import (
     FORMAT,
+    JSON_MAX_BYTES,
     MANIFEST,
     MARKERS,
     VERSION,
@@ -37,6 +38,7 @@ from varuna.runtime.checkpoint_store import (
     copy_file,
     fsync_dir,
     prune,
+    read_regular,
     save_hashed,
 )
 
@@ -69,6 +71,10 @@ class SaveJob:
     timeout_s: float
     chunk_bytes: int
     hook: Callable[[str], None] | None
+    error: str | None = None
+    """Set when the save failed: the step directory and the error (e.g. the OS error)."""
+    committed: bool = False
+    """Rank 0: the manifest is written (the checkpoint exists; its files must stay)."""
 
 
 def snapshot(x: Any) -> Any:
@@ -146,6 +152,7 @@ def run_save_job(job: SaveJob) -> bool:
     drop a marker, and on rank 0 commit; True when this rank's part (and rank 0's commit)
     succeeded. Never raises: a failed save must not stop training."""
     hook = job.hook or (lambda event: None)
+    copied: list[Path] = []
     try:
         job.local.mkdir(parents=True, exist_ok=True)
         for i, f in enumerate(job.files):
@@ -157,6 +164,7 @@ def run_save_job(job: SaveJob) -> bool:
             copy_file(
                 job.local / f["name"], job.target / f["name"], job.chunk_bytes, lambda: hook("copy-chunk")
             )
+            copied.append(job.target / f["name"])
             hook("copied")
         fsync_dir(job.target)
         if job.files:
@@ -170,12 +178,19 @@ def run_save_job(job: SaveJob) -> bool:
             commit(job, hook)
         return True
     except Exception as e:  # a failed save must not stop training: the checkpoint just never exists
+        job.error = str(e) if str(job.target) in str(e) else f"{job.target}: {e}"
         log.warning(
             "varuna: the checkpoint of step %d failed on rank %d and will not exist: %s",
             job.step,
             job.rank,
-            e,
+            job.error,
         )
+        # This rank's files of a checkpoint that will never exist (they would fill a full disk).
+        for p in [] if job.committed else copied:
+            try:
+                p.unlink(missing_ok=True)
+            except OSError:
+                pass
         return False
     finally:
         shutil.rmtree(job.local, ignore_errors=True)  # local copies are only a staging area
@@ -190,7 +205,7 @@ def commit(job: SaveJob, hook: Callable[[str], None]) -> None:
     while pending:
         for r in sorted(pending):
             try:
-                m = json.loads((markers / f"rank{r}.json").read_text())
+                m = json.loads(read_regular(markers / f"rank{r}.json", JSON_MAX_BYTES))
             except (FileNotFoundError, json.JSONDecodeError):
                 continue
             if m.get("nonce") == job.nonce:  # markers of an abandoned earlier attempt differ
@@ -220,6 +235,7 @@ def commit(job: SaveJob, hook: Callable[[str], None]) -> None:
         json.dumps(manifest, indent=1).encode(),
         before_replace=lambda: hook("manifest-tmp"),
     )
+    job.committed = True
     hook("manifest")
     shutil.rmtree(markers, ignore_errors=True)
     prune(job.root, job.step, job.keep)

@@ -57,6 +57,14 @@ class VarunaConfig:
     """Explicit segment ranges per stage; default: balanced on costs measured in a dry run."""
     comm_timeout_s: float = 300.0
     """Every wait on another process gives up after this long."""
+    peer_timeout_s: float = 10.0
+    """While this rank waits inside a step, a peer whose liveness beat has not moved for this long
+    (frozen, killed), or that closed its engine early, is reported by rank and host and the run
+    fails at once instead of after ``comm_timeout_s`` (Note [Peer watch] in
+    varuna/runtime/peer_watch.py). 0: off."""
+    max_nonfinite_steps: int = 5
+    """A step whose agreed loss is NaN/Inf is skipped with a one-line warning; this many in a row
+    stop the run (non-zero exit, one line naming the steps). 0: never stop."""
     dry_run_reps: int = 2
     record_timeline: bool = False
     """Record (stage, op, micro-batch, start, end) of every task, for traces."""
@@ -110,6 +118,16 @@ class VarunaConfig:
             raise ValueError(f"unknown precision {self.precision!r}; choose fp32, bf16 or fp16")
         if self.micro_batch_size < 1 or self.global_batch_size < 1:
             raise ValueError("--global-batch-size and --micro-batch-size must be >= 1")
+        if not self.comm_timeout_s > 0:  # also refuses NaN
+            raise ValueError(f"comm_timeout_s must be > 0 (got {self.comm_timeout_s})")
+        if not self.peer_timeout_s >= 0:
+            raise ValueError(
+                f"peer_timeout_s must be >= 0, 0 to turn the peer watch off (got {self.peer_timeout_s})"
+            )
+        if self.max_nonfinite_steps < 0:
+            raise ValueError(
+                f"max_nonfinite_steps must be >= 0, 0 to never stop (got {self.max_nonfinite_steps})"
+            )
 
 
 def adopt_plan(config: VarunaConfig, plan: RunPlan) -> str | None:

@@ -175,6 +175,9 @@ class GradientSync:
         sumsq, nonfinite = self._local_norms()
         t_ar = time.perf_counter()
         total_sq, skipped, loss, stop = self._agree(sumsq, nonfinite, local_loss, stop_requested, micro_plan)
+        # A NaN/Inf loss skips the step even if every gradient happens to be finite; the loss is
+        # agreed, so every rank skips (the engine warns and counts: Engine._check_nonfinite).
+        skipped = skipped or not math.isfinite(loss)
         scale = self.scaler.scale
         if cfg.precision == "fp16":
             self.scaler.update(found_inf=skipped)

@@ -7,9 +7,12 @@ with the same answer (the scale therefore stays identical everywhere).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import socket
+import sys
+from dataclasses import dataclass, field
 
-__all__ = ["DynamicLossScale"]
+__all__ = ["DynamicLossScale", "NonFiniteLossStop", "NonFiniteLosses"]
 
 
 @dataclass(kw_only=True)
@@ -44,3 +47,49 @@ class DynamicLossScale:
 
     def load_state_dict(self, sd: dict) -> None:
         self.scale, self.good_steps = float(sd["scale"]), int(sd["good_steps"])
+
+
+class NonFiniteLossStop(SystemExit):
+    """Raised on every rank (the loss is agreed) after ``max_nonfinite_steps`` NaN/Inf losses in a
+    row. A ``SystemExit``: uncaught, the process prints its one line and exits 1 (no traceback)."""
+
+
+@dataclass
+class NonFiniteLosses:
+    """The NaN/Inf loss policy: such a step is skipped (varuna/runtime/grad_sync.py), rank 0 warns
+    in one line, and ``limit`` in a row (0: never) stop the run.
+
+    >>> policy = NonFiniteLosses(limit=2, rank=1, host="h")
+    >>> policy.observe(4, float("nan")) is None
+    True
+    >>> policy.observe(5, float("inf"))  # doctest: +ELLIPSIS
+    'varuna: rank 1 (host h): the loss was inf in 2 steps in a row (steps 4-5); stopping: ...'
+    """
+
+    limit: int
+    rank: int
+    host: str = field(default_factory=socket.gethostname)
+    run: list[int] = field(default_factory=list)
+    """Steps in the current run of non-finite losses."""
+
+    def observe(self, step: int, loss: float) -> str | None:
+        """Record ``step``'s agreed loss; the line to stop with, or None to go on."""
+        if math.isfinite(loss):
+            self.run.clear()
+            return None
+        self.run.append(step)
+        n = len(self.run)
+        if self.limit and n >= self.limit:
+            return (
+                f"varuna: rank {self.rank} (host {self.host}): the loss was {loss} in {n} steps in a row "
+                f"(steps {self.run[0]}-{step}); stopping: check the data and the learning rate, or "
+                "raise VarunaConfig.max_nonfinite_steps (0: never stop)"
+            )
+        if self.rank == 0:
+            print(
+                f"varuna: step {step}: loss is {loss}; step skipped ({n} in a row; stopping at "
+                f"{self.limit or 'never'}, VarunaConfig.max_nonfinite_steps)",
+                file=sys.stderr,
+                flush=True,
+            )
+        return None

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from varuna.core.calibration import plan_model_mismatch
 from varuna.core.partition import balanced_stages
 from varuna.core.schedule import schedule_kind
 from varuna.cutting.split import ModelProfile
@@ -58,6 +59,10 @@ def assign_stages(
     P, nseg = layout.P, profile.num_segments
     if explicit is not None:
         ranges = [tuple(r) for r in explicit]
+        # A plan made from another model's calibration: say so, not just "bad ranges".
+        mismatch = plan_model_mismatch(ranges, nseg)
+        if mismatch is not None:
+            raise ValueError(mismatch)
         flat = [s for a, b in ranges for s in range(a, b + 1)]
         if len(ranges) != P or flat != list(range(nseg)):
             raise ValueError(

@@ -1,0 +1,74 @@
+"""Worker for tests/test_runtime_reliability.py: a small engine driven the way user scripts drive it.
+
+Modes (``--mode``):
+
+- ``teardown``: join the default group itself (like a user script), build a deterministic engine,
+  run ``--steps`` steps, ``engine.close()`` and return *without* ``destroy_process_group`` -- the
+  exit path that aborted under load ("terminate called without an active exception").
+- ``nan``: every step's batch is NaN from step ``--nan-from`` on; prints each StepResult.
+- ``early-exit``: rank ``--victim`` leaves after ``--victim-steps`` steps (closing its engine);
+  the others keep training and must be told which rank left, within seconds.
+- ``freeze``: rank ``--victim`` stops itself (SIGSTOP) after ``--victim-steps`` steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from models import build_model, make_batch  # noqa: E402
+
+import varuna  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", default="teardown", choices=["teardown", "nan", "early-exit", "freeze"])
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--nan-from", type=int, default=1)
+    p.add_argument("--max-nonfinite", type=int, default=3)
+    p.add_argument("--victim", type=int, default=1)
+    p.add_argument("--victim-steps", type=int, default=1)
+    p.add_argument("--peer-timeout", type=float, default=3.0)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo")  # the script owns the default group, as det_worker does
+    M = 8
+    cfg = varuna.VarunaConfig(
+        global_batch_size=M,
+        micro_batch_size=2,
+        deterministic=True,
+        max_nonfinite_steps=a.max_nonfinite,
+        peer_timeout_s=a.peer_timeout,
+        comm_timeout_s=120.0,
+    )
+    batch = make_batch("onecut", M)
+    engine = varuna.Engine(
+        build_model("onecut"), cfg, example_batch=batch, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1)
+    )
+    rank = engine.layout.rank
+    for step in range(1, a.steps + 1):
+        if a.mode in ("early-exit", "freeze") and rank == a.victim and step > a.victim_steps:
+            if a.mode == "freeze":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            break
+        x, y = batch
+        if a.mode == "nan" and step >= a.nan_from:
+            x = torch.full_like(x, float("nan"))
+        r = engine.train_step((x, y))
+        print(f"step {r.step} loss {r.loss} skipped {r.skipped}", flush=True)
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
