@@ -16,7 +16,8 @@ import time
 
 # One implementation of each for the launcher and the manager; find_free_port is part of this
 # module's API (the VM agent and the demo scripts import it from here).
-from varuna.launch.procs import PR_SET_PDEATHSIG, find_free_port, libc_prctl
+from varuna.core.process import die_with_parent
+from varuna.launch.procs import find_free_port
 
 __all__ = [
     "alive",
@@ -95,24 +96,6 @@ def reap(popen: subprocess.Popen, timeout_s: float = 0.0) -> int | None:
         return popen.wait(timeout=1.0)  # a zombie: returns at once
     except subprocess.TimeoutExpired:
         return None
-
-
-def die_with_parent(expected_parent: int) -> bool:
-    """Ask the kernel to SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``), and
-    exit at once if the parent already changed from ``expected_parent`` (it died before the
-    request took effect). False where the call does not exist (non-Linux).
-
-    Called first thing in the child (``manager.worker_shim``), not from a ``preexec_fn``: running
-    Python between fork and exec in a process with gRPC threads (the agent) crashes the child.
-    The signal is tied to the parent *thread* that forked, so the agent spawns from its main loop.
-    """
-    prctl = libc_prctl()
-    if prctl is None:
-        return False
-    prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != expected_parent:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return True
 
 
 def restore_normal_priority(pid: int = 0) -> int:

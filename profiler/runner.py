@@ -29,13 +29,11 @@ Example::
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import json
 import os
 import platform
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -58,6 +56,7 @@ from varuna.core.calibration import (
     LinkPoint,
     SendStat,
 )
+from varuna.core.process import PARENT_PID_VAR
 from varuna.cutting.cutpoint import CutPoint
 
 __all__ = ["ProfileOptions", "calibrate", "measure_allreduce", "EXTRA_KEY"]
@@ -196,19 +195,6 @@ def _ar_configs(ring_sizes: Sequence[int], concurrencies: Sequence[int], k: int)
 # Running the workers
 
 
-def _pdeathsig() -> Callable[[], None] | None:
-    """Kill the worker if this process dies (Linux prctl), so no profiler worker is ever orphaned."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-    def preexec() -> None:
-        prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-    return preexec
-
-
 class _Workers:
     """The worker processes of one run, started before the plan exists (Note [Early start]).
 
@@ -240,6 +226,9 @@ class _Workers:
                     "PYTHONPATH": pythonpath,
                 }
                 env.pop("VARUNA_NETEM", None)  # the plan says which links are emulated
+                # The worker asks for the parent-death signal itself (varuna.core.process): no
+                # preexec_fn, which can crash a child forked from a process with gRPC threads.
+                env[PARENT_PID_VAR] = str(os.getpid())
                 log = open(self.run_dir / f"rank{rank}.log", "w")
                 self.logs.append(log)
                 argv = hosts.wrap(host, [sys.executable, "-m", "profiler.worker", str(self.run_dir)])
@@ -249,7 +238,6 @@ class _Workers:
                         env=env,
                         stdout=log,
                         stderr=subprocess.STDOUT,
-                        preexec_fn=_pdeathsig(),
                         cwd=os.getcwd(),
                     )
                 )

@@ -29,6 +29,8 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+from varuna.core.process import PARENT_PID_VAR, die_with_parent
+
 __all__ = ["main"]
 
 
@@ -223,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m profiler.worker RUN_DIR", file=sys.stderr)
         return 2
     stamps = {"main": time.perf_counter()}  # CLOCK_MONOTONIC: comparable with the parent's clock
+    if os.environ.get(PARENT_PID_VAR, "").isdigit():  # never outlive a killed runner
+        die_with_parent(int(os.environ[PARENT_PID_VAR]))
     run_dir = Path(args[0])
     boot = json.loads((run_dir / "boot.json").read_text())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -21,47 +21,18 @@ Example::
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import os
 import signal
 import socket
-import sys
 from collections.abc import Callable
+
+from varuna.core.process import PR_SET_PDEATHSIG, libc_prctl
 
 __all__ = ["KILL_REAP_TIMEOUT_S", "PR_SET_PDEATHSIG", "find_free_port", "libc_prctl", "pdeathsig_preexec"]
 
 #: After SIGKILL, how long to wait for the kernel to reap workers before giving up on them
 #: (a process stuck in uninterruptible I/O cannot be killed sooner).
 KILL_REAP_TIMEOUT_S = 5.0
-
-#: ``prctl`` option that asks for a signal when the parent (thread) dies (``<linux/prctl.h>``).
-PR_SET_PDEATHSIG = 1
-
-
-@functools.lru_cache(maxsize=1)
-def libc_prctl() -> Callable[..., int] | None:
-    """libc's ``prctl``, or None where it does not exist (non-Linux).
-
-    Resolved once and cached, so a forked child calling it loads nothing.
-
-    Example::
-
-        >>> prctl = libc_prctl()
-        >>> prctl is None or callable(prctl)
-        True
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        # CDLL(None): the symbols already loaded into this process, libc among them (no search).
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    return prctl
-
 
 def pdeathsig_preexec() -> Callable[[], None] | None:
     """A ``preexec_fn`` that makes the kernel SIGKILL the child when this process (more
