@@ -30,7 +30,14 @@ import pytest
 from manager.jobspec import load_jobspec, spec_to_pb
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_manager_local import ManagerProcess, kinds, processes_mentioning, status, wait_for  # noqa: E402
+from test_manager_local import (  # noqa: E402
+    ManagerProcess,
+    events,
+    kinds,
+    processes_mentioning,
+    status,
+    wait_for,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "gpt2" / "train.py"
@@ -151,7 +158,13 @@ def test_gpt_on_six_pretend_vms_survives_kills_stutter_and_a_manager_restart(tmp
         worker_pid = slow_vm.workers[0].pid
         burster = threading.Thread(target=_bursts, args=(worker_pid, stop_bursts), daemon=True)
         burster.start()
-        wait_for(lambda: "slow" in kinds(mp, job), 120, "the slow VM to be detected", poll_s=0.2)
+        try:
+            wait_for(lambda: "slow" in kinds(mp, job), 120, "the slow VM to be detected", poll_s=0.2)
+        except AssertionError:  # say what the manager saw: this wait is the one load can break
+            for e in events(mp, job):
+                print("EVENT", e.kind, e.message[:300])
+            print("STATUS", status(mp, job))
+            raise
         stop_bursts.set()
         burster.join(5)
         wait_for(lambda: kinds(mp, job).count("resumed") >= 1, 120, "the morph without the slow VM")
