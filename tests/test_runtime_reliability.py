@@ -155,6 +155,22 @@ def test_engine_teardown_exits_cleanly_many_times_under_cpu_load(tmp_path):
     assert failures == [], failures
 
 
+@pytest.mark.parametrize("P", ["1", "2"])
+def test_close_leaves_no_process_group_handle_behind(P):
+    """Note [Teardown at exit]: ``destroy_process_group`` only unregisters a group; its gloo worker
+    threads live until the last handle goes, and a group torn down at interpreter finalisation can
+    abort the process. After ``Engine.close`` no handle may be reachable from the engine (before
+    it, some must be: the negative control that the count sees them at all)."""
+    results = run_world(WORKER, 2, ["--mode", "teardown", "--steps", "1", "--count-groups"],
+                        env={"VARUNA_PIPELINE_DEPTH": P}, timeout_s=180)
+    for rank, r in enumerate(results):
+        assert r.returncode == 0, (rank, r.stdout[-2000:])
+        counts = [line.split() for line in r.stdout.splitlines() if line.startswith("groups reachable")]
+        assert counts, r.stdout[-2000:]
+        before, after = int(counts[-1][4]), int(counts[-1][6])
+        assert before > 0 and after == 0, (rank, counts[-1])
+
+
 @pytest.mark.slow
 def test_nonfinite_losses_stop_every_rank_with_one_line():
     args = ["--mode", "nan", "--steps", "8", "--nan-from", "2", "--max-nonfinite", "3"]

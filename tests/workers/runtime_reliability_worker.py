@@ -9,14 +9,19 @@ Modes (``--mode``):
 - ``early-exit``: rank ``--victim`` leaves after ``--victim-steps`` steps (closing its engine);
   the others keep training and must be told which rank left, within seconds.
 - ``freeze``: rank ``--victim`` stops itself (SIGSTOP) after ``--victim-steps`` steps.
+
+``--count-groups`` prints how many process-group handles are reachable from the engine just
+before and just after ``engine.close()`` (Note [Teardown at exit]: none may be left after).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -30,6 +35,22 @@ from models import build_model, make_batch  # noqa: E402
 import varuna  # noqa: E402
 
 
+def reachable_groups(root) -> int:
+    """Process-group handles reachable from ``root`` through Python objects' data (not through
+    functions, whose module globals reach torch's own registry of groups)."""
+    seen, count, stack = set(), 0, [root]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or isinstance(o, type | types.ModuleType | types.FunctionType | types.MethodType):
+            continue
+        seen.add(id(o))
+        if isinstance(o, dist.ProcessGroup):
+            count += 1
+            continue
+        stack.extend(gc.get_referents(o))
+    return count
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mode", default="teardown", choices=["teardown", "nan", "early-exit", "freeze"])
@@ -39,6 +60,7 @@ def main() -> None:
     p.add_argument("--victim", type=int, default=1)
     p.add_argument("--victim-steps", type=int, default=1)
     p.add_argument("--peer-timeout", type=float, default=3.0)
+    p.add_argument("--count-groups", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(1)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -67,7 +89,10 @@ def main() -> None:
             x = torch.full_like(x, float("nan"))
         r = engine.train_step((x, y))
         print(f"step {r.step} loss {r.loss} skipped {r.skipped}", flush=True)
+    before = reachable_groups(engine) if a.count_groups else 0
     engine.close()
+    if a.count_groups:
+        print(f"groups reachable before close {before} after {reachable_groups(engine)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import gc
 import os
 import queue
 import signal
@@ -49,7 +50,7 @@ from varuna.runtime.checkpoint import Checkpointer, engine_state_dict, load_engi
 from varuna.runtime.config import StepResult, VarunaConfig, adopt_plan
 from varuna.runtime.executor import ScheduleExecutor, StageModel
 from varuna.runtime.grad_sync import GradientSync, allreduce_scalars
-from varuna.runtime.groups import StageLinks, build_groups
+from varuna.runtime.groups import ProcessGroups, StageLinks, build_groups
 from varuna.runtime.layout import Layout, init_distributed, pick_device
 from varuna.runtime.loss_scale import DynamicLossScale, NonFiniteLosses, NonFiniteLossStop
 from varuna.runtime.peer_watch import PeerWatch, watching
@@ -400,13 +401,8 @@ class Engine:
         if self._netem is not None:
             self._netem.__exit__(None, None, None)
             self._netem = None
-        if self._owns_pg and dist.is_initialized():
-            dist.destroy_process_group()  # every group with it
-            self._owns_pg = False
-        elif dist.is_initialized():
-            # The caller owns the default group and may build more engines in this process.
-            self._groups.destroy()
-        self._groups.created = []
+        _destroy_groups(self._groups, owns_default=self._owns_pg)
+        self._owns_pg = False
 
     def __enter__(self) -> Engine:
         return self
@@ -480,21 +476,39 @@ def _check_batch(batch, global_batch_size: int) -> None:
 
 
 def _close_at_exit(engine: Engine) -> None:
-    """Note [Teardown at exit]: a script that returns (or raises) without closing its engine or
-    destroying its process group leaves gloo's C++ worker threads holding work at interpreter
-    finalisation; under CPU load one is still joinable when the process exits and libstdc++ aborts
-    ("terminate called without an active exception", exit -6; ~1 run in 14 of 1×2 worlds beside
-    two CPU burners). atexit runs while the interpreter is whole: close the engine (peer watch,
+    """Note [Teardown at exit]: a process group's gloo worker threads live as long as its C++
+    object, which lives as long as any Python handle to it -- ``destroy_process_group`` only
+    unregisters it. A group still alive at interpreter finalisation is torn down there: a worker
+    thread that then needs the GIL (to free a tensor of its last work) is ended by
+    ``pthread_exit`` inside C++ code and libstdc++ aborts ("terminate called without an active
+    exception", exit -6; ~1 run in 14 of 1×2 worlds beside two CPU burners when the script did not
+    destroy its group; once in CI on a graceful stop whose engine still held its subgroups).
+    So ``Engine.close`` destroys the groups, drops every handle (``ProcessGroups.release``,
+    ``StageLinks.close``) and collects, and a script that returns (or raises) without closing gets
+    the same at exit: atexit runs while the interpreter is whole, closing the engine (peer watch,
     link threads, subgroups), then the default group -- atexit is last-in first-out."""
     atexit.unregister(_destroy_default_group)  # once per process, registered before any engine
     atexit.register(_destroy_default_group)
     atexit.register(engine.close)  # Engine.close unregisters it
 
 
+def _destroy_groups(groups: ProcessGroups, *, owns_default: bool) -> None:
+    """The engine's groups, and the default one when the engine made it. Note [Teardown at exit]:
+    no handle may outlive this (the groups' worker threads are joined now, not at finalisation)."""
+    if owns_default and dist.is_initialized():
+        dist.destroy_process_group()  # every group with it
+    elif dist.is_initialized():
+        # The caller owns the default group and may build more engines in this process.
+        groups.destroy()
+    groups.release()
+    gc.collect()
+
+
 def _destroy_default_group() -> None:
     """At exit (Note [Teardown at exit]): the default process group, if the script left it."""
     if dist.is_initialized():
         dist.destroy_process_group()
+        gc.collect()  # groups only reachable through cycles are freed (threads joined) now
 
 
 def _model_returns_loss(output, batch):

@@ -49,10 +49,20 @@ class ProcessGroups:
         return {n for _, names in self.shared for n in names}
 
     def destroy(self) -> None:
-        """Destroy the created groups (when the caller owns the default group)."""
+        """Destroy the created groups (when the caller owns the default group), then forget them."""
         for g in self.created:
             if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
                 dist.destroy_process_group(g)
+        self.release()
+
+    def release(self) -> None:
+        """Drop every handle (Note [Teardown at exit] in engine.py: a handle still held keeps the
+        group's C++ worker threads alive until interpreter finalisation). Every holder of this
+        object (gradient sync, determinism) sees the groups gone."""
+        self.dp_group = None
+        self.act_groups.clear()
+        self.grad_groups.clear()
+        self.shared = []
         self.created = []
 
 
@@ -145,6 +155,9 @@ class StageLinks:
             self.grad_in.expect(num_microbatches)
 
     def close(self) -> None:
+        """Stop the receivers, let outstanding sends finish, then drop the endpoints (and with them
+        their groups and the tensors of their last messages)."""
         for w in (self.act_out, self.grad_out, self.act_in, self.grad_in):
             if w is not None:
                 w.close()
+        self.act_out = self.grad_out = self.act_in = self.grad_in = None
