@@ -92,9 +92,9 @@ class JobCache:
     launches: dict[int, dict[str, list[pb.WorkerLaunch]]] = field(
         default_factory=dict
     )  # gen -> vm -> workers
-    compute: dict[int, dict[int, tuple[int, float]]] = field(
+    compute: dict[int, dict[int, dict[int, float]]] = field(
         default_factory=dict
-    )  # gen -> rank -> (stage, s)
+    )  # gen -> stage -> rank -> latest compute s
     marked: dict[int, set[int]] = field(default_factory=dict)  # gen -> ranks marked slow
     create_after: float = 0.0
     provider_error_logged: float = 0.0
@@ -128,7 +128,9 @@ class ManagerContext:
         #: Provider calls decided during the current tick, run after the lock is released.
         self.actions: list[Callable[[], None]] = []
         #: Liveness is judged from max(last heartbeat, this): a manager that was down longer
-        #: than T must not declare every VM gone the moment it comes back.
+        #: than T must not declare every VM gone the moment it comes back, nor one whose last
+        #: heartbeat times died with the old process before they were written (they are
+        #: deferred: Note [Deferred writes] in manager/record_cache.py).
         self.started_at = clock()
         self._provider_factory = provider_factory
         self._jobs: dict[str, JobCache] = {}

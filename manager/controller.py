@@ -80,7 +80,10 @@ from manager.store import JobRecord, Store
 from manager.vm_book import VMBook
 from manager.worker_reports import WorkerReports
 
-__all__ = ["Manager"]
+__all__ = ["CHECKPOINT_EVERY_S", "Manager"]
+
+#: How often the control loop copies the state file's WAL into the database (Store.checkpoint).
+CHECKPOINT_EVERY_S = 1.0
 
 
 class Manager:
@@ -112,6 +115,7 @@ class Manager:
         self.requests = JobRequests(self.ctx, self.calibration, self.vms)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._checkpointed = 0.0  # time.monotonic() of the last WAL checkpoint
         for job in store.jobs(active_only=True):
             store.add_event(
                 job.job_id,
@@ -147,6 +151,7 @@ class Manager:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        self.ctx.store.flush()  # a stopped manager leaves nothing only in memory
         self.ctx.close_providers()
 
     def _run(self) -> None:
@@ -225,6 +230,13 @@ class Manager:
                     action()
                 except Exception as exc:
                     self.vms.provider_error(job, str(exc))
+        # The heartbeats' deferred values, one transaction per tick (Note [Deferred writes] in
+        # manager/record_cache.py), and the WAL checkpoint about once a second: outside the
+        # state lock, so RPCs are answered meanwhile.
+        ctx.store.flush()
+        if time.monotonic() - self._checkpointed >= CHECKPOINT_EVERY_S:
+            ctx.store.checkpoint()
+            self._checkpointed = time.monotonic()
 
     def _tick_job(self, job: JobRecord, now: float) -> None:
         store = self.ctx.store

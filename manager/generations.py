@@ -266,7 +266,8 @@ class JobController:
         since = (last.stop_time or last.ended or 0.0) if last is not None else 0.0
         candidates = [vm for vm in vms if vm.state == "up" and not vm.slow and not vm.notice]
         usable = [vm for vm in candidates if ctx.usable(vm, now, since)]
-        unconfirmed = [vm for vm in candidates if vm not in usable]
+        usable_ids = {vm.vm_id for vm in usable}  # by id: a list test is quadratic in the VMs
+        unconfirmed = [vm for vm in candidates if vm.vm_id not in usable_ids]
         if last is not None and unconfirmed and now - since <= ctx.config.heartbeat_timeout_s:
             # After a failure, relaunch only once every VM proved alive since (heartbeat after the
             # generation ended, its old workers gone) or was declared gone: a VM that died with

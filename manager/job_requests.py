@@ -198,7 +198,7 @@ class JobRequests:
             health=self.vms.health(vm, now),
             slots=vm.slots,
             address=vm.address,
-            in_generation=gen is not None and vm.vm_id in gen.vm_ids,
+            in_generation=gen is not None and vm.vm_id in gen.vm_set,
             agent_pid=vm.agent_pid,
             heartbeat_age_s=(now - vm.last_heartbeat) if vm.last_heartbeat else -1.0,
         )

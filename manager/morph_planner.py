@@ -70,7 +70,7 @@ class MorphPlanner:
         ctx, cfg = self.ctx, self.ctx.config
         if gen.first_step_time is None or now - gen.first_step_time < cfg.grow_cooldown_s:
             return None
-        extra = [vm for vm in vms if vm.vm_id not in gen.vm_ids and ctx.usable(vm, now, since=0.0)]
+        extra = [vm for vm in vms if vm.vm_id not in gen.vm_set and ctx.usable(vm, now, since=0.0)]
         if not extra:
             return None
         starting = [vm for vm in vms if vm.state == "requested" and now - vm.created < cfg.gather_timeout_s]
@@ -80,7 +80,10 @@ class MorphPlanner:
             ctx.set_message(job, f"{len(extra)} new VM(s) ready, {len(starting)} still starting: grow waits")
             return None
         ctx.set_message(job, "")
-        candidates = [vm for vm in vms if (vm.vm_id in gen.vm_ids and ctx.healthy(vm, now)) or vm in extra]
+        extra_ids = {vm.vm_id for vm in extra}
+        candidates = [
+            vm for vm in vms if (vm.vm_id in gen.vm_set and ctx.healthy(vm, now)) or vm.vm_id in extra_ids
+        ]
         try:
             plan = self.plan(job, [vm.slots for vm in candidates])
         except ValueError:

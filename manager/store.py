@@ -7,9 +7,18 @@ reports back. Only soft state is kept in memory (fail-stutter counters, which re
 
 Concurrency: one connection in WAL mode (readers never block the writer), used under one lock
 by the gRPC handler threads and the controller thread, so there is exactly one writer at a time.
-Every write is its own short transaction. ``synchronous=NORMAL`` in WAL mode keeps the database
-consistent on a crash and may lose only the last transactions on a power cut; heartbeats repeat
-every second, so nothing of value is lost.
+Every write is its own short transaction, except the deferred ones (below). ``synchronous=NORMAL``
+in WAL mode keeps the database consistent on a crash and may lose only the last transactions on a
+power cut; heartbeats repeat every second, so nothing of value is lost. The WAL is copied into
+the database by :meth:`Store.checkpoint`, which the control loop calls, never inside a commit.
+
+Reads are served from memory (:class:`manager.record_cache.RecordCache`): this process is the
+only writer of the file, so the copy is changed by the same calls that change the file and never
+goes stale. What a heartbeat only repeats (when a VM was heard from, its free port, a worker's
+latest compute times, a throughput point) is *deferred*: kept in memory and written by
+:meth:`Store.flush`, which the control loop calls every tick — one transaction for all of them
+instead of one per heartbeat (Note [Deferred writes] in manager/record_cache.py says why a crash
+between two flushes is harmless). Every other write reaches the file before the call returns.
 
 Times are wall-clock seconds (``time.time()``): they must mean the same after a restart.
 
@@ -22,6 +31,8 @@ Times are wall-clock seconds (``time.time()``): they must mean the same after a 
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import sqlite3
 import threading
@@ -30,6 +41,16 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from manager.record_cache import RecordCache
+from manager.records import (
+    EventRecord,
+    GenerationRecord,
+    JobRecord,
+    ProgressRecord,
+    VMRecord,
+    WorkerStatRecord,
+)
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -166,173 +187,14 @@ CREATE TABLE IF NOT EXISTS worker_stats (
 """
 
 
+@functools.cache
+def _field_names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in fields(cls))
+
+
 def _row_to(cls: type, row: sqlite3.Row) -> Any:
-    names = {f.name for f in fields(cls)}
+    names = _field_names(cls)
     return cls(**{k: row[k] for k in row.keys() if k in names})
-
-
-@dataclass(kw_only=True)
-class JobRecord:
-    """A row of ``jobs``. ``state``: pending | running | stopping | finished | cancelled | failed."""
-
-    job_id: str
-    spec_json: str
-    calibration_json: str = ""
-    state: str
-    message: str = ""
-    created: float
-    updated: float
-    generation: int = 0
-    """Newest generation launched (0: none yet)."""
-    step: int = 0
-    """Highest step any worker reported."""
-    detection_time: float | None = None
-    """When the manager noticed what the pending morph reacts to (cleared when training resumes)."""
-    detection_reason: str = ""
-    failed_launches: int = 0
-    """Consecutive generations that ended without completing a step."""
-    cancel_requested: int = 0
-    vm_seq: int = 0
-    """Counter for VM names."""
-    calibration_state: str = ""
-    """given | none | pending | profiling | done | failed (Note [Calibration at job start] in
-    :mod:`manager.controller`); '' in rows written before it existed."""
-    calibration_source: str = ""
-    """Where the calibration came from, for people (``status``)."""
-    calibration_attempt: int = 0
-    """The current (or last) profiling attempt; agents key their run by it."""
-    calibration_vm: str = ""
-    """The VM running (or that ran) the profiling attempt."""
-    calibration_started: float | None = None
-    """When the current attempt was ordered."""
-
-    @property
-    def spec(self) -> dict[str, Any]:
-        return json.loads(self.spec_json)
-
-    @property
-    def terminal(self) -> bool:
-        return self.state in ("finished", "cancelled", "failed")
-
-
-@dataclass(kw_only=True)
-class GenerationRecord:
-    """One launch of a job at one P×D on one set of VMs.
-
-    ``state``: running | stopping (graceful stop asked) | killing | ended."""
-
-    job_id: str
-    generation: int
-    state: str
-    pipeline_depth: int
-    data_parallel: int
-    micro_batch_size: int
-    vms_json: str
-    master_addr: str
-    master_port: int
-    launched: float
-    stop_reason: str = ""
-    stop_time: float | None = None
-    ended: float | None = None
-    first_step_time: float | None = None
-    resumed_from: int | None = None
-    last_step: int = 0
-    graceful: int = 0
-    """1 when every worker exited 0 (a clean stop or completion)."""
-    predicted_samples_per_s: float = 0.0
-
-    @property
-    def vm_ids(self) -> list[str]:
-        return list(json.loads(self.vms_json))
-
-
-@dataclass(kw_only=True)
-class VMRecord:
-    """A VM of a job. ``state``: requested | up | gone | deleted."""
-
-    vm_id: str
-    job_id: str
-    provider: str
-    seq: int
-    state: str
-    slots: int
-    address: str = ""
-    hostname: str = ""
-    agent_instance: str = ""
-    agent_pid: int = 0
-    created: float
-    registered: float | None = None
-    last_heartbeat: float | None = None
-    free_port: int = 0
-    reported_generation: int = 0
-    workers_json: str = "[]"
-    slow: int = 0
-    slow_reason: str = ""
-    notice_json: str = ""
-    gone_reason: str = ""
-    provider_ref: str = "{}"
-
-    @property
-    def workers(self) -> list[dict[str, Any]]:
-        """The agent's last report: ``[{"rank", "pid", "running", "exit_code"}]``."""
-        return list(json.loads(self.workers_json))
-
-    @property
-    def notice(self) -> dict[str, Any] | None:
-        return json.loads(self.notice_json) if self.notice_json else None
-
-    @property
-    def ref(self) -> dict[str, Any]:
-        return dict(json.loads(self.provider_ref or "{}"))
-
-
-@dataclass(kw_only=True)
-class EventRecord:
-    id: int
-    job_id: str
-    time: float
-    kind: str
-    vm_id: str = ""
-    generation: int = 0
-    message: str = ""
-    data_json: str = "{}"
-
-    @property
-    def data(self) -> dict[str, Any]:
-        return dict(json.loads(self.data_json or "{}"))
-
-
-@dataclass(kw_only=True)
-class ProgressRecord:
-    job_id: str
-    generation: int
-    step: int
-    time: float
-    samples_per_s: float
-    loss: float
-    pipeline_depth: int
-    data_parallel: int
-
-
-@dataclass(kw_only=True)
-class WorkerStatRecord:
-    """The latest heartbeat of one worker of one generation."""
-
-    job_id: str
-    generation: int
-    rank: int
-    vm_id: str
-    stage: int
-    replica: int
-    step: int
-    resumed_from: int
-    time: float
-    fwd_s: float
-    bwd_s: float
-    recompute_s: float = 0.0
-    micro_batch_size: int = 0
-    first_segment: int = 0
-    end_segment: int = 0
 
 
 @dataclass
@@ -342,6 +204,11 @@ class Store:
     path: str
     _conn: sqlite3.Connection = field(init=False, repr=False)
     _lock: threading.RLock = field(init=False, repr=False, default_factory=threading.RLock)
+    """The connection's: one statement or transaction at a time. Taken before ``_mem``."""
+    _mem: threading.RLock = field(init=False, repr=False, default_factory=threading.RLock)
+    """The memory's (``_cache``): never held while waiting for ``_lock`` or for SQLite, so a
+    read or a deferred write does not wait for a transaction (a flush, a WAL checkpoint)."""
+    _cache: RecordCache = field(init=False, repr=False, default_factory=RecordCache)
 
     def __post_init__(self) -> None:
         # check_same_thread=False: the connection is shared by threads, serialised by _lock.
@@ -354,6 +221,10 @@ class Store:
                 if str(mode).lower() != "wal":
                     raise ValueError(f"{self.path}: SQLite refused WAL mode (got {mode}); use a local disk")
             self._conn.execute("PRAGMA synchronous=NORMAL")
+            # No automatic checkpoint: SQLite runs it (with an fsync) inside whichever commit
+            # takes the WAL past 1,000 pages, often one an RPC is waiting for under the
+            # manager's state lock. The control loop calls checkpoint() instead.
+            self._conn.execute("PRAGMA wal_autocheckpoint=0")
             self._conn.execute("PRAGMA foreign_keys=ON")
             self._conn.executescript(_SCHEMA)
             row = self._conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
@@ -367,6 +238,9 @@ class Store:
                     f"this manager reads {SCHEMA_VERSION};"
                     " use the matching varuna-manager or a new --db"
                 )
+            # Every job row up front (one per job submitted): job reads never need the connection.
+            rows = self._query("SELECT * FROM jobs ORDER BY created")
+            self._cache.jobs = {r["job_id"]: _row_to(JobRecord, r) for r in rows}
 
     def _migrate(self, version: int) -> None:
         """Bring a file of an older schema ``version`` up to date (columns only ever get added)."""
@@ -379,8 +253,51 @@ class Store:
             conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
 
     def close(self) -> None:
+        """Write what is deferred, then close the file."""
         with self._lock:
-            self._conn.close()
+            try:
+                self.flush()
+            finally:
+                self._conn.close()
+
+    def flush(self) -> int:
+        """Write every deferred value in one transaction; how many rows it wrote. Kept for the
+        next call if the write fails."""
+        # The connection first and to the end: no write of the same columns can come between
+        # taking the batch and committing it (a newer value overwritten by an older one).
+        with self._lock:
+            with self._mem:
+                batch = self._cache.take_pending()
+            if not len(batch):
+                return 0
+            try:
+                with self.transaction() as conn:
+                    for columns, rows in batch.vm_rows.items():
+                        sets = ", ".join(f"{c}=?" for c in columns)
+                        conn.executemany(f"UPDATE vms SET {sets} WHERE vm_id=?", rows)
+                    if batch.stats:
+                        self._insert_many(conn, "INSERT OR REPLACE INTO worker_stats", batch.stats)
+                    if batch.progress:
+                        self._insert_many(conn, "INSERT OR REPLACE INTO progress", batch.progress)
+            except BaseException:
+                with self._mem:
+                    self._cache.restore_pending(batch)
+                raise
+            return len(batch)
+
+    def checkpoint(self) -> None:
+        """Copy the WAL into the database file (PASSIVE: it never waits for other readers of
+        the file). The control loop calls it every second or so, outside the state lock."""
+        with self._lock:
+            self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+
+    @staticmethod
+    def _insert_many(conn: sqlite3.Connection, verb: str, recs: Sequence[Any]) -> None:
+        names = [f.name for f in fields(recs[0])]
+        conn.executemany(
+            f"{verb} ({', '.join(names)}) VALUES ({', '.join('?' for _ in names)})",
+            [tuple(getattr(r, n) for n in names) for r in recs],
+        )
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
@@ -432,41 +349,64 @@ class Store:
             "updated": now,
             **values,
         }
-        with self.transaction() as conn:
-            conn.execute(
-                f"INSERT INTO jobs ({', '.join(row)}) VALUES ({', '.join('?' for _ in row)})",
-                tuple(row.values()),
-            )
+        with self._lock:
+            with self.transaction() as conn:
+                conn.execute(
+                    f"INSERT INTO jobs ({', '.join(row)}) VALUES ({', '.join('?' for _ in row)})",
+                    tuple(row.values()),
+                )
+            self._reload_job(job_id)
         job = self.job(job_id)
         assert job is not None
         return job
 
-    def job(self, job_id: str) -> JobRecord | None:
+    def _all_jobs(self) -> dict[str, JobRecord]:
+        assert self._cache.jobs is not None  # loaded when the file is opened
+        return self._cache.jobs
+
+    def _reload_job(self, job_id: str) -> None:
+        """After any write to the job's row (``_lock`` held): the copy in memory follows."""
         rows = self._query("SELECT * FROM jobs WHERE job_id=?", (job_id,))
-        return _row_to(JobRecord, rows[0]) if rows else None
+        if rows:
+            with self._mem:
+                self._all_jobs()[job_id] = _row_to(JobRecord, rows[0])
+
+    def job(self, job_id: str) -> JobRecord | None:
+        """The job's row (the caller's own copy: it may change it)."""
+        with self._mem:
+            job = self._all_jobs().get(job_id)
+            return copy.copy(job) if job is not None else None
 
     def jobs(self, *, active_only: bool = False) -> list[JobRecord]:
-        sql = "SELECT * FROM jobs"
-        if active_only:
-            sql += " WHERE state NOT IN ('finished', 'cancelled', 'failed')"
-        return [_row_to(JobRecord, r) for r in self._query(sql + " ORDER BY created")]
+        """Every job (or every one not ended), oldest first; the caller's own copies."""
+        with self._mem:
+            jobs = [copy.copy(j) for j in self._all_jobs().values() if not (active_only and j.terminal)]
+        return sorted(jobs, key=lambda j: j.created)
 
     def update_job(self, job_id: str, **values: Any) -> None:
         values["updated"] = time.time()
-        self._update("jobs", {"job_id": job_id}, values)
+        with self._lock:
+            self._update("jobs", {"job_id": job_id}, values)
+            self._reload_job(job_id)
 
     def next_vm_seq(self, job_id: str) -> int:
-        with self.transaction() as conn:
-            conn.execute("UPDATE jobs SET vm_seq = vm_seq + 1 WHERE job_id=?", (job_id,))
-            return int(conn.execute("SELECT vm_seq FROM jobs WHERE job_id=?", (job_id,)).fetchone()[0])
+        with self._lock:
+            with self.transaction() as conn:
+                conn.execute("UPDATE jobs SET vm_seq = vm_seq + 1 WHERE job_id=?", (job_id,))
+                seq = int(conn.execute("SELECT vm_seq FROM jobs WHERE job_id=?", (job_id,)).fetchone()[0])
+            self._reload_job(job_id)
+            return seq
 
     def release_vm_seqs(self, job_id: str, *, reserved_up_to: int, used_up_to: int) -> None:
         """Give back VM numbers reserved with :meth:`next_vm_seq` but not used (the provider had
         less capacity), unless a later reservation came meanwhile: names stay dense."""
-        with self.transaction() as conn:
-            conn.execute(
-                "UPDATE jobs SET vm_seq=? WHERE job_id=? AND vm_seq=?", (used_up_to, job_id, reserved_up_to)
-            )
+        with self._lock:
+            with self.transaction() as conn:
+                conn.execute(
+                    "UPDATE jobs SET vm_seq=? WHERE job_id=? AND vm_seq=?",
+                    (used_up_to, job_id, reserved_up_to),
+                )
+            self._reload_job(job_id)
 
     # -- generations ---------------------------------------------------------------------------
 
@@ -474,23 +414,45 @@ class Store:
         values = {f.name: getattr(gen, f.name) for f in fields(gen)}
         cols = ", ".join(values)
         marks = ", ".join("?" for _ in values)
-        with self.transaction() as conn:
-            conn.execute(f"INSERT INTO generations ({cols}) VALUES ({marks})", tuple(values.values()))
-            conn.execute(
-                "UPDATE jobs SET generation=?, state='running', updated=? WHERE job_id=?",
-                (gen.generation, time.time(), gen.job_id),
-            )
+        with self._lock:
+            with self.transaction() as conn:
+                conn.execute(f"INSERT INTO generations ({cols}) VALUES ({marks})", tuple(values.values()))
+                conn.execute(
+                    "UPDATE jobs SET generation=?, state='running', updated=? WHERE job_id=?",
+                    (gen.generation, time.time(), gen.job_id),
+                )
+            with self._mem:
+                self._cache.generations.pop((gen.job_id, gen.generation), None)
+            self._reload_job(gen.job_id)
 
     def generation(self, job_id: str, generation: int) -> GenerationRecord | None:
-        rows = self._query("SELECT * FROM generations WHERE job_id=? AND generation=?", (job_id, generation))
-        return _row_to(GenerationRecord, rows[0]) if rows else None
+        """The generation's row (a frozen snapshot, shared by every reader)."""
+        key = (job_id, generation)
+        with self._mem:
+            gen = self._cache.generations.get(key)
+        if gen is not None:
+            return gen
+        with self._lock:  # not read yet: from the file (no write can come in between)
+            rows = self._query("SELECT * FROM generations WHERE job_id=? AND generation=?", key)
+            if not rows:
+                return None
+            with self._mem:
+                return self._cache.generations.setdefault(key, _row_to(GenerationRecord, rows[0]))
 
     def generations(self, job_id: str) -> list[GenerationRecord]:
         rows = self._query("SELECT * FROM generations WHERE job_id=? ORDER BY generation", (job_id,))
         return [_row_to(GenerationRecord, r) for r in rows]
 
     def update_generation(self, job_id: str, generation: int, **values: Any) -> None:
-        self._update("generations", {"job_id": job_id, "generation": generation}, values)
+        key = (job_id, generation)
+        with self._lock:
+            self._update("generations", {"job_id": job_id, "generation": generation}, values)
+            # Read back at once: a reader must not find it missing (and wait for the connection).
+            rows = self._query("SELECT * FROM generations WHERE job_id=? AND generation=?", key)
+            with self._mem:
+                self._cache.generations.pop(key, None)
+                if rows:
+                    self._cache.generations[key] = _row_to(GenerationRecord, rows[0])
 
     # -- VMs -----------------------------------------------------------------------------------
 
@@ -498,22 +460,64 @@ class Store:
         values = {f.name: getattr(vm, f.name) for f in fields(vm)}
         cols = ", ".join(values)
         marks = ", ".join("?" for _ in values)
-        with self.transaction() as conn:
-            conn.execute(f"INSERT INTO vms ({cols}) VALUES ({marks})", tuple(values.values()))
+        with self._lock:
+            with self.transaction() as conn:
+                conn.execute(f"INSERT INTO vms ({cols}) VALUES ({marks})", tuple(values.values()))
+            with self._mem:
+                self._cache.add_vm(vm)
+
+    def _load_vms(self, job_id: str) -> None:
+        """Every VM row of the job into memory, unless there already (``_lock`` held: no write
+        can come between the query and the copy)."""
+        with self._mem:
+            if self._cache.has_job_vms(job_id):
+                return
+        rows = self._query("SELECT * FROM vms WHERE job_id=? ORDER BY seq", (job_id,))
+        with self._mem:
+            self._cache.load_job_vms(job_id, [_row_to(VMRecord, r) for r in rows])
 
     def vm(self, vm_id: str) -> VMRecord | None:
-        rows = self._query("SELECT * FROM vms WHERE vm_id=?", (vm_id,))
-        return _row_to(VMRecord, rows[0]) if rows else None
+        """The VM's row (a frozen snapshot, shared by every reader)."""
+        with self._mem:
+            vm = self._cache.vm(vm_id)
+        if vm is not None:
+            return vm
+        with self._lock:
+            rows = self._query("SELECT job_id FROM vms WHERE vm_id=?", (vm_id,))
+            if not rows:
+                return None
+            self._load_vms(rows[0][0])  # all of its job's VMs: they are read together
+        with self._mem:
+            return self._cache.vm(vm_id)
 
     def vms(self, job_id: str, *, states: Sequence[str] | None = None) -> list[VMRecord]:
-        sql, args = "SELECT * FROM vms WHERE job_id=?", [job_id]
-        if states is not None:
-            sql += f" AND state IN ({', '.join('?' for _ in states)})"
-            args.extend(states)
-        return [_row_to(VMRecord, r) for r in self._query(sql + " ORDER BY seq", args)]
+        """The job's VMs (those in ``states``), by ``seq``."""
+        with self._mem:
+            loaded = self._cache.has_job_vms(job_id)
+        if not loaded:
+            with self._lock:
+                self._load_vms(job_id)
+        with self._mem:
+            vms = self._cache.job_vms(job_id)
+        return vms if states is None else [vm for vm in vms if vm.state in states]
 
     def update_vm(self, vm_id: str, **values: Any) -> None:
-        self._update("vms", {"vm_id": vm_id}, values)
+        """Change the VM's row now (state changes: on the file before this returns)."""
+        with self._lock:
+            self._update("vms", {"vm_id": vm_id}, values)
+            with self._mem:
+                self._cache.change_vm(vm_id, values, deferred=False)
+
+    def note_vm(self, vm_id: str, **values: Any) -> None:
+        """Change values of the VM's row that its agent repeats every heartbeat
+        (``last_heartbeat``, ``free_port``): in memory now, on the file at the next
+        :meth:`flush` (Note [Deferred writes] in manager/record_cache.py). Callers serialise
+        their changes of one VM (the manager's state lock): a newer :meth:`update_vm` of the same
+        column must not race with this."""
+        if self.vm(vm_id) is None:
+            raise KeyError(f"no VM {vm_id!r}")
+        with self._mem:
+            self._cache.change_vm(vm_id, values, deferred=True)
 
     # -- events --------------------------------------------------------------------------------
 
@@ -563,22 +567,12 @@ class Store:
     # -- progress and worker stats -------------------------------------------------------------
 
     def add_progress(self, rec: ProgressRecord) -> None:
-        with self.transaction() as conn:
-            conn.execute(
-                "INSERT OR REPLACE INTO progress VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    rec.job_id,
-                    rec.generation,
-                    rec.step,
-                    rec.time,
-                    rec.samples_per_s,
-                    rec.loss,
-                    rec.pipeline_depth,
-                    rec.data_parallel,
-                ),
-            )
+        """A throughput point (deferred: written by the next :meth:`flush`)."""
+        with self._mem:
+            self._cache.defer_progress(rec)
 
     def progress(self, job_id: str, *, last: int = 0) -> list[ProgressRecord]:
+        self.flush()  # the deferred points too
         if last > 0:
             rows = self._query(
                 "SELECT * FROM (SELECT * FROM progress WHERE job_id=? ORDER BY time DESC LIMIT ?)"
@@ -590,15 +584,12 @@ class Store:
         return [_row_to(ProgressRecord, r) for r in rows]
 
     def put_worker_stat(self, rec: WorkerStatRecord) -> None:
-        values = {f.name: getattr(rec, f.name) for f in fields(rec)}
-        cols = ", ".join(values)
-        marks = ", ".join("?" for _ in values)
-        with self.transaction() as conn:
-            conn.execute(
-                f"INSERT OR REPLACE INTO worker_stats ({cols}) VALUES ({marks})", tuple(values.values())
-            )
+        """A worker's latest heartbeat (deferred: written by the next :meth:`flush`)."""
+        with self._mem:
+            self._cache.defer_stat(rec)
 
     def worker_stats(self, job_id: str, generation: int) -> list[WorkerStatRecord]:
+        self.flush()  # the deferred rows too
         rows = self._query(
             "SELECT * FROM worker_stats WHERE job_id=? AND generation=? ORDER BY rank", (job_id, generation)
         )

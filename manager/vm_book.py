@@ -123,7 +123,7 @@ class VMBook:
             vm_id=vm.vm_id,
         )
         gen = ctx.live_generation(job)
-        if gen is not None and vm.vm_id in gen.vm_ids and gen.state != "killing":
+        if gen is not None and vm.vm_id in gen.vm_set and gen.state != "killing":
             ctx.note_detection(job, f"agent restarted on {vm.vm_id}", now)
             self.controller.begin_kill(job, gen, f"agent restarted on {vm.vm_id}", now)
         fresh = ctx.store.job(job.job_id) or job
@@ -153,18 +153,25 @@ class VMBook:
                 return orders
             if vm.agent_instance and req.agent_instance and vm.agent_instance != req.agent_instance:
                 self._agent_restarted(job, vm, now)
-            ctx.store.update_vm(vm.vm_id, **self._heartbeat_values(job, vm, req, now))
+            changes = self._heartbeat_values(job, vm, req, now)
+            # What only repeats what the manager knows (most heartbeats) costs no transaction:
+            # the time heard from and the free port are deferred (Note [Deferred writes] in
+            # manager/record_cache.py); any other change is written at once, with them.
+            soft = {"last_heartbeat": now, "free_port": req.free_port}
+            if changes:
+                ctx.store.update_vm(vm.vm_id, **changes, **soft)
+            else:
+                ctx.store.note_vm(vm.vm_id, **soft)
             self._fill_orders(orders, job, vm)
             return orders
 
     def _heartbeat_values(
         self, job: JobRecord, vm: VMRecord, req: pb.VMHeartbeatRequest, now: float
     ) -> dict[str, Any]:
-        """The VM row's new values (state, workers, notice), with the events they are worth."""
-        values: dict[str, Any] = {
-            "last_heartbeat": now,
+        """The values of the VM row that this heartbeat changes (state, workers, notice), with
+        the events they are worth; {} when it only says the VM is alive."""
+        reported: dict[str, Any] = {
             "reported_generation": req.generation,
-            "free_port": req.free_port,
             "agent_instance": req.agent_instance or vm.agent_instance,
             "workers_json": json.dumps(
                 [
@@ -173,6 +180,7 @@ class VMBook:
                 ]
             ),
         }
+        values = {k: v for k, v in reported.items() if getattr(vm, k) != v}
         if vm.state == "gone":
             # Silent for T, then back (a partition, a stalled VM): usable again once it has shed
             # its old workers (IDLE below). Its old generation was already killed.
@@ -205,7 +213,7 @@ class VMBook:
             orders.action = pb.Orders.PROFILE
             orders.profile.CopyFrom(self.calibration.order(job))
             return
-        if gen is None or vm.vm_id not in gen.vm_ids:
+        if gen is None or vm.vm_id not in gen.vm_set:
             orders.action = pb.Orders.IDLE
             return
         orders.generation = gen.generation
@@ -248,7 +256,7 @@ class VMBook:
         ctx = self.ctx
         ctx.store.update_vm(vm.vm_id, state="gone", gone_reason=reason)
         gen = ctx.live_generation(job)
-        in_gen = gen is not None and vm.vm_id in gen.vm_ids
+        in_gen = gen is not None and vm.vm_id in gen.vm_set
         ctx.event(
             job.job_id,
             "vm-gone",

@@ -182,13 +182,15 @@ class WorkerReports:
         ctx = self.ctx
         cache = ctx.cache(job)
         compute_s = req.fwd_s + req.bwd_s + req.recompute_s
-        peers = cache.compute.setdefault(gen.generation, {})
-        peers[req.rank] = (req.stage, compute_s)
+        # By stage: the replicas of this worker's stage, without a pass over every worker of
+        # the generation (D × P of them) on each heartbeat.
+        replicas = cache.compute.setdefault(gen.generation, {}).setdefault(req.stage, {})
+        replicas[req.rank] = compute_s
         verdict = ctx.detector.observe(
             key=(job.job_id, gen.generation, req.rank),
             step=req.step,
             compute_s=compute_s,
-            replica_compute_s=[s for stage, s in peers.values() if stage == req.stage],
+            replica_compute_s=list(replicas.values()),
             predicted_s=self._predicted_s(job, req),
         )
         if not verdict.marked:

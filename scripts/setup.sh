@@ -8,7 +8,10 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.
     "$PY" -m pip install -q torch==2.13.0
 fi
 "$PY" -m pip install -q numpy
-"$PY" -m pip install -q -e ".[test]"
+# hf: transformers for the Hugging Face model tests; it depends on torch without a pin, so the CPU
+# wheel installed above satisfies it and no other torch is pulled.
+"$PY" -m pip install -q -e ".[test,hf]"
+"$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else "setup.sh: torch is " + torch.__version__ + ", expected the 2.13.0 CPU wheel")'
 # OpenSSH server: the remote-launch tests start a real sshd on loopback.
 if ! [ -x /usr/sbin/sshd ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server openssh-client >/dev/null) \

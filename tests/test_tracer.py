@@ -121,19 +121,25 @@ def test_tensor_hidden_dependency_is_an_error_naming_module_and_fix() -> None:
     assert "blocks.0" in msg and "cut(x, extra)" in msg and "placeholder" in msg
 
 
-def test_value_computed_by_a_module_is_a_hidden_dependency_even_if_pure() -> None:
-    """A parameter-free module building a mask from the batch is skipped on other stages: its
-    output there is a placeholder, so reading it in a later segment is an error."""
+def test_value_computed_by_a_module_is_a_hidden_dependency_unless_it_can_run_as_glue() -> None:
+    """A module building a mask from the batch is skipped on other stages: its output there is a
+    placeholder, so reading it in a later segment is an error — unless the module has no parameters,
+    then it runs on every stage as glue (Note [Replicated glue modules]; Llama's rotary embedding)."""
 
     class MaskMaker(nn.Module):
+        def __init__(self, with_param: bool):
+            super().__init__()
+            if with_param:  # a parameter it does not even use: never replicated
+                self.unused = nn.Parameter(torch.ones(1))
+
         def forward(self, x):
             return (x[:, :1] > 0).to(x.dtype)
 
     class Net(nn.Module):
-        def __init__(self, mask_in_glue: bool):
+        def __init__(self, mask_in_glue: bool, with_param: bool = True):
             super().__init__()
             self.mask_in_glue = mask_in_glue
-            self.masker = MaskMaker()
+            self.masker = MaskMaker(with_param)
             self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
             self.cut = varuna.CutPoint()
 
@@ -144,7 +150,10 @@ def test_value_computed_by_a_module_is_a_hidden_dependency_even_if_pure() -> Non
 
     bad = trace_model(Net(mask_in_glue=False), _xy())
     assert [d.producer for d in bad.hidden_dependencies] == ["output of module 'masker'"]
-    assert not bad.ok
+    assert not bad.ok and bad.replicated_modules == []
+    replicated = trace_model(Net(mask_in_glue=False, with_param=False), _xy())
+    assert replicated.ok and replicated.hidden_dependencies == []
+    assert replicated.replicated_modules == ["masker"]
     good = trace_model(Net(mask_in_glue=True), _xy())
     assert good.ok and good.hidden_dependencies == []
     assert any((c.produced_in, c.read_in) == (0, [1]) for c in good.common_reads)  # the glue mask: common

@@ -105,6 +105,9 @@ class ModuleCall:
     first_alias: TensorInfo | None = None
     first_meta: tuple[tuple[int, ...], torch.dtype, int] | None = None
     flops_end: float = 0.0
+    #: it returned tensors, all derived only from the batch, buffers and constants (no parameter,
+    #: no activation): with no parameters of its own it can run on every stage as glue
+    outputs_pure: bool = False
 
 
 @dataclass
@@ -354,6 +357,7 @@ class Recorder(TorchFunctionMode):
         elif isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
             call.out_kind = "sequence"
         new_leaves = []
+        pure_outputs: list[bool] = []
         with self.pause():
             for leaf in leaves:
                 if not isinstance(leaf, torch.Tensor):
@@ -374,6 +378,7 @@ class Recorder(TorchFunctionMode):
                 what = f"output of module '{call.name}'"
                 if src.kind in ("buffer", "param"):
                     what += f" (its {src.desc})"
+                pure_outputs.append(src.pure)
                 ainfo = self._new(alias, kind="output", desc=what, pure=src.pure, segment=src.segment,
                                   created=src.created, chain=src.chain | {call.index}, origin=src.origin,
                                   via=src)
@@ -381,6 +386,7 @@ class Recorder(TorchFunctionMode):
                     call.first_src, call.first_alias = src, ainfo
                     call.first_meta = (tuple(leaf.shape), leaf.dtype, leaf.numel() * leaf.element_size())
                 new_leaves.append(alias)
+        call.outputs_pure = bool(pure_outputs) and all(pure_outputs)
         return tree_unflatten(new_leaves, spec)
 
 

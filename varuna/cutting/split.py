@@ -14,7 +14,8 @@ Two steps:
 
 Note [Placeholders]: every stage runs the user's forward unchanged. Modules whose calls happen
 in segments outside the stage do not compute; they return zero tensors of the right shape,
-found by running the module on meta tensors (cached per input shape). Glue code between modules
+found by running the module on meta tensors (cached per call signature, bounded: Note
+[Placeholder cache] in :mod:`varuna.cutting.placeholders`). Glue code between modules
 therefore keeps running on real tensors (masks, position ids, residual adds), and no user code
 ever sees ``None``. Parameters used only outside the stage are replaced by stride-0 expanded
 zeros: glue code can still read them (``x + self.pos_emb``), they cost a few bytes, and they
@@ -33,10 +34,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from varuna.cutting.batches import call_with_batch, to_meta
 from varuna.cutting.cutpoint import CutPoint, DryRun, SplitState
+from varuna.cutting.placeholders import Skipper
 
 __all__ = ["ModelProfile", "profile_model", "materialize_stage", "resident_param_bytes", "keyed_seed"]
 
@@ -73,6 +75,10 @@ class ModelProfile:
     #: modules whose forward ran in the dry run (containers such as ModuleList never run)
     called_modules: set[str] = field(default_factory=set)
     param_bytes: dict[str, int] = field(default_factory=dict)
+    #: parameter-free modules that run on every stage as glue although no boundary is inside them:
+    #: their outputs, computed from the batch and buffers only, are read by other segments (Note
+    #: [Replicated glue modules] in varuna/cutting/tracer.py; the engine fills it from the trace)
+    glue_modules: set[str] = field(default_factory=set)
 
     @property
     def num_cutpoints(self) -> int:
@@ -273,19 +279,21 @@ def default_param_init(module_name: str, module: nn.Module) -> None:
                 p.zero_()
 
 
-def _wrap_candidates(model: nn.Module, spanning: set[str], called: set[str]) -> list[tuple[str, nn.Module]]:
+def _wrap_candidates(model: nn.Module, spanning: set[str], called: set[str],
+                     glue: frozenset[str] | set[str] = frozenset()) -> list[tuple[str, nn.Module]]:
     """Outermost *called* modules whose calls never contain a boundary (Note [Placeholders]).
 
     A module the dry run never called (a ``ModuleList``, a plain container) is looked into: its
     children are called directly by the glue code, and wrapping the container would leave them
-    computing on every stage.
+    computing on every stage. A module in ``glue`` (and everything inside it) is never wrapped:
+    it runs on every stage.
     """
     out = []
 
     def visit(prefix: str, mod: nn.Module) -> None:
         for name, child in mod.named_children():
             q = f"{prefix}.{name}" if prefix else name
-            if isinstance(child, CutPoint):
+            if isinstance(child, CutPoint) or q in glue:
                 continue
             if q in spanning or q not in called:
                 visit(q, child)
@@ -294,62 +302,6 @@ def _wrap_candidates(model: nn.Module, spanning: set[str], called: set[str]) -> 
 
     visit("", model)
     return out
-
-
-class _Skipper:
-    """Replaces a module's forward: real compute inside the stage, placeholders outside."""
-
-    def __init__(self, module: nn.Module, state: SplitState, device: torch.device):
-        self.module, self.state, self.device = module, state, device
-        self.orig = module.forward
-        self.meta = {
-            n: torch.empty(t.shape, dtype=t.dtype, device="meta")
-            for n, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers()]
-        }
-        self.cache: dict = {}
-
-    def __call__(self, *args, **kwargs):
-        state = self.state
-        run = state.run
-        if run is None or state.in_placeholder or run.in_stage():
-            return self.orig(*args, **kwargs)
-        return self.placeholder(args, kwargs)
-
-    def placeholder(self, args, kwargs):
-        leaves, spec = tree_flatten((args, kwargs))
-        try:
-            key = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves)
-            hash(key)
-        except TypeError:
-            key = None
-        out = self.cache.get(key) if key is not None else None
-        if out is None:
-            margs, mkwargs = to_meta((args, kwargs))
-            self.state.in_placeholder = True
-            try:
-                res = torch.func.functional_call(self.module, self.meta, margs, mkwargs)
-            finally:
-                self.state.in_placeholder = False
-            rl, rspec = tree_flatten(res)
-            out = (
-                [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else _Const(x) for x in rl],
-                rspec,
-            )
-            if key is not None:
-                self.cache[key] = out
-        descs, rspec = out
-        return tree_unflatten(
-            [
-                d.value if isinstance(d, _Const) else torch.zeros(d[0], dtype=d[1], device=self.device)
-                for d in descs
-            ],
-            rspec,
-        )
-
-
-@dataclass(frozen=True)
-class _Const:
-    value: object
 
 
 def _replace_params(model: nn.Module, canon_of: dict[int, str], keep: set[str], device: torch.device
@@ -412,8 +364,9 @@ def materialize_stage(
     params = _named_params(model)
     keep = {n for n, s in profile.param_segments.items() if any(x in segs for x in s)}
     # Wrap first: the meta shape dictionaries need the original parameter shapes.
-    for _qname, mod in _wrap_candidates(model, profile.spanning_modules, profile.called_modules):
-        mod.forward = _Skipper(mod, state, device)
+    for qname, mod in _wrap_candidates(model, profile.spanning_modules, profile.called_modules,
+                                         profile.glue_modules):
+        mod.forward = Skipper(mod, state, device, qname)
     owners = _replace_params(model, {id(p): n for n, p in params.items()}, keep, device)
     _move_buffers(model, device)
     if owners:

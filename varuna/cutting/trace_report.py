@@ -118,6 +118,9 @@ class TraceReport:
     #: buffers written and read inside one segment only (e.g. BatchNorm running statistics)
     local_mutable_buffers: list[str] = field(default_factory=list)
     global_state: list[GlobalSync] = field(default_factory=list)
+    #: parameter-free modules computing only from the batch and buffers whose outputs other segments
+    #: read (e.g. a rotary embedding): the runtime runs them on every stage, as glue
+    replicated_modules: list[str] = field(default_factory=list)
     version: int = REPORT_VERSION
 
     # -- verdict ---------------------------------------------------------------------------
@@ -219,6 +222,9 @@ class TraceReport:
                 L.append(f"    {c.tensor} -> segments {seg_text(c.read_in)}")
             if len(self.common_reads) > max_rows:
                 L.append(f"    ... {len(self.common_reads) - max_rows} more")
+        L += [f"  modules run on every stage as glue (parameter-free, computing from the batch and buffers "
+              f"only, read by other segments): {', '.join(self.replicated_modules[:max_rows])}"
+              ] if self.replicated_modules else []
         if self.external_tensors:
             L.append("  tensors that are neither parameters, buffers nor computed by the forward:")
             for e in self.external_tensors[:max_rows]:

@@ -164,6 +164,39 @@ def _spanning_modules(rec: Recorder) -> set[int]:
     return {id(c.module) for c in rec.calls if c.seg_start != c.seg_end}
 
 
+def _replicable(call: ModuleCall) -> bool:
+    """A module that may run on every stage as glue: no parameters (running it costs no memory
+    and reads nothing a stage lacks: every stage keeps every buffer), no boundary inside, and
+    outputs derived only from the batch, buffers and constants (so they are right everywhere)."""
+    return call.outputs_pure and call.seg_start == call.seg_end \
+        and next(call.module.parameters(), None) is None
+
+
+def _replicated_modules(rec: Recorder, glue: set[int]) -> set[int]:
+    """Note [Replicated glue modules]: modules whose pure outputs are read in another segment
+    (Llama's ``rotary_emb``: cos/sin computed once, read by every decoder layer).
+
+    Skipped outside their stage, they would hand placeholders to the later segments: a hidden
+    dependency, and the split was refused. When every module that computed such a value is
+    replicable (:func:`_replicable`), the runtime runs them on every stage instead (not wrapped
+    by a placeholder: ``ModelProfile.glue_modules``), which makes the value common. A module
+    with parameters never qualifies: the value stays a hidden dependency, with its fix."""
+    calls = rec.calls
+    ok = {id(c.module) for c in calls if _replicable(c)}
+    # A module is replicable only if every one of its calls is (one call with an activation input
+    # would make its output a placeholder on other stages, whatever the other calls do).
+    ok -= {id(c.module) for c in calls if c.parent is not None and not _replicable(c)}
+    out: set[int] = set()
+    for r in rec.reads:
+        info = r.info
+        if not info.pure or info.segment is None or info.kind in ("buffer", "external"):
+            continue
+        need = {id(calls[c].module) for c in info.chain} - glue
+        if need and need <= ok:
+            out |= need
+    return out
+
+
 def _free(info: TensorInfo, calls: list[ModuleCall], glue: set[int]) -> bool:
     """True if every stage computes this value itself (pure, and computed only by glue code)."""
     return info.pure and all(id(calls[c].module) in glue for c in info.chain)
@@ -172,7 +205,10 @@ def _free(info: TensorInfo, calls: list[ModuleCall], glue: set[int]) -> bool:
 def _analyse(rec: Recorder) -> TraceReport:
     nseg = len(rec.cut_order) + 1
     glue = _spanning_modules(rec)
+    replicated = _replicated_modules(rec, glue)
+    glue |= replicated
     report = TraceReport(cutpoints=list(rec.cut_order), num_segments=nseg)
+    report.replicated_modules = sorted(rec.module_names[m] for m in replicated)
 
     # (a) tied weights
     for name, segs in sorted(rec.param_uses.items()):

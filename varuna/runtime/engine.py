@@ -145,7 +145,9 @@ class Engine:
         if P > 1:  # refuse hidden dependencies (values crossing a boundary outside a CutPoint)
             from varuna.cutting.tracer import check_splittable
 
-            check_splittable(model, first, self.loss_fn, warn=self.layout.rank == 0)
+            report = check_splittable(model, first, self.loss_fn, warn=self.layout.rank == 0)
+            if report is not None:  # e.g. a rotary embedding every layer reads runs on every stage
+                self.profile.glue_modules = set(report.replicated_modules)
         self.stage_ranges = assign_stages(
             self.layout,
             self.profile,

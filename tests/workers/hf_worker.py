@@ -1,0 +1,123 @@
+"""Worker for the Hugging Face model tests (tests/test_hf_models.py) and scripts/bench_hf_cache.py.
+
+Builds a tiny, randomly initialised transformers model (no download), puts a cut-point after every
+decoder block (``apply_cutpoints``), trains ``--steps`` steps under the engine and writes, per rank,
+``rank<R>.json`` (losses, placeholder-cache entries, RSS and wall time per step) and ``rank<R>.pt``
+(the stage's parameters after the last step).
+
+The model, the data of each step and the optimizer are built here, so the test's single-process
+reference uses exactly the same ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import varuna  # noqa: E402
+
+SEED, VOCAB = 7, 96
+SIZES = {"test": dict(global_batch=8, micro=2, seq=16, d=32, layers=2),
+         "leak": dict(global_batch=8, micro=2, seq=64, d=64, layers=2),
+         "bench": dict(global_batch=16, micro=2, seq=64, d=128, layers=4)}
+
+
+def build(name: str, use_cache: str = "default", size: str = "test"):
+    """(model, names of the modules to cut after) of a tiny random ``name`` ("gpt2" or "llama")."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # the tiny configs' token ids trip a config warning
+    z = SIZES[size]
+    extra = {} if use_cache == "default" else {"use_cache": use_cache == "true"}
+    torch.manual_seed(1234)
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=z["layers"], n_embd=z["d"], n_head=2, vocab_size=VOCAB,
+                                      n_positions=z["seq"], bos_token_id=0, eos_token_id=0, **extra)
+        model = transformers.GPT2LMHeadModel(cfg)
+        blocks = [f"transformer.h.{i}" for i in range(z["layers"])]
+    elif name == "llama":
+        cfg = transformers.LlamaConfig(num_hidden_layers=z["layers"], hidden_size=z["d"],
+                                       intermediate_size=2 * z["d"], num_attention_heads=2,
+                                       num_key_value_heads=2, vocab_size=VOCAB,
+                                       max_position_embeddings=z["seq"], bos_token_id=0, eos_token_id=0,
+                                       pad_token_id=0, **extra)
+        model = transformers.LlamaForCausalLM(cfg)
+        blocks = [f"model.layers.{i}" for i in range(z["layers"])]
+    else:
+        raise ValueError(name)
+    model.train()  # from_config models start in train mode already; dropout stays as configured
+    return model, blocks
+
+
+def step_batch(step: int, size: str = "test") -> dict[str, torch.Tensor]:
+    """The global batch of step ``step`` (1-based), the same on every rank and in the reference."""
+    z = SIZES[size]
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, VOCAB, (z["global_batch"], z["seq"]), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def make_optimizer(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def loss_of(output, batch):
+    return output.loss
+
+
+def cache_entries(model) -> int:
+    """Placeholder-cache entries of every skipped module (``varuna.cutting.placeholders.
+    placeholder_cache_entries``, by duck typing so that the leak test also measures older code)."""
+    fwds = [m.__dict__.get("forward") for m in model.modules()]
+    return sum(len(f.cache) for f in fwds if hasattr(f, "cache"))
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--model", default="gpt2")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--use-cache", default="default", choices=["default", "true", "false"])
+    p.add_argument("--size", default="test", choices=sorted(SIZES))
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    z = SIZES[a.size]
+    model, blocks = build(a.model, a.use_cache, a.size)
+    varuna.apply_cutpoints(model, blocks)
+    engine = varuna.Engine(
+        model,
+        varuna.VarunaConfig(global_batch_size=z["global_batch"], micro_batch_size=z["micro"], seed=SEED),
+        example_batch=step_batch(1, a.size), optimizer=make_optimizer, loss_fn=loss_of)
+    rank = engine.layout.rank
+    rec: dict[str, list] = {"loss": [], "entries": [], "rss": [], "step_s": []}
+    for step in range(1, a.steps + 1):
+        batch = step_batch(step, a.size)
+        t0 = time.perf_counter()
+        r = engine.train_step(batch)
+        rec["step_s"].append(time.perf_counter() - t0)
+        rec["loss"].append(r.loss)
+        rec["entries"].append(cache_entries(model))
+        rec["rss"].append(rss_bytes())
+    a.out.mkdir(parents=True, exist_ok=True)
+    torch.save({n: q.detach().clone() for n, q in engine.named_parameters()}, a.out / f"rank{rank}.pt")
+    (a.out / f"rank{rank}.json").write_text(json.dumps({**rec, "stage": engine.stage,
+                                                        "stage_ranges": engine.stage_ranges}))
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
