@@ -9,7 +9,6 @@ workers running: they keep training, and a manager started again on the same ``-
 from __future__ import annotations
 
 import errno
-import ipaddress
 import os
 import socket
 import sqlite3
@@ -31,6 +30,7 @@ from manager.context import ManagerConfig, ManagerError
 from manager.controller import Manager
 from manager.daemon_lock import DaemonLock
 from manager.store import Store
+from varuna.launch.procs import is_loopback
 
 __all__ = ["MAX_MESSAGE_BYTES", "ManagerServer", "ServeConfig", "insecure_listen_warning"]
 
@@ -282,19 +282,9 @@ def insecure_listen_warning(listen_host: str, tls: bool) -> str | None:
     >>> insecure_listen_warning("0.0.0.0", tls=False)[:30]
     'listening on 0.0.0.0 without T'
     """
-    if tls or _is_loopback(listen_host):
+    if tls or is_loopback(listen_host):
         return None
     return (
         f"listening on {listen_host} without TLS: the token and all job data cross the network in"
         " clear text; pass --tls-cert/--tls-key, or listen on 127.0.0.1"
     )
-
-
-def _is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import ipaddress
 import os
 import re
 import sys
@@ -39,6 +38,7 @@ from varuna.core.schedule import SCHEDULE_KINDS
 from varuna.launch.hosts import HostEntry, assign_slots, parse_hosts_arg, select_hosts
 from varuna.launch.job import check_hosts_capacity, check_local_script, launch, launch_on_hosts
 from varuna.launch.layout import LAYOUT_REQUIRED, Layout, resolve_layout
+from varuna.launch.procs import is_loopback
 from varuna.launch.spec import (
     MAX_PROCS_PER_HOST_CEILING,
     LaunchConfig,
@@ -395,7 +395,7 @@ def _unreachable_master(config: LaunchConfig, used: list[HostEntry]) -> str | No
     """Why the other hosts could not reach rank 0's rendezvous, or None."""
     if config.master_addr is not None or not used[0].is_local:
         return None
-    remote = [e for e in used if not e.is_local and not _is_loopback(e.host)]
+    remote = [e for e in used if not e.is_local and not is_loopback(e.host)]
     if not remote:
         return None
     return (
@@ -413,15 +413,6 @@ def _placement_line(config: LaunchConfig, used: list[HostEntry]) -> str:
     return f"P={config.pipeline_depth} × D={config.data_parallel} on {len(used)} host(s): " + ", ".join(
         f"{e.display} ({n} worker{'s' if n > 1 else ''})" for e, n in zip(used, counts)
     )
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Process helpers shared by the launcher, its per-host agent and the manager: the parent-death
-signal, free TCP ports, and how long to wait for a killed process to be reaped.
+signal, free TCP ports, loopback addresses, and how long to wait for a killed process to be reaped.
 
 Note [No orphans]: every worker is started in its own session (``start_new_session=True``), so
 its process group holds the worker and any children it forks, and we signal the *group*. A
@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import socket
@@ -76,3 +77,20 @@ def find_free_port(host: str = "") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name, an IPv4/IPv6 literal, brackets allowed) is this machine's loopback.
+
+    Example::
+
+        >>> is_loopback("[::1]"), is_loopback("localhost"), is_loopback("10.0.0.1")
+        (True, True, False)
+    """
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
