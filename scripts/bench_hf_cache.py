@@ -1,11 +1,12 @@
-"""Hugging Face GPT-2 (small random config) at 2×1: step time with ``use_cache`` at its default (True)
-vs ``use_cache=False``, and the placeholder-cache entries after N steps (issue #16).
+"""Hugging Face models (small random configs) at P×1: step time with ``use_cache`` at its default
+(True) vs ``use_cache=False``, and the placeholder-cache entries after N steps (issue #16).
 
-Runs tests/workers/hf_worker.py as a 2-process local world (gloo on 127.0.0.1) once per setting
-and prints a table. The two should be within ~10% of each other and the entries flat; before the
-fix the default was 2.5-10x slower on the later stage and its entries grew linearly.
+Runs tests/workers/hf_worker.py as a P-process local world (gloo on 127.0.0.1) once per model,
+depth and setting, and prints a table. The two settings should be within 10% of each other and
+the entries flat; before the fix the default was 2.5-10x slower on later stages and their entries
+grew linearly. Run it on a quiet machine: the two settings are timed one after the other.
 
-    python scripts/bench_hf_cache.py --steps 20
+    python scripts/bench_hf_cache.py --models gpt2,llama --depths 2,4 --steps 20
 """
 
 from __future__ import annotations
@@ -23,21 +24,21 @@ sys.path.insert(0, str(ROOT / "tests"))
 from distributed import check_ok, run_world  # noqa: E402
 
 
-def run(use_cache: str, steps: int, size: str) -> dict:
-    """One 2×1 run; per-step times (max over the ranks) and the last stage's cache entries."""
+def run(model: str, depth: int, use_cache: str, steps: int, size: str) -> dict:
+    """One depth×1 run; per-step times (max over the ranks) and the last stage's cache entries."""
     with tempfile.TemporaryDirectory() as d:
         out = Path(d)
-        res = run_world(ROOT / "tests" / "workers" / "hf_worker.py", 2,
-                        ["--out", str(out), "--model", "gpt2", "--steps", str(steps),
+        res = run_world(ROOT / "tests" / "workers" / "hf_worker.py", depth,
+                        ["--out", str(out), "--model", model, "--steps", str(steps),
                          "--use-cache", use_cache, "--size", size],
-                        env={"VARUNA_PIPELINE_DEPTH": "2"}, timeout_s=600)
+                        env={"VARUNA_PIPELINE_DEPTH": str(depth)}, timeout_s=600)
         check_ok(res)
-        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(depth)]
     step_s = [max(r["step_s"][i] for r in ranks) for i in range(steps)]
     return {"step_s": step_s, "entries": ranks[-1]["entries"]}
 
 
-def plain_step_s(use_cache: str, steps: int, size: str) -> float:
+def plain_step_s(model_name: str, use_cache: str, steps: int, size: str) -> float:
     """Median time of one step's forwards+backwards of the model alone (one process, no engine):
     what ``use_cache`` costs the model itself, to tell apart from the engine's overhead."""
     import time
@@ -49,7 +50,7 @@ def plain_step_s(use_cache: str, steps: int, size: str) -> float:
 
     torch.set_num_threads(1)
     z = SIZES[size]
-    model, _ = build("gpt2", use_cache, size)
+    model, _ = build(model_name, use_cache, size)
     times = []
     for step in range(1, steps + 1):
         batch = step_batch(step, size)
@@ -63,24 +64,30 @@ def plain_step_s(use_cache: str, steps: int, size: str) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="gpt2,llama", help="comma-separated hf_worker model names")
+    p.add_argument("--depths", default="2,4", help="comma-separated pipeline depths")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
     p.add_argument("--size", default="bench", help="hf_worker size preset (bench: 4 layers, d=128, seq 64)")
     a = p.parse_args()
-    rows = []
-    for setting in ("default", "false"):
-        r = run(setting, a.steps, a.size)
-        timed = r["step_s"][a.warmup:] or r["step_s"]
-        rows.append((setting, statistics.median(timed), r["entries"], plain_step_s(setting, a.steps, a.size)))
-    base, pbase = rows[1][1], rows[1][3]
-    print(f"GPT-2 ({a.size} preset) at 2x1, {a.steps} steps, median step time after {a.warmup} warm-ups; "
-          "'model alone': the same step's forwards+backwards in one process without the engine")
-    print(f"{'use_cache':<16}{'2x1 step (ms)':>14}{'vs False':>9}{'model alone (ms)':>18}{'vs False':>9}"
-          f"  placeholder entries at step 1 / {a.steps}")
-    for setting, med, entries, plain in rows:
-        label = "default (True)" if setting == "default" else "False"
-        print(f"{label:<16}{med * 1e3:>14.1f}{med / base:>9.2f}{plain * 1e3:>18.1f}{plain / pbase:>9.2f}"
-              f"  {entries[0]} / {entries[-1]}")
+    print(f"{a.size} preset, {a.steps} steps, median step time after {a.warmup} warm-ups; 'model alone': "
+          "the same step's forwards+backwards in one process without the engine")
+    print(f"{'model':<7}{'P':>2}  {'use_cache':<15}{'step (ms)':>10}{'vs False':>9}{'model alone (ms)':>18}"
+          f"{'vs False':>9}  placeholder entries at step 1 / {a.steps}")
+    for model in a.models.split(","):
+        plain = {s: plain_step_s(model, s, a.steps, a.size) for s in ("default", "false")}
+        for depth in (int(x) for x in a.depths.split(",")):
+            rows = []
+            for setting in ("default", "false"):
+                r = run(model, depth, setting, a.steps, a.size)
+                timed = r["step_s"][a.warmup:] or r["step_s"]
+                rows.append((setting, statistics.median(timed), r["entries"]))
+            base = rows[1][1]
+            for setting, med, entries in rows:
+                label = "default (True)" if setting == "default" else "False"
+                print(f"{model:<7}{depth:>2}  {label:<15}{med * 1e3:>10.1f}{med / base:>9.2f}"
+                      f"{plain[setting] * 1e3:>18.1f}{plain[setting] / plain['false']:>9.2f}"
+                      f"  {entries[0]} / {entries[-1]}", flush=True)
 
 
 if __name__ == "__main__":
