@@ -184,7 +184,7 @@ def fine():
     ("factory", "words"),
     [
         ("no_cutpoint", "the model has no CutPoint"),
-        ("hf_output", "returns a dict, not a scalar loss"),
+        ("hf_output", "returns a dict with keys ['logits'] (no scalar 'loss'), not a scalar loss"),
     ],
 )
 def test_trace_refuses_what_the_engine_would_refuse_in_one_line(factory, words, tmp_path, capsys):

@@ -51,10 +51,10 @@ from varuna.core.partition import balanced_partition
 from varuna.cutting.batches import call_with_batch, to_meta
 from varuna.cutting.cutpoint import CutPoint
 from varuna.cutting.recorder import ModuleCall, Recorder, TensorInfo, preserved_state, record_forward
-from varuna.cutting.tracer import trace_model
+from varuna.cutting.tracer import _replicable, trace_model
 
-__all__ = ["auto_cutpoints", "apply_cutpoints", "remove_cutpoints", "choose_cuts", "AutoCutPlan", "CutChoice",
-           "engine_auto_cutpoints", "CUT_ATTR"]
+__all__ = ["auto_cutpoints", "apply_cutpoints", "match_modules", "remove_cutpoints", "check_no_cutpoints",
+           "choose_cuts", "AutoCutPlan", "CutChoice", "engine_auto_cutpoints", "CUT_ATTR"]
 
 #: name of the CutPoint child added to a chosen module
 CUT_ATTR = "varuna_cut"
@@ -111,10 +111,65 @@ def _rebuild_routed(base: type) -> nn.Module:
     return obj
 
 
-def apply_cutpoints(model: nn.Module, module_names: Sequence[str]) -> list[CutPoint]:
-    """Route the output of each named module through a new CutPoint (see the module docstring).
+def match_modules(model: nn.Module, patterns: str | Sequence[str]) -> list[str]:
+    """Names of the submodules of ``model`` that ``patterns`` select, in ``named_modules()`` order.
 
-    Returns the CutPoints in the order given. Parameter and buffer names do not change.
+    A pattern is a dotted module name whose parts may hold shell wildcards (``*``, ``?``,
+    ``[0-3]``); each part matches one level of the name, so ``transformer.h.*`` selects the
+    blocks ``transformer.h.0``, ``transformer.h.1``, ... and not their submodules. A plain name
+    selects that module. Patterns may be given as one comma-separated string. Raises
+    ``ValueError`` (one line, with the closest names) when a pattern selects nothing.
+
+    >>> m = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 1))
+    >>> match_modules(m, "*")
+    ['0', '1', '2']
+    >>> match_modules(m, ["1.*", "2"])
+    ['1.0', '1.1', '2']
+    """
+    from fnmatch import fnmatchcase
+
+    pats = _split_patterns(patterns)
+    names = [n for n, _ in model.named_modules() if n]
+    parts = {n: n.split(".") for n in names}
+    picked: dict[str, None] = {}
+    for pat in pats:
+        pp = pat.split(".")
+        hits = [n for n in names if len(parts[n]) == len(pp) and all(map(fnmatchcase, parts[n], pp))]
+        if not hits:
+            raise ValueError(f"cut-point pattern {pat!r} matches no module of the model"
+                             f"{_closest(pat, names)}; patterns are dotted names from model.named_modules(), "
+                             "'*' matching one level (e.g. 'transformer.h.*')")
+        picked.update(dict.fromkeys(hits))
+    order = {n: i for i, n in enumerate(names)}
+    return sorted(picked, key=order.__getitem__)
+
+
+def _split_patterns(patterns: str | Sequence[str]) -> list[str]:
+    items = [patterns] if isinstance(patterns, str) else list(patterns)
+    if not all(isinstance(x, str) for x in items):
+        raise ValueError(f"cut-point names must be strings, got {patterns!r}")
+    pats = [q.strip() for x in items for q in x.split(",") if q.strip()]
+    if not pats:
+        raise ValueError("no cut-point names given; pass module names or patterns such as 'model.layers.*'")
+    return pats
+
+
+def _closest(pat: str, names: list[str]) -> str:
+    import difflib
+
+    # Compare like with like: names with as many levels as the pattern, wildcards as a digit.
+    depth = pat.count(".")
+    pool = [n for n in names if n.count(".") == depth] or names
+    near = difflib.get_close_matches(pat.replace("*", "0").replace("?", "0"), pool, n=3, cutoff=0.4)
+    return f" (closest: {', '.join(near)})" if near else ""
+
+
+def apply_cutpoints(model: nn.Module, module_names: str | Sequence[str]) -> list[CutPoint]:
+    """Route the output of each selected module through a new CutPoint (see the module docstring).
+
+    ``module_names``: module names or patterns (:func:`match_modules`: ``"model.layers.*"``
+    selects every decoder layer). Returns the CutPoints in ``named_modules()`` order. Parameter
+    and buffer names do not change, so checkpoints and ``state_dict`` keys stay the same.
 
     >>> import torch
     >>> m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
@@ -123,31 +178,45 @@ def apply_cutpoints(model: nn.Module, module_names: Sequence[str]) -> list[CutPo
     >>> remove_cutpoints(m)
     ['1']
     """
+    return _insert_cutpoints(model, match_modules(model, module_names), auto=False)
+
+
+def _insert_cutpoints(model: nn.Module, names: list[str], *, auto: bool) -> list[CutPoint]:
     modules = dict(model.named_modules())
-    out = []
-    for name in module_names:
+    for name in names:
         mod = modules.get(name)
         if mod is None or mod is model:
             raise ValueError(f"no submodule named {name!r} in the model; give names from "
                              "model.named_modules()")
+        if isinstance(mod, nn.Sequential):
+            last = next(reversed(mod._modules), "?")
+            raise ValueError(f"{name!r} is a Sequential, which cannot host a cut-point; cut after its last "
+                             f"module instead: '{name}.{last}'")
         if isinstance(mod, _CONTAINERS):
-            raise ValueError(f"{name!r} is a {type(mod).__name__}; put the cut-point on its last module "
-                             "instead")
+            raise ValueError(f"{name!r} is a {type(mod).__name__}, never called as a whole; cut after each "
+                             f"of its modules instead: '{name}.*'")
         if CUT_ATTR in mod._modules:
-            raise ValueError(f"module {name!r} already has an automatic cut-point")
+            raise ValueError(f"module {name!r} already has a cut-point (apply_cutpoints or cut_after ran "
+                             "twice on this model?); place each cut-point once")
+    out = []
+    for name in names:
+        mod = modules[name]
         cp = CutPoint()
+        # Who placed it: automatic cut-points are replaced by a new plan, by-name ones never are.
+        cp._varuna_auto = auto
         mod.add_module(CUT_ATTR, cp)
         mod.__class__ = _routed_class(type(mod))
         out.append(cp)
     return out
 
 
-def remove_cutpoints(model: nn.Module) -> list[str]:
-    """Undo :func:`apply_cutpoints`; returns the names of the modules that had a cut-point."""
+def remove_cutpoints(model: nn.Module, *, only_auto: bool = False) -> list[str]:
+    """Undo :func:`apply_cutpoints` (and automatic cut-points); returns the names of the modules
+    that had a cut-point. ``only_auto``: keep the ones placed by name."""
     names = []
     for name, mod in list(model.named_modules()):
         base = getattr(type(mod), "_varuna_routed_base", None)
-        if base is not None:
+        if base is not None and (not only_auto or _is_auto(mod._modules[CUT_ATTR])):
             mod.__class__ = base
             del mod._modules[CUT_ATTR]
             names.append(name)
@@ -248,6 +317,8 @@ class AutoCutPlan:
     requested: int
     #: valid boundaries found, in forward order: [module, cost before, activation bytes]
     candidates: list[tuple[str, float, int]] = field(default_factory=list)
+    #: module ends that cannot be a boundary, at the depth of the valid ones: [module, why]
+    rejected: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def module_names(self) -> list[str]:
@@ -285,6 +356,9 @@ class AutoCutPlan:
             L.append("  " + "  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip())
         L.append(f"  segment costs: {' / '.join(self._fmt(c) for c in self.segment_costs)} "
                  f"(max/mean {self.imbalance:.3f})")
+        if self.rejected:
+            L.append(f"  rejected boundaries ({len(self.rejected)}):")
+            L.extend(f"    - after {name}: {why}" for name, why in self.rejected)
         return "\n".join(L)
 
 
@@ -311,22 +385,28 @@ def _batch_size(batch) -> int | None:
     return sizes.pop() if len(sizes) == 1 else None
 
 
-def _window(info: TensorInfo, calls: list[ModuleCall]) -> tuple[int, int]:
-    """Boundaries strictly inside every call of ``info.chain``: there the value is glue-computed."""
+def _window(info: TensorInfo, calls: list[ModuleCall], glue: frozenset[int]) -> tuple[int, float]:
+    """Boundaries strictly inside every call of ``info.chain`` (except modules that run on every
+    stage anyway): there the value is computed by every stage."""
     lo, hi = -1, math.inf
     for c in info.chain:
-        lo, hi = max(lo, calls[c].start), min(hi, calls[c].end)
+        if id(calls[c].module) not in glue:
+            lo, hi = max(lo, calls[c].start), min(hi, calls[c].end)
     return lo, hi
 
 
-def _blocking(info: TensorInfo, calls: list[ModuleCall]) -> list[tuple[int, float]]:
-    """Clock ranges [a, z) of boundaries that this value crosses without being valid on every stage."""
+def _blocking(info: TensorInfo, calls: list[ModuleCall], glue: frozenset[int] = frozenset()
+              ) -> list[tuple[int, float]]:
+    """Clock ranges [a, z) of boundaries that this value crosses without being valid on every stage.
+
+    ``glue``: ids of modules that would run on every stage (Note [Replicated glue modules] in
+    varuna/cutting/tracer.py): a pure value computed only by them is valid everywhere."""
     a, z = info.created, info.last_use
     if z <= a:
         return []
     if not info.pure:
         return [(a, z)]
-    lo, hi = _window(info, calls)
+    lo, hi = _window(info, calls, glue)
     out = []
     if a <= lo:
         out.append((a, min(z, lo + 1)))
@@ -350,12 +430,21 @@ def _unroutable(rec: Recorder, c: ModuleCall, batch_size: int | None) -> str:
     return ""
 
 
+def _glue_modules(rec: Recorder) -> frozenset[int]:
+    """Modules every stage may run as glue (parameter-free, pure outputs, e.g. a rotary embedding):
+    the engine replicates those whose outputs a later segment reads, so they never block a cut."""
+    calls = rec.calls
+    ok = {id(c.module) for c in calls if _replicable(c)}
+    return frozenset(ok - {id(c.module) for c in calls if c.parent is not None and not _replicable(c)})
+
+
 def _evaluate(rec: Recorder, batch_size: int | None, *, explain: bool = False) -> list[_Candidate]:
     """Every non-root module call with its validity as a boundary (see the module docstring).
 
     ``explain``: name the value that blocks each invalid boundary (a scan per boundary: for
     error messages, not for large models' planning)."""
     calls = rec.calls
+    glue = _glue_modules(rec)
     cands: list[_Candidate] = []
     for c in calls:
         if c.parent is None:
@@ -381,7 +470,7 @@ def _evaluate(rec: Recorder, batch_size: int | None, *, explain: bool = False) -
             diff[i1] -= sign
 
     for info in rec.all_infos:
-        for a, z in _blocking(info, calls):
+        for a, z in _blocking(info, calls, glue):
             add(a, z, 1, count)
     # Buffers written by one module's code must be read and written on one side of every cut.
     for bname, writes in rec.buffer_writes.items():
@@ -398,18 +487,18 @@ def _evaluate(rec: Recorder, batch_size: int | None, *, explain: bool = False) -
         # The routed output itself (and its aliases by enclosing modules) may cross: it goes through the cut.
         own = sum(1 for info in by_origin.get(id(cand.call.first_src.origin), [])
                   if _is_family(info, cand.call.first_alias)
-                  for a, z in _blocking(info, calls) if a <= b < z)
+                  for a, z in _blocking(info, calls, glue) if a <= b < z)
         if run - own > 0:
             cand.valid = False
-            cand.reason = _blocker(rec, cand.call, b) if explain else "another value is live across it"
+            cand.reason = _blocker(rec, cand.call, b, glue) if explain else "another value is live across it"
     return cands
 
 
-def _blocker(rec: Recorder, call: ModuleCall, b: int) -> str:
+def _blocker(rec: Recorder, call: ModuleCall, b: int, glue: frozenset[int]) -> str:
     for info in rec.all_infos:
         if info.origin is call.first_src.origin and _is_family(info, call.first_alias):
             continue
-        if any(a <= b < z for a, z in _blocking(info, rec.calls)):
+        if any(a <= b < z for a, z in _blocking(info, rec.calls, glue)):
             return f"another value is live across it: {info.desc} {list(info.shape)}"
     return "a buffer written by module code is read on both sides"
 
@@ -506,12 +595,23 @@ def _check_request(model: nn.Module, max_cuts: int, cost: str) -> None:
         raise ValueError(f"max_cuts must be an integer >= 1, got {max_cuts!r}")
     if cost not in ("time", "flop"):
         raise ValueError(f"cost must be 'time' or 'flop', got {cost!r}")
-    remove_cutpoints(model)
-    own = [n for n, m in model.named_modules() if isinstance(m, CutPoint)]
+    remove_cutpoints(model, only_auto=True)
+    check_no_cutpoints(model)
+
+
+def check_no_cutpoints(model: nn.Module) -> None:
+    """Raise ``ValueError`` (one line) if ``model`` has CutPoints other than automatic ones: placed
+    by hand or by name (``apply_cutpoints``, ``cut_after``), they cannot be mixed with automatic ones."""
+    own = [n for n, m in model.named_modules() if isinstance(m, CutPoint) and not _is_auto(m)]
     if own:
-        raise ValueError(f"the model already has {len(own)} CutPoint(s) ({', '.join(own[:3])}); "
-                         "automatic cut-points are for models without any: remove them, or do not ask for "
-                         "auto cut-points")
+        more = ", ..." if len(own) > 3 else ""
+        raise ValueError(f"the model already has {len(own)} CutPoint(s) placed by hand or by name "
+                         f"({', '.join(own[:3])}{more}); automatic cut-points cannot be mixed with them: "
+                         "drop auto_cutpoints (--auto-cutpoints) or the manual cut-points")
+
+
+def _is_auto(cp: nn.Module) -> bool:
+    return getattr(cp, "_varuna_auto", False)
 
 
 def auto_cutpoints(
@@ -577,8 +677,9 @@ def auto_cutpoints(
         choices.append(CutChoice(c.name, f"{c.name}.{CUT_ATTR}", positions[i], seg[k], list(shape),
                                  str(dtype).replace("torch.", ""), nbytes))
     plan = AutoCutPlan(choices, seg, total, unit, max_cuts,
-                       [(c.name, positions[i], acts[i]) for i, c in enumerate(chosen_calls)])
-    apply_cutpoints(model, plan.module_names)
+                       [(c.name, positions[i], acts[i]) for i, c in enumerate(chosen_calls)],
+                       _rejections(rec, cands, chosen_calls))
+    _insert_cutpoints(model, plan.module_names, auto=True)
     errs = trace_model(model, example_batch, loss_fn).errors()
     if errs:  # the analysis above should make this impossible: do not leave a broken model behind
         remove_cutpoints(model)
@@ -587,6 +688,33 @@ def auto_cutpoints(
     if verbose:
         print(plan, flush=True)
     return plan
+
+
+#: at most this many rejected boundaries are explained in a plan (each is a scan of the recording)
+MAX_REJECTIONS_SHOWN = 12
+
+
+def _rejections(rec: Recorder, cands: list[_Candidate], valid: list[ModuleCall]) -> list[tuple[str, str]]:
+    """Why module ends as deep as the valid boundaries (e.g. the other decoder layers) were refused:
+    the question a user asks when a plan is unbalanced. Containers and modules whose end coincides
+    with a valid boundary are left out: they are not a different place to cut."""
+    glue = _glue_modules(rec)
+    depth = max(c.name.count(".") for c in valid)
+    valid_at = {(c.ops_end, id(c.first_src.origin)) for c in valid if c.first_src is not None}
+    out = []
+    for cand in cands:
+        c = cand.call
+        if cand.valid or isinstance(c.module, _CONTAINERS) or c.name.count(".") > depth:
+            continue
+        if c.first_src is not None and (c.ops_end, id(c.first_src.origin)) in valid_at:
+            continue
+        why = cand.reason
+        if why == "another value is live across it" and len(out) < MAX_REJECTIONS_SHOWN:
+            why = _blocker(rec, c, c.end, glue)
+        out.append((c.name, why))
+    if len(out) > MAX_REJECTIONS_SHOWN:
+        out = [*out[:MAX_REJECTIONS_SHOWN], (f"... {len(out) - MAX_REJECTIONS_SHOWN} more", "")]
+    return out
 
 
 def _no_boundary_message(cands: list[_Candidate]) -> str:
@@ -609,7 +737,8 @@ def _no_boundary_message(cands: list[_Candidate]) -> str:
 
 
 def engine_auto_cutpoints(model: nn.Module, example_batch, max_cuts: int, *, micro_batch_size: int,
-                          loss_fn: Callable | None, rank: int = 0, world: int = 1) -> list[str]:
+                          loss_fn: Callable | None, rank: int = 0, world: int = 1,
+                          cost: str = "flop") -> list[str]:
     """What :class:`varuna.Engine` does for ``VarunaConfig.auto_cutpoints``: rank 0 plans on the
     first micro-batch (timings differ between processes), every rank applies the same plan.
 
@@ -619,14 +748,14 @@ def engine_auto_cutpoints(model: nn.Module, example_batch, max_cuts: int, *, mic
 
     first = slice_batch(example_batch, 0, min(micro_batch_size, batch_size_of(example_batch)))
     if world == 1:
-        return auto_cutpoints(model, first, max_cuts, loss_fn).module_names
+        return auto_cutpoints(model, first, max_cuts, loss_fn, cost=cost).module_names
     import torch.distributed as dist
 
     msg: dict = {}
     failure: Exception | None = None
     if rank == 0:
         try:
-            msg = {"modules": auto_cutpoints(model, first, max_cuts, loss_fn).module_names}
+            msg = {"modules": auto_cutpoints(model, first, max_cuts, loss_fn, cost=cost).module_names}
         except Exception as e:  # every rank must leave the broadcast below, then fail alike
             failure, msg = e, {"error": str(e)}
     box = [json.dumps(msg)]
@@ -637,6 +766,6 @@ def engine_auto_cutpoints(model: nn.Module, example_batch, max_cuts: int, *, mic
     if "error" in msg:
         raise ValueError(f"automatic cut-points failed on rank 0: {msg['error']}")
     if rank != 0:
-        remove_cutpoints(model)
-        apply_cutpoints(model, msg["modules"])
+        remove_cutpoints(model, only_auto=True)
+        _insert_cutpoints(model, msg["modules"], auto=True)
     return msg["modules"]

@@ -32,6 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from varuna.cutting.batches import call_with_batch, to_meta
 from varuna.cutting.cutpoint import CutPoint, DryRun, SplitState
+from varuna.cutting.loss import loss_field
 
 __all__ = ["ModuleCall", "Recorder", "TensorInfo", "TensorRead", "TraceRun", "preserved_state",
            "record_forward"]
@@ -330,7 +331,9 @@ class Recorder(TorchFunctionMode):
             if isinstance(m, CutPoint):
                 continue
             handles.append(m.register_forward_pre_hook(self._pre))
-            handles.append(m.register_forward_hook(self._post))
+            # First among the post hooks, as in the engine's dry run (split._boundary_hooks): a
+            # CutPoint a user's forward hook calls is outside the module's call.
+            handles.append(m.register_forward_hook(self._post, prepend=True))
         return handles
 
     def _pre(self, mod: nn.Module, args) -> None:
@@ -462,8 +465,9 @@ def record_forward(model: nn.Module, batch, loss_fn: Callable | None, *, flop_co
                 if loss_fn is not None:
                     loss = loss_fn(out, batch)
                     rec.consume(tree_flatten(loss)[0], "the loss (backward)")
-                else:
-                    rec.consume(tree_flatten(out)[0], "the returned loss (backward)")
+                else:  # the engine's default_loss: the output itself, or its 'loss' field (HF)
+                    lf = loss_field(out)
+                    rec.consume(tree_flatten(out if lf is None else lf)[0], "the returned loss (backward)")
     finally:
         for h in handles:
             h.remove()

@@ -145,7 +145,9 @@ def _boundary_hooks(model: nn.Module, state: SplitState, called: set[str], spann
     for m in model.modules():
         if not isinstance(m, CutPoint):
             handles.append(m.register_forward_pre_hook(pre))
-            handles.append(m.register_forward_hook(post))
+            # First among the post hooks: a CutPoint called by a user's forward hook on this module
+            # (hook-attached cut) comes after the module's end, not inside it.
+            handles.append(m.register_forward_hook(post, prepend=True))
     return handles
 
 

@@ -46,9 +46,9 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
+from varuna.cutting.loss import describe_output, loss_field
 from varuna.cutting.recorder import ModuleCall, Recorder, TensorInfo, record_forward
 from varuna.cutting.trace_report import (
     BufferUse,
@@ -97,12 +97,6 @@ def trace_model(model: nn.Module, example_batch, loss_fn: Callable | None = None
     return _analyse(rec)
 
 
-def _describe(output) -> str:
-    if isinstance(output, torch.Tensor):
-        return f"a tensor of shape {list(output.shape)}"
-    return f"a {type(output).__name__}"
-
-
 def trace_for_engine(
     model: nn.Module, example_batch, loss_fn: Callable | None = None
 ) -> tuple[TraceReport, list[str]]:
@@ -125,11 +119,12 @@ def trace_for_engine(
             "varuna-trace --cuts K to insert K automatically"
         )
     out = outputs[-1] if outputs else None
-    if loss_fn is None and not (isinstance(out, torch.Tensor) and out.dim() == 0):
+    if loss_fn is None and loss_field(out) is None:
         problems.append(
-            f"the model's forward returns {_describe(out)}, not a scalar loss, so the engine would "
-            "refuse it; return the loss, or have the factory return (model, example_batch, loss_fn) "
-            "with loss_fn(output, batch) -> scalar (as for Engine(loss_fn=...))"
+            f"the model's forward returns {describe_output(out)}, not a scalar loss, so the engine would "
+            "refuse it; return the loss (or an output with a scalar 'loss'), or have the factory return "
+            "(model, example_batch, loss_fn) with loss_fn(output, batch) -> scalar (as for "
+            "Engine(loss_fn=...))"
         )
     return report, problems
 

@@ -71,6 +71,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_placement_args(parser)
     _add_layout_args(parser)
     _add_job_args(parser)
+    _add_cut_args(parser)
     _add_ssh_args(parser)
     parser.add_argument(
         "-m", "--module", action="store_true", help="SCRIPT is a module: run python -m SCRIPT"
@@ -183,6 +184,31 @@ def _add_job_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_cut_args(parser: argparse.ArgumentParser) -> None:
+    cuts = parser.add_argument_group("where the model is cut (for a model without CutPoints of its own)")
+    cuts.add_argument(
+        "--cut-after",
+        default=None,
+        metavar="PATTERNS",
+        help="cut after each module these comma-separated names/patterns select, e.g. 'model.layers.*'"
+        " ('*' matches one level of a dotted name; VARUNA_CUT_AFTER, VarunaConfig.cut_after)",
+    )
+    cuts.add_argument(
+        "--auto-cutpoints",
+        type=int,
+        default=None,
+        metavar="N",
+        help="let the engine place up to N cut-points from a dry run (VARUNA_AUTO_CUTPOINTS)",
+    )
+    cuts.add_argument(
+        "--plan-cost",
+        default=None,
+        choices=("flop", "time"),
+        help="what automatic cut-points and the stage split balance: FLOPs (default; the same plan every"
+        " run) or measured time (VARUNA_PLAN_COST)",
+    )
+
+
 def _add_ssh_args(parser: argparse.ArgumentParser) -> None:
     remote = parser.add_argument_group("ssh hosts")
     remote.add_argument(
@@ -289,6 +315,19 @@ def _worker_env_from_args(args: argparse.Namespace) -> dict[str, str]:
         if args.checkpoint_dir is None and "VARUNA_CHECKPOINT_DIR" not in os.environ:
             raise ValueError("--resume needs --checkpoint-dir DIR (or $VARUNA_CHECKPOINT_DIR)")
         env["VARUNA_RESUME"] = args.resume
+    if args.cut_after is not None and args.auto_cutpoints is not None:
+        raise ValueError("--cut-after and --auto-cutpoints both given: cut-points are placed by name or "
+                         "automatically; drop one")
+    if args.cut_after is not None:
+        if not [x for x in args.cut_after.split(",") if x.strip()]:
+            raise ValueError("--cut-after needs module names or patterns, e.g. --cut-after 'model.layers.*'")
+        env["VARUNA_CUT_AFTER"] = args.cut_after
+    if args.auto_cutpoints is not None:
+        if args.auto_cutpoints < 1:
+            raise ValueError(f"--auto-cutpoints must be >= 1, got {args.auto_cutpoints}")
+        env["VARUNA_AUTO_CUTPOINTS"] = str(args.auto_cutpoints)
+    if args.plan_cost is not None:
+        env["VARUNA_PLAN_COST"] = args.plan_cost
     if args.manager is not None:
         if not _MANAGER_RE.match(args.manager) or not 0 < int(args.manager.rsplit(":", 1)[1]) < 65536:
             raise ValueError(f"--manager {args.manager!r} is not HOST:PORT")

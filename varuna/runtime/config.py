@@ -13,6 +13,8 @@ Example::
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -20,10 +22,13 @@ import torch
 from varuna.core.env import RunPlan
 from varuna.core.schedule import DEFAULT_STASH_HEADROOM, SCHEDULE_KINDS
 
-__all__ = ["PRECISIONS", "VarunaConfig", "StepResult", "StepTimings", "adopt_plan"]
+__all__ = ["PLAN_COSTS", "PRECISIONS", "VarunaConfig", "StepResult", "StepTimings", "adopt_plan",
+           "adopt_cut_env"]
 
 #: Autocast dtype per ``VarunaConfig.precision`` (None: plain fp32).
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: What a plan (automatic cut-points, stage split) balances: counted FLOPs or measured time.
+PLAN_COSTS = ("flop", "time")
 
 
 @dataclass(kw_only=True)
@@ -97,10 +102,21 @@ class VarunaConfig:
     resume: str | bool | None = None
     """"1"/True: load the newest complete checkpoint (error if none); "auto": if there is one;
     "0"/False: never. None: $VARUNA_RESUME (default never)."""
+    cut_after: tuple[str, ...] | None = None
+    """Put a cut-point after each module these names or patterns select (``("model.layers.*",)``:
+    after every decoder layer; ``*`` matches one level of a dotted name, see
+    ``varuna.apply_cutpoints``), on a model you did not write. None: $VARUNA_CUT_AFTER
+    (comma-separated; ``varuna-launch --cut-after``), else the model's own CutPoints."""
     auto_cutpoints: int | None = None
     """Insert up to this many CutPoints automatically into a model that has none (rank 0 picks the
-    boundaries from a dry run, every rank applies them; see varuna/cutting/autocut.py). None: use the
-    model's."""
+    boundaries from a dry run, every rank applies them; see varuna/cutting/autocut.py). None:
+    $VARUNA_AUTO_CUTPOINTS (``varuna-launch --auto-cutpoints``), else the model's. Cannot be
+    combined with ``cut_after`` or CutPoints placed by hand."""
+    plan_cost: str | None = None
+    """What automatic cut-points and the stage split balance: "flop" (counted in the dry run;
+    identical runs give identical plans) or "time" (measured forward+backward; follows
+    memory-bound work, but a noisy machine can change the plan between runs). None:
+    $VARUNA_PLAN_COST, else "flop"."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` (one line) for a setting the engine cannot run with.
@@ -124,6 +140,18 @@ class VarunaConfig:
             raise ValueError(
                 f"peer_timeout_s must be >= 0, 0 to turn the peer watch off (got {self.peer_timeout_s})"
             )
+        if self.plan_cost not in (None, *PLAN_COSTS):
+            raise ValueError(f"unknown plan_cost {self.plan_cost!r}; choose {' or '.join(PLAN_COSTS)}")
+        n = self.auto_cutpoints
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"auto_cutpoints must be an integer >= 1 (got {self.auto_cutpoints!r})")
+        if self.auto_cutpoints is not None and self.cut_after:
+            raise ValueError(
+                "auto_cutpoints and cut_after both set: cut-points are either automatic or placed by name; "
+                "drop one (--auto-cutpoints or --cut-after)"
+            )
+        if isinstance(self.cut_after, str):
+            self.cut_after = tuple(x for x in self.cut_after.split(",") if x.strip())
         if self.max_nonfinite_steps < 0:
             raise ValueError(
                 f"max_nonfinite_steps must be >= 0, 0 to never stop (got {self.max_nonfinite_steps})"
@@ -195,3 +223,36 @@ class StepResult:
     wall_time: float
     timings: StepTimings = field(default_factory=StepTimings)
     """This rank's per-task compute times during the step."""
+
+
+def adopt_cut_env(config: VarunaConfig, environ: Mapping[str, str] | None = None) -> None:
+    """Fill ``cut_after``, ``auto_cutpoints`` and ``plan_cost`` from the environment where the
+    script left them unset (``varuna-launch --cut-after/--auto-cutpoints/--plan-cost`` export
+    ``VARUNA_CUT_AFTER``, ``VARUNA_AUTO_CUTPOINTS``, ``VARUNA_PLAN_COST``). A bad value raises
+    ``ValueError`` naming the variable.
+
+    Example::
+
+        >>> cfg = VarunaConfig(global_batch_size=8, micro_batch_size=2)
+        >>> adopt_cut_env(cfg, {"VARUNA_CUT_AFTER": "model.layers.*,lm_head"})
+        >>> cfg.cut_after, cfg.plan_cost
+        (('model.layers.*', 'lm_head'), 'flop')
+    """
+    environ = os.environ if environ is None else environ
+    script_cuts = config.cut_after is not None or config.auto_cutpoints is not None
+    raw = environ.get("VARUNA_CUT_AFTER", "").strip()
+    if raw and not script_cuts:
+        config.cut_after = tuple(x.strip() for x in raw.split(",") if x.strip())
+    raw = environ.get("VARUNA_AUTO_CUTPOINTS", "").strip()
+    if raw and not script_cuts:
+        try:
+            config.auto_cutpoints = int(raw)
+        except ValueError:
+            raise ValueError(
+                f"VARUNA_AUTO_CUTPOINTS={raw!r} is not an integer; give the number of cut-points"
+            ) from None
+    if config.plan_cost is None:
+        raw = environ.get("VARUNA_PLAN_COST", "").strip()
+        if raw and raw not in PLAN_COSTS:
+            raise ValueError(f"VARUNA_PLAN_COST={raw!r}: choose {' or '.join(PLAN_COSTS)}")
+        config.plan_cost = raw or "flop"

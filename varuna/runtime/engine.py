@@ -45,9 +45,10 @@ from varuna.core.schedule import Task
 from varuna.core.timeline import Timeline
 from varuna.cutting.batches import batch_size_of, slice_batch
 from varuna.cutting.cutpoint import CutPoint, SplitState
-from varuna.cutting.split import ModelProfile, materialize_stage, profile_model
+from varuna.cutting.loss import default_loss
+from varuna.cutting.split import ModelProfile, materialize_stage
 from varuna.runtime.checkpoint import Checkpointer, engine_state_dict, load_engine_state_dict
-from varuna.runtime.config import StepResult, VarunaConfig, adopt_plan
+from varuna.runtime.config import StepResult, VarunaConfig, adopt_cut_env, adopt_plan
 from varuna.runtime.executor import ScheduleExecutor, StageModel
 from varuna.runtime.grad_sync import GradientSync, allreduce_scalars
 from varuna.runtime.groups import ProcessGroups, StageLinks, build_groups
@@ -55,7 +56,7 @@ from varuna.runtime.layout import Layout, init_distributed, pick_device
 from varuna.runtime.loss_scale import DynamicLossScale, NonFiniteLosses, NonFiniteLossStop
 from varuna.runtime.peer_watch import PeerWatch, watching
 from varuna.runtime.plugins import run_plugins
-from varuna.runtime.stages import assign_stages, check_pipeline_depth
+from varuna.runtime.stages import assign_stages, check_pipeline_depth, planning_profile
 from varuna.runtime.timeline_gather import gather_timeline
 
 __all__ = ["VarunaConfig", "Engine", "StepResult", "NonFiniteLossStop"]
@@ -88,9 +89,10 @@ class Engine:
     ) -> None:
         config = dataclasses.replace(config)  # the caller's object stays as it was
         plan_note = adopt_plan(config, RunPlan.from_env())
+        adopt_cut_env(config)
         config.validate()
         self.config = config
-        self.loss_fn = loss_fn or _model_returns_loss
+        self.loss_fn = loss_fn or default_loss
         self.layout: Layout
         self.layout, self._owns_pg = init_distributed(
             config.pipeline_depth, config.data_parallel, device=config.device, timeout_s=config.comm_timeout_s
@@ -120,27 +122,12 @@ class Engine:
     def _build_stage(self, model: nn.Module, example_batch, param_init) -> None:
         """Dry run, stage assignment and materialisation of this process's stage."""
         config, P = self.config, self.layout.P
-        if config.auto_cutpoints is not None:  # before the dry run, which must see the CutPoints
-            from varuna.cutting.autocut import engine_auto_cutpoints
-
-            engine_auto_cutpoints(
-                model,
-                example_batch,
-                config.auto_cutpoints,
-                loss_fn=self.loss_fn,
-                micro_batch_size=config.micro_batch_size,
-                rank=self.layout.rank,
-                world=self.layout.world,
-            )
+        _place_cutpoints(model, example_batch, config, self.loss_fn, self.layout)  # before the dry run
         self.micro_plan = plan_microbatches(config.global_batch_size, config.micro_batch_size, self.layout.D)
         self.device = pick_device(config.device)
         self._split = SplitState()
         first = slice_batch(example_batch, 0, min(config.micro_batch_size, batch_size_of(example_batch)))
-        # Only rank 0's segment costs are used (it broadcasts the split), and only when it splits.
-        measure = self.layout.rank == 0 and config.stage_ranges is None and P > 1
-        self.profile: ModelProfile = profile_model(
-            model, first, self.loss_fn, timing_reps=config.dry_run_reps, measure=measure, costs=measure
-        )
+        self.profile: ModelProfile = planning_profile(model, first, self.loss_fn, config, self.layout)
         check_pipeline_depth(P, self.profile.num_cutpoints)
         if P > 1:  # refuse hidden dependencies (values crossing a boundary outside a CutPoint)
             from varuna.cutting.tracer import check_splittable
@@ -506,16 +493,32 @@ def _destroy_groups(groups: ProcessGroups, *, owns_default: bool) -> None:
     gc.collect()
 
 
+def _place_cutpoints(
+    model: nn.Module, example_batch, config: VarunaConfig, loss_fn: Callable, layout: Layout
+) -> None:
+    """``config.cut_after`` (by name) or ``config.auto_cutpoints`` (a plan from rank 0)."""
+    if config.cut_after:
+        from varuna.cutting.autocut import apply_cutpoints
+
+        apply_cutpoints(model, config.cut_after)
+    if config.auto_cutpoints is not None:
+        from varuna.cutting.autocut import check_no_cutpoints, engine_auto_cutpoints
+
+        check_no_cutpoints(model)  # on every rank, before the plan's collective
+        engine_auto_cutpoints(
+            model,
+            example_batch,
+            config.auto_cutpoints,
+            loss_fn=loss_fn,
+            micro_batch_size=config.micro_batch_size,
+            rank=layout.rank,
+            world=layout.world,
+            cost=config.plan_cost,
+        )
+
+
 def _destroy_default_group() -> None:
     """At exit (Note [Teardown at exit]): the default process group, if the script left it."""
     if dist.is_initialized():
         dist.destroy_process_group()
         gc.collect()  # groups only reachable through cycles are freed (threads joined) now
-
-
-def _model_returns_loss(output, batch):
-    if isinstance(output, torch.Tensor) and output.dim() == 0:
-        return output
-    raise TypeError(
-        "the model's forward must return a scalar loss, or pass loss_fn=lambda output, batch: ... to Engine"
-    )

@@ -1,9 +1,9 @@
 """Which segments each pipeline stage runs (paper §3.3).
 
 Explicit ranges (the config's or the launcher's plan) are checked; otherwise the segments are
-split by :func:`varuna.core.partition.balanced_stages` on the costs measured in the dry run, the
-schedule kind saying what a segment costs on a non-last and on the last stage (varuna's last stage
-never recomputes). Timings differ between processes, so rank 0's split is broadcast.
+split by :func:`varuna.core.partition.balanced_stages` on the dry run's segment costs (FLOPs, or
+measured time with ``plan_cost="time"``), the schedule kind saying what a segment costs on a
+non-last and on the last stage (varuna's last stage never recomputes). Rank 0's split is broadcast.
 
 Example::
 
@@ -13,18 +13,20 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from varuna.core.calibration import plan_model_mismatch
 from varuna.core.partition import balanced_stages
 from varuna.core.schedule import schedule_kind
-from varuna.cutting.split import ModelProfile
+from varuna.cutting.split import ModelProfile, profile_model
+from varuna.runtime.config import VarunaConfig
 from varuna.runtime.layout import Layout
 
-__all__ = ["assign_stages", "check_pipeline_depth"]
+__all__ = ["assign_stages", "check_pipeline_depth", "planning_profile"]
 
 
 def check_pipeline_depth(P: int, num_cutpoints: int) -> None:
@@ -37,14 +39,40 @@ def check_pipeline_depth(P: int, num_cutpoints: int) -> None:
     K = num_cutpoints
     if P > 1 and K == 0:
         raise ValueError(
-            f"the model has no CutPoint, so it cannot be split into {P} pipeline stages; call "
-            "varuna.CutPoint() on activations at stage boundaries, or use --pipeline-depth 1"
+            f"the model has no CutPoint, so it cannot be split into {P} pipeline stages; place cut-points "
+            f"by module name (cut_after=('model.layers.*',) or varuna-launch --cut-after 'model.layers.*'), "
+            f"let the engine choose them (auto_cutpoints={P - 1} or --auto-cutpoints {P - 1}), call "
+            "varuna.CutPoint() in the model, or use --pipeline-depth 1"
         )
     if P > K + 1:
         raise ValueError(
-            f"pipeline depth {P} exceeds the {K + 1} segments defined by the model's {K} CutPoints; "
-            f"use --pipeline-depth <= {K + 1} or add CutPoints"
+            f"pipeline depth {P} exceeds the {K + 1} segments defined by the model's {K} cut-points; use "
+            f"--pipeline-depth <= {K + 1}, or place more cut-points (by name: --cut-after with a pattern "
+            f"selecting >= {P - 1} modules; automatically: --auto-cutpoints {P - 1})"
         )
+
+
+def planning_profile(model: nn.Module, micro_batch, loss_fn: Callable, config: VarunaConfig,
+                     layout: Layout) -> ModelProfile:
+    """The engine's dry run (:func:`varuna.cutting.split.profile_model`) with the segment costs
+    the stage split needs: counted only on rank 0 (it broadcasts the split) and only when it
+    splits; FLOPs unless ``config.plan_cost == "time"`` (measured), because a plan must not change
+    between identical runs (docs/annotating.md, "Stable plans").
+
+    Example::
+
+        prof = planning_profile(model, first_micro_batch, loss_fn, config, layout)
+        prof.cost_unit   # "flop" on rank 0 of a P > 1 job by default
+    """
+    costs = layout.rank == 0 and config.stage_ranges is None and layout.P > 1
+    return profile_model(
+        model,
+        micro_batch,
+        loss_fn,
+        timing_reps=config.dry_run_reps,
+        measure=costs and config.plan_cost == "time",
+        costs=costs,
+    )
 
 
 def assign_stages(
