@@ -281,3 +281,17 @@ def test_auto_cut_points_on_llama_are_balanced_at_four_stages(capsys):
     assert sum(n.startswith("model.layers.") for n, _, _ in plan.candidates) == 8
     assert "model.rotary_emb" in dict(plan.rejected)  # its own end is no boundary, and it says why
     assert "rejected boundaries" in capsys.readouterr().out
+
+
+def test_a_model_without_counted_flops_is_planned_on_measured_time(monkeypatch, capsys):
+    """Emulated devices (elementwise ops that sleep) count zero FLOPs: the plan measures instead
+    of splitting on all-zero costs, and says so."""
+    from varuna.testing.emulated import emulated_model
+
+    model = emulated_model(3, [0.0, 0.0, 0.0], width=4)
+    model.cut_points = nn.ModuleList(varuna.CutPoint() for _ in range(2))
+    cfg = VarunaConfig(global_batch_size=4, micro_batch_size=2)
+    adopt_cut_env(cfg, {})
+    prof = planning_profile(model, (torch.randn(2, 4), torch.randn(2, 4)), lambda o, b: o, cfg,
+                            Layout(world=2, rank=0, P=2, D=1))
+    assert prof.cost_unit == "s" and "count no FLOPs" in capsys.readouterr().out

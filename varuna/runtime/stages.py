@@ -65,7 +65,7 @@ def planning_profile(model: nn.Module, micro_batch, loss_fn: Callable, config: V
         prof.cost_unit   # "flop" on rank 0 of a P > 1 job by default
     """
     costs = layout.rank == 0 and config.stage_ranges is None and layout.P > 1
-    return profile_model(
+    prof = profile_model(
         model,
         micro_batch,
         loss_fn,
@@ -73,6 +73,16 @@ def planning_profile(model: nn.Module, micro_batch, loss_fn: Callable, config: V
         measure=costs and config.plan_cost == "time",
         costs=costs,
     )
+    if costs and prof.cost_unit == "flop" and not any(prof.fwd_cost) and not any(
+        p.is_meta for p in model.parameters()
+    ):
+        # Nothing the counter sees (elementwise ops only, emulated devices): FLOPs cannot rank the
+        # segments, so measure after all (and say so: this plan may vary between runs).
+        print("varuna: the model's segments count no FLOPs; balancing stages on measured time", flush=True)
+        prof = profile_model(
+            model, micro_batch, loss_fn, timing_reps=config.dry_run_reps, measure=True, costs=True
+        )
+    return prof
 
 
 def assign_stages(
