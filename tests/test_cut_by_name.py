@@ -295,3 +295,27 @@ def test_a_model_without_counted_flops_is_planned_on_measured_time(monkeypatch, 
     prof = planning_profile(model, (torch.randn(2, 4), torch.randn(2, 4)), lambda o, b: o, cfg,
                             Layout(world=2, rank=0, P=2, D=1))
     assert prof.cost_unit == "s" and "count no FLOPs" in capsys.readouterr().out
+
+
+def test_varuna_trace_cuts_by_name_like_the_launcher(tmp_path, capsys):
+    from varuna.cutting.trace_cli import main
+
+    path = tmp_path / "target.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\n"
+        "class B(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n        return torch.tanh(self.fc(x))\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.h = nn.ModuleList(B() for _ in range(3))\n"
+        "    def forward(self, x):\n        for b in self.h:\n            x = b(x)\n        return x.pow(2).mean()\n"
+        "def build():\n    return M(), torch.randn(2, 4)\n"
+    )
+    assert main([str(path), "--cut-after", "h.*"]) == 0
+    out = capsys.readouterr().out
+    assert "h.0.varuna_cut" in out and "h.2.varuna_cut" in out
+    assert main([str(path)]) == 1  # negative control: without cuts the engine could not split it
+    assert "has no CutPoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main([str(path), "--cut-after", "h.*", "--cuts", "2"])
+    assert e.value.code == 2 and "both given" in capsys.readouterr().err

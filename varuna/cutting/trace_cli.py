@@ -2,7 +2,8 @@
 
 Usage::
 
-    varuna-trace TARGET [--cuts K] [--cost time|flop] [--arg KEY=VALUE ...] [--json PATH|-]
+    varuna-trace TARGET [--cut-after PATTERNS | --cuts K [--cost flop|time]] [--arg KEY=VALUE ...]
+                 [--json PATH|-]
 
 ``TARGET`` names a factory: ``path/to/file.py:FACTORY`` or ``package.module:FACTORY``
 (``:FACTORY`` defaults to ``build``). The factory takes no arguments (or the ``--arg`` ones) and
@@ -12,8 +13,10 @@ keys; ``example_batch`` is one micro-batch as the model's forward takes it. Exam
     varuna-trace examples/resnet/model.py:build --cuts 3
     varuna-trace my_gpt.py --json report.json
 
-``--cuts K`` first inserts up to K automatic cut-points (for a model without CutPoints) and prints
-the plan. ``--json PATH`` also writes the machine-readable report (``-``: print only the JSON).
+``--cut-after PATTERNS`` first cuts after the modules the names/patterns select (as
+``varuna-launch --cut-after``); ``--cuts K`` first inserts up to K automatic cut-points (for a model
+without CutPoints; balancing FLOPs, like the engine, unless ``--cost time``) and prints the plan.
+``--json PATH`` also writes the machine-readable report (``-``: print only the JSON).
 
 Exit status: 0 when the model can be split at its CutPoints, 1 when it cannot (hidden
 dependencies, no valid boundary for ``--cuts``, or what the engine refuses: no CutPoint at all, a
@@ -114,9 +117,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("target", help="FILE.py[:FACTORY] or MODULE[:FACTORY]; FACTORY (default: build) "
                                        "returns (model, example_batch[, loss_fn])")
+    parser.add_argument("--cut-after", metavar="PATTERNS",
+                        help="first cut after the modules these comma-separated names/patterns select "
+                             "(e.g. 'model.layers.*')")
     parser.add_argument("--cuts", type=int, metavar="K", help="first insert up to K automatic cut-points")
-    parser.add_argument("--cost", choices=("time", "flop"), default="time",
-                        help="what --cuts balances: measured forward time (default) or FLOPs")
+    parser.add_argument("--cost", choices=("flop", "time"), default="flop",
+                        help="what --cuts balances: FLOPs (default, as the engine) or measured forward time")
     parser.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
                         help="keyword argument for the factory (Python literal or string); repeatable")
     parser.add_argument("--json", metavar="PATH",
@@ -125,15 +131,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.cuts is not None and args.cuts < 1:
             raise UsageError(f"--cuts must be >= 1, got {args.cuts}")
+        if args.cuts is not None and args.cut_after is not None:
+            raise UsageError("--cut-after and --cuts both given: cut by name or automatically, not both")
         kwargs = dict(_parse_arg(a) for a in args.arg)
         model, batch, loss_fn = load_target(args.target, kwargs)
     except UsageError as e:
         parser.error(str(e))  # exits 2 with one line on stderr
-    from varuna.cutting.autocut import auto_cutpoints
+    from varuna.cutting.autocut import apply_cutpoints, auto_cutpoints
     from varuna.cutting.tracer import trace_for_engine
 
     quiet = args.json == "-"
     try:
+        if args.cut_after is not None:
+            apply_cutpoints(model, args.cut_after)
         if args.cuts is not None:
             plan = auto_cutpoints(model, batch, args.cuts, loss_fn, cost=args.cost, verbose=False)
             if not quiet:
