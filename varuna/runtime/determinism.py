@@ -38,7 +38,49 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["TreeAccumulator", "combine_nodes", "canonical_allreduce", "tree_levels"]
+__all__ = [
+    "TreeAccumulator",
+    "combine_nodes",
+    "canonical_allreduce",
+    "tree_levels",
+    "DeterminismError",
+    "first_difference",
+]
+
+
+class DeterminismError(RuntimeError):
+    """Deterministic mode cannot keep its promise for this model (Note [Deterministic forward] in
+    varuna/runtime/executor.py): a stage's recompute did not reproduce what its forward sent."""
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    # Bytes, not values: NaN == NaN and -0.0 != 0.0, as "bit-identical" means.
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def first_difference(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> str | None:
+    """None when ``a`` and ``b`` are bitwise equal, else a short description of the first difference.
+
+    Example::
+
+        >>> first_difference((torch.ones(2),), (torch.tensor([1.0, 1.5]),))
+        'tensor 0 of 1, shape (2,) torch.float32: 1 element(s) differ, max |diff| 5.0e-01'
+    """
+    if len(a) != len(b):
+        return f"{len(a)} tensor(s) sent, {len(b)} recomputed"
+    for i, (x, y) in enumerate(zip(a, b)):
+        head = f"tensor {i} of {len(a)}, shape {tuple(x.shape)} {x.dtype}"
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return f"{head} against shape {tuple(y.shape)} {y.dtype}"
+        if torch.equal(_bits(x), _bits(y)):
+            continue
+        ne = x.ne(y) if not x.is_floating_point() else ~(x.eq(y) | (x.isnan() & y.isnan()))
+        count = int(ne.sum())
+        if x.is_floating_point():
+            gap = (x.double() - y.double()).abs().nan_to_num(nan=float("inf")).max().item()
+            return f"{head}: {count} element(s) differ, max |diff| {gap:.1e}"
+        return f"{head}: {count} element(s) differ"
+    return None
 
 
 def tree_levels(num_leaves: int) -> int:

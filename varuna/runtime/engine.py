@@ -207,6 +207,7 @@ class Engine:
             loss_fn=self.loss_fn,
             split=self._split,
             cutpoints=self._order,
+            cutpoint_names=self.profile.cutpoint_names,
             first_segment=self.first_segment,
             last_segment=self.last_segment,
             num_segments=self.profile.num_segments,

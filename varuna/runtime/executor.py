@@ -6,6 +6,21 @@ when the schedule recomputes that micro-batch, else it keeps its graph; R rebuil
 the stash; B back-propagates the received gradient (the loss on the last stage) and sends the
 input gradients upstream.
 
+Note [Deterministic forward]: some kernels pick their algorithm by autograd state. PyTorch's CPU
+``scaled_dot_product_attention`` takes its flash kernel unless a float ``attn_mask`` requires
+grad, and then its math kernel; a mask built from a parameter (T5's position bias) requires grad
+only while autograd is on. A forward run without a graph and its recompute with one then round
+differently (~1e-7): the next stage consumes an activation that is not the one whose backward is
+taken, and a 2×1 run drifts from 1×1 (issue #16). So in deterministic mode every training forward
+runs with autograd on, the way a 1×1 run and every recompute do; a forward that the schedule
+recomputes detaches what it sends and drops its graph at once. Cost: the graph of one micro-batch
+lives for the length of that forward (as a recompute's does), and the forward records it (the
+speed of a forward that keeps its graph). And on the first training step each recompute of a
+non-last stage is compared bitwise with what its forward sent (``_verify``): a kernel whose result
+still depends on something else (call count, unkeyed randomness) raises
+:class:`~varuna.runtime.determinism.DeterminismError` naming the boundary, instead of letting every
+layout train different weights.
+
 Example::
 
     executor = ScheduleExecutor(stage=stage_setup, config=cfg, links=links, inbox=inbox,
@@ -33,6 +48,7 @@ from varuna.cutting.cutpoint import CutPoint, ForwardRun, SplitState, StopForwar
 from varuna.cutting.split import keyed_seed
 from varuna.runtime.comm import Arrival
 from varuna.runtime.config import PRECISIONS, StepTimings, VarunaConfig
+from varuna.runtime.determinism import DeterminismError, first_difference
 from varuna.runtime.groups import StageLinks
 
 __all__ = ["StageModel", "ScheduleExecutor", "StageRun", "leaf"]
@@ -54,6 +70,8 @@ class StageModel:
     replica: int
     num_stages: int
     device: torch.device
+    cutpoint_names: list[str] = field(default_factory=list)
+    """The CutPoints' module names in segment order (for messages; may be empty)."""
 
     @property
     def is_last_stage(self) -> bool:
@@ -78,6 +96,8 @@ class _Work:
     grads: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     stash: dict[int, tuple[torch.Tensor, ...] | None] = field(default_factory=dict)
     graphs: dict[int, tuple] = field(default_factory=dict)
+    #: what the forward sent, per micro-batch, while its recompute is still to be verified
+    sent: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     loss_sum: float = 0.0
     busy_s: dict[str, float] = field(default_factory=lambda: {FORWARD: 0.0, RECOMPUTE: 0.0, BACKWARD: 0.0})
     count: dict[str, int] = field(default_factory=lambda: {FORWARD: 0, RECOMPUTE: 0, BACKWARD: 0})
@@ -123,6 +143,9 @@ class ScheduleExecutor:
         self.det = det
         self._step = 0
         self._scale = 1.0
+        # Note [Deterministic forward]: the first training step checks sends against recomputes.
+        # Not with unkeyed dropout (a negative control), whose recompute redraws other masks.
+        self._verify = config.deterministic and config.rng_keyed
 
     def run(self, batch, mbs: list[MicroBatch], *, step: int, scale: float, train: bool) -> StageRun:
         """Run this replica's micro-batches ``mbs`` of ``batch`` (forward only unless ``train``)."""
@@ -140,6 +163,8 @@ class ScheduleExecutor:
         devices = [self.s.device] if self.s.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             work = self._execute(batch, mbs, policy, recomputed, train)
+        if train:
+            self._verify = False  # one step's recomputes checked
         return StageRun(loss_sum=work.loss_sum, executed=list(policy.executed), timings=work.timings())
 
     def _execute(
@@ -162,7 +187,11 @@ class ScheduleExecutor:
                 inputs = work.stash.pop(i)
                 if inputs is not None:
                     inputs = tuple(leaf(x) for x in inputs)
-                work.graphs[i] = (inputs, self._forward(batch, mb, inputs, with_grad=True))
+                out = self._forward(batch, mb, inputs, with_grad=True)
+                sent = work.sent.pop(i, None)
+                if sent is not None:
+                    self._check_recompute(mb, sent, out)
+                work.graphs[i] = (inputs, out)
             else:
                 self._run_backward(work, mb, i, train=train)
             policy.complete(task)
@@ -176,21 +205,27 @@ class ScheduleExecutor:
     def _run_forward(
         self, work: _Work, batch, mb: MicroBatch, i: int, *, keep_graph: bool, train: bool
     ) -> None:
-        inputs = work.acts.pop(i, None)
-        if inputs is not None and keep_graph:
+        received = work.acts.pop(i, None)
+        # Note [Deterministic forward]: with the autograd state of the recompute and of a 1×1 run.
+        with_grad = keep_graph or (train and self.config.deterministic)
+        inputs = received
+        if inputs is not None and with_grad:
             inputs = tuple(leaf(x) for x in inputs)
-        out = self._forward(batch, mb, inputs, with_grad=keep_graph)
+        out = self._forward(batch, mb, inputs, with_grad=with_grad)
         if self.s.is_last_stage:
             loss_value = float(out.detach())  # a sync point on GPU; one per micro-batch
             work.loss_sum += loss_value * mb.size / self.config.global_batch_size
             if self.det is not None:
                 self.det.losses[mb.index] = loss_value
         else:
-            self.links.act_out.send(i, tuple(x.detach() for x in out))
+            sent = tuple(x.detach() for x in out)
+            self.links.act_out.send(i, sent)
+            if train and not keep_graph and self._verify:
+                work.sent[i] = sent
         if keep_graph:
             work.graphs[i] = (inputs, out)
         elif train:
-            work.stash[i] = inputs
+            work.stash[i] = received  # not the leaves: no reference to the graph being dropped
 
     def _run_backward(self, work: _Work, mb: MicroBatch, i: int, *, train: bool) -> None:
         inputs, out = work.graphs.pop(i)
@@ -212,6 +247,25 @@ class ScheduleExecutor:
                     if x.is_floating_point()
                 ),
             )
+
+    def _check_recompute(self, mb: MicroBatch, sent: tuple[torch.Tensor, ...], out) -> None:
+        """Note [Deterministic forward]: the recompute must reproduce what the forward sent."""
+        diff = first_difference(sent, tuple(x.detach() for x in out))
+        if diff is None:
+            return
+        s = self.s
+        names = s.cutpoint_names
+        where = f"CutPoint '{names[s.last_segment]}'" if s.last_segment < len(names) else (
+            f"CutPoint #{s.last_segment}"
+        )
+        raise DeterminismError(
+            f"varuna: deterministic mode: stage {s.stage} (segments {s.first_segment}-{s.last_segment}) "
+            f"sent micro-batch {mb.index}'s activation at {where} (boundary to stage {s.stage + 1}, {diff}) "
+            "that its recompute does not reproduce bitwise: something in these segments gives another "
+            "result when the same micro-batch runs again (state kept between calls, randomness outside "
+            "torch's default generator, a kernel choosing its algorithm by run-time state), so weights "
+            "would differ between layouts (docs/determinism.md)"
+        )
 
     def _drain(self, policy, work: _Work, *, block: bool, timeout: float) -> None:
         while True:
