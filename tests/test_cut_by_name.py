@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -301,16 +302,31 @@ def test_varuna_trace_cuts_by_name_like_the_launcher(tmp_path, capsys):
     from varuna.cutting.trace_cli import main
 
     path = tmp_path / "target.py"
-    path.write_text(
-        "import torch\nfrom torch import nn\n"
-        "class B(nn.Module):\n"
-        "    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(4, 4)\n"
-        "    def forward(self, x):\n        return torch.tanh(self.fc(x))\n"
-        "class M(nn.Module):\n"
-        "    def __init__(self):\n        super().__init__()\n        self.h = nn.ModuleList(B() for _ in range(3))\n"
-        "    def forward(self, x):\n        for b in self.h:\n            x = b(x)\n        return x.pow(2).mean()\n"
-        "def build():\n    return M(), torch.randn(2, 4)\n"
-    )
+    path.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        class B(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 4)
+
+            def forward(self, x):
+                return torch.tanh(self.fc(x))
+
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.h = nn.ModuleList(B() for _ in range(3))
+
+            def forward(self, x):
+                for b in self.h:
+                    x = b(x)
+                return x.pow(2).mean()
+
+        def build():
+            return M(), torch.randn(2, 4)
+    """))
     assert main([str(path), "--cut-after", "h.*"]) == 0
     out = capsys.readouterr().out
     assert "h.0.varuna_cut" in out and "h.2.varuna_cut" in out
