@@ -335,3 +335,33 @@ def test_varuna_trace_cuts_by_name_like_the_launcher(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main([str(path), "--cut-after", "h.*", "--cuts", "2"])
     assert e.value.code == 2 and "both given" in capsys.readouterr().err
+
+
+def test_varuna_trace_and_the_engine_agree_on_an_output_with_a_loss_field(tmp_path, capsys):
+    """An HF-style output carrying a scalar 'loss' is taken by the engine without loss_fn, so the
+    tracer accepts it too; an output without one is refused by both, in one line."""
+    from varuna.cutting.trace_cli import main
+
+    path = tmp_path / "target.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        import varuna
+
+        class M(nn.Module):
+            def __init__(self, with_loss):
+                super().__init__()
+                self.a, self.cut, self.b = nn.Linear(4, 4), varuna.CutPoint(), nn.Linear(4, 3)
+                self.with_loss = with_loss
+
+            def forward(self, x):
+                y = self.b(self.cut(self.a(x)))
+                return {"loss": y.pow(2).mean(), "logits": y} if self.with_loss else {"logits": y}
+
+        def build(with_loss=True):
+            return M(with_loss), torch.randn(2, 4)
+    """))
+    assert main([str(path)]) == 0
+    assert main([str(path), "--arg", "with_loss=False"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no scalar 'loss'" in err[0], err
