@@ -30,17 +30,21 @@ SEED, VOCAB = 7, 96
 #: T5 token ids (the tiny configs' own): pad doubles as the decoder's start token
 PAD, EOS = 0, 1
 SIZES = {"test": dict(global_batch=8, micro=2, seq=16, d=32, layers=2),
-         "test4": dict(global_batch=8, micro=2, seq=16, d=32, layers=4),
+         "test4": dict(global_batch=8, micro=2, seq=16, d=32, layers=4, t5_layers=2),
          "leak": dict(global_batch=8, micro=2, seq=64, d=64, layers=2),
          "bench": dict(global_batch=16, micro=2, seq=64, d=128, layers=4)}
 MODELS = ("gpt2", "llama", "qwen2", "t5")
+#: T5's segments (2 + 2 blocks): 0-1 encoder blocks, 2 encoder end + first decoder block, 3 second
+#: decoder block, 4 head and loss. Stages start at segment 3, where the encoder output must be
+#: carried in, rather than wherever the timings put them.
+T5_RANGES = {2: [(0, 2), (3, 4)], 4: [(0, 0), (1, 1), (2, 2), (3, 4)]}
 
 
 def build(name: str, use_cache: str = "default", size: str = "test"):
     """(model, names of the modules to cut after) of a tiny random ``name`` (one of ``MODELS``).
 
-    T5 has ``layers`` encoder and ``layers`` decoder blocks at size "test" (so 4 blocks to cut
-    after) and the cut goes after each of them; Qwen2 uses grouped-query attention (4 query heads,
+    T5 has ``layers`` (``t5_layers`` if set) encoder and as many decoder blocks, 2 + 2 at sizes
+    "test" and "test4", and a cut after each of them; Qwen2 uses grouped-query attention (4 query heads,
     2 key/value heads)."""
     import transformers
 
@@ -65,13 +69,14 @@ def build(name: str, use_cache: str = "default", size: str = "test"):
         model = transformers.Qwen2ForCausalLM(cfg)
         blocks = [f"model.layers.{i}" for i in range(z["layers"])]
     elif name == "t5":
+        t5_layers = z.get("t5_layers", z["layers"])
         cfg = transformers.T5Config(vocab_size=VOCAB, d_model=z["d"], d_kv=z["d"] // 2, d_ff=2 * z["d"],
-                                    num_layers=z["layers"], num_decoder_layers=z["layers"], num_heads=2,
+                                    num_layers=t5_layers, num_decoder_layers=t5_layers, num_heads=2,
                                     relative_attention_num_buckets=8,
                                     relative_attention_max_distance=z["seq"], pad_token_id=PAD,
                                     eos_token_id=EOS, decoder_start_token_id=PAD, **extra)
         model = transformers.T5ForConditionalGeneration(cfg)
-        blocks = [f"{stack}.block.{i}" for stack in ("encoder", "decoder") for i in range(z["layers"])]
+        blocks = [f"{stack}.block.{i}" for stack in ("encoder", "decoder") for i in range(t5_layers)]
     else:
         raise ValueError(name)
     model.train()  # from_config models start in train mode already; dropout stays as configured
@@ -127,37 +132,59 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--model", default="gpt2", choices=MODELS)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--use-cache", default="default", choices=["default", "true", "false"])
-    p.add_argument("--size", default="test", choices=sorted(SIZES))
-    a = p.parse_args()
-    torch.set_num_threads(1)
+def train(name: str, a: argparse.Namespace, out: Path) -> None:
+    """Train ``name`` under the engine and write this rank's results to ``out``."""
     z = SIZES[a.size]
-    model, blocks = build(a.model, a.use_cache, a.size)
+    model, blocks = build(name, a.use_cache, a.size)
     varuna.apply_cutpoints(model, blocks)
+    P = int(os.environ.get("VARUNA_PIPELINE_DEPTH", "1"))
     engine = varuna.Engine(
         model,
-        varuna.VarunaConfig(global_batch_size=z["global_batch"], micro_batch_size=z["micro"], seed=SEED),
-        example_batch=step_batch(1, a.size, a.model), optimizer=make_optimizer, loss_fn=loss_of)
+        varuna.VarunaConfig(global_batch_size=z["global_batch"], micro_batch_size=z["micro"], seed=SEED,
+                            stage_ranges=T5_RANGES.get(P) if name == "t5" else None),
+        example_batch=step_batch(1, a.size, name), optimizer=make_optimizer, loss_fn=loss_of)
     rank = engine.layout.rank
     rec: dict[str, list] = {"loss": [], "entries": [], "rss": [], "step_s": []}
     for step in range(1, a.steps + 1):
-        batch = step_batch(step, a.size, a.model)
+        batch = step_batch(step, a.size, name)
         t0 = time.perf_counter()
         r = engine.train_step(batch)
         rec["step_s"].append(time.perf_counter() - t0)
         rec["loss"].append(r.loss)
         rec["entries"].append(cache_entries(model))
         rec["rss"].append(rss_bytes())
-    a.out.mkdir(parents=True, exist_ok=True)
-    torch.save({n: q.detach().clone() for n, q in engine.named_parameters()}, a.out / f"rank{rank}.pt")
-    (a.out / f"rank{rank}.json").write_text(json.dumps({**rec, "stage": engine.stage,
-                                                        "stage_ranges": engine.stage_ranges}))
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({n: q.detach().clone() for n, q in engine.named_parameters()}, out / f"rank{rank}.pt")
+    plan = engine._carry_plan  # what crossed this stage's boundaries besides the routed outputs
+    carried = {k: [f"{c.module}#{c.call}.{c.leaf}" for c in getattr(plan, k, ())] for k in ("recv", "send")}
+    (out / f"rank{rank}.json").write_text(json.dumps({**rec, "stage": engine.stage, "carried": carried,
+                                                      "stage_ranges": engine.stage_ranges}))
     engine.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--model", default="gpt2",
+                   help=f"one of {', '.join(MODELS)}, or several comma-separated (results in OUT/<model>/)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--use-cache", default="default", choices=["default", "true", "false"])
+    p.add_argument("--size", default="test", choices=sorted(SIZES))
+    a = p.parse_args()
+    names = a.model.split(",")
+    if any(n not in MODELS for n in names):
+        p.error(f"--model: choose from {', '.join(MODELS)}")
+    torch.set_num_threads(1)
+    if len(names) > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # One process group for all the engines (they do not own it): starting the processes and
+        # importing transformers is most of a run's time on a 2-core host, so one world trains all.
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+    for name in names:
+        train(name, a, a.out / name if len(names) > 1 else a.out)
+    if len(names) > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -149,7 +149,7 @@ class Engine:
             report = check_splittable(model, first, self.loss_fn, warn=self.layout.rank == 0)
             if report is not None:  # e.g. a rotary embedding every layer reads runs on every stage
                 self.profile.glue_modules = set(report.replicated_modules)
-                self._carried = carry_specs(report)  # e.g. T5's position bias and encoder output
+                self._carried = carry_specs(report)  # e.g. T5's encoder output, read by the decoder
         self.stage_ranges = assign_stages(
             self.layout,
             self.profile,
