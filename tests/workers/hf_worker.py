@@ -155,7 +155,7 @@ def train(name: str, a: argparse.Namespace, out: Path) -> None:
         rec["rss"].append(rss_bytes())
     out.mkdir(parents=True, exist_ok=True)
     torch.save({n: q.detach().clone() for n, q in engine.named_parameters()}, out / f"rank{rank}.pt")
-    plan = engine._carry_plan  # what crossed this stage's boundaries besides the routed outputs
+    plan = engine._executor.s.carry_plan  # what crossed this stage's boundaries besides the routed outputs
     carried = {k: [f"{c.module}#{c.call}.{c.leaf}" for c in getattr(plan, k, ())] for k in ("recv", "send")}
     (out / f"rank{rank}.json").write_text(json.dumps({**rec, "stage": engine.stage, "carried": carried,
                                                       "stage_ranges": engine.stage_ranges}))

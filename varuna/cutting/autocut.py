@@ -5,7 +5,8 @@ and looks at every module call as a candidate boundary. The end of a call to mod
 *valid* boundary when
 
 * ``M`` is called once per forward and returns a batch-major tensor it computed (or a tuple/list
-  whose first element is one: ``hidden, attn = block(hidden, mask)``), and
+  whose first element is one: ``hidden, attn = block(hidden, mask)``; the inserted cut-point passes
+  every tensor of the output on, but the choice counts only the first as crossing), and
 * nothing else that was computed before the end of the call is read after it, except values
   every stage computes itself (glue code on the batch: masks, position ids) — so the output of
   ``M`` is the only live activation flowing onward. A residual input still needed later, a

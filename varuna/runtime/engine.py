@@ -44,7 +44,7 @@ from varuna.core.env import RunPlan
 from varuna.core.schedule import Task
 from varuna.core.timeline import Timeline
 from varuna.cutting.batches import batch_size_of, slice_batch
-from varuna.cutting.cutpoint import CarryPlan, CarrySpec, CutPoint, SplitState
+from varuna.cutting.cutpoint import CarryPlan, CutPoint, SplitState
 from varuna.cutting.split import ModelProfile, materialize_stage, profile_model
 from varuna.runtime.checkpoint import Checkpointer, engine_state_dict, load_engine_state_dict
 from varuna.runtime.config import StepResult, VarunaConfig, adopt_plan
@@ -136,7 +136,6 @@ class Engine:
         self.device = pick_device(config.device)
         self._split = SplitState()
         first = slice_batch(example_batch, 0, min(config.micro_batch_size, batch_size_of(example_batch)))
-        self._carried: list[CarrySpec] = []
         # Only rank 0's segment costs are used (it broadcasts the split), and only when it splits.
         measure = self.layout.rank == 0 and config.stage_ranges is None and P > 1
         self.profile: ModelProfile = profile_model(
@@ -149,7 +148,7 @@ class Engine:
             report = check_splittable(model, first, self.loss_fn, warn=self.layout.rank == 0)
             if report is not None:  # e.g. a rotary embedding every layer reads runs on every stage
                 self.profile.glue_modules = set(report.replicated_modules)
-                self._carried = carry_specs(report)  # e.g. T5's encoder output, read by the decoder
+                self.profile.carried = carry_specs(report)  # e.g. T5's encoder output, read by the decoder
         self.stage_ranges = assign_stages(
             self.layout,
             self.profile,
@@ -158,8 +157,6 @@ class Engine:
             explicit=config.stage_ranges,
         )
         self.first_segment, self.last_segment = self.stage_ranges[self.stage]
-        self._carry_plan = CarryPlan.for_stage(self._carried, self.first_segment, self.last_segment,
-                                               self.is_last_stage)
         for cp in model.modules():
             if isinstance(cp, CutPoint):
                 cp._varuna_state = self._split
@@ -231,7 +228,8 @@ class Engine:
             replica=self.replica,
             num_stages=self.layout.P,
             device=self.device,
-            carry_plan=self._carry_plan,
+            carry_plan=CarryPlan.for_stage(self.profile.carried, self.first_segment, self.last_segment,
+                                           self.is_last_stage),
         )
         self._executor = ScheduleExecutor(
             stage=stage,
