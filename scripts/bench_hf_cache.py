@@ -53,7 +53,7 @@ def plain_step_s(model_name: str, use_cache: str, steps: int, size: str) -> floa
     model, _ = build(model_name, use_cache, size)
     times = []
     for step in range(1, steps + 1):
-        batch = step_batch(step, size)
+        batch = step_batch(step, size, model_name)
         t0 = time.perf_counter()
         for s in range(0, z["global_batch"], z["micro"]):
             mb = {k: v[s:s + z["micro"]] for k, v in batch.items()}

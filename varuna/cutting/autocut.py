@@ -5,7 +5,8 @@ and looks at every module call as a candidate boundary. The end of a call to mod
 *valid* boundary when
 
 * ``M`` is called once per forward and returns a batch-major tensor it computed (or a tuple/list
-  whose first element is one: ``hidden, attn = block(hidden, mask)``), and
+  whose first element is one: ``hidden, attn = block(hidden, mask)``; the inserted cut-point passes
+  every tensor of the output on, but the choice counts only the first as crossing), and
 * nothing else that was computed before the end of the call is read after it, except values
   every stage computes itself (glue code on the batch: masks, position ids) — so the output of
   ``M`` is the only live activation flowing onward. A residual input still needed later, a
@@ -46,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from varuna.core.partition import balanced_partition
 from varuna.cutting.batches import call_with_batch, to_meta
@@ -66,17 +68,25 @@ _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
 def _route(cut: CutPoint, out):
-    """``cut`` applied to a module output: the tensor itself, or the first element of a tuple/list."""
+    """``cut`` applied to a module output: the tensor itself, or every tensor in a tuple, list, dict
+    or ``ModelOutput`` (anything torch's pytree flattens), rebuilt around what the cut returns.
+
+    Every tensor, not only the first: a block's other outputs may be read by the next block (T5's
+    blocks return the position bias the first one computed, and every later one reads it), and a
+    value passed through the cut reaches the next stage with its gradient going back. Non-tensor
+    items (None, a cache object) stay as they are.
+    """
     if isinstance(out, torch.Tensor):
         return cut(out)
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        first = cut(out[0])
-        rest = list(out[1:])
-        if isinstance(out, list):
-            return [first, *rest]
-        return type(out)(first, *rest) if hasattr(out, "_fields") else type(out)((first, *rest))
-    raise TypeError(f"a module with an automatic cut-point returned a {type(out).__name__}; it must return a "
-                    "tensor, or a tuple/list whose first element is a tensor")
+    leaves, spec = tree_flatten(out)
+    at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    if not at:
+        raise TypeError(f"a module with an automatic cut-point returned a {type(out).__name__}; it must "
+                        "return a tensor, or a tuple/list/dict/ModelOutput holding tensors")
+    crossed = cut(*(leaves[i] for i in at))
+    for i, x in zip(at, crossed if len(at) > 1 else (crossed,)):
+        leaves[i] = x
+    return tree_unflatten(leaves, spec)
 
 
 _ROUTED: dict[type, type] = {}
@@ -202,8 +212,10 @@ def _insert_cutpoints(model: nn.Module, names: list[str], *, auto: bool) -> list
     for name in names:
         mod = modules[name]
         cp = CutPoint()
-        # Who placed it: automatic cut-points are replaced by a new plan, by-name ones never are.
-        cp._varuna_auto = auto
+        # Who placed it: planned cut-points are replaced by a new plan, by-name ones never are;
+        # both are routed (Note [Carried values] in varuna/cutting/cutpoint.py).
+        cp.planned = auto
+        cp.routed = True
         mod.add_module(CUT_ATTR, cp)
         mod.__class__ = _routed_class(type(mod))
         out.append(cp)
@@ -611,7 +623,7 @@ def check_no_cutpoints(model: nn.Module) -> None:
 
 
 def _is_auto(cp: nn.Module) -> bool:
-    return getattr(cp, "_varuna_auto", False)
+    return getattr(cp, "planned", False)
 
 
 def auto_cutpoints(

@@ -230,9 +230,14 @@ class Skipper:
     def __call__(self, *args, **kwargs):
         state = self.state
         run = state.run
-        if run is None or state.in_placeholder or run.in_stage():
+        if run is None or state.in_placeholder:
             return self.orig(*args, **kwargs)
-        return self.placeholder(args, kwargs)
+        inside = run.in_stage()
+        out = self.orig(*args, **kwargs) if inside else self.placeholder(args, kwargs)
+        carry = getattr(run, "carry", None)  # Note [Carried values] in varuna/cutting/cutpoint.py
+        if carry is not None:
+            out = carry.module_output(self.name, out, computed=inside)
+        return out
 
     def _key(self, args: tuple, kwargs: dict) -> object | None:
         dev = self.device.type

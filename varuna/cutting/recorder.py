@@ -78,6 +78,11 @@ class TensorInfo:
     last_use: int = -1
     #: for a module-output alias: the info it aliases (the value the module returned)
     via: TensorInfo | None = None
+    #: for a module-output alias: (index of the call, index of the tensor among its flattened outputs)
+    out_of: tuple[int, int] | None = None
+    #: for a pure value passed through a CutPoint: the segment it entered there (the stage running
+    #: that segment receives it, even if the modules that computed it run elsewhere)
+    arrived: int | None = None
 
     def __post_init__(self) -> None:
         if self.origin is None:
@@ -109,6 +114,8 @@ class ModuleCall:
     #: it returned tensors, all derived only from the batch, buffers and constants (no parameter,
     #: no activation): with no parameters of its own it can run on every stage as glue
     outputs_pure: bool = False
+    #: which call of its module this is in the forward (0-based)
+    ordinal: int = 0
 
 
 @dataclass
@@ -202,6 +209,8 @@ class Recorder(TorchFunctionMode):
         self.call_counts: dict[int, int] = {}
         #: registered names of the CutPoints in the order the forward crossed them
         self.cut_order: list[str] = []
+        #: per crossed CutPoint: inserted by apply_cutpoints (Note [Carried values] in cutpoint.py)
+        self.cut_routed: list[bool] = []
         for n, b in model.named_buffers():
             self._new(b, kind="buffer", desc=f"buffer '{n}'", pure=True, segment=None, created=0)
 
@@ -209,10 +218,10 @@ class Recorder(TorchFunctionMode):
 
     def _new(self, t: torch.Tensor, *, kind: str, desc: str, pure: bool, segment: int | None, created: int,
              chain: frozenset[int] = frozenset(), origin: TensorInfo | None = None,
-             via: TensorInfo | None = None) -> TensorInfo:
+             via: TensorInfo | None = None, out_of: tuple[int, int] | None = None) -> TensorInfo:
         info = TensorInfo(created=created, segment=segment, pure=pure, chain=chain if pure else frozenset(),
                      kind=kind, desc=desc, shape=tuple(t.shape), dtype=str(t.dtype).replace("torch.", ""),
-                     origin=origin, via=via)
+                     origin=origin, via=via, out_of=out_of)
         self.infos[t] = info
         self.all_infos.append(info)
         return info
@@ -338,10 +347,11 @@ class Recorder(TorchFunctionMode):
 
     def _pre(self, mod: nn.Module, args) -> None:
         self.clock += 1
-        self.call_counts[id(mod)] = self.call_counts.get(id(mod), 0) + 1
+        ordinal = self.call_counts.get(id(mod), 0)
+        self.call_counts[id(mod)] = ordinal + 1
         call = ModuleCall(index=len(self.calls), name=self.module_names.get(id(mod), "?"), module=mod,
                      start=self.clock, seg_start=self.segment, ops_start=self.ops,
-                     parent=self.stack[-1].index if self.stack else None)
+                     parent=self.stack[-1].index if self.stack else None, ordinal=ordinal)
         self.calls.append(call)
         self.stack.append(call)
 
@@ -362,7 +372,7 @@ class Recorder(TorchFunctionMode):
         new_leaves = []
         pure_outputs: list[bool] = []
         with self.pause():
-            for leaf in leaves:
+            for pos, leaf in enumerate(leaves):
                 if not isinstance(leaf, torch.Tensor):
                     new_leaves.append(leaf)
                     continue
@@ -384,7 +394,7 @@ class Recorder(TorchFunctionMode):
                 pure_outputs.append(src.pure)
                 ainfo = self._new(alias, kind="output", desc=what, pure=src.pure, segment=src.segment,
                                   created=src.created, chain=src.chain | {call.index}, origin=src.origin,
-                                  via=src)
+                                  via=src, out_of=(call.index, pos))
                 if call.first_src is None and call.out_kind != "other":
                     call.first_src, call.first_alias = src, ainfo
                     call.first_meta = (tuple(leaf.shape), leaf.dtype, leaf.numel() * leaf.element_size())
@@ -415,7 +425,7 @@ class TraceRun(DryRun):
                 if src is not None and src.pure:
                     # Glue values stay glue values: every stage computes them, whichever side it is on.
                     rec._new(alias, kind="cut", desc=src.desc, pure=True, segment=src.segment,
-                             created=src.created, chain=src.chain, origin=src.origin)
+                             created=src.created, chain=src.chain, origin=src.origin).arrived = self.segment
                 else:
                     rec._new(alias, kind="cut", desc=f"activation received at CutPoint '{name}'", pure=False,
                              segment=self.segment, created=rec.clock)
@@ -474,5 +484,6 @@ def record_forward(model: nn.Module, batch, loss_fn: Callable | None, *, flop_co
         for cp, s in zip(cps, old_states):
             cp._varuna_state = s
     rec.cut_order = [run.cutpoint_names.get(id(cp), "?") for cp in run.order]
+    rec.cut_routed = [bool(getattr(cp, "routed", False)) for cp in run.order]
 
     return rec

@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from varuna.cutting.batches import call_with_batch, to_meta
-from varuna.cutting.cutpoint import CutPoint, DryRun, SplitState
+from varuna.cutting.cutpoint import CarrySpec, CutPoint, DryRun, SplitState
 from varuna.cutting.placeholders import Skipper
 
 __all__ = ["ModelProfile", "profile_model", "materialize_stage", "resident_param_bytes", "keyed_seed"]
@@ -79,6 +79,9 @@ class ModelProfile:
     #: their outputs, computed from the batch and buffers only, are read by other segments (Note
     #: [Replicated glue modules] in varuna/cutting/tracer.py; the engine fills it from the trace)
     glue_modules: set[str] = field(default_factory=set)
+    #: module outputs carried across routed (by-name or automatic) cut-points (Note [Carried values] in
+    #: varuna/cutting/cutpoint.py; the engine fills it from the trace)
+    carried: list[CarrySpec] = field(default_factory=list)
 
     @property
     def num_cutpoints(self) -> int:

@@ -20,6 +20,7 @@ __all__ = [
     "SharedParam",
     "BufferUse",
     "HiddenDependency",
+    "CarriedValue",
     "CommonRead",
     "ExternalTensor",
     "GlobalSync",
@@ -75,6 +76,22 @@ class HiddenDependency:
 
 
 @dataclass
+class CarriedValue:
+    """A module output read in later segments across routed (by-name or automatic) cut-points only:
+    the engine sends it along with the activation (Note [Carried values] in varuna/cutting/cutpoint.py)."""
+
+    producer: str
+    #: the module returning it, which call of it in the forward, which tensor of its output
+    module: str
+    call: int
+    leaf: int
+    produced_in: int
+    read_in: list[int]
+    shape: list[int]
+    dtype: str
+
+
+@dataclass
 class CommonRead:
     """A value every stage computes or holds (batch tensors, glue values derived from them)."""
 
@@ -121,6 +138,8 @@ class TraceReport:
     #: parameter-free modules computing only from the batch and buffers whose outputs other segments
     #: read (e.g. a rotary embedding): the runtime runs them on every stage, as glue
     replicated_modules: list[str] = field(default_factory=list)
+    #: module outputs crossing automatic cut-points that the engine carries with the activation
+    carried_values: list[CarriedValue] = field(default_factory=list)
     version: int = REPORT_VERSION
 
     # -- verdict ---------------------------------------------------------------------------
@@ -171,7 +190,8 @@ class TraceReport:
         if d.get("version") != REPORT_VERSION:
             raise ValueError(f"trace report version {d.get('version')!r} is not {REPORT_VERSION}")
         kinds = {"shared_params": SharedParam, "buffers": BufferUse, "hidden_dependencies": HiddenDependency,
-                 "common_reads": CommonRead, "external_tensors": ExternalTensor, "global_state": GlobalSync}
+                 "common_reads": CommonRead, "external_tensors": ExternalTensor, "global_state": GlobalSync,
+                 "carried_values": CarriedValue}
         for k, typ in kinds.items():
             d[k] = [typ(**x) for x in d.get(k, [])]
         return cls(**d)
@@ -180,6 +200,14 @@ class TraceReport:
 
     def __str__(self) -> str:
         return self.table()
+
+    def _carried_rows(self, max_rows: int) -> list[str]:
+        if not self.carried_values:
+            return []
+        rows = [[c.producer, str(c.produced_in), seg_text(c.read_in), "x".join(map(str, c.shape)) or "scalar"]
+                for c in self.carried_values]
+        return ["  module outputs carried across routed cut-points (sent with the activation, gradients "
+                "sent back):", *_rows(["value", "made in", "read in", "shape"], rows, max_rows)]
 
     def table(self, max_rows: int = 20) -> str:
         """The human-readable report."""
@@ -212,7 +240,8 @@ class TraceReport:
                        max_rows)
             L.append("    fix: pass the value through the CutPoint (x, mask = cut(x, mask)), or compute it "
                      "from the batch in the model's forward (glue code runs on every stage).")
-        if not self.buffers and not self.hidden_dependencies:
+        L += self._carried_rows(max_rows)
+        if not self.buffers and not self.hidden_dependencies and not self.carried_values:
             L.append("    none: every activation that crosses a boundary passes through its CutPoint")
         if self.common_reads:
             n = sum(len(c.consumers) for c in self.common_reads)

@@ -48,10 +48,12 @@ from collections.abc import Callable
 
 from torch import nn
 
+from varuna.cutting.cutpoint import CarrySpec
 from varuna.cutting.loss import describe_output, loss_field
 from varuna.cutting.recorder import ModuleCall, Recorder, TensorInfo, record_forward
 from varuna.cutting.trace_report import (
     BufferUse,
+    CarriedValue,
     CommonRead,
     ExternalTensor,
     GlobalSync,
@@ -72,6 +74,8 @@ __all__ = [
     "trace_model",
     "trace_for_engine",
     "check_splittable",
+    "carry_specs",
+    "CarriedValue",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -254,11 +258,62 @@ def _add_buffer_uses(rec: Recorder, report: TraceReport, glue: set[int]) -> None
 
 
 
+def _carrier(info: TensorInfo, calls: list[ModuleCall], glue: set[int]) -> tuple[ModuleCall, int] | None:
+    """The call of a module that other stages skip, and the index among its flattened outputs, that
+    returned ``info`` (following module-output aliases inward past glue modules: T5's encoder output
+    is the output of the spanning 'encoder', returned from its 'encoder.dropout'); None when no such
+    module returned it (computed by glue code from activations)."""
+    x: TensorInfo | None = info
+    while x is not None:
+        if x.out_of is not None:
+            call = calls[x.out_of[0]]
+            if id(call.module) not in glue:
+                # Stages wrap the outermost modules without a boundary inside (split._wrap_candidates):
+                # every enclosing call must span a boundary for this one to be that module.
+                p = call.parent
+                while p is not None:
+                    if calls[p].seg_start == calls[p].seg_end:
+                        return None
+                    p = calls[p].parent
+                return call, x.out_of[1]
+        x = x.via
+    return None
+
+
+def _carry(rec: Recorder, info: TensorInfo, segment: int, glue: set[int],
+           carried: dict[tuple[int, int], CarriedValue]) -> bool:
+    """Note [Carried values] (varuna/cutting/cutpoint.py): record ``info``, read in ``segment``, as
+    carried if it is a skipped module's output and crosses only routed cut-points (placed by name
+    or automatically) on the way."""
+    made = info.segment
+    if made is None or segment <= made or not all(rec.cut_routed[k] for k in range(made, segment)):
+        return False
+    site = _carrier(info, rec.calls, glue)
+    if site is None:
+        return False
+    call, leaf = site
+    c = carried.get((call.index, leaf))
+    if c is None:
+        c = carried[(call.index, leaf)] = CarriedValue(
+            f"output #{leaf} of module '{call.name}'" + (f" (call #{call.ordinal})" if call.ordinal else ""),
+            call.name, call.ordinal, leaf, made, [], list(info.shape), info.dtype)
+    if segment not in c.read_in:
+        c.read_in.append(segment)
+        c.read_in.sort()
+    return True
+
+
+def carry_specs(report: TraceReport) -> list[CarrySpec]:
+    """What the engine carries across cut-points, from the report (Note [Carried values])."""
+    return [CarrySpec(c.module, c.call, c.leaf, c.produced_in, max(c.read_in)) for c in report.carried_values]
+
+
 def _add_value_reads(rec: Recorder, report: TraceReport, glue: set[int]) -> None:
     """(c) values read in another segment than the one that produced them: hidden dependencies,
     common reads (glue-computed values every stage makes itself) and external tensors."""
     calls = rec.calls
     hidden: dict[tuple, HiddenDependency] = {}
+    carried: dict[tuple[int, int], CarriedValue] = {}
     common: dict[int, CommonRead] = {}
     externals: dict[int, ExternalTensor] = {}
     for r in rec.reads:
@@ -285,7 +340,7 @@ def _add_value_reads(rec: Recorder, report: TraceReport, glue: set[int]) -> None
                 c.consumers.append(r.consumer)
             continue
         key = (id(info.origin), r.segment)
-        if key in hidden:
+        if key in hidden or info.arrived == r.segment or _carry(rec, info, r.segment, glue, carried):
             continue
         scalar = len(info.shape) == 0
         sev = "warning" if scalar else "error"
@@ -302,6 +357,7 @@ def _add_value_reads(rec: Recorder, report: TraceReport, glue: set[int]) -> None
                                        info.dtype, sev, msg)
     report.hidden_dependencies = sorted(hidden.values(), key=lambda d: (d.severity != "error", d.produced_in,
                                                                          d.consumed_in))
+    report.carried_values = sorted(carried.values(), key=lambda c: (c.produced_in, c.module, c.call, c.leaf))
     report.common_reads = [c for c in common.values() if any(s != c.produced_in for s in c.read_in)]
     report.external_tensors = list(externals.values())
 

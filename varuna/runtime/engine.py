@@ -44,7 +44,7 @@ from varuna.core.env import RunPlan
 from varuna.core.schedule import Task
 from varuna.core.timeline import Timeline
 from varuna.cutting.batches import batch_size_of, slice_batch
-from varuna.cutting.cutpoint import CutPoint, SplitState
+from varuna.cutting.cutpoint import CarryPlan, CutPoint, SplitState
 from varuna.cutting.loss import default_loss
 from varuna.cutting.split import ModelProfile, materialize_stage
 from varuna.runtime.checkpoint import Checkpointer, engine_state_dict, load_engine_state_dict
@@ -130,11 +130,12 @@ class Engine:
         self.profile: ModelProfile = planning_profile(model, first, self.loss_fn, config, self.layout)
         check_pipeline_depth(P, self.profile.num_cutpoints)
         if P > 1:  # refuse hidden dependencies (values crossing a boundary outside a CutPoint)
-            from varuna.cutting.tracer import check_splittable
+            from varuna.cutting.tracer import carry_specs, check_splittable
 
             report = check_splittable(model, first, self.loss_fn, warn=self.layout.rank == 0)
             if report is not None:  # e.g. a rotary embedding every layer reads runs on every stage
                 self.profile.glue_modules = set(report.replicated_modules)
+                self.profile.carried = carry_specs(report)  # e.g. T5's encoder output, read by the decoder
         self.stage_ranges = assign_stages(
             self.layout,
             self.profile,
@@ -215,6 +216,8 @@ class Engine:
             replica=self.replica,
             num_stages=self.layout.P,
             device=self.device,
+            carry_plan=CarryPlan.for_stage(self.profile.carried, self.first_segment, self.last_segment,
+                                           self.is_last_stage),
         )
         self._executor = ScheduleExecutor(
             stage=stage,

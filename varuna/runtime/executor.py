@@ -44,7 +44,7 @@ from varuna.core.batching import MicroBatch
 from varuna.core.schedule import BACKWARD, FORWARD, RECOMPUTE, StagePolicy, Task, get_schedule
 from varuna.core.timeline import Timeline
 from varuna.cutting.batches import call_with_batch, slice_batch
-from varuna.cutting.cutpoint import CutPoint, ForwardRun, SplitState, StopForward
+from varuna.cutting.cutpoint import CarryPlan, CutPoint, ForwardRun, SplitState, StopForward
 from varuna.cutting.split import keyed_seed
 from varuna.runtime.comm import Arrival
 from varuna.runtime.config import PRECISIONS, StepTimings, VarunaConfig
@@ -72,6 +72,8 @@ class StageModel:
     device: torch.device
     cutpoint_names: list[str] = field(default_factory=list)
     """The CutPoints' module names in segment order (for messages; may be empty)."""
+    #: module outputs this stage receives and sends with its activations (Note [Carried values])
+    carry_plan: CarryPlan | None = None
 
     @property
     def is_last_stage(self) -> bool:
@@ -233,7 +235,9 @@ class ScheduleExecutor:
             (out * (mb.size / self.config.global_batch_size * self._scale)).backward()
         else:
             g = work.grads.pop(i)
-            pairs = [(o, gi) for o, gi in zip(out, g) if o.requires_grad]
+            # Gradients come back for the floating-point tensors only (an integer mask may cross too).
+            floats = [o for o in out if o.is_floating_point()]
+            pairs = [(o, gi) for o, gi in zip(floats, g) if o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [gi for _, gi in pairs])
         if self.det is not None and train:
@@ -333,6 +337,7 @@ class ScheduleExecutor:
             num_segments=s.num_segments,
             inputs=inputs,
             on_segment=on_segment,
+            carry_plan=s.carry_plan,
         )
         s.split.run = run
         try:
