@@ -505,3 +505,28 @@ def test_hf_placeholder_cache_and_rss_flat_over_30_steps(tmp_path):
     growth_mb = (last["rss"][-1] - last["rss"][9]) / 2**20
     # The old code grew ~0.7 MB per step here (11 MB over steps 10-30); allocator noise is far below.
     assert growth_mb < 4.0, f"RSS grew {growth_mb:.1f} MB between steps 10 and 30"
+
+
+def test_t5_auto_cut_points_are_balanced_at_four_stages_and_train_like_the_whole_model(capsys, monkeypatch):
+    """Automatic cut-points on T5 (4 + 4 blocks) at P = 4: balanced within 1.15 in the engine's
+    cost measure (FLOPs), by carrying the position bias and the encoder output across the cuts
+    (Note [Carrying in plans] in varuna/cutting/autocut.py); the plan prints why other boundaries
+    were refused, and the four stages give the whole model's loss and gradients. Negative control:
+    planning without carried values leaves only unbalanced cuts (max/mean ~2)."""
+    import copy
+
+    from varuna.cutting import autocut
+
+    model, _ = build("t5", size="auto4")
+    model.eval()
+    mb = {k: v[:2] for k, v in step_batch(1, "auto4", "t5").items()}
+    plan = varuna.auto_cutpoints(copy.deepcopy(model), mb, 3, loss_of, cost="flop")
+    assert plan.imbalance <= 1.15, str(plan)
+    assert any(c.carried_bytes for c in plan.choices) and plan.rejected
+    assert "rejected boundaries" in capsys.readouterr().out
+    whole = _whole(model, mb, loss_of)
+    model.zero_grad()
+    _assert_same(_stage_chain(model, plan.module_names, mb, loss_of, [(0, 0), (1, 1), (2, 2), (3, 3)]), whole)
+    monkeypatch.setattr(autocut, "CARRY_WHEN_IMBALANCED", 1e9)  # never plan with carried values
+    assert varuna.auto_cutpoints(build("t5", size="auto4")[0], mb, 3, loss_of, cost="flop",
+                                 verbose=False).imbalance > 1.5

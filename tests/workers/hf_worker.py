@@ -31,6 +31,7 @@ SEED, VOCAB = 7, 96
 PAD, EOS = 0, 1
 SIZES = {"test": dict(global_batch=8, micro=2, seq=16, d=32, layers=2),
          "test4": dict(global_batch=8, micro=2, seq=16, d=32, layers=4, t5_layers=2),
+         "auto4": dict(global_batch=8, micro=2, seq=16, d=64, layers=4),  # T5: 4 + 4 blocks (auto cuts)
          "leak": dict(global_batch=8, micro=2, seq=64, d=64, layers=2),
          "bench": dict(global_batch=16, micro=2, seq=64, d=128, layers=4)}
 MODELS = ("gpt2", "llama", "qwen2", "t5")

@@ -314,6 +314,8 @@ class CutChoice:
     act_shape: list[int]
     act_dtype: str
     act_bytes: int
+    #: module outputs carried across this cut besides the activation (Note [Carried values])
+    carried_bytes: int = 0
 
 
 @dataclass
@@ -359,8 +361,9 @@ class AutoCutPlan:
              f"{len(self.candidates)} valid boundaries (cost: {what})"]
         rows = [["#", "after module", "cost before", "segment cost", "activation", "bytes"]]
         for i, c in enumerate(self.choices):
+            carried = f" + {c.carried_bytes} carried" if c.carried_bytes else ""
             rows.append([str(i), c.module, self._fmt(c.cost_before), self._fmt(c.segment_cost),
-                         f"{tuple(c.act_shape)} {c.act_dtype}", str(c.act_bytes)])
+                         f"{tuple(c.act_shape)} {c.act_dtype}", f"{c.act_bytes}{carried}"])
         rows.append(["", "(end of forward)", self._fmt(self.total_cost), self._fmt(self.segment_costs[-1]),
                      "", ""])
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -379,6 +382,8 @@ class _Candidate:
     call: ModuleCall
     valid: bool = True
     reason: str = ""
+    #: bytes of the module outputs the engine would carry across this boundary (per micro-batch)
+    carried_bytes: int = 0
 
 
 def _is_family(info: TensorInfo, alias: TensorInfo) -> bool:
@@ -450,11 +455,86 @@ def _glue_modules(rec: Recorder) -> frozenset[int]:
     return frozenset(ok - {id(c.module) for c in calls if c.parent is not None and not _replicable(c)})
 
 
-def _evaluate(rec: Recorder, batch_size: int | None, *, explain: bool = False) -> list[_Candidate]:
+#: tensors one boundary may send (the runtime's message header: varuna/runtime/comm.py)
+MAX_BOUNDARY_TENSORS = 6
+
+
+def _carryable(info: TensorInfo, calls: list[ModuleCall], glue: frozenset[int]) -> bool:
+    """A value returned by a module (not a glue one; or an enclosing module's alias of one): the
+    engine carries such a value across routed cut-points (Note [Carried values] in
+    varuna/cutting/cutpoint.py), so it need not block a boundary (see :func:`_counted_ranges`)."""
+    x: TensorInfo | None = info
+    while x is not None:
+        if x.out_of is not None and id(calls[x.out_of[0]].module) not in glue:
+            return True
+        x = x.via
+    return False
+
+
+def _nbytes(info: TensorInfo) -> int:
+    return math.prod(info.shape) * torch.empty((), dtype=getattr(torch, info.dtype)).element_size()
+
+
+def _counted_ranges(info: TensorInfo, calls: list[ModuleCall], glue: frozenset[int], carry: bool,
+                    ranges: list[tuple[int, float]] | None = None) -> list[tuple[int, float]]:
+    """The boundary ranges over which ``info`` blocks a cut. A carried module output blocks only
+    where code of a call enclosing the cut still reads it (a block's residual add): it is carried
+    to modules called after the cut, else a cut inside every block would be "valid" by carrying the
+    block's residual input and doubling the traffic."""
+    ranges = _blocking(info, calls, glue) if ranges is None else ranges
+    if not (carry and ranges and _carryable(info, calls, glue)):
+        return ranges
+    lo, hi = min(a for a, _ in ranges), max(z for _, z in ranges)
+    out = []
+    for t, k in info.reads:
+        a, z = max(calls[k].start if k >= 0 else 0, info.created, lo), min(t, hi)
+        if a < z:
+            out.append((a, z))
+    return out
+
+
+def _crossings(rec: Recorder, pos: list[int], glue: frozenset[int], carry: bool
+               ) -> tuple[list[int], list[int], list[int], dict[int, tuple[float, float, int]]]:
+    """Per boundary position (as difference arrays over ``pos``): how many blocking values cross
+    it, how many carried module outputs and their bytes; and, per carried origin, the range it is
+    carried over and its bytes."""
+    calls = rec.calls
+    n = len(pos) + 1
+    count, carried_n, carried_b = [0] * n, [0] * n, [0] * n
+
+    def add(a: float, z: float, sign: int, diff: list[int]) -> None:
+        i0, i1 = bisect.bisect_left(pos, a), bisect.bisect_left(pos, z)
+        if i0 < i1:
+            diff[i0] += sign
+            diff[i1] -= sign
+
+    carried_span: dict[int, tuple[float, float, int]] = {}
+    for info in rec.all_infos:
+        ranges = _blocking(info, calls, glue)
+        if carry and ranges and _carryable(info, calls, glue):
+            lo, hi, nb = carried_span.get(id(info.origin), (math.inf, -math.inf, _nbytes(info)))
+            lo, hi = min(lo, *(a for a, _ in ranges)), max(hi, *(z for _, z in ranges))
+            carried_span[id(info.origin)] = (lo, hi, nb)
+        for a, z in _counted_ranges(info, calls, glue, carry, ranges):
+            add(a, z, 1, count)
+    for a, z, nb in carried_span.values():
+        add(a, z, 1, carried_n)
+        add(a, z, nb, carried_b)
+    # Buffers written by one module's code must be read and written on one side of every cut.
+    for bname, writes in rec.buffer_writes.items():
+        if any(not w.pure or any(calls[i].parent is not None for i in w.chain) for _, w, _ in writes):
+            first, last = rec.buffer_span[bname]
+            add(first, last, 1, count)
+    return count, carried_n, carried_b, carried_span
+
+
+def _evaluate(rec: Recorder, batch_size: int | None, *, explain: bool = False, carry: bool = True
+              ) -> list[_Candidate]:
     """Every non-root module call with its validity as a boundary (see the module docstring).
 
     ``explain``: name the value that blocks each invalid boundary (a scan per boundary: for
-    error messages, not for large models' planning)."""
+    error messages, not for large models' planning). ``carry``: module outputs read across a
+    boundary do not block it (the engine carries them; their bytes count as the boundary's)."""
     calls = rec.calls
     glue = _glue_modules(rec)
     cands: list[_Candidate] = []
@@ -473,44 +553,40 @@ def _evaluate(rec: Recorder, batch_size: int | None, *, explain: bool = False) -
     order = sorted(range(len(live)), key=lambda i: pos[i])
     live = [live[i] for i in order]
     pos = [pos[i] for i in order]
-    count = [0] * (len(live) + 1)
-
-    def add(a: float, z: float, sign: int, diff: list[int]) -> None:
-        i0, i1 = bisect.bisect_left(pos, a), bisect.bisect_left(pos, z)
-        if i0 < i1:
-            diff[i0] += sign
-            diff[i1] -= sign
-
-    for info in rec.all_infos:
-        for a, z in _blocking(info, calls, glue):
-            add(a, z, 1, count)
-    # Buffers written by one module's code must be read and written on one side of every cut.
-    for bname, writes in rec.buffer_writes.items():
-        if any(not w.pure or any(calls[i].parent is not None for i in w.chain) for _, w, _ in writes):
-            first, last = rec.buffer_span[bname]
-            add(first, last, 1, count)
+    count, carried_n, carried_b, carried_span = _crossings(rec, pos, glue, carry)
     by_origin: dict[int, list[TensorInfo]] = {}
     for info in rec.all_infos:
         by_origin.setdefault(id(info.origin), []).append(info)
-    run = 0
+    run = n_run = b_run = 0
     for i, cand in enumerate(live):
-        run += count[i]
+        run, n_run, b_run = run + count[i], n_run + carried_n[i], b_run + carried_b[i]
         b = pos[i]
+        origin = id(cand.call.first_src.origin)
         # The routed output itself (and its aliases by enclosing modules) may cross: it goes through the cut.
-        own = sum(1 for info in by_origin.get(id(cand.call.first_src.origin), [])
+        own = sum(1 for info in by_origin.get(origin, [])
                   if _is_family(info, cand.call.first_alias)
-                  for a, z in _blocking(info, calls, glue) if a <= b < z)
+                  for a, z in _counted_ranges(info, calls, glue, carry) if a <= b < z)
+        span = carried_span.get(origin)
+        own_carried = span is not None and span[0] <= b < span[1]
+        extra_n, extra_b = n_run - own_carried, b_run - (span[2] if own_carried else 0)
         if run - own > 0:
             cand.valid = False
-            cand.reason = _blocker(rec, cand.call, b, glue) if explain else "another value is live across it"
+            cand.reason = (_blocker(rec, cand.call, b, glue, carry) if explain
+                           else "another value is live across it")
+        elif extra_n + 1 > MAX_BOUNDARY_TENSORS:
+            cand.valid = False
+            cand.reason = (f"{extra_n} module outputs would be carried across it besides the activation; "
+                           f"a boundary sends at most {MAX_BOUNDARY_TENSORS} tensors")
+        else:
+            cand.carried_bytes = extra_b
     return cands
 
 
-def _blocker(rec: Recorder, call: ModuleCall, b: int, glue: frozenset[int]) -> str:
+def _blocker(rec: Recorder, call: ModuleCall, b: int, glue: frozenset[int], carry: bool = True) -> str:
     for info in rec.all_infos:
         if info.origin is call.first_src.origin and _is_family(info, call.first_alias):
             continue
-        if any(a <= b < z for a, z in _blocking(info, rec.calls, glue)):
+        if any(a <= b < z for a, z in _counted_ranges(info, rec.calls, glue, carry)):
             return f"another value is live across it: {info.desc} {list(info.shape)}"
     return "a buffer written by module code is read on both sides"
 
@@ -670,15 +746,60 @@ def auto_cutpoints(
 
         counter = FlopCounterMode(display=False)
     rec = record_forward(model, example_batch, loss_fn, flop_counter=counter)
-    cands = _evaluate(rec, _batch_size(example_batch))
+    batch = to_meta(example_batch) if on_meta else example_batch
+    # Note [Carrying in plans]: first as if nothing could be carried (only the routed output
+    # crosses each cut: the least traffic). Only when that plan is unbalanced (T5: the position
+    # bias and the encoder output, read by every later block, leave no valid block end) plan again
+    # letting module outputs be carried across cuts (Note [Carried values] in cutpoint.py), and
+    # keep that plan if it is better balanced and the tracer accepts it.
+    args = (model, rec, batch, example_batch, loss_fn, max_cuts, module_costs, counter, timing_reps,
+            balance_slack)
+    try:
+        plans = [_plan(*args, carry=False)]
+    except ValueError:
+        plans = []
+    if not plans or plans[0].imbalance > 1.0 + CARRY_WHEN_IMBALANCED * balance_slack:
+        try:
+            carried = _plan(*args, carry=True)
+        except ValueError:
+            if not plans:
+                raise
+        else:
+            if not plans or carried.imbalance < plans[0].imbalance:
+                plans.insert(0, carried)
+    errs: list[str] = []
+    for plan in plans:
+        _insert_cutpoints(model, plan.module_names, auto=True)
+        errs = trace_model(model, example_batch, loss_fn).errors()
+        if not errs:
+            break
+        remove_cutpoints(model, only_auto=True)
+    if errs:  # the analysis above should make this impossible: do not leave a broken model behind
+        raise RuntimeError("varuna internal error: automatic cut-points failed the tracer's check:\n" +
+                           "\n".join(errs))
+    if verbose:
+        print(plan, flush=True)
+    return plan
+
+
+#: Note [Carrying in plans]: a plan without carried values is kept while its largest segment is
+#: within this many ``balance_slack``\ s of the mean (1.15 at the default slack)
+CARRY_WHEN_IMBALANCED = 3
+
+
+def _plan(model: nn.Module, rec: Recorder, batch, example_batch, loss_fn: Callable | None, max_cuts: int,
+          module_costs: Mapping[str, float] | None, counter, timing_reps: int, balance_slack: float,
+          *, carry: bool) -> AutoCutPlan:
+    """Choose the cuts from the recording (see :func:`auto_cutpoints`)."""
+    cands = _evaluate(rec, _batch_size(example_batch), carry=carry)
     chosen_calls = _group(cands)
     if not chosen_calls:
-        raise ValueError(_no_boundary_message(_evaluate(rec, _batch_size(example_batch), explain=True)))
-
-    batch = to_meta(example_batch) if on_meta else example_batch
+        raise ValueError(_no_boundary_message(_evaluate(rec, _batch_size(example_batch), explain=True,
+                                                        carry=carry)))
     positions, total, unit = _positions(model, rec, chosen_calls, batch, loss_fn, module_costs, counter,
                                         timing_reps)
-    acts = [c.first_meta[2] for c in chosen_calls]
+    carried = {c.call.index: c.carried_bytes for c in cands}
+    acts = [c.first_meta[2] + carried.get(c.index, 0) for c in chosen_calls]
     picked = choose_cuts(positions, total, acts, max_cuts, balance_slack)
     marks = [0.0, *[positions[i] for i in picked], total]
     seg = [max(marks[i + 1] - marks[i], 0.0) for i in range(len(marks) - 1)]
@@ -687,27 +808,19 @@ def auto_cutpoints(
         c = chosen_calls[i]
         shape, dtype, nbytes = c.first_meta
         choices.append(CutChoice(c.name, f"{c.name}.{CUT_ATTR}", positions[i], seg[k], list(shape),
-                                 str(dtype).replace("torch.", ""), nbytes))
-    plan = AutoCutPlan(choices, seg, total, unit, max_cuts,
+                                 str(dtype).replace("torch.", ""), nbytes, carried.get(c.index, 0)))
+    return AutoCutPlan(choices, seg, total, unit, max_cuts,
                        [(c.name, positions[i], acts[i]) for i, c in enumerate(chosen_calls)],
-                       _rejections(rec, cands, chosen_calls))
-    _insert_cutpoints(model, plan.module_names, auto=True)
-    errs = trace_model(model, example_batch, loss_fn).errors()
-    if errs:  # the analysis above should make this impossible: do not leave a broken model behind
-        remove_cutpoints(model)
-        raise RuntimeError("varuna internal error: automatic cut-points failed the tracer's check:\n" +
-                           "\n".join(errs))
-    if verbose:
-        print(plan, flush=True)
-    return plan
+                       _rejections(rec, cands, [chosen_calls[i] for i in picked], carry))
 
 
 #: at most this many rejected boundaries are explained in a plan (each is a scan of the recording)
 MAX_REJECTIONS_SHOWN = 12
 
 
-def _rejections(rec: Recorder, cands: list[_Candidate], valid: list[ModuleCall]) -> list[tuple[str, str]]:
-    """Why module ends as deep as the valid boundaries (e.g. the other decoder layers) were refused:
+def _rejections(rec: Recorder, cands: list[_Candidate], valid: list[ModuleCall], carry: bool = True
+                ) -> list[tuple[str, str]]:
+    """Why module ends as deep as the chosen boundaries (e.g. the other decoder layers) were refused:
     the question a user asks when a plan is unbalanced. Containers and modules whose end coincides
     with a valid boundary are left out: they are not a different place to cut."""
     glue = _glue_modules(rec)
@@ -722,7 +835,7 @@ def _rejections(rec: Recorder, cands: list[_Candidate], valid: list[ModuleCall])
             continue
         why = cand.reason
         if why == "another value is live across it" and len(out) < MAX_REJECTIONS_SHOWN:
-            why = _blocker(rec, c, c.end, glue)
+            why = _blocker(rec, c, c.end, glue, carry)
         out.append((c.name, why))
     if len(out) > MAX_REJECTIONS_SHOWN:
         out = [*out[:MAX_REJECTIONS_SHOWN], (f"... {len(out) - MAX_REJECTIONS_SHOWN} more", "")]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +83,10 @@ class TensorInfo:
     #: for a pure value passed through a CutPoint: the segment it entered there (the stage running
     #: that segment receives it, even if the modules that computed it run elsewhere)
     arrived: int | None = None
+    #: for a module-output alias: (clock, index of the innermost module call or -1) of each read, so
+    #: the auto-cutter can tell state that later blocks take as input (carried across a cut) from a
+    #: value that code inside an enclosing call still reads (a residual: not carried)
+    reads: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.origin is None:
@@ -275,6 +279,8 @@ class Recorder(TorchFunctionMode):
                 info = self._lookup(x, consumer)
                 if info is not None:
                     info.last_use = self.clock
+                    if info.out_of is not None:
+                        info.reads.append((self.clock, -1))  # outside every module (the loss)
                     self._note_read(info, consumer)
 
     # -- the mode --------------------------------------------------------------------------
@@ -300,6 +306,8 @@ class Recorder(TorchFunctionMode):
                 continue
             info = self._lookup(x, consumer)
             info.last_use = now
+            if info.out_of is not None:
+                info.reads.append((now, self.stack[-1].index if self.stack else -1))
             pure = pure and info.pure
             chain |= info.chain
             self._note_read(info, consumer)
@@ -395,6 +403,11 @@ class Recorder(TorchFunctionMode):
                 ainfo = self._new(alias, kind="output", desc=what, pure=src.pure, segment=src.segment,
                                   created=src.created, chain=src.chain | {call.index}, origin=src.origin,
                                   via=src, out_of=(call.index, pos))
+                if src.arrived is not None and call.seg_start == call.seg_end == src.arrived:
+                    # A glue value that crossed a cut, returned again by a module of the segment it
+                    # arrived in (T5's blocks return the cross-attention bias they were given): the
+                    # stage running that segment has it, as it has the value itself.
+                    ainfo.arrived = src.arrived
                 if call.first_src is None and call.out_kind != "other":
                     call.first_src, call.first_alias = src, ainfo
                     call.first_meta = (tuple(leaf.shape), leaf.dtype, leaf.numel() * leaf.element_size())
