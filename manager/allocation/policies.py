@@ -52,10 +52,12 @@ __all__ = [
     "solve",
 ]
 
-#: A fraction below this is noise from the solver, not an allocation.
-_EPS = 1e-9
-#: Stage 2 keeps stage 1's optimum within this relative slack (the solver's own tolerance is ~1e-9).
-_SLACK = 1e-7
+#: A fraction below this is noise from the solver (or stage 2 spending stage 1's slack), not an
+#: allocation: 1e-6 of a 6-minute round is a third of a millisecond.
+_EPS = 1e-6
+#: Stage 2 keeps stage 1's optimum within this relative slack (HiGHS's feasibility tolerance is
+#: 1e-7 absolute; the stage-1 solution must stay feasible in stage 2).
+_SLACK = 1e-8
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,8 @@ class _Setup:
                     "than there are): it gets nothing"
                 )
         self.live = [j for j in self.jobs if self.equal[j.job_id] > 0]
+        if any(j.min_rate > 0 for j in self.jobs) and self.lp().maximise({}, {}) is None:
+            raise self.infeasible()  # even when no policy objective is left to optimise
 
     def of(self, job_id: str) -> list[tuple[str, Config]]:
         return [col for col in self.cols if col[0] == job_id]
