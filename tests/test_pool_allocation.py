@@ -318,3 +318,26 @@ def test_throughput_model_caches_and_corrects_with_measurements():
         model.add_job(JobProfile(job_id="c", global_batch_size=8, calibrations={"z": slow}, max_vms=1))
     with pytest.raises(ValueError, match="VM type 'x' is listed twice"):
         ThroughputModel([VMType("x", 1.0), VMType("x", 2.0)])
+
+
+def test_fill_gives_vms_the_allocation_leaves_idle_to_jobs_it_could_not_place():
+    # Three VMs; the allocation asks for 2 each for a and b (time-shared in its view): only one fits
+    # per round. With ``fill`` the third VM goes to the other job at its best count that fits.
+    from manager.allocation.policies import Allocation
+
+    m = ThroughputMatrix.from_table({"a": {"x": [1.0, 1.9]}, "b": {"x": [1.0, 1.9]}})
+    alloc = Allocation("hand", {"a": {("x", 2): 0.5}, "b": {("x", 2): 0.5}}, {"a": 0.95, "b": 0.95}, 0.0)
+    plan = RoundScheduler(round_s=60.0).plan(alloc, _pool(x=3))
+    assert sorted(plan.placements) == ["a"] and plan.idle == {"x": 1}
+    plan = RoundScheduler(round_s=60.0).plan(alloc, _pool(x=3), fill=m)
+    assert plan.placements["a"].vm_ids == ("x-0", "x-1") and plan.placements["b"].vm_ids == ("x-2",)
+    assert plan.idle == {"x": 0}
+
+
+def test_plan_fixed_charges_placements_decided_elsewhere():
+    from manager.allocation.rounds import Placement
+
+    sched = RoundScheduler(round_s=60.0)
+    sched.record(sched.plan_fixed({"a": Placement("a", "x", ("x-0",))}, _pool(x=2), morph_s={"a": 3.0}))
+    plan = sched.plan_fixed({"a": Placement("a", "x", ("x-0", "x-1"))}, _pool(x=2), morph_s={"a": 3.0})
+    assert [(m.reason, m.morph_s) for m in plan.moves] == [("1 × x → 2 × x (allocation)", 3.0)]

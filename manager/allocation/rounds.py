@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from manager.allocation.policies import Allocation
 from manager.allocation.pool import PoolVM
-from manager.allocation.throughput import Config
+from manager.allocation.throughput import Config, ThroughputMatrix
 
 __all__ = ["Move", "Placement", "RoundPlan", "RoundScheduler"]
 
@@ -140,9 +140,17 @@ class RoundScheduler:
         return owed
 
     def plan(
-        self, allocation: Allocation, vms: Sequence[PoolVM], *, morph_s: Mapping[str, float] | None = None
+        self,
+        allocation: Allocation,
+        vms: Sequence[PoolVM],
+        *,
+        morph_s: Mapping[str, float] | None = None,
+        fill: ThroughputMatrix | None = None,
     ) -> RoundPlan:
-        """The next round's placements for the VMs alive now (``vms``)."""
+        """The next round's placements for the VMs alive now (``vms``). With ``fill`` (the rates the
+        allocation was made from), VMs the allocation leaves free go to jobs it could not place
+        this round, each at its fastest configuration that fits (work conservation: an idle VM
+        helps nobody; the rounds it runs count like any other)."""
         morph_s = morph_s or {}
         free: dict[str, int] = {}
         for vm in vms:
@@ -163,10 +171,40 @@ class RoundScheduler:
             if job not in chosen and free.get(t, 0) >= c:
                 chosen[job] = (t, c)
                 free[t] -= c
+        if fill is not None:
+            for job in dict.fromkeys(j for j, _ in wanted):  # most owed first
+                if job in chosen:
+                    continue
+                here = self._current.get(job)
+                keep = max(0.0, 1.0 - morph_s.get(job, 0.0) / self.round_s)
+                # Its current configuration if that fits, unless another is worth the morph.
+                fits = [
+                    (fill.rate(job, *cfg) * (1.0 if here is not None and here.config == cfg else keep), cfg)
+                    for cfg in fill.configs(job)
+                    if free.get(cfg[0], 0) >= cfg[1]
+                ]
+                if fits:
+                    _, cfg = max(fits, key=lambda rc: (rc[0], -rc[1][1], rc[1][0]))
+                    chosen[job] = cfg
+                    free[cfg[0]] -= cfg[1]
         placements = self._assign(chosen, vms)
         moves = self._moves(placements, morph_s, {vm.vm_id for vm in vms})
         jobs = tuple(sorted({j for j, _ in wanted}))
         return RoundPlan(self.rounds, placements, moves, free, jobs)
+
+    def plan_fixed(
+        self, placements: Mapping[str, Placement], vms: Sequence[PoolVM], *,
+        morph_s: Mapping[str, float] | None = None,
+    ) -> RoundPlan:
+        """A round whose placements were decided elsewhere (a baseline such as FIFO, an operator):
+        the same moves, costs and accounting as :meth:`plan`."""
+        free: dict[str, int] = {}
+        for vm in vms:
+            free[vm.vm_type] = free.get(vm.vm_type, 0) + 1
+        for p in placements.values():
+            free[p.vm_type] = free.get(p.vm_type, 0) - len(p.vm_ids)
+        moves = self._moves(placements, morph_s or {}, {vm.vm_id for vm in vms})
+        return RoundPlan(self.rounds, dict(placements), moves, free, tuple(sorted(placements)))
 
     def _assign(self, chosen: Mapping[str, Config], vms: Sequence[PoolVM]) -> dict[str, Placement]:
         """Concrete VMs: jobs keep what they hold of their type, the rest from the free VMs."""
