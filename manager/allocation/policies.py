@@ -127,8 +127,8 @@ class _LP:
     def row(self, coeffs: Mapping[object, float], rhs: float, *, equal: bool = False) -> None:
         (self.eq if equal else self.ub).append(({self.index[k]: v for k, v in coeffs.items()}, rhs))
 
-    def maximise(self, objective: Mapping[object, float], upper: Mapping[object, float]) -> np.ndarray | None:
-        """The optimal x, or None when infeasible."""
+    def maximise(self, objective: Mapping[object, float]) -> np.ndarray | None:
+        """The optimal x ≥ 0, or None when infeasible."""
         n = len(self.index)
         c = np.zeros(n)
         for k, v in objective.items():
@@ -145,8 +145,7 @@ class _LP:
 
         a_ub, b_ub = dense(self.ub)
         a_eq, b_eq = dense(self.eq)
-        bounds = [(0.0, upper.get(col)) for col in self.index]
-        res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=bounds, method="highs")
+        res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=(0.0, None), method="highs")
         if res.status == 2:
             return None
         if res.status != 0:  # unbounded or iteration limit: a bug in the formulation, say so
@@ -181,7 +180,7 @@ class _Setup:
                     "than there are): it gets nothing"
                 )
         self.live = [j for j in self.jobs if self.equal[j.job_id] > 0]
-        if any(j.min_rate > 0 for j in self.jobs) and self.lp().maximise({}, {}) is None:
+        if any(j.min_rate > 0 for j in self.jobs) and self.lp().maximise({}) is None:
             raise self.infeasible()  # even when no policy objective is left to optimise
 
     def of(self, job_id: str) -> list[tuple[str, Config]]:
@@ -286,7 +285,7 @@ def equal_share_rates(problem: AllocationProblem) -> dict[str, float]:
         for t in sorted({cfg[0] for cfg in cfgs}):
             lp.row({cfg: float(cfg[1]) for cfg in cfgs if cfg[0] == t}, problem.capacity[t] / n)
         rates = {cfg: problem.matrix.rate(job.job_id, *cfg) for cfg in cfgs}
-        x = lp.maximise(rates, {})
+        x = lp.maximise(rates)
         assert x is not None  # y = 0 is always feasible
         out[job.job_id] = float(sum(rates[cfg] * x[i] for i, cfg in enumerate(cfgs)))
     return out
@@ -314,7 +313,7 @@ def max_min_fairness(problem: AllocationProblem) -> Allocation:
     lp = s.lp(extra=["z"])
     for job in s.live:
         lp.row({"z": 1.0, **{k: -v for k, v in _normalised(s, job).items()}}, 0.0)
-    x = lp.maximise({"z": 1.0}, {})
+    x = lp.maximise({"z": 1.0})
     if x is None:
         raise s.infeasible()
     z = float(x[lp.index["z"]])
@@ -324,7 +323,7 @@ def max_min_fairness(problem: AllocationProblem) -> Allocation:
     total: dict[object, float] = {}
     for job in s.live:
         total.update(_per_equal(s, job))
-    x2 = lp2.maximise(total, {})
+    x2 = lp2.maximise(total)
     assert x2 is not None  # stage 1's optimum is feasible here
     return s.result("max-min fairness", x2, z)
 
@@ -346,7 +345,7 @@ def min_makespan(problem: AllocationProblem) -> Allocation:
     lp = s.lp(extra=["z"])
     for job in live:
         lp.row({"z": 1.0, **{k: -v for k, v in speed(job).items()}}, 0.0)
-    x = lp.maximise({"z": 1.0}, {})
+    x = lp.maximise({"z": 1.0})
     if x is None:
         raise s.infeasible()
     z = float(x[lp.index["z"]])
@@ -355,7 +354,7 @@ def min_makespan(problem: AllocationProblem) -> Allocation:
     for job in live:
         lp2.row({k: -v for k, v in speed(job).items()}, -z * (1 - _SLACK))
         total.update(speed(job))
-    x2 = lp2.maximise(total, {})
+    x2 = lp2.maximise(total)
     assert x2 is not None
     makespan = 1.0 / (z * scale) if z > 0 else math.inf
     return s.result("min makespan", x2, makespan)
@@ -390,7 +389,7 @@ def max_throughput_per_dollar(problem: AllocationProblem, *, min_share: float = 
         cc.row({**named, "sigma": -rhs}, 0.0)
     for job in s.live:
         cc.row({"sigma": min_share, **{k: -v for k, v in _per_equal(s, job).items()}}, 0.0)
-    x = cc.maximise(value, {})
+    x = cc.maximise(value)
     if x is None:
         raise s.infeasible()
     best = float(sum(value.get(col, 0.0) * x[i] for i, col in enumerate(s.cols)))
@@ -398,7 +397,7 @@ def max_throughput_per_dollar(problem: AllocationProblem, *, min_share: float = 
     lp2.row({col: dollars[col] * best * (1 - _SLACK) - value.get(col, 0.0) for col in s.cols}, 0.0)
     for job in s.live:
         lp2.row({k: -v for k, v in _per_equal(s, job).items()}, -min_share)
-    x2 = lp2.maximise(value, {})
+    x2 = lp2.maximise(value)
     if x2 is None:  # the floors alone cannot be met at this value: keep the ratio's own solution
         sigma = float(x[cc.index["sigma"]])
         x2 = x[: len(s.cols)] / sigma

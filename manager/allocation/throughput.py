@@ -78,7 +78,8 @@ class ThroughputMatrix:
 
     def agnostic(self) -> ThroughputMatrix:
         """The heterogeneity-agnostic view (Gavel's baseline): every type has the job's mean rate
-        over the types at that count, so a policy cannot tell the types apart.
+        over the types at that count (a type the job cannot use counts as 0), so a policy cannot
+        tell the types apart.
 
         >>> ThroughputMatrix.from_table({"a": {"x": [1.0], "y": [3.0]}}).agnostic().rate("a", "x", 1)
         2.0
@@ -127,6 +128,8 @@ def predict_rates(
     >>> r[2] > r[1] > 0
     True
     """
+    # Imported here, as manager.policy does: the simulator is optional on a manager host, and a
+    # matrix given by hand (ThroughputModel.set_predicted) needs none.
     from simulator.autoconfig import autoconfigure
 
     out: dict[int, float] = {}
