@@ -6,7 +6,7 @@ depth and setting, and prints a table. The two settings should be within 10% of 
 the entries flat; before the fix the default was 2.5-10x slower on later stages and their entries
 grew linearly. Run it on a quiet machine: the two settings are timed one after the other.
 
-    python scripts/bench_hf_cache.py --models gpt2,llama --depths 2,4 --steps 20
+    python scripts/bench_hf_cache.py --models gpt2,llama,qwen2,t5 --depths 2,4 --steps 20
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def plain_step_s(model_name: str, use_cache: str, steps: int, size: str) -> floa
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="gpt2,llama", help="comma-separated hf_worker model names")
+    p.add_argument("--models", default="gpt2,llama,qwen2,t5", help="comma-separated hf_worker model names")
     p.add_argument("--depths", default="2,4", help="comma-separated pipeline depths")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the median")

@@ -86,7 +86,7 @@ def build(name: str) -> tuple[nn.Module, object, object]:
 
     model, blocks = hf_worker.build(name)
     varuna.apply_cutpoints(model, blocks)
-    return model, hf_worker.step_batch, hf_worker.loss_of
+    return model, lambda step: hf_worker.step_batch(step, "test", name), hf_worker.loss_of
 
 
 def main() -> None:

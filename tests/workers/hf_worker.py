@@ -139,10 +139,11 @@ def train(name: str, a: argparse.Namespace, out: Path) -> None:
     model, blocks = build(name, a.use_cache, a.size)
     varuna.apply_cutpoints(model, blocks)
     P = int(os.environ.get("VARUNA_PIPELINE_DEPTH", "1"))
+    t5_blocks = z.get("t5_layers", z["layers"])  # T5_RANGES are for 2 + 2 blocks
     engine = varuna.Engine(
         model,
         varuna.VarunaConfig(global_batch_size=z["global_batch"], micro_batch_size=z["micro"], seed=SEED,
-                            stage_ranges=T5_RANGES.get(P) if name == "t5" else None),
+                            stage_ranges=T5_RANGES.get(P) if name == "t5" and t5_blocks == 2 else None),
         example_batch=step_batch(1, a.size, name), optimizer=make_optimizer, loss_fn=loss_of)
     rank = engine.layout.rank
     rec: dict[str, list] = {"loss": [], "entries": [], "rss": [], "step_s": []}
