@@ -91,15 +91,15 @@ def test_auto_snapshot_copies_only_what_fits_in_half_the_headroom(tmp_path, monk
     # What a snapshot copies: the weights and every optimizer state tensor (moments, step).
     state = sum(p.numel() * p.element_size() for p in eng.stage_params.values())
     state += sum(t.numel() * t.element_size() for v in eng.optimizer.state.values() for t in v.values())
-    monkeypatch.setattr("varuna.runtime.checkpoint.memory_headroom", lambda: 2 * state - 1)
+    monkeypatch.setattr("varuna.runtime.checkpoint_writer.memory_headroom", lambda: 2 * state - 1)
     eng.save_checkpoint(wait=True)
     assert eng.checkpointer.last_snapshot_in_memory is False
     eng.train_step(_batch(2))
-    monkeypatch.setattr("varuna.runtime.checkpoint.memory_headroom", lambda: 2 * state)
+    monkeypatch.setattr("varuna.runtime.checkpoint_writer.memory_headroom", lambda: 2 * state)
     eng.save_checkpoint(wait=True)
     assert eng.checkpointer.last_snapshot_in_memory is True
     eng.train_step(_batch(3))
-    monkeypatch.setattr("varuna.runtime.checkpoint.memory_headroom", lambda: None)  # nothing readable
+    monkeypatch.setattr("varuna.runtime.checkpoint_writer.memory_headroom", lambda: None)  # nothing readable
     eng.save_checkpoint(wait=True)
     assert eng.checkpointer.last_snapshot_in_memory is True
     assert [c.step for c in list_checkpoints(tmp_path / "ckpt")] == [2, 3]  # keep_checkpoints=2

@@ -68,9 +68,9 @@ from varuna.runtime.checkpoint_store import (
 from varuna.runtime.checkpoint_writer import (
     SaveJob,
     build_shard_payloads,
-    memory_headroom,
     run_save_job,
     shard_state_bytes,
+    takes_host_snapshot,
     write_local,
 )
 from varuna.runtime.config import VarunaConfig
@@ -175,7 +175,8 @@ class Checkpointer:
     of the rank's state and training goes on at once; ``"disk"`` takes none: the files are written
     to local disk from the live tensors before training goes on (no memory beyond the training
     state: for stages sized to their memory); ``"auto"`` (default) takes the copy only when it
-    fits in half of :func:`~varuna.runtime.checkpoint_writer.memory_headroom`.
+    fits in half of :func:`~varuna.runtime.checkpoint_writer.memory_headroom`
+    (:func:`~varuna.runtime.checkpoint_writer.takes_host_snapshot`).
 
     Test hooks: ``progress_hook(event)`` is called, from the background thread, at named points
     of a save (``local-write``, ``copy-chunk``, ``copied``, ``marker``, ``manifest-tmp``,
@@ -346,7 +347,7 @@ class Checkpointer:
         )
         mine = [s for s in plan if (s.stage, s.replica) == (L.stage, L.replica)]
         opt = optimizer_state_by_name(st.optimizer, dict(st.named_parameters())) if mine else None
-        in_memory = self._snapshot_in_memory(shard_state_bytes(mine, st.stage_params, opt))
+        in_memory = takes_host_snapshot(self.snapshot, shard_state_bytes(mine, st.stage_params, opt))
         self.last_snapshot_in_memory = in_memory
         files, payloads = build_shard_payloads(
             mine, st.stage_params, opt, step=step, rank=self.rank, copy=in_memory
@@ -369,18 +370,6 @@ class Checkpointer:
             chunk_bytes=self.copy_chunk_bytes,
             hook=self.progress_hook,
         )
-
-    def _snapshot_in_memory(self, nbytes: int) -> bool:
-        """Whether a save of ``nbytes`` of state takes a host snapshot (see ``snapshot``)."""
-        if self.snapshot not in ("auto", "memory", "disk"):
-            raise ValueError(
-                f"Checkpointer.snapshot must be 'auto', 'memory' or 'disk' (got {self.snapshot!r})"
-            )
-        if self.snapshot != "auto":
-            return self.snapshot == "memory"
-        room = memory_headroom()
-        # Half: the copy must leave room for the next step's activations and allocator slack.
-        return room is None or 2 * nbytes <= room
 
     def _manifest_base(self, step: int) -> dict:
         """Everything of the manifest but ``files`` and ``parameters`` (rank 0)."""

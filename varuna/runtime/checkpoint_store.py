@@ -381,8 +381,9 @@ def open_checked(
     """Open a file and compare it with its manifest entry: (opened file, None) or (None, problem).
 
     The sha256 is computed over the file streamed in ``chunk_bytes`` pieces, so memory stays
-    bounded whatever the shard's size (a stage's shards are as large as its training state; a
-    whole-file buffer would double it while loading). Reads only a regular file that is not a
+    bounded whatever the shard's size (a shard holds a segment's weights and optimizer state: a
+    buffer of its bytes beside the unpickled tensors would double that while loading, on a stage
+    sized to its memory). Reads only a regular file that is not a
     link, and never more than the manifest's size (plus one byte); raises
     :class:`CheckpointError` for a link, a FIFO or a device.
     """
@@ -409,8 +410,10 @@ def open_checked(
         return None, f"{path.name}: unreadable ({e})"
     problem = None
     if size != expected or got != expected:
-        problem = f"{path.name}: {size if size != expected else got} bytes, the manifest says {expected} " \
+        problem = (
+            f"{path.name}: {size if size != expected else got} bytes, the manifest says {expected} "
             "(truncated or altered)"
+        )
     elif sha.hexdigest() != entry.get("sha256"):
         problem = f"{path.name}: sha256 mismatch (corrupt or altered)"
     if problem:

@@ -51,7 +51,17 @@ from varuna.runtime.checkpoint_store import (
     save_hashed,
 )
 
-__all__ = ["SaveJob", "build_shard_payloads", "commit", "memory_headroom", "run_save_job", "write_local"]
+__all__ = [
+    "SaveJob",
+    "as_saved",
+    "build_shard_payloads",
+    "commit",
+    "memory_headroom",
+    "run_save_job",
+    "shard_state_bytes",
+    "takes_host_snapshot",
+    "write_local",
+]
 
 log = logging.getLogger("varuna.runtime.checkpoint")
 
@@ -157,6 +167,23 @@ def memory_headroom() -> int | None:
     except (OSError, ValueError):
         pass
     return min(room) if room else None
+
+
+def takes_host_snapshot(mode: str, nbytes: int) -> bool:
+    """Whether a save of ``nbytes`` of state takes a host snapshot (Note [Snapshot to disk]):
+    always with ``"memory"``, never with ``"disk"``, and with ``"auto"`` when the copy fits in
+    half of :func:`memory_headroom` (or the headroom is unknown).
+
+    >>> takes_host_snapshot("disk", 1), takes_host_snapshot("memory", 1 << 60)
+    (False, True)
+    """
+    if mode not in ("auto", "memory", "disk"):
+        raise ValueError(f"Checkpointer.snapshot must be 'auto', 'memory' or 'disk' (got {mode!r})")
+    if mode != "auto":
+        return mode == "memory"
+    room = memory_headroom()
+    # Half: the copy must leave room for the next step's activations and allocator slack.
+    return room is None or 2 * nbytes <= room
 
 
 def build_shard_payloads(
