@@ -110,9 +110,14 @@ def test_auto_snapshot_copies_only_what_fits_in_half_the_headroom(tmp_path, monk
     eng.close()
 
 
-def test_memory_headroom_sees_an_address_space_limit():
+def test_memory_headroom_sees_an_address_space_limit(monkeypatch):
     room = memory_headroom()
     assert room is None or room > 0
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    # The ranks of a host save at the same step: each gets its share of the host's memory.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1000")
+    assert memory_headroom() <= available // 1000 + (64 << 20)
     # In a child: lowering RLIMIT_AS in the test process could starve the rest of the run.
     code = (
         "import resource; from varuna.runtime.checkpoint_writer import memory_headroom\n"

@@ -353,7 +353,15 @@ class CheckedFile:
     """A shard file opened by :func:`open_checked`, whose bytes matched its manifest entry.
 
     ``changed()`` tells whether the file was modified since (checked after unpickling it: the
-    bytes hashed and the bytes loaded are read in two passes). Close it (or use ``with``)."""
+    bytes hashed and the bytes loaded are read in two passes). Close it (or use ``with``).
+
+    Example::
+
+        opened, problem = open_checked(step_dir / "seg000-00.pt", manifest_entry)
+        if opened is not None:
+            with opened:
+                shard = read_shard(step_dir / "seg000-00.pt", opened)
+    """
 
     file: io.BufferedReader
     signature: tuple[int, int, int]
@@ -386,6 +394,9 @@ def open_checked(
     sized to its memory). Reads only a regular file that is not a
     link, and never more than the manifest's size (plus one byte); raises
     :class:`CheckpointError` for a link, a FIFO or a device.
+
+    >>> open_checked(Path("/nonexistent/seg000-00.pt"), {"bytes": 1, "sha256": ""})
+    (None, 'seg000-00.pt: missing')
     """
     expected = entry.get("bytes")
     try:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 import shutil
 import time
@@ -98,41 +99,63 @@ class SaveJob:
     """The training thread's local write failed (Note [Snapshot to disk]); the thread reports it."""
 
 
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], x: Any) -> Any:
+    """``x`` with ``fn`` applied to every tensor inside its dicts, lists and tuples."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, dict):
+        return {k: _map_tensors(fn, v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_map_tensors(fn, v) for v in x]
+    if isinstance(x, tuple):
+        return tuple(_map_tensors(fn, v) for v in x)
+    return x
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(device="cpu", memory_format=torch.contiguous_format, copy=True)
+
+
+def _saveable(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    whole = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if t.device.type == "cpu" and t.is_contiguous() and whole else _host_copy(t)
+
+
 def snapshot(x: Any) -> Any:
     """A host copy of ``x``'s tensors, compact and contiguous (torch.save writes a view's whole
-    storage), so training can go on updating the originals while the copy is being written."""
-    if isinstance(x, torch.Tensor):
-        return x.detach().to(device="cpu", memory_format=torch.contiguous_format, copy=True)
-    if isinstance(x, dict):
-        return {k: snapshot(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [snapshot(v) for v in x]
-    if isinstance(x, tuple):
-        return tuple(snapshot(v) for v in x)
-    return x
+    storage), so training can go on updating the originals while the copy is being written.
+
+    >>> w = torch.ones(2)
+    >>> snapshot({"w": w})["w"].data_ptr() != w.data_ptr()
+    True
+    """
+    return _map_tensors(_host_copy, x)
 
 
 def as_saved(x: Any) -> Any:
     """``x``'s tensors as ``torch.save`` can write them without a copy: the live tensor when it
     is a compact host tensor (its whole storage), else a compact host copy (torch.save would
-    write a view's whole storage). For saves written before training goes on."""
-    if isinstance(x, torch.Tensor):
-        t = x.detach()
-        whole = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-        return t if t.device.type == "cpu" and t.is_contiguous() and whole else snapshot(t)
-    if isinstance(x, dict):
-        return {k: as_saved(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [as_saved(v) for v in x]
-    if isinstance(x, tuple):
-        return tuple(as_saved(v) for v in x)
-    return x
+    write a view's whole storage; a device tensor must come to the host). :func:`write_local`
+    applies it to one file's payload at a time, so a save without a snapshot copies at most one
+    file's worth (and nothing for compact host tensors).
+
+    >>> w = torch.zeros(4, 4)
+    >>> as_saved(w).data_ptr() == w.data_ptr(), as_saved(w[1]).untyped_storage().nbytes()
+    (True, 16)
+    """
+    return _map_tensors(_saveable, x)
 
 
 def shard_state_bytes(
     shards: Sequence[Shard], stage_params: Mapping[str, torch.Tensor], opt: dict | None
 ) -> int:
-    """Bytes of tensor data a snapshot of ``shards`` would copy (parameters and optimizer state)."""
+    """Bytes of tensor data a snapshot of ``shards`` would copy (parameters and optimizer state).
+
+    Example::
+
+        nbytes = shard_state_bytes(my_shards, engine.stage_params, optimizer_state_by_name(opt, params))
+    """
     names = {n for s in shards for n in s.params}
     total = sum(stage_params[n].numel() * stage_params[n].element_size() for n in names)
     for n, v in (opt or {}).get("state", {}).items():
@@ -142,13 +165,20 @@ def shard_state_bytes(
 
 
 def memory_headroom() -> int | None:
-    """Bytes this process can still allocate, as far as it can tell: the least of the host's
-    ``MemAvailable``, the room left under ``RLIMIT_AS`` and under a cgroup v2 ``memory.max``
-    (None when none of them is readable)."""
+    """Bytes this process can still allocate, as far as it can tell: the least of its share of
+    the host's ``MemAvailable`` and of the room under a cgroup v2 ``memory.max`` (divided by
+    ``$LOCAL_WORLD_SIZE``: the ranks of a host save at the same step), and the room under its own
+    ``RLIMIT_AS``. None when none of them is readable.
+
+    Example::
+
+        room = memory_headroom()     # e.g. 5_400_000_000 on a host with 21 GB free and 4 ranks
+    """
+    sharers = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     room: list[int] = []
     try:
         with open("/proc/meminfo") as f:
-            room += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+            room += [int(line.split()[1]) * 1024 // sharers for line in f if line.startswith("MemAvailable:")]
     except OSError:
         pass
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
@@ -163,7 +193,7 @@ def memory_headroom() -> int | None:
         cg = Path("/sys/fs/cgroup/memory.max").read_text().strip()
         if cg != "max":
             used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-            room.append(max(int(cg) - used, 0))
+            room.append(max(int(cg) - used, 0) // sharers)
     except (OSError, ValueError):
         pass
     return min(room) if room else None
@@ -198,9 +228,9 @@ def build_shard_payloads(
     """Host snapshots of ``shards`` (this rank's files): their manifest entries and what to save.
 
     ``opt``: the stage's name-keyed optimizer state (``optimizer_state_by_name``). ``copy=False``:
-    the payloads reference the live tensors (:func:`as_saved`); they must be written
-    (:func:`write_local`) before training changes them (Note [Snapshot to disk])."""
-    take = snapshot if copy else as_saved
+    the payloads reference the live tensors; they must be written (:func:`write_local`) before
+    training changes them (Note [Snapshot to disk])."""
+    take = snapshot if copy else (lambda x: _map_tensors(torch.Tensor.detach, x))
     files, payloads = [], []
     for shard in shards:
         keep = set(shard.params)
@@ -249,14 +279,21 @@ def build_shard_payloads(
 def write_local(job: SaveJob) -> None:
     """Serialise the payloads not yet written to the job's local staging directory (sha256 on
     the way), dropping each once it is on disk. The training thread calls it for a save without
-    a host snapshot (Note [Snapshot to disk]); :func:`run_save_job` for the rest."""
+    a host snapshot (Note [Snapshot to disk]); :func:`run_save_job` for the rest.
+
+    Example::
+
+        write_local(job)             # job.files now carry "bytes" and "sha256"; payloads are None
+    """
     hook = job.hook or (lambda event: None)
     job.local.mkdir(parents=True, exist_ok=True)
     for i, f in enumerate(job.files):
         if job.payloads[i] is None:
             continue
         hook("local-write")
-        f["bytes"], f["sha256"] = save_hashed(job.payloads[i], job.local / f["name"])
+        # as_saved: a snapshot is already compact host tensors; live ones are taken as they are
+        # when torch.save can write them in place, else copied one file at a time.
+        f["bytes"], f["sha256"] = save_hashed(as_saved(job.payloads[i]), job.local / f["name"])
         job.payloads[i] = None  # free the snapshot: the file on local disk is the copy now
 
 
