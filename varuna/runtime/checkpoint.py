@@ -58,14 +58,21 @@ from varuna.runtime.checkpoint_store import (
     VERSION,
     CheckpointError,
     CheckpointInfo,
-    check_file,
     list_checkpoints,
+    open_checked,
     read_manifest,
     read_shard,
     step_dir_name,
     verify_checkpoint,
 )
-from varuna.runtime.checkpoint_writer import SaveJob, build_shard_payloads, run_save_job
+from varuna.runtime.checkpoint_writer import (
+    SaveJob,
+    build_shard_payloads,
+    run_save_job,
+    shard_state_bytes,
+    takes_host_snapshot,
+    write_local,
+)
 from varuna.runtime.config import VarunaConfig
 from varuna.runtime.layout import Layout
 from varuna.runtime.loss_scale import DynamicLossScale
@@ -164,6 +171,13 @@ class Checkpointer:
     ``$VARUNA_CHECKPOINT_DIR``; ``resume`` or ``$VARUNA_RESUME`` (1 / auto / 0). The engine calls
     :meth:`attach` at the end of its ``__init__`` and :meth:`after_step` after each step.
 
+    ``snapshot`` (Note [Snapshot to disk] in checkpoint_writer.py): ``"memory"`` takes a host copy
+    of the rank's state and training goes on at once; ``"disk"`` takes none: the files are written
+    to local disk from the live tensors before training goes on (no memory beyond the training
+    state: for stages sized to their memory); ``"auto"`` (default) takes the copy only when it
+    fits in half of :func:`~varuna.runtime.checkpoint_writer.memory_headroom`
+    (:func:`~varuna.runtime.checkpoint_writer.takes_host_snapshot`).
+
     Test hooks: ``progress_hook(event)`` is called, from the background thread, at named points
     of a save (``local-write``, ``copy-chunk``, ``copied``, ``marker``, ``manifest-tmp``,
     ``manifest``); ``copy_chunk_bytes`` sets the copy granularity.
@@ -172,6 +186,7 @@ class Checkpointer:
 
         engine.save_checkpoint(wait=True)          # same as engine.checkpointer.save(wait=True)
         step = engine.load_checkpoint()            # newest complete one; any P×D
+        engine.checkpointer.snapshot = "disk"      # never copy the state in memory
     """
 
     def __init__(self, state: CheckpointState) -> None:
@@ -195,6 +210,9 @@ class Checkpointer:
             )
         self.progress_hook: Callable[[str], None] | None = None
         self.copy_chunk_bytes = 8 << 20
+        self.snapshot = "auto"
+        #: whether the latest save took a host snapshot (else it was written before training went on)
+        self.last_snapshot_in_memory: bool | None = None
         self._local_root: Path | None = None
         self._thread: threading.Thread | None = None
         self._last_saved: tuple[Path, int] | None = None
@@ -295,6 +313,11 @@ class Checkpointer:
             )
             return None
         job = self._save_job(root, target, step, nonce)
+        if not self.last_snapshot_in_memory:
+            try:  # Note [Snapshot to disk]: before training changes the tensors the payloads hold
+                write_local(job)
+            except Exception as e:  # reported by the thread like any failed save; training goes on
+                job.local_failure = e
         self.last_ok, self.last_error = None, None
         # Not a daemon: a started save finishes (or times out) even if the training script
         # returns right away; the interpreter joins the thread at exit.
@@ -324,7 +347,11 @@ class Checkpointer:
         )
         mine = [s for s in plan if (s.stage, s.replica) == (L.stage, L.replica)]
         opt = optimizer_state_by_name(st.optimizer, dict(st.named_parameters())) if mine else None
-        files, payloads = build_shard_payloads(mine, st.stage_params, opt, step=step, rank=self.rank)
+        in_memory = takes_host_snapshot(self.snapshot, shard_state_bytes(mine, st.stage_params, opt))
+        self.last_snapshot_in_memory = in_memory
+        files, payloads = build_shard_payloads(
+            mine, st.stage_params, opt, step=step, rank=self.rank, copy=in_memory
+        )
         return SaveJob(
             root=root,
             target=target,
@@ -496,7 +523,7 @@ class Checkpointer:
         m = payload["manifest"]
         with torch.no_grad():
             for n, p in eng.stage_params.items():
-                p.copy_(payload["params"][n])
+                p.copy_(payload["params"].pop(n))  # each copy freed at once: no second set of weights
         opt = payload["optimizer"]
         trainable = dict(eng.named_parameters())
         opt["state"] = {n: v for n, v in opt["state"].items() if n in trainable}
@@ -575,10 +602,11 @@ def _read_stage_files(path: Path, m: dict, state: CheckpointState) -> tuple[int,
         if name not in entries:
             return _SKIP, f"the manifest names file {name!r} for a parameter but does not list it", None
         try:
-            data, problem = check_file(path / name, entries[name])
+            opened, problem = open_checked(path / name, entries[name])
             if problem:
                 return _SKIP, problem, None
-            shard = read_shard(path / name, data)
+            with opened:  # unpickled from the verified file: never held whole in memory
+                shard = read_shard(path / name, opened)
         except CheckpointError as e:  # a link, a FIFO, a device, or pickled code: not ours
             return _FATAL, str(e), None
         except Exception as e:  # checksum matched but torch cannot parse it: treat as corrupt

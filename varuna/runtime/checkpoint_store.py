@@ -36,11 +36,12 @@ __all__ = [
     "MARKERS",
     "CheckpointError",
     "CheckpointInfo",
+    "CheckedFile",
     "atomic_write",
-    "check_file",
     "copy_file",
     "fsync_dir",
     "list_checkpoints",
+    "open_checked",
     "prune",
     "read_manifest",
     "read_regular",
@@ -117,11 +118,16 @@ def _open_regular(path: Path) -> tuple[int, int]:
     return fd, st.st_size
 
 
-def _read_fd(fd: int, limit: int) -> bytes:
-    """Up to ``limit`` bytes from ``fd`` (fewer only at end of file)."""
+def _read_fd(fd: int, limit: int, size: int) -> bytes:
+    """Up to ``limit`` bytes from ``fd`` (fewer only at end of file), whose size was ``size``.
+
+    Reads ask for the file's size plus one byte (a growing file is noticed) before going on in
+    64 MiB pieces: ``os.read`` reserves what it is asked for, and 64 MiB for a small manifest
+    would count against an address-space limit (docs/too_big.md)."""
     parts, got = [], 0
     while got < limit:
-        b = os.read(fd, min(limit - got, 64 << 20))
+        want = min(limit - got, size + 1 - got) if got <= size else limit - got
+        b = os.read(fd, min(want, 64 << 20))
         if not b:
             break
         parts.append(b)
@@ -142,7 +148,7 @@ def read_regular(path: Path, max_bytes: int | None = None) -> bytes:
                 f"{path}: {size} bytes, more than the {max_bytes} a checkpoint file of its kind may have"
             )
         limit = size if max_bytes is None else max_bytes
-        data = _read_fd(fd, limit + 1)  # one more: a file growing under us is noticed
+        data = _read_fd(fd, limit + 1, size)  # one more: a file growing under us is noticed
     finally:
         os.close(fd)
     if len(data) > limit:
@@ -150,16 +156,30 @@ def read_regular(path: Path, max_bytes: int | None = None) -> bytes:
     return data
 
 
-def read_shard(path: Path, data: bytes | None = None) -> dict:
+def read_shard(path: Path, source: CheckedFile | None = None) -> dict:
     """Unpickle a shard file safely (``weights_only``: tensors and plain containers only).
 
-    Raises :class:`CheckpointError` naming the file when it holds anything else (a pickled
-    custom class, code) or does not have the shard layout.
+    ``source``: the file already opened and verified by :func:`open_checked` (it is read from
+    there, record by record: the file is never held whole in memory); else ``path`` is opened
+    (a regular file only). Raises :class:`CheckpointError` naming the file when it holds anything
+    else (a pickled custom class, code) or does not have the shard layout.
     """
     path = Path(path)
-    raw = data if data is not None else read_regular(path)
+    if source is None:
+        fd, _ = _open_regular(path)
+        with os.fdopen(fd, "rb") as f:
+            return _load_shard(path, f)
+    source.file.seek(0)
+    obj = _load_shard(path, source.file)
+    if source.changed():
+        # What was unpickled is not what was hashed: another writer is at work in the store.
+        raise ValueError(f"{path.name}: changed while being read (something else is writing it)")
+    return obj
+
+
+def _load_shard(path: Path, f) -> dict:
     try:
-        obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        obj = torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(
@@ -328,11 +348,56 @@ def read_manifest(path: str | Path) -> dict:
     return m
 
 
-def check_file(path: Path, entry: dict) -> tuple[bytes | None, str | None]:
-    """Read a file and compare it with its manifest entry; (data, None) or (None, problem).
+@dataclass
+class CheckedFile:
+    """A shard file opened by :func:`open_checked`, whose bytes matched its manifest entry.
 
-    Reads only a regular file that is not a link, and never more than the manifest's size
-    (plus one byte); raises :class:`CheckpointError` for a link, a FIFO or a device."""
+    ``changed()`` tells whether the file was modified since (checked after unpickling it: the
+    bytes hashed and the bytes loaded are read in two passes). Close it (or use ``with``).
+
+    Example::
+
+        opened, problem = open_checked(step_dir / "seg000-00.pt", manifest_entry)
+        if opened is not None:
+            with opened:
+                shard = read_shard(step_dir / "seg000-00.pt", opened)
+    """
+
+    file: io.BufferedReader
+    signature: tuple[int, int, int]
+
+    def changed(self) -> bool:
+        return _signature(os.fstat(self.file.fileno())) != self.signature
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self) -> CheckedFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _signature(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def open_checked(
+    path: Path, entry: dict, chunk_bytes: int = 8 << 20
+) -> tuple[CheckedFile | None, str | None]:
+    """Open a file and compare it with its manifest entry: (opened file, None) or (None, problem).
+
+    The sha256 is computed over the file streamed in ``chunk_bytes`` pieces, so memory stays
+    bounded whatever the shard's size (a shard holds a segment's weights and optimizer state: a
+    buffer of its bytes beside the unpickled tensors would double that while loading, on a stage
+    sized to its memory). Reads only a regular file that is not a
+    link, and never more than the manifest's size (plus one byte); raises
+    :class:`CheckpointError` for a link, a FIFO or a device.
+
+    >>> open_checked(Path("/nonexistent/seg000-00.pt"), {"bytes": 1, "sha256": ""})
+    (None, 'seg000-00.pt: missing')
+    """
     expected = entry.get("bytes")
     try:
         fd, size = _open_regular(path)
@@ -340,18 +405,32 @@ def check_file(path: Path, entry: dict) -> tuple[bytes | None, str | None]:
         return None, f"{path.name}: missing"
     except OSError as e:
         return None, f"{path.name}: unreadable ({e})"
+    f = os.fdopen(fd, "rb")
     try:
-        data = _read_fd(fd, expected + 1) if isinstance(expected, int) and size == expected else b""
+        got, sha = 0, hashlib.sha256()
+        if isinstance(expected, int) and size == expected:
+            while got <= expected:  # one byte more than expected: a growing file is noticed
+                b = f.read(min(chunk_bytes, expected + 1 - got))
+                if not b:
+                    break
+                sha.update(b)
+                got += len(b)
+        signature = _signature(os.fstat(fd))
     except OSError as e:
+        f.close()
         return None, f"{path.name}: unreadable ({e})"
-    finally:
-        os.close(fd)
-    if size != expected or len(data) != expected:
-        got = size if size != expected else len(data)
-        return None, f"{path.name}: {got} bytes, the manifest says {expected} (truncated or altered)"
-    if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
-        return None, f"{path.name}: sha256 mismatch (corrupt or altered)"
-    return data, None
+    problem = None
+    if size != expected or got != expected:
+        problem = (
+            f"{path.name}: {size if size != expected else got} bytes, the manifest says {expected} "
+            "(truncated or altered)"
+        )
+    elif sha.hexdigest() != entry.get("sha256"):
+        problem = f"{path.name}: sha256 mismatch (corrupt or altered)"
+    if problem:
+        f.close()
+        return None, problem
+    return CheckedFile(file=f, signature=signature), None
 
 
 def verify_checkpoint(path: str | Path) -> list[str]:
@@ -365,9 +444,11 @@ def verify_checkpoint(path: str | Path) -> list[str]:
     problems = []
     for f in m["files"]:
         try:
-            _, problem = check_file(path / f["name"], f)
+            opened, problem = open_checked(path / f["name"], f)
         except CheckpointError as e:
-            problem = str(e)
+            opened, problem = None, str(e)
+        if opened is not None:
+            opened.close()
         if problem:
             problems.append(problem)
     return problems

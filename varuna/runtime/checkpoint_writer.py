@@ -2,9 +2,17 @@
 
 :func:`build_shard_payloads` takes the host snapshot of this rank's shard files (the only part
 training waits for); :func:`run_save_job`, on a background thread, writes them to local disk
-(sha256 on the way), copies them to the global store, drops this rank's marker and, on rank 0,
-waits for every writer's marker and commits the manifest (:func:`commit`). A :class:`SaveJob` is
-plain data: the thread never touches the engine.
+(sha256 on the way, :func:`write_local`), copies them to the global store, drops this rank's
+marker and, on rank 0, waits for every writer's marker and commits the manifest (:func:`commit`).
+A :class:`SaveJob` is plain data: the thread never touches the engine.
+
+Note [Snapshot to disk]: the host snapshot is a second copy of the rank's parameters and
+optimizer state -- 3× the parameters' bytes with Adam -- held until it is on local disk. A stage
+sized to its memory (a model too big for one process, docs/too_big.md) has no room for it. Then
+(``Checkpointer.snapshot``: "disk", or "auto" finding too little headroom) the payloads reference
+the live tensors and :func:`write_local` serialises them on the training thread before it goes
+on (training waits for the local write instead of a memcpy); copying to the global store and
+committing stay in the background.
 
 Example::
 
@@ -17,6 +25,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import resource
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -42,7 +52,17 @@ from varuna.runtime.checkpoint_store import (
     save_hashed,
 )
 
-__all__ = ["SaveJob", "build_shard_payloads", "commit", "run_save_job"]
+__all__ = [
+    "SaveJob",
+    "as_saved",
+    "build_shard_payloads",
+    "commit",
+    "memory_headroom",
+    "run_save_job",
+    "shard_state_bytes",
+    "takes_host_snapshot",
+    "write_local",
+]
 
 log = logging.getLogger("varuna.runtime.checkpoint")
 
@@ -75,20 +95,125 @@ class SaveJob:
     """Set when the save failed: the step directory and the error (e.g. the OS error)."""
     committed: bool = False
     """Rank 0: the manifest is written (the checkpoint exists; its files must stay)."""
+    local_failure: BaseException | None = None
+    """The training thread's local write failed (Note [Snapshot to disk]); the thread reports it."""
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], x: Any) -> Any:
+    """``x`` with ``fn`` applied to every tensor inside its dicts, lists and tuples."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, dict):
+        return {k: _map_tensors(fn, v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_map_tensors(fn, v) for v in x]
+    if isinstance(x, tuple):
+        return tuple(_map_tensors(fn, v) for v in x)
+    return x
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(device="cpu", memory_format=torch.contiguous_format, copy=True)
+
+
+def _saveable(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    whole = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if t.device.type == "cpu" and t.is_contiguous() and whole else _host_copy(t)
 
 
 def snapshot(x: Any) -> Any:
     """A host copy of ``x``'s tensors, compact and contiguous (torch.save writes a view's whole
-    storage), so training can go on updating the originals while the copy is being written."""
-    if isinstance(x, torch.Tensor):
-        return x.detach().to(device="cpu", memory_format=torch.contiguous_format, copy=True)
-    if isinstance(x, dict):
-        return {k: snapshot(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [snapshot(v) for v in x]
-    if isinstance(x, tuple):
-        return tuple(snapshot(v) for v in x)
-    return x
+    storage), so training can go on updating the originals while the copy is being written.
+
+    >>> w = torch.ones(2)
+    >>> snapshot({"w": w})["w"].data_ptr() != w.data_ptr()
+    True
+    """
+    return _map_tensors(_host_copy, x)
+
+
+def as_saved(x: Any) -> Any:
+    """``x``'s tensors as ``torch.save`` can write them without a copy: the live tensor when it
+    is a compact host tensor (its whole storage), else a compact host copy (torch.save would
+    write a view's whole storage; a device tensor must come to the host). :func:`write_local`
+    applies it to one file's payload at a time, so a save without a snapshot copies at most one
+    file's worth (and nothing for compact host tensors).
+
+    >>> w = torch.zeros(4, 4)
+    >>> as_saved(w).data_ptr() == w.data_ptr(), as_saved(w[1]).untyped_storage().nbytes()
+    (True, 16)
+    """
+    return _map_tensors(_saveable, x)
+
+
+def shard_state_bytes(
+    shards: Sequence[Shard], stage_params: Mapping[str, torch.Tensor], opt: dict | None
+) -> int:
+    """Bytes of tensor data a snapshot of ``shards`` would copy (parameters and optimizer state).
+
+    Example::
+
+        nbytes = shard_state_bytes(my_shards, engine.stage_params, optimizer_state_by_name(opt, params))
+    """
+    names = {n for s in shards for n in s.params}
+    total = sum(stage_params[n].numel() * stage_params[n].element_size() for n in names)
+    for n, v in (opt or {}).get("state", {}).items():
+        if n in names:
+            total += sum(t.numel() * t.element_size() for t in v.values() if isinstance(t, torch.Tensor))
+    return total
+
+
+def memory_headroom() -> int | None:
+    """Bytes this process can still allocate, as far as it can tell: the least of its share of
+    the host's ``MemAvailable`` and of the room under a cgroup v2 ``memory.max`` (divided by
+    ``$LOCAL_WORLD_SIZE``: the ranks of a host save at the same step), and the room under its own
+    ``RLIMIT_AS``. None when none of them is readable.
+
+    Example::
+
+        room = memory_headroom()     # e.g. 5_400_000_000 on a host with 21 GB free and 4 ranks
+    """
+    sharers = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    room: list[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            room += [int(line.split()[1]) * 1024 // sharers for line in f if line.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        try:
+            with open("/proc/self/status") as f:
+                vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+            room.append(max(soft - vm, 0))
+        except (OSError, StopIteration):
+            pass
+    try:
+        cg = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if cg != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            room.append(max(int(cg) - used, 0) // sharers)
+    except (OSError, ValueError):
+        pass
+    return min(room) if room else None
+
+
+def takes_host_snapshot(mode: str, nbytes: int) -> bool:
+    """Whether a save of ``nbytes`` of state takes a host snapshot (Note [Snapshot to disk]):
+    always with ``"memory"``, never with ``"disk"``, and with ``"auto"`` when the copy fits in
+    half of :func:`memory_headroom` (or the headroom is unknown).
+
+    >>> takes_host_snapshot("disk", 1), takes_host_snapshot("memory", 1 << 60)
+    (False, True)
+    """
+    if mode not in ("auto", "memory", "disk"):
+        raise ValueError(f"Checkpointer.snapshot must be 'auto', 'memory' or 'disk' (got {mode!r})")
+    if mode != "auto":
+        return mode == "memory"
+    room = memory_headroom()
+    # Half: the copy must leave room for the next step's activations and allocator slack.
+    return room is None or 2 * nbytes <= room
 
 
 def build_shard_payloads(
@@ -98,20 +223,24 @@ def build_shard_payloads(
     *,
     step: int,
     rank: int,
+    copy: bool = True,
 ) -> tuple[list[dict], list[dict]]:
     """Host snapshots of ``shards`` (this rank's files): their manifest entries and what to save.
 
-    ``opt``: the stage's name-keyed optimizer state (``optimizer_state_by_name``)."""
+    ``opt``: the stage's name-keyed optimizer state (``optimizer_state_by_name``). ``copy=False``:
+    the payloads reference the live tensors; they must be written (:func:`write_local`) before
+    training changes them (Note [Snapshot to disk])."""
+    take = snapshot if copy else (lambda x: _map_tensors(torch.Tensor.detach, x))
     files, payloads = [], []
     for shard in shards:
         keep = set(shard.params)
         # The synchronous part of a save (Note [Save]): a host snapshot of this rank's part.
         # Serialising it (to local disk) and copying it (to the global store) happen in the
         # background thread; the snapshot is freed once it is on local disk.
-        params = {n: snapshot(stage_params[n]) for n in shard.params}
+        params = {n: take(stage_params[n]) for n in shard.params}
         opt_part = {
             "class": opt["class"],
-            "state": {n: snapshot(v) for n, v in opt["state"].items() if n in keep},
+            "state": {n: take(v) for n, v in opt["state"].items() if n in keep},
             "param_groups": [
                 {
                     **snapshot({k: v for k, v in g.items() if k != "params"}),
@@ -147,6 +276,27 @@ def build_shard_payloads(
     return files, payloads
 
 
+def write_local(job: SaveJob) -> None:
+    """Serialise the payloads not yet written to the job's local staging directory (sha256 on
+    the way), dropping each once it is on disk. The training thread calls it for a save without
+    a host snapshot (Note [Snapshot to disk]); :func:`run_save_job` for the rest.
+
+    Example::
+
+        write_local(job)             # job.files now carry "bytes" and "sha256"; payloads are None
+    """
+    hook = job.hook or (lambda event: None)
+    job.local.mkdir(parents=True, exist_ok=True)
+    for i, f in enumerate(job.files):
+        if job.payloads[i] is None:
+            continue
+        hook("local-write")
+        # as_saved: a snapshot is already compact host tensors; live ones are taken as they are
+        # when torch.save can write them in place, else copied one file at a time.
+        f["bytes"], f["sha256"] = save_hashed(as_saved(job.payloads[i]), job.local / f["name"])
+        job.payloads[i] = None  # free the snapshot: the file on local disk is the copy now
+
+
 def run_save_job(job: SaveJob) -> bool:
     """The background part of a save (Note [Save]): serialise to local disk, copy to the store,
     drop a marker, and on rank 0 commit; True when this rank's part (and rank 0's commit)
@@ -154,11 +304,9 @@ def run_save_job(job: SaveJob) -> bool:
     hook = job.hook or (lambda event: None)
     copied: list[Path] = []
     try:
-        job.local.mkdir(parents=True, exist_ok=True)
-        for i, f in enumerate(job.files):
-            hook("local-write")
-            f["bytes"], f["sha256"] = save_hashed(job.payloads[i], job.local / f["name"])
-            job.payloads[i] = None  # free the snapshot: the file on local disk is the copy now
+        if job.local_failure is not None:
+            raise job.local_failure
+        write_local(job)
         job.target.mkdir(parents=True, exist_ok=True)
         for f in job.files:
             copy_file(
