@@ -34,7 +34,7 @@ def _batch(step: int):
     return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
 
 
-def _engine(ckpt: Path, *, meta: bool = False, resume: str = "0") -> varuna.Engine:
+def _engine(ckpt: Path, *, meta: bool = False, resume: str = "0", snapshot: str = "auto") -> varuna.Engine:
     return varuna.Engine(
         build_model("gpt", dropout=0.1, meta=meta),
         varuna.VarunaConfig(
@@ -44,6 +44,7 @@ def _engine(ckpt: Path, *, meta: bool = False, resume: str = "0") -> varuna.Engi
             stop_signals=(),
             checkpoint_dir=str(ckpt),
             resume=resume,
+            checkpoint_snapshot=snapshot,
         ),
         example_batch=_batch(1),
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
@@ -220,3 +221,17 @@ def test_the_background_thread_reports_a_failed_local_write(tmp_path, monkeypatc
     assert not (tmp_path / "ckpt" / step_dir_name(1) / "manifest.json").exists()
     eng.train_step(_batch(2))
     eng.close()
+
+
+def test_the_snapshot_mode_is_a_config_field(tmp_path):
+    """``VarunaConfig.checkpoint_snapshot`` reaches the checkpointer; a bad value is one line."""
+    eng = _engine(tmp_path / "ckpt", snapshot="disk")
+    try:
+        assert eng.checkpointer.snapshot == "disk"
+        eng.train_step(_batch(1))
+        eng.save_checkpoint(wait=True)
+        assert eng.checkpointer.last_snapshot_in_memory is False
+    finally:
+        eng.close()
+    with pytest.raises(ValueError, match="checkpoint_snapshot must be 'auto', 'memory' or 'disk'"):
+        varuna.VarunaConfig(global_batch_size=4, micro_batch_size=2, checkpoint_snapshot="ram").validate()

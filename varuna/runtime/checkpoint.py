@@ -186,7 +186,7 @@ class Checkpointer:
 
         engine.save_checkpoint(wait=True)          # same as engine.checkpointer.save(wait=True)
         step = engine.load_checkpoint()            # newest complete one; any P×D
-        engine.checkpointer.snapshot = "disk"      # never copy the state in memory
+        engine.checkpointer.snapshot = "disk"      # never copy the state (VarunaConfig.checkpoint_snapshot)
     """
 
     def __init__(self, state: CheckpointState) -> None:
@@ -210,7 +210,7 @@ class Checkpointer:
             )
         self.progress_hook: Callable[[str], None] | None = None
         self.copy_chunk_bytes = 8 << 20
-        self.snapshot = "auto"
+        self.snapshot = cfg.checkpoint_snapshot
         #: whether the latest save took a host snapshot (else it was written before training went on)
         self.last_snapshot_in_memory: bool | None = None
         self._local_root: Path | None = None

@@ -99,6 +99,11 @@ class VarunaConfig:
     """How many complete checkpoints to keep (the newest complete one is never deleted first)."""
     local_checkpoint_dir: str | None = None
     """Fast local disk where files are written before the background copy; default a tmp dir."""
+    checkpoint_snapshot: str = "auto"
+    """How a save gets the state off the training path: "memory" (a host copy, written in the
+    background), "disk" (written to local disk from the live tensors before training goes on: no
+    extra copy, for a stage that fills its memory) or "auto" (memory when the copy fits in half of
+    the free memory; docs/checkpoints.md)."""
     resume: str | bool | None = None
     """"1"/True: load the newest complete checkpoint (error if none); "auto": if there is one;
     "0"/False: never. None: $VARUNA_RESUME (default never)."""
@@ -139,6 +144,10 @@ class VarunaConfig:
         if not self.peer_timeout_s >= 0:
             raise ValueError(
                 f"peer_timeout_s must be >= 0, 0 to turn the peer watch off (got {self.peer_timeout_s})"
+            )
+        if self.checkpoint_snapshot not in ("auto", "memory", "disk"):
+            raise ValueError(
+                f"checkpoint_snapshot must be 'auto', 'memory' or 'disk' (got {self.checkpoint_snapshot!r})"
             )
         if self.plan_cost not in (None, *PLAN_COSTS):
             raise ValueError(f"unknown plan_cost {self.plan_cost!r}; choose {' or '.join(PLAN_COSTS)}")
