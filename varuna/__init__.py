@@ -17,7 +17,7 @@ _EXPORTS = {
     "StepResult": "varuna.runtime.config",
     "balanced_partition": "varuna.core.partition",
     "auto_cutpoints": "varuna.cutting.autocut",
-    "apply_cutpoints": "varuna.cutting.autocut",
+    "apply_cutpoints": "varuna.cutting.routing",
     "keyed_seed": "varuna.cutting.split",
 }
 
