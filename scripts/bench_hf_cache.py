@@ -68,26 +68,36 @@ def main() -> None:
     p.add_argument("--depths", default="2,4", help="comma-separated pipeline depths")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs per setting, the two settings interleaved (True, False, True, ...): a run's "
+                        "placement of processes on cores moves its time by more than 10%%, so one run each "
+                        "is not a comparison")
     p.add_argument("--size", default="bench", help="hf_worker size preset (bench: 4 layers, d=128, seq 64)")
     a = p.parse_args()
-    print(f"{a.size} preset, {a.steps} steps, median step time after {a.warmup} warm-ups; 'model alone': "
-          "the same step's forwards+backwards in one process without the engine")
-    print(f"{'model':<7}{'P':>2}  {'use_cache':<15}{'step (ms)':>10}{'vs False':>9}{'model alone (ms)':>18}"
-          f"{'vs False':>9}  placeholder entries at step 1 / {a.steps}")
+    print(f"{a.size} preset, {a.steps} steps, median step time after {a.warmup} warm-ups, median over "
+          f"{a.repeats} interleaved runs per setting (min-max of the runs' ratios in brackets); 'model "
+          "alone': the same step's forwards+backwards in one process without the engine")
+    print(f"{'model':<7}{'P':>2}  {'use_cache':<15}{'step (ms)':>10}{'vs False':>9}{'  (run ratios)':<16}"
+          f"{'model alone (ms)':>17}{'vs False':>9}  placeholder entries at step 1 / {a.steps}")
     for model in a.models.split(","):
         plain = {s: plain_step_s(model, s, a.steps, a.size) for s in ("default", "false")}
         for depth in (int(x) for x in a.depths.split(",")):
-            rows = []
+            meds: dict[str, list[float]] = {"default": [], "false": []}
+            entries: dict[str, list[int]] = {}
+            for _ in range(a.repeats):
+                for setting in ("default", "false"):
+                    r = run(model, depth, setting, a.steps, a.size)
+                    meds[setting].append(statistics.median(r["step_s"][a.warmup:] or r["step_s"]))
+                    entries[setting] = r["entries"]
+            base = statistics.median(meds["false"])
+            ratios = [t / f for t, f in zip(meds["default"], meds["false"])]
             for setting in ("default", "false"):
-                r = run(model, depth, setting, a.steps, a.size)
-                timed = r["step_s"][a.warmup:] or r["step_s"]
-                rows.append((setting, statistics.median(timed), r["entries"]))
-            base = rows[1][1]
-            for setting, med, entries in rows:
+                med = statistics.median(meds[setting])
                 label = "default (True)" if setting == "default" else "False"
-                print(f"{model:<7}{depth:>2}  {label:<15}{med * 1e3:>10.1f}{med / base:>9.2f}"
-                      f"{plain[setting] * 1e3:>18.1f}{plain[setting] / plain['false']:>9.2f}"
-                      f"  {entries[0]} / {entries[-1]}", flush=True)
+                spread = f"  ({min(ratios):.2f}-{max(ratios):.2f})" if setting == "default" else ""
+                print(f"{model:<7}{depth:>2}  {label:<15}{med * 1e3:>10.1f}{med / base:>9.2f}{spread:<16}"
+                      f"{plain[setting] * 1e3:>17.1f}{plain[setting] / plain['false']:>9.2f}"
+                      f"  {entries[setting][0]} / {entries[setting][-1]}", flush=True)
 
 
 if __name__ == "__main__":

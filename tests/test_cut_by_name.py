@@ -365,3 +365,31 @@ def test_varuna_trace_and_the_engine_agree_on_an_output_with_a_loss_field(tmp_pa
     assert main([str(path), "--arg", "with_loss=False"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no scalar 'loss'" in err[0], err
+
+
+def test_the_engine_cuts_by_name_once_and_takes_the_hf_loss(capsys):
+    """``cut_after`` on an Engine at P = 1: the model gets its cut-points (an Engine built again on
+    the same model, e.g. after a failed start, keeps them rather than failing), and the HF-style
+    output's ``loss`` is taken without a ``loss_fn``."""
+
+    class Out(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stack = _Stack()
+
+        def forward(self, x):
+            return {"loss": self.stack(x), "logits": x}
+
+    m = Out()
+    cfg = VarunaConfig(global_batch_size=4, micro_batch_size=2, cut_after=("stack.model.layers.*",),
+                       stop_signals=())
+    for _ in range(2):
+        engine = varuna.Engine(m, cfg, example_batch=torch.randn(4, 8),
+                               optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+        try:
+            assert engine.profile.num_cutpoints == 4
+            r = engine.train_step(torch.randn(4, 8))
+            assert r.loss > 0
+        finally:
+            engine.close()
+    assert len([x for x in m.modules() if isinstance(x, varuna.CutPoint)]) == 4

@@ -269,7 +269,7 @@ def test_attention_with_a_learned_mask_is_bit_identical_at_every_depth(tmp_path,
 #: Hugging Face models built from tiny configs (tests/workers/hf_worker.py ``build``) with their
 #: default attention implementation (SDPA); T5 is the one whose learned position bias made CPU
 #: SDPA pick another kernel with autograd on (Note [Deterministic forward] in executor.py).
-HF_MODELS = ["gpt2", "llama", "t5"]
+HF_MODELS = ["gpt2", "llama", "qwen2", "t5"]
 
 
 @pytest.mark.slow

@@ -502,11 +502,16 @@ def _place_cutpoints(
 ) -> None:
     """``config.cut_after`` (by name) or ``config.auto_cutpoints`` (a plan from rank 0)."""
     if config.cut_after:
-        from varuna.cutting.autocut import apply_cutpoints
+        from varuna.cutting.routing import CUT_ATTR, insert_cutpoints, match_modules
 
-        apply_cutpoints(model, config.cut_after)
+        # Modules cut already (an earlier Engine on this model, or apply_cutpoints with the same
+        # names) keep their cut: asking again is the same request, not an error.
+        mods = dict(model.named_modules())
+        names = [n for n in match_modules(model, config.cut_after) if CUT_ATTR not in mods[n]._modules]
+        insert_cutpoints(model, names, auto=False)
     if config.auto_cutpoints is not None:
-        from varuna.cutting.autocut import check_no_cutpoints, engine_auto_cutpoints
+        from varuna.cutting.autocut import engine_auto_cutpoints
+        from varuna.cutting.routing import check_no_cutpoints
 
         check_no_cutpoints(model)  # on every rank, before the plan's collective
         engine_auto_cutpoints(
