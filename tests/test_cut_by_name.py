@@ -18,8 +18,9 @@ from torch import nn
 
 import varuna
 from varuna.cutting import split as split_mod
-from varuna.cutting.autocut import auto_cutpoints, check_no_cutpoints, match_modules, remove_cutpoints
+from varuna.cutting.autocut import auto_cutpoints
 from varuna.cutting.loss import default_loss
+from varuna.cutting.routing import check_no_cutpoints, match_modules, remove_cutpoints
 from varuna.runtime.config import VarunaConfig, adopt_cut_env
 from varuna.runtime.layout import Layout
 from varuna.runtime.stages import check_pipeline_depth, planning_profile

@@ -22,7 +22,7 @@ Example::
             h = self.cut(torch.relu(self.a(x)))   # boundary between segment 0 and 1
             return F.mse_loss(self.b(h), y)
 
-Note [Carried values]: a model cut with :func:`~varuna.cutting.autocut.apply_cutpoints` cannot be
+Note [Carried values]: a model cut with :func:`~varuna.cutting.routing.apply_cutpoints` cannot be
 edited to pass extra values through its cut-points, yet real models read values made early in
 later blocks: T5's first block computes the relative position bias from its own parameters and
 returns it, every later block reads it; every decoder block reads the encoder's output. Where

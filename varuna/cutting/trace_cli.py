@@ -137,7 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         model, batch, loss_fn = load_target(args.target, kwargs)
     except UsageError as e:
         parser.error(str(e))  # exits 2 with one line on stderr
-    from varuna.cutting.autocut import apply_cutpoints, auto_cutpoints
+    from varuna.cutting.autocut import auto_cutpoints
+    from varuna.cutting.routing import apply_cutpoints
     from varuna.cutting.tracer import trace_for_engine
 
     quiet = args.json == "-"
