@@ -8,9 +8,10 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.
     "$PY" -m pip install -q torch==2.13.0
 fi
 "$PY" -m pip install -q numpy
-# hf: transformers for the Hugging Face model tests; it depends on torch without a pin, so the CPU
-# wheel installed above satisfies it and no other torch is pulled.
-"$PY" -m pip install -q -e ".[test,hf]"
+# all: every extra (manager, azure, hf, plot, progress, tensorboard, dashboard). transformers and
+# tensorboard depend on torch/numpy without a pin, so the CPU wheel installed above satisfies them
+# and no other torch is pulled.
+"$PY" -m pip install -q -e ".[all,test]"
 "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else "setup.sh: torch is " + torch.__version__ + ", expected the 2.13.0 CPU wheel")'
 # OpenSSH server: the remote-launch tests start a real sshd on loopback.
 if ! [ -x /usr/sbin/sshd ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
