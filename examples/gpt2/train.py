@@ -30,6 +30,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--schedule", default="varuna", choices=["varuna", "gpipe", "1f1b"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-out", type=Path, help="JSON Lines, one object per step")
+    p.add_argument(
+        "--tensorboard-dir",
+        help="also write the per-step metrics as TensorBoard events here (or VARUNA_TENSORBOARD_DIR)",
+    )
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
@@ -96,6 +100,7 @@ def build_engine(args: argparse.Namespace, data: ByteBatches) -> varuna.Engine:
             checkpoint_every=args.checkpoint_every,
             keep_checkpoints=args.keep_checkpoints,
             resume=args.resume,
+            tensorboard_dir=args.tensorboard_dir,
         ),
         example_batch=data.get("train", 0, args.global_batch_size),
         optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0),
@@ -143,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 "m": info["m"],
                 "Nm": sum(info["Nm"]),
                 "wall_time": r.wall_time,
+                "step_s": r.step_s,
                 "grad_norm": r.grad_norm,
                 "skipped": r.skipped,
             }

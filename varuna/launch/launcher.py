@@ -180,6 +180,13 @@ def _add_job_args(parser: argparse.ArgumentParser) -> None:
         " afresh",
     )
     parser.add_argument(
+        "--tensorboard-dir",
+        default=None,
+        metavar="DIR",
+        help="rank 0 also writes the per-step metrics as TensorBoard events there"
+        " (VARUNA_TENSORBOARD_DIR for every worker; needs pip install 'varuna[tensorboard]')",
+    )
+    parser.add_argument(
         "--manager", default=None, metavar="HOST:PORT", help="manager daemon address (VARUNA_MANAGER)"
     )
 
@@ -328,6 +335,11 @@ def _worker_env_from_args(args: argparse.Namespace) -> dict[str, str]:
         env["VARUNA_AUTO_CUTPOINTS"] = str(args.auto_cutpoints)
     if args.plan_cost is not None:
         env["VARUNA_PLAN_COST"] = args.plan_cost
+    if args.tensorboard_dir is not None:
+        if not args.tensorboard_dir.strip():
+            raise ValueError("--tensorboard-dir needs a directory, e.g. --tensorboard-dir runs/tb")
+        # Absolute, like --checkpoint-dir: workers in other working directories write to the same place.
+        env["VARUNA_TENSORBOARD_DIR"] = os.path.abspath(args.tensorboard_dir)
     if args.manager is not None:
         if not _MANAGER_RE.match(args.manager) or not 0 < int(args.manager.rsplit(":", 1)[1]) < 65536:
             raise ValueError(f"--manager {args.manager!r} is not HOST:PORT")

@@ -43,6 +43,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -88,6 +89,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointState",
     "Checkpointer",
+    "Resumed",
     "Shard",
     "plan_shards",
     "optimizer_state_by_name",
@@ -138,6 +140,17 @@ def resolve_resume(value: str | bool | None) -> str:
     if mode is None:
         raise ValueError(f"bad resume setting {value!r} (VARUNA_RESUME / --resume); use 1, 0 or auto")
     return mode
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The checkpoint a run resumed from: its step directory, its step, and the layout that wrote
+    it (None for a manifest without one). A different P×D than the run's own is a morph."""
+
+    path: Path
+    step: int
+    P: int | None
+    D: int | None
 
 
 class CheckpointState(Protocol):
@@ -216,6 +229,8 @@ class Checkpointer:
         self._local_root: Path | None = None
         self._thread: threading.Thread | None = None
         self._last_saved: tuple[Path, int] | None = None
+        #: the checkpoint this run resumed from, once :meth:`load` loaded one
+        self.resumed: Resumed | None = None
         #: outcome of the latest background job: None while running / never run, else True/False
         self.last_ok: bool | None = None
         #: why the latest background job failed (its step directory and the error), else None
@@ -531,7 +546,9 @@ class Checkpointer:
         eng.scaler.load_state_dict(m["loss_scale"])
         eng.step_count = int(m["step"])
         self._last_saved = (root, step)  # never rewrite the checkpoint we resumed from
-        saved_M = m.get("config", {}).get("global_batch_size")
+        saved = m.get("config", {})
+        self.resumed = Resumed(root / step_dir_name(step), step, saved.get("P"), saved.get("D"))
+        saved_M = saved.get("global_batch_size")
         if saved_M is not None and saved_M != eng.config.global_batch_size and self.rank == 0:
             log.warning(
                 "varuna: the checkpoint was trained with global batch size %s, this run uses %s: "

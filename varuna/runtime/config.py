@@ -122,6 +122,11 @@ class VarunaConfig:
     identical runs give identical plans) or "time" (measured forward+backward; follows
     memory-bound work, but a noisy machine can change the plan between runs). None:
     $VARUNA_PLAN_COST, else "flop"."""
+    tensorboard_dir: str | None = None
+    """Also write the per-step metrics as TensorBoard events here (rank 0; loss, grad norm,
+    samples/s, step time, P, D; text events for resumes and morphs): see
+    varuna/runtime/tensorboard.py. None: $VARUNA_TENSORBOARD_DIR (``varuna-launch
+    --tensorboard-dir``), else off. Needs ``pip install 'varuna[tensorboard]'``."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` (one line) for a setting the engine cannot run with.
@@ -161,9 +166,26 @@ class VarunaConfig:
             )
         if isinstance(self.cut_after, str):
             self.cut_after = tuple(x for x in self.cut_after.split(",") if x.strip())
+        self._validate_tensorboard_dir()
         if self.max_nonfinite_steps < 0:
             raise ValueError(
                 f"max_nonfinite_steps must be >= 0, 0 to never stop (got {self.max_nonfinite_steps})"
+            )
+
+
+    def _validate_tensorboard_dir(self) -> None:
+        d = self.tensorboard_dir
+        if d is None:
+            return
+        if not isinstance(d, (str, os.PathLike)) or not str(d).strip():
+            raise ValueError(
+                f"tensorboard_dir must be a directory path, or None for no TensorBoard output (got {d!r})"
+            )
+        self.tensorboard_dir = os.fspath(d)
+        if os.path.exists(d) and not os.path.isdir(d):
+            raise ValueError(
+                f"tensorboard_dir {self.tensorboard_dir!r} is a file, not a directory; "
+                "pick a directory for the event files"
             )
 
 
@@ -232,6 +254,8 @@ class StepResult:
     wall_time: float
     timings: StepTimings = field(default_factory=StepTimings)
     """This rank's per-task compute times during the step."""
+    step_s: float = 0.0
+    """Wall seconds of the whole step on this rank (``samples_per_s`` is global_batch_size / step_s)."""
 
 
 def adopt_cut_env(config: VarunaConfig, environ: Mapping[str, str] | None = None) -> None:

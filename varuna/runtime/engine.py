@@ -57,6 +57,7 @@ from varuna.runtime.loss_scale import DynamicLossScale, NonFiniteLosses, NonFini
 from varuna.runtime.peer_watch import PeerWatch, watching
 from varuna.runtime.plugins import run_plugins
 from varuna.runtime.stages import assign_stages, check_pipeline_depth, planning_profile
+from varuna.runtime.tensorboard import TensorBoardLog, adopt_tensorboard_env, require_tensorboard
 from varuna.runtime.timeline_gather import gather_timeline
 
 __all__ = ["VarunaConfig", "Engine", "StepResult", "NonFiniteLossStop"]
@@ -90,7 +91,10 @@ class Engine:
         config = dataclasses.replace(config)  # the caller's object stays as it was
         plan_note = adopt_plan(config, RunPlan.from_env())
         adopt_cut_env(config)
+        adopt_tensorboard_env(config)
         config.validate()
+        require_tensorboard(config)  # before any group: a missing package stops every rank at once
+        self._tb: TensorBoardLog | None = None
         self.config = config
         self.loss_fn = loss_fn or default_loss
         self.layout: Layout
@@ -115,6 +119,7 @@ class Engine:
         self._nonfinite = NonFiniteLosses(limit=config.max_nonfinite_steps, rank=self.layout.rank)
         self._watch = PeerWatch.for_world(self.layout.rank, self.layout.world, config.peer_timeout_s)
         _close_at_exit(self)
+        self._tb = TensorBoardLog.attach(self)  # after a resume: it notes the resume and any morph
         run_plugins(self)
 
     # ------------------------------------------------------------------ setup
@@ -331,6 +336,7 @@ class Engine:
             samples_per_s=self.config.global_batch_size / wall,
             wall_time=time.time(),
             timings=dataclasses.replace(run.timings, sync_s=sync_s),
+            step_s=wall,
         )
         for fn in self._step_callbacks:
             fn(result)
@@ -369,7 +375,10 @@ class Engine:
             run = self._executor.run(batch, mbs, step=self.step_count, scale=self.scaler.scale, train=False)
             self.executed_orders.append(run.executed)
             v = torch.tensor([0.0, 0.0, run.loss_sum, 0.0], dtype=torch.float64)
-            return allreduce_scalars(v, self.layout.world)[2]
+            loss = allreduce_scalars(v, self.layout.world)[2]
+            if self._tb is not None:
+                self._tb.on_eval(self.step_count, loss)
+            return loss
         finally:
             self.model.train(was_training)
 
@@ -387,6 +396,9 @@ class Engine:
     def close(self) -> None:
         """Stop the engine's threads and destroy its groups (the default one if it made it); at exit too."""
         atexit.unregister(self.close)
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
         if self._watch is not None:
             self._watch.close()
             self._watch = None
