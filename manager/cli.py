@@ -3,7 +3,7 @@
 ::
 
     varuna-manager serve  --db STATE.sqlite --listen 127.0.0.1:7878 --token-file TOKEN
-                          [--tls-cert CERT --tls-key KEY]
+                          [--tls-cert CERT --tls-key KEY] [--dashboard 127.0.0.1:8787]
     varuna-manager submit JOBSPEC.toml|json      # prints the job id
     varuna-manager status [JOB] [--json]         # P×D, calibration, VMs and their health, throughput
     varuna-manager events [JOB] [--json]         # the job's history, with morph latencies
@@ -92,6 +92,12 @@ def _add_serve_parser(sub: Any) -> None:
     serve.add_argument("--tls-ca", default=None, help="CA agents verify us with (default: --tls-cert)")
     serve.add_argument("--advertise", default=None, metavar="HOST:PORT", help="address agents/workers dial")
     serve.add_argument("--state-dir", default=None, help="pretend-VM directories (default: DB.d)")
+    serve.add_argument(
+        "--dashboard",
+        default=None,
+        metavar="HOST:PORT",
+        help="also serve the read-only web dashboard here (needs varuna[dashboard]; the same token)",
+    )
     tune = serve.add_argument_group("supervision")
     tune.add_argument("--heartbeat-interval", type=_positive(float), default=2.0, metavar="S")
     tune.add_argument(
@@ -230,6 +236,7 @@ def _serve(args: argparse.Namespace) -> int:
                 tls_ca=args.tls_ca,
                 advertise=args.advertise,
                 state_dir=args.state_dir,
+                dashboard=args.dashboard,
                 manager=tuning,
             )
         )
@@ -253,6 +260,12 @@ def _serve(args: argparse.Namespace) -> int:
         f"state in {args.db}",
         flush=True,
     )
+    if server.dashboard is not None:
+        warning = insecure_listen_warning(server.dashboard.host, tls=bool(args.tls_cert))
+        if warning is not None:
+            print(f"{PROG}: warning: dashboard {warning}", file=sys.stderr, flush=True)
+        url = server.dashboard.url
+        print(f"{PROG}: dashboard on {url} (open {url}?token=TOKEN once)", flush=True)
     try:
         while not stop.wait(1.0):
             pass

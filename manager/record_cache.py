@@ -137,6 +137,14 @@ class RecordCache:
         """A throughput point (one row per step)."""
         self._progress[(rec.job_id, rec.generation, rec.step)] = rec
 
+    def pending_progress(self, job_id: str) -> list[ProgressRecord]:
+        """The job's deferred throughput points (still the cache's: not taken)."""
+        return [p for (job, _, _), p in self._progress.items() if job == job_id]
+
+    def pending_stats(self, job_id: str, generation: int) -> list[WorkerStatRecord]:
+        """The deferred worker rows of one generation (still the cache's: not taken)."""
+        return [s for (job, gen, _), s in self._stats.items() if (job, gen) == (job_id, generation)]
+
     # -- the batch -----------------------------------------------------------------------------
 
     def take_pending(self) -> PendingWrites:

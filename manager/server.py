@@ -60,6 +60,8 @@ class ServeConfig:
     to all interfaces)."""
     state_dir: str | None = None
     """Local-provider VM directories; default: ``<db>.d`` next to the state file."""
+    dashboard: str | None = None
+    """``host:port`` of the read-only web dashboard (port 0: any free one); None: no dashboard."""
     max_workers: int = 32
     """gRPC handler threads (each heartbeat holds one for a few milliseconds)."""
     manager: dict[str, Any] = field(default_factory=dict)
@@ -140,6 +142,7 @@ class ManagerServer:
             a_host, a_sep, a_port = config.advertise.rpartition(":")
             if not a_sep or not a_host or not a_port.isdigit() or not 0 < int(a_port) < 65536:
                 raise ValueError(f"--advertise {config.advertise!r} is not HOST:PORT")
+        self._dashboard_at = _dashboard_address(config.dashboard) if config.dashboard else None
         self._lock = _lock_state_file(config.db)
         try:
             _check_writable_dir(config.state_dir or f"{config.db}.d", "--state-dir")
@@ -163,7 +166,10 @@ class ManagerServer:
             ],
         )
         self.port = 0
+        self._token = token
         self.manager: Manager | None = None
+        self.dashboard: Any = None
+        """The :class:`manager.dashboard.web.DashboardServer` once started (``dashboard`` set)."""
         self._stopped = threading.Event()
 
     @property
@@ -206,12 +212,36 @@ class ManagerServer:
         pb_grpc.add_VarunaManagerServicer_to_server(_Servicer(self.manager), self._server)
         self._server.start()
         self.manager.start()
+        if self._dashboard_at is not None:
+            try:
+                self._start_dashboard(*self._dashboard_at)
+            except OSError:
+                self.stop()
+                raise
+
+    def _start_dashboard(self, host: str, port: int) -> None:
+        """The read-only dashboard in its own thread (``manager.dashboard``), TLS as the RPCs."""
+        import ssl
+
+        from manager.dashboard.view import DashboardView
+        from manager.dashboard.web import DashboardServer
+
+        assert self.manager is not None
+        context = None
+        if self.config.tls_cert and self.config.tls_key:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(self.config.tls_cert, self.config.tls_key)
+        view = DashboardView.from_manager(self.manager)
+        self.dashboard = DashboardServer(view, token=self._token, host=host, port=port, ssl_context=context)
+        self.dashboard.start()
 
     def stop(self, grace_s: float = 2.0) -> None:
         """Stop serving (in-flight calls get ``grace_s``), stop the control loop, close the store."""
         if self._stopped.is_set():
             return
         self._stopped.set()
+        if self.dashboard is not None:
+            self.dashboard.stop()
         self._server.stop(grace_s).wait(grace_s + 3.0)
         if self.manager is not None:
             self.manager.stop()
@@ -221,6 +251,21 @@ class ManagerServer:
         """Close the store, then free the state file for the next manager."""
         self.store.close()
         self._lock.release()
+
+
+def _dashboard_address(address: str) -> tuple[str, int]:
+    """``--dashboard HOST:PORT`` checked, and the extra it needs installed (``ValueError``: one line)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"--dashboard {address!r} is not HOST:PORT (port 0: any free port)")
+    try:
+        import aiohttp  # noqa: F401
+        import plotly  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(
+            f"--dashboard needs {exc.name}, which is not installed; pip install 'varuna[dashboard]'"
+        ) from None
+    return host.strip("[]"), int(port)
 
 
 def _lock_state_file(db: str) -> DaemonLock:

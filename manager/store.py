@@ -197,8 +197,49 @@ def _row_to(cls: type, row: sqlite3.Row) -> Any:
     return cls(**{k: row[k] for k in row.keys() if k in names})
 
 
+class _ReadOnlyQueries:
+    """The reads of :class:`Store` that never write (read-only views such as the dashboard):
+    deferred values are merged in from memory instead of flushed."""
+
+    _mem: threading.RLock
+    _cache: RecordCache
+
+    def _query(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]:
+        raise NotImplementedError
+
+    def newest_events(self, job_id: str, count: int) -> list[EventRecord]:
+        """The job's ``count`` newest events, oldest first."""
+        rows = self._query(
+            "SELECT * FROM (SELECT * FROM events WHERE job_id=? ORDER BY id DESC LIMIT ?) ORDER BY id",
+            (job_id, count),
+        )
+        return [_row_to(EventRecord, r) for r in rows]
+
+    def peek_progress(self, job_id: str, *, last: int) -> list[ProgressRecord]:
+        """The job's newest ``last`` throughput points by time, the deferred ones included,
+        without writing anything (for read-only views such as the dashboard)."""
+        rows = self._query(
+            "SELECT * FROM (SELECT * FROM progress WHERE job_id=? ORDER BY time DESC LIMIT ?) ORDER BY time",
+            (job_id, last),
+        )
+        points = {(r["generation"], r["step"]): _row_to(ProgressRecord, r) for r in rows}
+        with self._mem:
+            points.update(((p.generation, p.step), p) for p in self._cache.pending_progress(job_id))
+        return sorted(points.values(), key=lambda p: p.time)[-last:]
+
+    def peek_worker_stats(self, job_id: str, generation: int) -> list[WorkerStatRecord]:
+        """:meth:`worker_stats` without writing the deferred rows first (they are merged in)."""
+        rows = self._query(
+            "SELECT * FROM worker_stats WHERE job_id=? AND generation=? ORDER BY rank", (job_id, generation)
+        )
+        stats = {r["rank"]: _row_to(WorkerStatRecord, r) for r in rows}
+        with self._mem:
+            stats.update((s.rank, s) for s in self._cache.pending_stats(job_id, generation))
+        return [stats[rank] for rank in sorted(stats)]
+
+
 @dataclass
-class Store:
+class Store(_ReadOnlyQueries):
     """The SQLite state file (see the module docstring). Thread-safe."""
 
     path: str

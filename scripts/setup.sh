@@ -18,3 +18,13 @@ if ! [ -x /usr/sbin/sshd ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/nul
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server openssh-client >/dev/null) \
         || echo "setup.sh: could not install openssh-server; remote-launch tests will be skipped" >&2
 fi
+# Chromium + its driver (Debian's, version-matched): the dashboard's browser tests drive them
+# with selenium (tests/dashboard_browser.py); without them those checks skip, saying why.
+if ! { [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; }; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
+            || echo "setup.sh: could not install chromium; the dashboard's browser tests will be skipped" >&2
+    else
+        echo "setup.sh: not root or no apt-get: chromium not installed; the dashboard's browser tests will be skipped" >&2
+    fi
+fi

@@ -9,6 +9,9 @@ the test makes trouble, and the result matches an undisturbed run.
 4. the job reaches its target step, and its final loss is within noise of an undisturbed
    single-process run of the same script (the engine's numerics do not depend on P×D).
 
+After the kills, headless Chromium loads the manager's dashboard (``serve --dashboard``) and checks
+the job's P×D and a morph marker per relaunch (``tests/dashboard_browser.py``).
+
 Morph latency (detection → first step of the new generation) is printed with ``varuna-manager
 events`` at the end (run with ``-s`` to see it). Needs checkpoints (varuna/runtime/checkpoint.py).
 """
@@ -28,8 +31,10 @@ from pathlib import Path
 import pytest
 
 from manager.jobspec import load_jobspec, spec_to_pb
+from varuna.launch.procs import find_free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
+from dashboard_browser import chromium, load_dashboard, missing_browser  # noqa: E402
 from test_manager_local import (  # noqa: E402
     ManagerProcess,
     events,
@@ -98,6 +103,30 @@ def _bursts(pid: int, until: threading.Event, stop_s: float = 0.25, run_s: float
             pass
 
 
+def check_dashboard(mp: ManagerProcess, dashboard: str, job: str, tmp_path: Path) -> None:
+    """The dashboard in headless Chromium after the kills: the job's P×D as status says, one
+    morph marker per relaunch, every chart drawn; a screenshot (``$VARUNA_DASHBOARD_SCREENSHOT``:
+    where to keep it, e.g. docs/img/dashboard.png). Without Chromium: one line, and the rest of
+    the test goes on (tests/test_dashboard.py reports the skip)."""
+    reason = missing_browser()
+    if reason:
+        print(f"dashboard browser check skipped: {reason}")
+        return
+    st = status(mp, job)
+    morphs = kinds(mp, job).count("launched") - 1
+    shot = Path(os.environ.get("VARUNA_DASHBOARD_SCREENSHOT") or tmp_path / "dashboard.png")
+    token = mp.token.read_text().strip()
+    with chromium() as driver:
+        seen = load_dashboard(driver, f"http://{dashboard}/", token, job, screenshot=shot)
+    assert seen["pxd"].startswith(f"{st.pipeline_depth}×{st.data_parallel} "), (seen["pxd"], st)
+    assert len(seen["morph_labels"]) == morphs >= 3, seen["morph_labels"]
+    assert all(label.startswith("morph ") for label in seen["morph_labels"]), seen["morph_labels"]
+    assert seen["points"]["throughput-chart"] > 0 and seen["gantt_bars"] > 0, seen
+    assert "vm-gone" in seen["event_kinds"] and not seen["console_errors"], seen
+    assert shot.read_bytes()[:4] == b"\x89PNG"
+    print(f"dashboard: {seen['pxd']}, morphs {seen['morph_labels']}; screenshot {shot}")
+
+
 def test_gpt_on_six_pretend_vms_survives_kills_stutter_and_a_manager_restart(tmp_path):
     seed = int(os.environ.get("VARUNA_E2E_SEED", str(time.time_ns() % 10_000)))
     print(f"\nVARUNA_E2E_SEED={seed} reproduces this run's kill points")
@@ -125,8 +154,11 @@ def test_gpt_on_six_pretend_vms_survives_kills_stutter_and_a_manager_restart(tmp
         },
     }
     (tmp_path / "job.json").write_text(json.dumps(spec))
+    dashboard = f"127.0.0.1:{find_free_port('127.0.0.1')}"
     mp = ManagerProcess(
         tmp_path,
+        "--dashboard",
+        dashboard,
         "--heartbeat-interval",
         "0.25",
         "--heartbeat-timeout",
@@ -199,6 +231,10 @@ def test_gpt_on_six_pretend_vms_survives_kills_stutter_and_a_manager_restart(tmp
             120,
             "progress under the restarted manager",
         )
+        # The restarted manager's dashboard shows the job: P×D now, a morph marker for each
+        # relaunch (the slow VM, 2 kills). After the restart: the browser's start-up must not delay
+        # it past the job's end.
+        check_dashboard(mp, dashboard, job, tmp_path)
 
         wait_for(lambda: status(mp, job).state == "finished", 240, "the job to finish")
         st = status(mp, job)
