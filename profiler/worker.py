@@ -16,7 +16,9 @@ cores of a small machine:
 
 Idle ranks wait on the rendezvous store (a blocking socket read), not in a gloo barrier, which
 spins and would steal a core from the ranks being timed. Each rank writes
-``RUN_DIR/rank<r>.json`` with its raw measurements; the parent does all the statistics.
+``RUN_DIR/rank<r>.json`` with its raw measurements; the parent does all the statistics. Finished
+steps (start-up, each segment, link pair and all-reduce configuration) are appended to
+``RUN_DIR/progress<r>`` for the parent's progress bar (:mod:`profiler.phase_progress`).
 """
 
 from __future__ import annotations
