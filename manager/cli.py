@@ -8,11 +8,14 @@
     varuna-manager status [JOB] [--json]         # P×D, calibration, VMs and their health, throughput
     varuna-manager events [JOB] [--json]         # the job's history, with morph latencies
     varuna-manager cancel JOB
+    varuna-manager wait JOB [--until running|done] [--wait-timeout S] [--quiet]
 
 Client commands find the manager with ``--manager`` (default ``$VARUNA_MANAGER``, else
 ``127.0.0.1:7878``) and the token with ``--token-file`` (default ``$VARUNA_MANAGER_TOKEN_FILE``).
 Exit codes: 0 ok; 1 the manager is unreachable, refused the token, or failed; 2 bad input (one
-line on stderr: an unreadable job spec, an unknown job, a bad option).
+line on stderr: an unreadable job spec, an unknown job, a bad option). ``wait`` exits 1 when the
+job failed or was cancelled, or did not get there within ``--wait-timeout``; on a terminal it shows
+the job's steps as a progress bar (``--quiet`` or ``VARUNA_QUIET=1``: none).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from manager.auth import load_token
 from manager.client import ClientConfig, ManagerClient
 from manager.jobspec import JobSpec, load_jobspec, spec_to_pb
 from varuna.core.cli import OneLineParser
+from varuna.core.progress import Progress
 
 __all__ = ["main"]
 
@@ -199,6 +203,18 @@ def _add_client_parsers(sub: Any) -> None:
     cancel = sub.add_parser("cancel", help="checkpoint, stop and delete a job's VMs")
     cancel.add_argument("job", metavar="JOB")
     _client_options(cancel)
+
+    wait = sub.add_parser("wait", help="wait until a job runs or ends, with a progress bar of its steps")
+    wait.add_argument("job", metavar="JOB")
+    wait.add_argument(
+        "--until", choices=("running", "done"), default="done", help="running, or done (finished; default)"
+    )
+    wait.add_argument(
+        "--wait-timeout", type=_positive(float), default=3600.0, metavar="S", help="give up after S s"
+    )
+    wait.add_argument("--poll", type=_positive(float), default=1.0, metavar="S", help="status poll interval")
+    wait.add_argument("--quiet", action="store_true", help="no progress bar (also: VARUNA_QUIET=1)")
+    _client_options(wait)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -470,6 +486,39 @@ def _cancel(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+#: States in which ``wait --until X`` is satisfied; a job in an END state never gets further.
+_REACHED = {"running": ("running", "finished"), "done": ("finished",)}
+_END = ("finished", "cancelled", "failed")
+
+
+def _wait(args: argparse.Namespace) -> int:
+    """Poll the job's status until it reaches ``--until`` (exit 0), ends without reaching it, or
+    ``--wait-timeout`` passes (exit 1, one line)."""
+    deadline = time.monotonic() + args.wait_timeout
+    bar = Progress(args.job, unit="step", enabled=False if args.quiet else None)
+    with _client(args) as client, bar:
+        while True:
+            try:
+                job = client.status(args.job, history=0)[0]
+            except grpc.RpcError as exc:
+                raise _rpc_error(exc, args.manager) from None
+            bar.set_total(job.target_steps or None)
+            bar.update(job.step - bar.n)
+            bar.set_description(f"{job.job_id} [{job.state}]")
+            if job.generation:
+                bar.set_postfix(f"P={job.pipeline_depth}×D={job.data_parallel} generation {job.generation}")
+            if job.state in _REACHED[args.until]:
+                return EXIT_OK
+            if job.state in _END:
+                raise _Failure(f"job {job.job_id} ended {job.state}: {job.message or 'no message'}")
+            if time.monotonic() >= deadline:
+                raise _Failure(
+                    f"job {job.job_id} is still {job.state} after {args.wait_timeout:g} s; "
+                    f"raise --wait-timeout to wait longer"
+                )
+            time.sleep(min(args.poll, max(0.0, deadline - time.monotonic())))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point; returns the exit code."""
     parser = _build_parser()
@@ -479,12 +528,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     if args.command is None:
         print(
-            f"{PROG}: error: a command is required: serve, submit, status, events or cancel "
+            f"{PROG}: error: a command is required: serve, submit, status, events, cancel or wait "
             f"(see {PROG} --help)",
             file=sys.stderr,
         )
         return EXIT_USAGE
     handlers = {"serve": _serve, "submit": _submit, "status": _status, "events": _events, "cancel": _cancel}
+    handlers["wait"] = _wait
     try:
         return handlers[args.command](args)
     except BrokenPipeError:  # `varuna-manager events | head`: the reader left; not an error

@@ -48,6 +48,7 @@ from profiler.assembly import CalibrationState, add_compute, assemble, state_fro
 from profiler.compute import SegmentMeasurement, dry_run
 from profiler.hosts import HostSet, open_hosts
 from profiler.network import MessageSpec, allreduce_times, link_stats, mean_std, payload_bytes
+from profiler.phase_progress import PhaseProgress
 from profiler.spec import load_target, parse_micro_batch_sizes
 from varuna.core.calibration import (
     AllReducePoint,
@@ -257,7 +258,15 @@ class _Workers:
         tmp.write_text(json.dumps(plan))
         os.replace(tmp, self.run_dir / "plan.json")  # atomic: a worker never reads half a plan
         deadline = time.monotonic() + self.opts.timeout_s + 60
+        enabled = None if self.opts.verbose else False  # a bar on a terminal, unless --quiet
+        with PhaseProgress(self.run_dir, plan, self.world, enabled=enabled) as bar:
+            self._wait(deadline, bar)
+            bar.poll()  # the last steps, written just before the results
+        return [json.loads((self.run_dir / f"rank{r}.json").read_text()) for r in range(self.world)]
+
+    def _wait(self, deadline: float, bar: PhaseProgress) -> None:
         while True:
+            bar.poll()
             codes = [p.poll() for p in self.procs]
             bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if bad:
@@ -280,7 +289,6 @@ class _Workers:
                     f"logs in {self.run_dir}"
                 )
             time.sleep(0.02)
-        return [json.loads((self.run_dir / f"rank{r}.json").read_text()) for r in range(self.world)]
 
     def close(self) -> None:
         deadline = time.monotonic() + 0.3  # finished workers get a moment to exit on their own

@@ -16,7 +16,9 @@ cores of a small machine:
 
 Idle ranks wait on the rendezvous store (a blocking socket read), not in a gloo barrier, which
 spins and would steal a core from the ranks being timed. Each rank writes
-``RUN_DIR/rank<r>.json`` with its raw measurements; the parent does all the statistics.
+``RUN_DIR/rank<r>.json`` with its raw measurements; the parent does all the statistics. Finished
+steps (start-up, each segment, link pair and all-reduce configuration) are appended to
+``RUN_DIR/progress<r>`` for the parent's progress bar (:mod:`profiler.phase_progress`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+from profiler.phase_progress import note
 from varuna.core.process import PARENT_PID_VAR, die_with_parent
 
 __all__ = ["main"]
@@ -65,7 +68,9 @@ def _new_groups(links: dict, ar: dict) -> tuple[dict, list]:
     return pair_groups, ar_groups
 
 
-def _run_allreduce_phase(ar: dict, ar_groups: list, store, rank: int, result: dict, timeout_s: float) -> None:
+def _run_allreduce_phase(
+    ar: dict, ar_groups: list, store, rank: int, result: dict, timeout_s: float, run_dir: Path | None
+) -> None:
     """This rank's all-reduce measurements of every configuration (its rings' members together)."""
     from profiler.network import allreduce_session
 
@@ -81,6 +86,8 @@ def _run_allreduce_phase(ar: dict, ar_groups: list, store, rank: int, result: di
                 times = allreduce_session(group, union, sizes, rounds=ar["warmup"] + ar["reps"])
                 result.setdefault("allreduce", {})[str(j)] = times
         _phase(store, f"allreduce-{j}", rank, members, timeout_s)
+        if rank == members[0]:
+            note(run_dir, rank, f"allreduce {j}")
 
 
 def run(
@@ -126,7 +133,7 @@ def run(
         assign = {int(k): v for k, v in compute.get("assign", {}).items()}
         if rank in assign and assign[rank]:
             prof = profiler or _make_profiler(plan, rank)
-            result["compute"] = _run_compute(prof, assign[rank], compute["micro_batch_sizes"])
+            result["compute"] = _run_compute(prof, assign[rank], compute["micro_batch_sizes"], run_dir, rank)
             for r in result["compute"]:  # the all-reduce phase moves each segment's gradient bytes
                 store.set(f"grad_bytes/{r['segment']}", str(r["grad_bytes"]))
         _phase(store, "compute", rank, sorted(assign), timeout_s)
@@ -139,10 +146,12 @@ def run(
                     links, name, rank, a, b, pair_groups[name], timeout_s
                 )
             _phase(store, f"link-{name}", rank, [a, b], timeout_s)
+            if rank == a:
+                note(run_dir, rank, f"link {name}")
         mark("links")
 
         if ar:
-            _run_allreduce_phase(ar, ar_groups, store, rank, result, timeout_s)
+            _run_allreduce_phase(ar, ar_groups, store, rank, result, timeout_s, run_dir)
         mark("allreduce")
         # Rank 0 hosts the store: everyone leaves together, so no rank loses it while waiting.
         # (On an error a rank just exits; the parent then stops the others.)
@@ -180,10 +189,11 @@ def _make_profiler(boot: dict, rank: int):
     )
 
 
-def _run_compute(prof, segments: list[int], ms: list[int]) -> list[dict]:
+def _run_compute(prof, segments: list[int], ms: list[int], run_dir: Path | None, rank: int) -> list[dict]:
     out = []
     for seg in segments:
         out.extend(r.to_dict() for r in prof.measure(seg, ms))
+        note(run_dir, rank, f"segment {seg}")
     return out
 
 
@@ -240,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         stamps["imported"] = time.perf_counter()
         prof = _make_profiler(boot, rank) if rank < int(boot.get("compute_ranks", 0)) else None
         stamps["preloaded"] = time.perf_counter()
+        note(run_dir, rank, f"ready {rank}")
         plan = {**boot, **_wait_for_plan(run_dir, float(boot.get("timeout_s", 300)))}
         stamps["plan"] = time.perf_counter()
         run(plan, rank, world, prof, run_dir, stamps)

@@ -41,6 +41,7 @@ from simulator.engine import simulate
 from varuna.core.batching import microbatch_counts
 from varuna.core.calibration import Calibration
 from varuna.core.partition import balanced_stages, candidate_maxima
+from varuna.core.progress import Progress
 from varuna.core.schedule import schedule_kind
 
 __all__ = [
@@ -335,6 +336,7 @@ def autoconfigure(
     micro_batch_size: int | None = None,
     host_slots: int | tuple[int, ...] = 1,
     exhaustive: bool = False,
+    progress: bool | None = False,
     _planner: _Planner | None = None,
 ) -> AutoConfigResult:
     """Rank configurations for ``gpus`` GPUs (see the module docstring).
@@ -342,7 +344,8 @@ def autoconfigure(
     ``micro_batch_size`` fixes m (it must be measured, or interpolable from two measured sizes);
     ``exhaustive`` simulates every candidate instead of pruning by the lower bound (for tests and
     "why not P=..." questions). Simulations use mean times (no jitter), so the ranking is
-    deterministic.
+    deterministic. ``progress``: a bar over the candidates (:class:`varuna.core.progress.Progress`
+    ``enabled``; None: on a terminal), for front-ends only.
 
     >>> from varuna.core.calibration import Calibration
     >>> cal = Calibration.synthetic(0.01, num_segments=4, micro_batch_sizes=(1, 2))
@@ -373,7 +376,9 @@ def autoconfigure(
     ]
     if not any(c.status == "pruned" for c in candidates):
         _explain_nothing_fits(planner, candidates, notes, gpus, global_batch_size, m_options, max_p)
-    best, simulations = _branch_and_bound(planner, candidates, gpus, exhaustive)
+    live = sum(c.status == "pruned" for c in candidates)  # those _branch_and_bound decides
+    with Progress(f"auto-config G={gpus}", total=live, unit="config", enabled=progress) as bar:
+        best, simulations = _branch_and_bound(planner, candidates, gpus, exhaustive, bar)
     candidates.sort(key=_rank)
     return AutoConfigResult(
         best=best,
@@ -467,7 +472,7 @@ def _explain_nothing_fits(
 
 
 def _branch_and_bound(
-    planner: _Planner, candidates: Sequence[Candidate], gpus: int, exhaustive: bool
+    planner: _Planner, candidates: Sequence[Candidate], gpus: int, exhaustive: bool, bar: Progress
 ) -> tuple[Candidate, int]:
     """Simulate the candidates in increasing order of their lower bound until the next bound
     cannot beat the best time; returns (best, simulations run)."""
@@ -478,9 +483,13 @@ def _branch_and_bound(
     simulations = 0
     for cand in live:
         if not exhaustive and best is not None and cand.lower_bound_s >= best.result.minibatch_s:
+            bar.set_postfix(f"{len(live) - simulations} pruned by their bound")
+            bar.update(len(live) - simulations)  # decided without simulating
             break  # sorted: no later candidate can win either
+        bar.set_postfix(f"P={cand.num_stages} D={cand.num_replicas} m={cand.micro_batch_size}")
         cand.result = simulate(planner.cal, cand.config)
         simulations += 1
+        bar.update()
         cand.status = "simulated"
         cand.memory_bytes = planner.memory_of(
             cand.num_stages,
@@ -539,8 +548,10 @@ def sweep_gpus(
     chunks: int = 2,
     micro_batch_size: int | None = None,
     host_slots: int | tuple[int, ...] = 1,
+    progress: bool | None = False,
 ) -> list[GpuSweepPoint]:
     """Best throughput and throughput per GPU for each G in ``gpus`` ("which G is worth asking for").
+    ``progress``: a bar over the G values, as in :func:`autoconfigure`.
 
     >>> from varuna.core.calibration import Calibration
     >>> cal = Calibration.synthetic(0.01, num_segments=8, micro_batch_sizes=(1, 2))
@@ -550,21 +561,24 @@ def sweep_gpus(
     _check_schedule(schedule)
     planner = _Planner(cal, schedule, recompute, chunks, host_slots, gpu_memory_bytes)
     out = []
-    for g in gpus:
-        try:
-            res = autoconfigure(
-                cal,
-                gpus=g,
-                global_batch_size=global_batch_size,
-                gpu_memory_bytes=gpu_memory_bytes,
-                schedule=schedule,
-                recompute=recompute,
-                chunks=chunks,
-                micro_batch_size=micro_batch_size,
-                host_slots=host_slots,
-                _planner=planner,
-            )
-            out.append(GpuSweepPoint(gpus=g, best=res.best))
-        except ValueError as e:
-            out.append(GpuSweepPoint(gpus=g, best=None, error=str(e)))
+    with Progress("sweep over G", total=len(gpus), unit="G", enabled=progress) as bar:
+        for g in gpus:
+            bar.set_postfix(f"G={g}")
+            try:
+                res = autoconfigure(
+                    cal,
+                    gpus=g,
+                    global_batch_size=global_batch_size,
+                    gpu_memory_bytes=gpu_memory_bytes,
+                    schedule=schedule,
+                    recompute=recompute,
+                    chunks=chunks,
+                    micro_batch_size=micro_batch_size,
+                    host_slots=host_slots,
+                    _planner=planner,
+                )
+                out.append(GpuSweepPoint(gpus=g, best=res.best))
+            except ValueError as e:
+                out.append(GpuSweepPoint(gpus=g, best=None, error=str(e)))
+            bar.update()
     return out

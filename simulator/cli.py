@@ -8,6 +8,9 @@ Examples::
         --trace best.json --plot best.png
     varuna-simulate --calibration cal.json --gpus 64 --global-batch-size 8192 --sweep-gpus 16,32,64,128
 
+On a terminal, progress bars on stderr show the search and the sweep (``--quiet`` or
+``VARUNA_QUIET=1`` turns them off; they never appear when stderr is not a terminal).
+
 Bad input exits with status 2 and one line ``varuna-simulate: error: <what> — <how to fix>``.
 """
 
@@ -157,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace", metavar="OUT.json", help="write the chosen config's timeline as Chrome trace JSON"
     )
     p.add_argument("--plot", metavar="OUT.png", help="write the chosen config's timeline as a Gantt chart")
+    p.add_argument("--quiet", action="store_true", help="no progress bars (also: VARUNA_QUIET=1)")
     return p
 
 
@@ -279,6 +283,7 @@ def _search(args, cal: Calibration) -> dict:
         chunks=args.chunks,
         micro_batch_size=args.micro_batch_size,
         host_slots=args.hosts_slots,
+        progress=False if args.quiet else None,
     )
     best: Candidate = plan.best
     cfg = best.config
@@ -310,6 +315,7 @@ def _sweep(args, cal: Calibration) -> list[dict]:
         chunks=args.chunks,
         micro_batch_size=args.micro_batch_size,
         host_slots=args.hosts_slots,
+        progress=False if args.quiet else None,
     )
     if not args.json:
         print(f"\n{'G':>6} {'P':>4} {'D':>5} {'examples/s':>11} {'ex/s/GPU':>9}")

@@ -287,6 +287,26 @@ def test_cli_toml_jobspec(server, tmp_path, capsys):
     assert srv.store.job(job_id).spec["env"] == {"OMP_NUM_THREADS": "1"}
 
 
+def test_cli_wait(server, tmp_path, capsys):
+    srv, token = server
+    common = ["--manager", srv.address, "--token-file", str(token)]
+    assert cli.main(["submit", str(_jobspec(tmp_path)), *common]) == 0
+    job_id = capsys.readouterr().out.strip()
+    # No VM can be created (max_created 0): the job stays pending until the deadline.
+    argv = ["wait", job_id, "--until", "running", "--wait-timeout", "0.3", "--poll", "0.05", *common]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"job {job_id} is still pending after 0.3 s" in err, err
+    assert cli.main(["cancel", job_id, *common]) == 0
+    capsys.readouterr()
+    assert cli.main(["wait", job_id, "--poll", "0.05", "--wait-timeout", "60", *common]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"job {job_id} ended cancelled" in err, err
+    assert srv.store.job(job_id).state == "cancelled"
+    assert cli.main(["wait", "no-such-job", *common]) == 2
+    assert "no job 'no-such-job'" in capsys.readouterr().err
+
+
 def test_cli_wrong_token_and_unreachable_exit_1(server, tmp_path, capsys):
     srv, _ = server
     other = _token(tmp_path / "other")

@@ -31,6 +31,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TextIO
 
+from varuna.core.progress import Progress
 from varuna.launch.agent_host import AgentError, AgentHost, new_job_id, record_of
 from varuna.launch.hosts import HostEntry
 from varuna.launch.local import LocalHost
@@ -92,8 +93,10 @@ def launch(
     hosts: Sequence[Host] | None = None,
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
+    progress: bool | None = False,
 ) -> int:
     """Run the job to completion and return the launcher's exit code (see module docstring).
+    ``progress``: a bar while the workers start (``varuna.core.progress``; None: on a terminal).
 
     ``hosts`` defaults to this machine with P×D slots. Called from the main thread, SIGINT,
     SIGTERM and SIGUSR1 are handled (and forwarded) while the job runs and restored afterwards;
@@ -122,6 +125,7 @@ def launch(
         stdout=stdout,
         stderr=stderr,
         log_dir=config.log_dir,
+        progress=progress,
     )
     with _ForwardedSignals() as signals:
         signals.hand_to(supervisor)
@@ -273,6 +277,7 @@ def launch_on_hosts(
     heartbeat_timeout_s: float | None = None,
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
+    progress: bool | None = False,
 ) -> int:
     """Run the job on ``entries`` (:class:`varuna.launch.hosts.HostEntry`, slots assigned) through one
     agent per host; return the launcher's exit code. The hosts must hold ``config.world_size``
@@ -280,6 +285,7 @@ def launch_on_hosts(
 
     Signals are handled as in :func:`launch` (called from the main thread), including while the
     agents start. Every exit path closes every agent: each kills what is left of its workers.
+    ``progress``: bars while the agents and the workers start, as in :func:`launch`.
 
     Example::
 
@@ -311,7 +317,7 @@ def launch_on_hosts(
     supervisor: Supervisor | None = None
     with _ForwardedSignals() as signals:  # queued until the supervisor exists
         try:
-            stopped = _start_agents(hosts, signals, message)
+            stopped = _start_agents(hosts, signals, message, progress, stderr)
             if stopped is not None:
                 return stopped
             port = config.master_port or hosts[0].free_port
@@ -325,6 +331,7 @@ def launch_on_hosts(
                 stderr=stderr,
                 log_dir=config.log_dir,
                 out_lock=out_lock,
+                progress=progress,
             )
             signals.hand_to(supervisor)
             supervisor.start()
@@ -352,18 +359,24 @@ def _check_before_agents(config: LaunchConfig, entries: Sequence[HostEntry]) -> 
 
 
 def _start_agents(
-    hosts: Sequence[AgentHost], signals: _ForwardedSignals, message: Callable[[str], None]
+    hosts: Sequence[AgentHost],
+    signals: _ForwardedSignals,
+    message: Callable[[str], None],
+    progress: bool | None,
+    stderr: TextIO,
 ) -> int | None:
-    """Start every agent and wait for each "ready" line; the launcher's exit code when a signal
-    came first, else None."""
+    """Start every agent and wait for each "ready" line (a bar of them: ``progress``); the
+    launcher's exit code when a signal came first, else None."""
     # All forks first, then threads (Note [No orphans]: preexec_fn with other threads).
     for host in hosts:
         host.start_process()
     for host in hosts:
         host.start_threads()
-    for host in hosts:
-        if not host.wait_ready(abort=signals.stop_requested):
-            break
+    with Progress("starting agents", total=len(hosts), unit="host", enabled=progress, file=stderr) as bar:
+        for host in hosts:
+            if not host.wait_ready(abort=signals.stop_requested):
+                break
+            bar.update()
     if not signals.stop_requested():
         return None
     # No worker runs yet, so there is nothing to forward to or to checkpoint. SIGUSR1 ("stop so

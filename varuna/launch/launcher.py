@@ -189,6 +189,9 @@ def _add_job_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--manager", default=None, metavar="HOST:PORT", help="manager daemon address (VARUNA_MANAGER)"
     )
+    parser.add_argument(
+        "--quiet", action="store_true", help="no progress bars on a terminal (also: VARUNA_QUIET=1)"
+    )
 
 
 def _add_cut_args(parser: argparse.ArgumentParser) -> None:
@@ -284,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             check_procs_per_host(args.procs, "this machine", args.max_procs_per_host)
             layout = _local_layout(args)
             check_local_script(config)
-            return launch(_with_layout(config, layout, args))
+            return launch(_with_layout(config, layout, args), progress=_progress(args))
         return _main_hosts(args, config)
     except ValueError as exc:
         return _usage_error(str(exc))
@@ -365,7 +368,13 @@ def _local_layout(args: argparse.Namespace) -> Layout:
         global_batch_size=args.global_batch_size,
         gpu_memory_bytes=_gpu_memory_bytes(args),
         schedule=args.schedule or "varuna",
+        progress=_progress(args),
     )
+
+
+def _progress(args: argparse.Namespace) -> bool | None:
+    """Progress bars (auto-config, agents and workers starting): on a terminal unless --quiet."""
+    return False if args.quiet else None
 
 
 def _with_layout(config: LaunchConfig, layout: Layout, args: argparse.Namespace) -> LaunchConfig:
@@ -424,6 +433,7 @@ def _main_hosts(args: argparse.Namespace, config: LaunchConfig) -> int:
             global_batch_size=args.global_batch_size,
             gpu_memory_bytes=_gpu_memory_bytes(args),
             schedule=args.schedule or "varuna",
+            progress=_progress(args),
         )
     except ValueError as exc:
         _say(f"cannot launch: {exc}{left_out}")
@@ -435,7 +445,9 @@ def _main_hosts(args: argparse.Namespace, config: LaunchConfig) -> int:
         _say(f"cannot launch: {problem}")
         return EXIT_WORKER_FAILED
     _say(_placement_line(config, used))
-    return launch_on_hosts(config, used, ssh=ssh, job_id=args.job_id, unreachable=unreachable)
+    return launch_on_hosts(
+        config, used, ssh=ssh, job_id=args.job_id, unreachable=unreachable, progress=_progress(args)
+    )
 
 
 def _say(text: str) -> None:

@@ -80,9 +80,10 @@ def auto_configure(
     host_slots: Sequence[int],
     gpu_memory_bytes: int | None = None,
     schedule: str = "varuna",
+    progress: bool | None = False,
 ) -> Layout:
     """The simulator's fastest P×D (and m) for ``gpus`` accelerators running ``schedule``
-    (``simulator.autoconfig``).
+    (``simulator.autoconfig``); ``progress``: its progress bar (``varuna.core.progress``).
 
     The simulator is imported here, not at module load: the launcher must work on hosts where
     only the runtime is installed, as long as P is given explicitly. ``ValueError`` carries
@@ -108,6 +109,7 @@ def auto_configure(
         gpu_memory_bytes=gpu_memory_bytes,
         host_slots=tuple(host_slots),
         schedule=schedule,
+        progress=progress,
     )
     best = result.best
     speed = f", simulated {best.examples_per_s:.3g} examples/s" if best.examples_per_s else ""
@@ -131,10 +133,12 @@ def resolve_layout(
     global_batch_size: int | None = None,
     gpu_memory_bytes: int | None = None,
     schedule: str = "varuna",
+    progress: bool | None = False,
 ) -> Layout:
     """P×D for the available ``slots`` (one count per host): P and D as given; P given, D the
     most replicas that fit; or neither, from auto-config on ``calibration`` planning for
-    ``schedule``. ``ValueError`` says why nothing fits.
+    ``schedule`` (``progress``: its bar, see :func:`auto_configure`). ``ValueError`` says why
+    nothing fits.
 
     Example::
 
@@ -175,4 +179,5 @@ def resolve_layout(
         host_slots=slots,
         gpu_memory_bytes=gpu_memory_bytes,
         schedule=schedule,
+        progress=progress,
     )

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, TextIO
 
+from varuna.core.progress import Progress
 from varuna.launch.procs import KILL_REAP_TIMEOUT_S
 from varuna.launch.spec import Host, WorkerHandle, WorkerSpec
 
@@ -107,8 +108,10 @@ class Supervisor:
         stderr: TextIO | None = None,
         log_dir: str | None = None,
         out_lock: threading.Lock | None = None,
+        progress: bool | None = False,
     ) -> None:
         self._specs = list(specs)
+        self._progress = progress  # a bar while the workers start (varuna.core.progress)
         self._hosts = list(hosts)
         self._stop_timeout_s = stop_timeout_s
         self._stdout = stdout if stdout is not None else sys.stdout
@@ -146,26 +149,15 @@ class Supervisor:
         workers already started; :meth:`wait` still has to be called."""
         if self._log_dir is not None:
             self._log_dir.mkdir(parents=True, exist_ok=True)
-        for host_id, group in itertools.groupby(self._specs, key=lambda s: s.env.host_id):
-            if self._cause is not None:
-                break
-            host = self._hosts[host_id]
-            batch = list(group)
-            spawn_many = getattr(host, "spawn_many", None)
-            if spawn_many is not None:
-                # A host with an agent starts its workers in one request (one round trip).
-                started, failure = spawn_many(batch)
-                self.workers.extend(started)
-                if failure is not None:
-                    self._fail(f"{failure[0].label} could not be started {failure[1]}")
-                continue
-            for spec in batch:
-                try:
-                    worker = host.spawn(spec)
-                except (OSError, subprocess.SubprocessError) as exc:
-                    self._fail(f"{spec.label} could not be started: {exc}")
-                    break
-                self.workers.append(worker)
+        # Closed before any output is relayed: the bar never interleaves with the workers' lines.
+        with Progress(
+            "starting workers",
+            total=len(self._specs),
+            unit="worker",
+            enabled=self._progress,
+            file=self._stderr,
+        ) as bar:
+            self._spawn_all(bar)
         # Readers start only after all forks: preexec_fn runs between fork and exec, which is
         # only safe while no other thread of ours may hold a lock the child needs.
         for worker in self.workers:
@@ -181,6 +173,30 @@ class Supervisor:
                 )
                 thread.start()
                 self._readers.append(thread)
+
+    def _spawn_all(self, bar: Progress) -> None:
+        for host_id, group in itertools.groupby(self._specs, key=lambda s: s.env.host_id):
+            if self._cause is not None:
+                break
+            host = self._hosts[host_id]
+            batch = list(group)
+            spawn_many = getattr(host, "spawn_many", None)
+            if spawn_many is not None:
+                # A host with an agent starts its workers in one request (one round trip).
+                started, failure = spawn_many(batch)
+                self.workers.extend(started)
+                bar.update(len(started))
+                if failure is not None:
+                    self._fail(f"{failure[0].label} could not be started {failure[1]}")
+                continue
+            for spec in batch:
+                try:
+                    worker = host.spawn(spec)
+                except (OSError, subprocess.SubprocessError) as exc:
+                    self._fail(f"{spec.label} could not be started: {exc}")
+                    break
+                self.workers.append(worker)
+                bar.update()
 
     def wait(self) -> int:
         """Supervise until every worker has exited; return the launcher's exit code."""

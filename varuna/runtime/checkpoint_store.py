@@ -258,9 +258,10 @@ def save_hashed(obj: Any, path: Path) -> tuple[int, str]:
     return w.nbytes, w.sha.hexdigest()
 
 
-def copy_file(src: Path, dst: Path, chunk_bytes: int, on_chunk: Callable[[], None]) -> None:
-    """Copy ``src`` to ``dst`` via a tmp name, fsynced, then renamed into place. The data moves
-    inside the kernel (sendfile), so the copy costs training processes almost no CPU."""
+def copy_file(src: Path, dst: Path, chunk_bytes: int, on_chunk: Callable[[int], None]) -> None:
+    """Copy ``src`` to ``dst`` via a tmp name, fsynced, then renamed into place; ``on_chunk(n)``
+    after each chunk of ``n`` bytes. The data moves inside the kernel (sendfile), so the copy
+    costs training processes almost no CPU."""
     tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
     try:
         with open(src, "rb") as fi, open(tmp, "wb") as fo:
@@ -278,7 +279,7 @@ def copy_file(src: Path, dst: Path, chunk_bytes: int, on_chunk: Callable[[], Non
                 if n == 0:
                     raise OSError(f"{src}: file shrank while being copied")
                 off += n
-                on_chunk()
+                on_chunk(n)
             os.fsync(fo.fileno())
         os.replace(tmp, dst)
     except BaseException:

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from varuna.core.progress import Progress
 from varuna.runtime.checkpoint_shards import Shard
 from varuna.runtime.checkpoint_store import (
     FORMAT,
@@ -308,12 +309,26 @@ def run_save_job(job: SaveJob) -> bool:
             raise job.local_failure
         write_local(job)
         job.target.mkdir(parents=True, exist_ok=True)
-        for f in job.files:
-            copy_file(
-                job.local / f["name"], job.target / f["name"], job.chunk_bytes, lambda: hook("copy-chunk")
-            )
-            copied.append(job.target / f["name"])
-            hook("copied")
+        # Rank 0 only, on a terminal, for copies slow enough to wait for (the delay): the bar
+        # shares the screen with the training loop's output.
+        with Progress(
+            f"checkpoint step {job.step}",
+            total=sum(f["bytes"] for f in job.files),
+            unit="B",
+            unit_scale=True,
+            leave=False,
+            delay=1.0,
+            enabled=None if job.rank == 0 else False,
+        ) as bar:
+
+            def on_chunk(n: int) -> None:
+                bar.update(n)
+                hook("copy-chunk")
+
+            for f in job.files:
+                copy_file(job.local / f["name"], job.target / f["name"], job.chunk_bytes, on_chunk)
+                copied.append(job.target / f["name"])
+                hook("copied")
         fsync_dir(job.target)
         if job.files:
             markers = job.target / MARKERS
