@@ -221,6 +221,42 @@ def test_extras_reached_without_their_packages_say_which_pip_install(tmp_path):
     )
 
 
+AZURE_SUBMIT = r"""
+import sys
+from manager.context import ManagerConfig, ManagerError
+from manager.controller import Manager
+from manager.jobspec import JobSpec, spec_to_pb
+from manager.store import Store
+
+d = sys.argv[1]
+mgr = Manager(Store(d + "/state.sqlite"),
+              ManagerConfig(advertise_address="127.0.0.1:1", token_file=d + "/token", state_dir=d))
+options = dict(subscription_id="s", resource_group="r", location="l", vm_size="v", subnet_id="n",
+               ssh_public_key="k")
+spec = JobSpec(script=d + "/train.py", global_batch_size=8, max_vms=2, checkpoint_dir=d + "/ck",
+               target_steps=5,
+               provider="azure", provider_options=options)
+try:
+    print("submitted", mgr.submit(spec_to_pb(spec, "")))
+except ManagerError as e:
+    print(e.code.name, e.message)
+"""
+
+
+def test_an_azure_job_is_refused_at_submit_without_the_sdk(tmp_path):
+    """The daemon has grpc but not the Azure SDK: the job is refused now, not at its first tick."""
+    (tmp_path / "train.py").write_text("")
+    r = run_python(["-c", AZURE_SUBMIT, str(tmp_path)], blocker_env(tmp_path / "blocker", ["azure"]))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        "FAILED_PRECONDITION the azure provider (on the manager's host) needs the azure extra "
+        "(azure-identity, azure-mgmt-compute): pip install 'varuna[azure]'"
+    ]
+    # Control: with the SDK the same job is accepted (no Azure call happens at submit).
+    r = run_python(["-c", AZURE_SUBMIT, str(tmp_path)], blocker_env(tmp_path / "blocker-none", []))
+    assert r.returncode == 0 and r.stdout.startswith("submitted "), (r.stdout, r.stderr)
+
+
 # -- the GPT example at P=2 D=2: light, and under torchrun ---------------------------------------
 
 
@@ -281,8 +317,8 @@ def _resolve(**env: str):
 def test_torchrun_without_a_pipeline_depth_is_one_line():
     """What torchrun does not set (P) is asked for in one line; no process group is made."""
     torchrun = {"WORLD_SIZE": "4", "RANK": "0", "TORCHELASTIC_RUN_ID": "none"}
-    with pytest.raises(ValueError, match=r"^torchrun started 4 processes but no pipeline depth is set: "
-                                         r"export VARUNA_PIPELINE_DEPTH=P .*VarunaConfig\(pipeline_depth=P\)$"):
+    no_p = r"^torchrun started 4 processes but no pipeline depth is set: export VARUNA_PIPELINE_DEPTH=P "
+    with pytest.raises(ValueError, match=no_p + r".*VarunaConfig\(pipeline_depth=P\)$"):
         _resolve(**torchrun)
     with pytest.raises(ValueError, match=r"world size 4 != pipeline depth 3 x data parallel 1; .*"
                                          r"torchrun --nproc-per-node 3"):
