@@ -21,6 +21,7 @@ from manager.jobspec import JobSpec, spec_from_pb
 from manager.store import GenerationRecord, JobRecord, VMRecord, WorkerStatRecord
 from manager.vm_book import VMBook
 from varuna.core.calibration import Calibration
+from varuna.core.extras import MissingExtra, require_extra
 
 __all__ = ["JobRequests", "job_id_for"]
 
@@ -67,11 +68,14 @@ class JobRequests:
 
                 LocalProviderOptions.from_dict(spec.provider_options)
             elif spec.provider == "azure":
-                from manager.providers.azure import AzureProviderOptions
+                from manager.providers.azure import AZURE_WHAT, AzureProviderOptions
 
                 AzureProviderOptions.from_dict(spec.provider_options)
+                require_extra("azure", AZURE_WHAT)  # now, not at the first tick
         except (ValueError, TypeError) as exc:
             raise ManagerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc).splitlines()[0]) from None
+        except MissingExtra as exc:
+            raise ManagerError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
         if calibration_json and spec.profile:
             raise ManagerError(
                 grpc.StatusCode.INVALID_ARGUMENT,

@@ -98,6 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--level", default="none", help="network level of the --gantt row")
     ap.add_argument("--model", default="emulated", help="model of the --gantt row")
     a = ap.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from varuna.core.extras import MissingExtra, require_extra
+
+    try:
+        require_extra("plot", "plot_bench.py")
+    except MissingExtra as e:
+        print(f"plot_bench: {e}", file=sys.stderr)
+        return 2
     try:
         rows = json.loads(a.json.read_text())["rows"]
     except (OSError, ValueError, KeyError) as e:

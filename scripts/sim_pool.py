@@ -48,6 +48,7 @@ from manager.allocation.rounds import Placement, RoundScheduler  # noqa: E402
 from manager.allocation.throughput import JobProfile, ThroughputModel  # noqa: E402
 from varuna.core.calibration import AllReduceModel, Calibration, LinkModel  # noqa: E402
 from varuna.core.cli import OneLineParser  # noqa: E402
+from varuna.core.extras import MissingExtra, require_extra  # noqa: E402
 
 #: Illustrative spot prices ($/h per VM, one accelerator each) and pool sizes: K80-, P100- and
 #: V100-class VMs. Gavel's matrix (Fig. 1) motivates the speed-ups below, not their exact values.
@@ -393,6 +394,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown policy {bad[0]!r}; choose from {', '.join(POLICY_NAMES)}")
     if args.jobs < 1 or args.seeds < 1 or args.round_s <= 0 or args.mean_gap_min <= 0:
         ap.error("--jobs and --seeds must be >= 1, --round-s and --mean-gap-min > 0")
+    try:  # before minutes of simulation, not after
+        require_extra("manager", "sim_pool.py (pool allocation)", ["scipy"])
+        if args.plot:
+            require_extra("plot", "sim_pool.py --plot")
+    except MissingExtra as e:
+        print(f"sim_pool.py: error: {e}", file=sys.stderr)
+        return 2
     n_jobs = 4 if args.tiny else args.jobs
     per_seed = []
     for seed in range(args.seed, args.seed + args.seeds):

@@ -35,6 +35,7 @@ from simulator.config import SIM_SCHEDULE_KINDS, SimConfig, SimResult
 from simulator.engine import simulate
 from varuna.core.calibration import Calibration
 from varuna.core.cli import OneLineParser
+from varuna.core.extras import MissingExtra, require_extra
 from varuna.core.schedule import schedule_kind
 
 PROG = "varuna-simulate"
@@ -212,6 +213,8 @@ def _run(args) -> int:
         raise _UsageError(
             f"unknown schedule kind {args.schedule!r}; choose one of {', '.join(SIM_SCHEDULE_KINDS)}"
         )
+    if args.plot:  # before minutes of search, not after
+        require_extra("plot", "--plot")
     if not 0 <= args.jitter_scale <= 1e6:  # also refuses nan and inf
         raise _UsageError(f"--jitter-scale must be a number >= 0 (at most 1e6), got {args.jitter_scale}")
     cal = Calibration.load(args.calibration)
@@ -357,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # interpreter's final flush does not complain again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (_UsageError, ValueError, OSError) as e:
+    except (_UsageError, ValueError, OSError, MissingExtra) as e:
         # Library errors are written to be shown as they are: one line with the fix.
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"{PROG}: error: {message}", file=sys.stderr)

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpt2"))
 from data import ByteBatches  # noqa: E402
 
 import varuna  # noqa: E402
+from varuna.core.extras import MissingExtra, require  # noqa: E402
 
 #: model family -> (HF model_type, the config's names for layers, width, heads, kv heads, positions)
 FAMILIES = {
@@ -72,10 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
     """The family's causal LM from a small config, random weights seeded by ``--seed``."""
-    try:
-        import transformers
-    except ImportError:
-        raise ValueError("Hugging Face transformers is not installed; pip install 'varuna[hf]'") from None
+    transformers = require("transformers", "hf", "examples/hf/train.py")
     transformers.logging.set_verbosity_error()
     model_type, layers, width, heads, kv_heads, positions = FAMILIES[args.model]
     kw = {layers: args.layers, width: args.d_model, heads: args.heads, positions: args.seq,
@@ -142,6 +140,6 @@ if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         sys.exit(main())
-    except ValueError as e:  # bad input: one line naming the problem and the fix
+    except (ValueError, MissingExtra) as e:  # bad input: one line naming the problem and the fix
         print(f"train.py: error: {e}", file=sys.stderr)
         sys.exit(2)

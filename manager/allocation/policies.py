@@ -36,9 +36,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import linprog
 
 from manager.allocation.throughput import Config, ThroughputMatrix
+from varuna.core.extras import require
 
 __all__ = [
     "Allocation",
@@ -145,6 +145,8 @@ class _LP:
 
         a_ub, b_ub = dense(self.ub)
         a_eq, b_eq = dense(self.eq)
+        # Imported here: scipy is the manager extra's, and the rest of the package needs only numpy.
+        linprog = require("scipy.optimize", "manager", "pool allocation (manager/allocation)").linprog
         res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=(0.0, None), method="highs")
         if res.status == 2:
             return None

@@ -17,7 +17,7 @@ network SDK too.
 
 The agent is started by cloud-init from the scale set's ``customData``: it writes the bearer
 token to ``/etc/varuna/token`` (mode 600), runs ``setup_command`` (e.g. ``pip install
-varuna==X``) and starts ``python3 -m manager.vm_agent``. Note that ``customData`` is readable by
+'varuna[manager]==X'``) and starts ``python3 -m manager.vm_agent``. Note that ``customData`` is readable by
 anyone who can read the scale set in the subscription; use a dedicated token per deployment.
 
 Everything is reached through the SDK client, so tests replace its HTTP transport (azure-core
@@ -37,6 +37,7 @@ from typing import Any
 from manager.providers import NewVM, ProviderContext
 from manager.scheduled_events import DEFAULT_METADATA_URL
 from manager.store import VMRecord
+from varuna.core.extras import require_extra
 
 __all__ = ["AzureProvider", "AzureProviderOptions", "agent_custom_data"]
 
@@ -67,8 +68,9 @@ class AzureProviderOptions:
     scale_set: str = ""
     """Scale set name; default ``varuna-<job id>``."""
     admin_username: str = "varuna"
-    setup_command: str = "python3 -m pip install --quiet varuna"
-    """Shell command cloud-init runs before starting the agent (installs this package)."""
+    setup_command: str = "python3 -m pip install --quiet 'varuna[manager]'"
+    """Shell command cloud-init runs before starting the agent (installs this package with the
+    manager extra: the agent speaks gRPC)."""
     python: str = "python3"
     max_price: float = -1.0
     list_interval_s: float = 30.0
@@ -142,6 +144,10 @@ def agent_custom_data(
     return base64.b64encode(("\n".join(lines) + "\n").encode("utf-8")).decode("ascii")
 
 
+#: What needs the azure extra, as its one-line error names it.
+AZURE_WHAT = "the azure provider (on the manager's host)"
+
+
 class AzureProvider:
     """See the module docstring. ``client`` (a ``ComputeManagementClient``) and ``credential``
     are for tests and special set-ups; by default ``DefaultAzureCredential`` is used."""
@@ -156,6 +162,8 @@ class AzureProvider:
         client: Any = None,
         token: str | None = None,
     ) -> None:
+        if client is None:  # one line naming the pip install, not an ImportError at the first tick
+            require_extra("azure", AZURE_WHAT)
         self.options = options
         self.context = context
         self._client = client

@@ -5,7 +5,7 @@ One format for simulated and real runs: the simulator and the runtime both produ
 as a Gantt chart in the style of the Varuna paper's Figure 7 (rows = stages; F red, B green,
 R orange, all-reduce purple, optimizer grey; micro-batch numbers on boxes that fit them).
 
-Pure Python; matplotlib is imported only inside :meth:`Timeline.plot_gantt`.
+Pure Python; matplotlib (the ``plot`` extra) is imported only inside :meth:`Timeline.plot_gantt`.
 
 Example::
 
@@ -23,6 +23,8 @@ import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from varuna.core.extras import require
 
 __all__ = ["Event", "Timeline", "OPS", "COLORS"]
 
@@ -200,8 +202,9 @@ class Timeline:
         >>> tl.add(stage=0, replica=0, op="F", microbatch=0, start_s=0.0, end_s=1.0)
         >>> tl.plot_gantt("/tmp/_timeline_doctest.png", title="one box")
         """
-        # Imported here: matplotlib is optional and slow to import; Figure + Agg canvas avoid
-        # pyplot's global state (safe in servers and threads).
+        # Imported here: matplotlib is optional (the plot extra) and slow to import; Figure + Agg
+        # canvas avoid pyplot's global state (safe in servers and threads).
+        require("matplotlib", "plot", "Timeline.plot_gantt")
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 

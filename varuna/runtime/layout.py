@@ -48,9 +48,30 @@ class Layout:
         return rank_of(stage=stage, replica=replica, pipeline_depth=self.P)
 
 
+#: Set by torchrun (``torch.distributed.run``) in every worker, never by varuna-launch.
+TORCHRUN_VAR = "TORCHELASTIC_RUN_ID"
+
+
 def _env_int(environ: Mapping[str, str], name: str) -> int | None:
     v = environ.get(name)
-    return int(v) if v not in (None, "") else None
+    if v in (None, ""):
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"{name}={v!r} is not an integer; set it to a whole number or unset it") from None
+
+
+def _pipeline_depth(pipeline_depth: int | None, env: Mapping[str, str], world: int) -> int:
+    """P from the argument, else ``$VARUNA_PIPELINE_DEPTH``, else 1; under torchrun with several
+    processes P must be stated, since P=1 silently replicates the whole model on every process."""
+    P = pipeline_depth or _env_int(env, "VARUNA_PIPELINE_DEPTH")
+    if P is None and world > 1 and env.get(TORCHRUN_VAR):
+        raise ValueError(
+            f"torchrun started {world} processes but no pipeline depth is set: export "
+            "VARUNA_PIPELINE_DEPTH=P (P=1: data parallelism only) or pass VarunaConfig(pipeline_depth=P)"
+        )
+    return P or 1
 
 
 def init_distributed(
@@ -63,6 +84,8 @@ def init_distributed(
 ) -> tuple[Layout, bool]:
     """Resolve P and D (arguments, else ``$VARUNA_PIPELINE_DEPTH`` / ``$VARUNA_DATA_PARALLEL``) and
     join the default process group when there are several processes and nobody joined it yet.
+    The rest comes from torchrun's variables (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``, ...),
+    which varuna-launch sets too, so a script runs under either (docs/launch.md, "Under torchrun").
     Returns the layout and whether this call created the process group (the engine then destroys
     it on close).
 
@@ -73,14 +96,19 @@ def init_distributed(
     """
     env = os.environ if environ is None else environ
     world = dist.get_world_size() if dist.is_initialized() else (_env_int(env, "WORLD_SIZE") or 1)
-    P = pipeline_depth or _env_int(env, "VARUNA_PIPELINE_DEPTH") or 1
+    P = _pipeline_depth(pipeline_depth, env, world)
     D = data_parallel or _env_int(env, "VARUNA_DATA_PARALLEL") or max(world // P, 1)
     if P < 1 or D < 1:
         raise ValueError(f"pipeline depth and data parallelism must be >= 1 (got P={P}, D={D})")
     if world != P * D:
+        how = (
+            f"torchrun --nproc-per-node {P * D} on one node"
+            if env.get(TORCHRUN_VAR)
+            else f"varuna-launch --procs {P * D} --pipeline-depth {P}"
+        )
         raise ValueError(
             f"world size {world} != pipeline depth {P} x data parallel {D}; launch P×D processes "
-            f"(varuna-launch --procs {P * D} --pipeline-depth {P}) or change P/D"
+            f"({how}) or change P/D"
         )
     owns = False
     if world > 1 and not dist.is_initialized():
