@@ -30,6 +30,7 @@ from manager.context import ManagerConfig, ManagerError
 from manager.controller import Manager
 from manager.daemon_lock import DaemonLock
 from manager.store import Store
+from varuna.core.extras import MissingExtra, require_extra
 from varuna.launch.procs import is_loopback
 
 __all__ = ["MAX_MESSAGE_BYTES", "ManagerServer", "ServeConfig", "insecure_listen_warning"]
@@ -259,12 +260,9 @@ def _dashboard_address(address: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ValueError(f"--dashboard {address!r} is not HOST:PORT (port 0: any free port)")
     try:
-        import aiohttp  # noqa: F401
-        import plotly  # noqa: F401
-    except ImportError as exc:
-        raise ValueError(
-            f"--dashboard needs {exc.name}, which is not installed; pip install 'varuna[dashboard]'"
-        ) from None
+        require_extra("dashboard", "--dashboard")
+    except MissingExtra as exc:
+        raise ValueError(str(exc)) from None
     return host.strip("[]"), int(port)
 
 

@@ -27,6 +27,8 @@ BLOCKED = (
     "matplotlib",
     "tqdm",
     "tensorboard",
+    "aiohttp",
+    "plotly",
 )
 
 _SITECUSTOMIZE = '''\

@@ -362,6 +362,24 @@ def test_serve_refuses_a_bad_dashboard_address_in_one_line(tmp_path, capsys):
     ]
 
 
+@pytest.mark.parametrize("missing", ["aiohttp", "plotly"])
+def test_serve_without_the_dashboard_extra_names_it_in_one_line(tmp_path, capsys, monkeypatch, missing):
+    from manager import cli
+
+    monkeypatch.setitem(sys.modules, missing, None)  # as if not installed
+    token = tmp_path / "tok"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    args = ["serve", "--db", str(tmp_path / "s.sqlite"), "--listen", "127.0.0.1:0"]
+    code = cli.main([*args, "--token-file", str(token), "--dashboard", "127.0.0.1:0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [
+        f"varuna-manager: error: --dashboard needs the dashboard extra ({missing}): "
+        "pip install 'varuna[dashboard]'"
+    ]
+    assert not (tmp_path / "s.sqlite").exists(), "refused before the state file is created"
+
+
 def test_manager_server_with_a_taken_dashboard_port_stops_everything(tmp_path):
     from manager.server import ManagerServer, ServeConfig
 

@@ -30,6 +30,7 @@ EXTRAS: dict[str, dict[str, str]] = {
     "plot": {"matplotlib": "matplotlib"},
     "progress": {"tqdm": "tqdm"},
     "tensorboard": {"tensorboard": "tensorboard"},
+    "dashboard": {"aiohttp": "aiohttp", "plotly": "plotly"},
 }
 
 

@@ -35,6 +35,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from varuna.core.extras import require
 from varuna.runtime.checkpoint import Resumed
 from varuna.runtime.config import StepResult, VarunaConfig
 
@@ -70,12 +71,10 @@ def adopt_tensorboard_env(config: VarunaConfig, environ: Mapping[str, str] | Non
 
 def summary_writer_class() -> type:
     """``torch.utils.tensorboard.SummaryWriter``, or ``ImportError`` (one line naming the extra)."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise ImportError(
-            f"tensorboard_dir is set but the tensorboard package is not installed: {INSTALL_HINT}"
-        ) from None
+    # torch.utils.tensorboard imports the package at its top; checking it first gives the hint.
+    require("tensorboard", "tensorboard", "tensorboard_dir")
+    from torch.utils.tensorboard import SummaryWriter
+
     return SummaryWriter
 
 
