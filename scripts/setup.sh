@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent install of everything varuna and its tests need, on a fresh Debian machine.
+# --tests: also the system packages only the tests use (sshd, Chromium), as root with apt-get.
 # torch is pinned to the CPU wheel first so that resolving the project never pulls the CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +14,7 @@ fi
 # and no other torch is pulled.
 "$PY" -m pip install -q -e ".[all,test]"
 "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else "setup.sh: torch is " + torch.__version__ + ", expected the 2.13.0 CPU wheel")'
+[ "${1:-}" = --tests ] || exit 0
 # OpenSSH server: the remote-launch tests start a real sshd on loopback.
 if ! [ -x /usr/sbin/sshd ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server openssh-client >/dev/null) \

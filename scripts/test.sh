@@ -3,7 +3,7 @@
 # Fast subset: bash scripts/test.sh -m "not slow"
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh --tests
 # Layers and cycles (pyproject.toml [tool.importlinter]); complexity and style (ruff).
 lint-imports --no-cache
 ruff check --quiet .
