@@ -42,7 +42,7 @@ def missing_browser() -> str | None:
         return "selenium is not installed (pip install -e '.[test]')"
     for path in (CHROMIUM, CHROMEDRIVER):
         if not Path(path).is_file():
-            return f"{path} is missing: apt-get install chromium chromium-driver (as scripts/setup.sh --tests does)"
+            return f"{path} is missing: apt-get install chromium chromium-driver (scripts/setup.sh --tests)"
     return None
 
 

@@ -184,7 +184,7 @@ class Sshd:
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
     if not os.path.exists(SSHD):
-        pytest.skip(f"{SSHD} not installed (apt-get install -y openssh-server; scripts/setup.sh --tests does it)")
+        pytest.skip(f"{SSHD} not installed (apt-get install -y openssh-server, or scripts/setup.sh --tests)")
     if shutil.which("ssh") is None or shutil.which("ssh-keygen") is None:
         pytest.skip("the OpenSSH client (ssh, ssh-keygen) is not installed")
     if not os.path.isdir("/run/sshd"):
