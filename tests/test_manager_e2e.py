@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -86,11 +87,28 @@ def reference_loss(tmp_path: Path, steps: int = STEPS) -> list[float]:
     return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
 
 
-def _bursts(pid: int, until: threading.Event, stop_s: float = 0.25, run_s: float = 0.01) -> None:
-    """SIGSTOP/SIGCONT the process group ``pid`` (a worker) until ``until`` is set, then SIGCONT."""
+def _bursts(
+    pid_of: Callable[[], int],
+    until: threading.Event,
+    sent: list[int],
+    stop_s: float = 0.25,
+    run_s: float = 0.01,
+) -> None:
+    """SIGSTOP/SIGCONT the process group of ``pid_of()`` (a worker) until ``until`` is set, then
+    SIGCONT. A pid that is gone (the status was read before the worker took its rank) is looked up
+    again; ``sent`` counts the stops delivered, for the failure message."""
+    pid = pid_of()
     try:
         while not until.is_set():
-            os.killpg(pid, signal.SIGSTOP)
+            try:
+                if pid <= 1:  # not reported yet (never 0: that would stop this test's own group)
+                    raise ProcessLookupError
+                os.killpg(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                until.wait(0.2)
+                pid = pid_of()
+                continue
+            sent[0] += 1
             until.wait(stop_s)
             os.killpg(pid, signal.SIGCONT)
             until.wait(run_s)
@@ -98,7 +116,8 @@ def _bursts(pid: int, until: threading.Event, stop_s: float = 0.25, run_s: float
         pass
     finally:
         try:
-            os.killpg(pid, signal.SIGCONT)
+            if pid > 1:
+                os.killpg(pid, signal.SIGCONT)
         except ProcessLookupError:
             pass
 
@@ -186,13 +205,19 @@ def test_gpt_on_six_pretend_vms_survives_kills_stutter_and_a_manager_restart(tmp
         assert (st.pipeline_depth, st.data_parallel) == (2, 3)
 
         # 1. Fail-stutter: SIGSTOP/SIGCONT bursts on one worker until the manager calls it slow.
-        slow_vm = st.vms[3]
-        worker_pid = slow_vm.workers[0].pid
-        burster = threading.Thread(target=_bursts, args=(worker_pid, stop_bursts), daemon=True)
+        slow_vm = next(v for v in st.vms if any(w.rank == 3 for w in v.workers))
+
+        def rank3_pid() -> int:
+            vms = {v.vm_id: v for v in status(mp, job).vms}
+            return next((w.pid for w in vms[slow_vm.vm_id].workers if w.rank == 3 and w.pid > 0), -1)
+
+        stops = [0]
+        burster = threading.Thread(target=_bursts, args=(rank3_pid, stop_bursts, stops), daemon=True)
         burster.start()
         try:
             wait_for(lambda: "slow" in kinds(mp, job), 120, "the slow VM to be detected", poll_s=0.2)
         except AssertionError:  # say what the manager saw: this wait is the one load can break
+            print(f"BURSTS {stops[0]} SIGSTOPs delivered to rank 3 on {slow_vm.vm_id}")
             for e in events(mp, job):
                 print("EVENT", e.kind, e.message[:300])
             print("STATUS", status(mp, job))
