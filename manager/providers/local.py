@@ -44,7 +44,11 @@ from manager.procs import alive, process_start_time, reap, terminate_group
 from manager.providers import NewVM, ProviderContext
 from manager.store import VMRecord
 
-__all__ = ["LocalProvider", "LocalProviderOptions", "read_capacity"]
+__all__ = ["SLOWDOWN_ENV", "LocalProvider", "LocalProviderOptions", "read_capacity"]
+
+#: Environment of a pretend VM of a slower pool type: its workers' steps take this many times as
+#: long (the agent's environment, which its workers inherit).
+SLOWDOWN_ENV = "VARUNA_VM_SLOWDOWN"
 
 #: SIGTERM → SIGKILL grace when deleting a pretend VM (the agent kills its workers on SIGTERM).
 DELETE_GRACE_S = 3.0
@@ -123,9 +127,18 @@ class LocalProvider:
         self._children: dict[str, subprocess.Popen] = {}
 
     def create_vms(
-        self, job_id: str, names: Sequence[str], slots: int, *, created_so_far: int
+        self,
+        job_id: str,
+        names: Sequence[str],
+        slots: int,
+        *,
+        created_so_far: int,
+        type_options: Mapping[str, Any] | None = None,
     ) -> list[NewVM]:
         count = len(names)
+        # A pool VM type slower than this machine (docs/pool.md): its workers take this many
+        # times as long per step (manager.client.attach_to_engine applies it).
+        slowdown = float((type_options or {}).get("vm_slowdown", 1.0))
         limit = self.options.max_created
         if self.options.capacity_file:
             limit = read_capacity(self.options.capacity_file)
@@ -176,6 +189,9 @@ class LocalProvider:
             env = dict(os.environ)
             package_root = str(Path(__file__).resolve().parents[2])
             env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+            env.pop(SLOWDOWN_ENV, None)
+            if slowdown > 1.0:
+                env[SLOWDOWN_ENV] = f"{slowdown:g}"
             with open(vm_dir / "agent.log", "ab") as log:
                 try:
                     popen = subprocess.Popen(
