@@ -103,12 +103,7 @@ def _add_serve_parser(sub: Any) -> None:
         metavar="HOST:PORT",
         help="also serve the read-only web dashboard here (needs varuna[dashboard]; the same token)",
     )
-    serve.add_argument(
-        "--pool",
-        default=None,
-        metavar="POOL.toml",
-        help="share a pool of VM types among the jobs submitted with --pool (docs/pool.md)",
-    )
+    serve.add_argument("--pool", metavar="POOL.toml", help="VM types shared by --pool jobs (docs/pool.md)")
     tune = serve.add_argument_group("supervision")
     tune.add_argument("--heartbeat-interval", type=_positive(float), default=2.0, metavar="S")
     tune.add_argument(
@@ -354,9 +349,8 @@ def _submit(args: argparse.Namespace) -> int:
     try:
         spec = load_jobspec(args.jobspec)
         if args.pool or args.weight is not None:
-            spec = dataclasses.replace(
-                spec, pool=spec.pool or args.pool, weight=args.weight if args.weight is not None else spec.weight
-            )
+            weight = args.weight if args.weight is not None else spec.weight
+            spec = dataclasses.replace(spec, pool=spec.pool or args.pool, weight=weight)
         calibration_json = ""
         if spec.calibration:
             from varuna.core.calibration import Calibration

@@ -149,7 +149,8 @@ class PoolConfig:
         changes = d.get("capacity_changes", [])
         if not isinstance(changes, list):
             raise ValueError("pool: 'capacity_changes' must be a list ([[capacity_changes]] in TOML)")
-        d["capacity_changes"] = [_make(CapacityChange, c, "pool: a [[capacity_changes]] entry") for c in changes]
+        where = "pool: a [[capacity_changes]] entry"
+        d["capacity_changes"] = [_make(CapacityChange, c, where) for c in changes]
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:
@@ -184,7 +185,8 @@ def load_pool_config(path: str | os.PathLike) -> PoolConfig:
     except ImportError:  # Python 3.10
         raise ValueError(f"{p}: TOML needs Python >= 3.11; write the pool config as JSON") from None
     except ValueError as exc:  # JSONDecodeError and TOMLDecodeError are ValueErrors
-        raise ValueError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {exc}".splitlines()[0]) from None
+        kind = "JSON" if p.suffix == ".json" else "TOML"
+        raise ValueError(f"{p}: not valid {kind}: {exc}".splitlines()[0]) from None
     try:
         return PoolConfig.from_dict(data)
     except ValueError as exc:

@@ -19,8 +19,8 @@ memory, times t's ``speed`` (compute relative to the calibrated VMs). That scale
 too, so it is optimistic for a slow type and pessimistic for a fast one; the measured correction
 (one factor per job × type, from the job's own progress) takes the rest.
 
-    >>> slots({"fast": 2, "slow": 1})
-    [PoolVM(vm_id='fast-0', vm_type='fast'), PoolVM(vm_id='fast-1', vm_type='fast'), PoolVM(vm_id='slow-0', vm_type='slow')]
+    >>> [vm.vm_id for vm in slots({"fast": 2, "slow": 1})]
+    ['fast-0', 'fast-1', 'slow-0']
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from typing import Any
 from manager.allocation.policies import Allocation, AllocationProblem, Job, solve
 from manager.allocation.pool import PoolVM
 from manager.allocation.rounds import Placement, RoundScheduler
-from manager.allocation.throughput import JobProfile, ThroughputModel
+from manager.allocation.throughput import JobProfile, ThroughputMatrix, ThroughputModel
 from manager.context import ManagerContext
 from manager.pool_config import PoolConfig
-from manager.pool_store import PoolJobState, PoolState, PoolStore
+from manager.pool_store import PoolJobState, PoolStore
 from manager.store import GenerationRecord, JobRecord, VMRecord
 
 __all__ = ["PoolRounds", "cfg_key", "slots"]
@@ -127,7 +127,9 @@ class PoolRounds:
         if types != {t[0]} or len(gen.vm_ids) > t[1]:
             return f"pool: {why}"
         if len(gen.vm_ids) < t[1] and gen.first_step_time is not None:
-            ready = [vm for vm in self.usable(job, vms) if vm.vm_id in gen.vm_set or self.ctx.usable(vm, now, 0.0)]
+            ready = [
+                vm for vm in self.usable(job, vms) if vm.vm_id in gen.vm_set or self.ctx.usable(vm, now, 0.0)
+            ]
             starting = [vm for vm in vms if vm.state == "requested" and self.vm_type_of(vm) == t[0]]
             if len(ready) >= t[1] and not starting:
                 return f"pool: {why}"
@@ -223,15 +225,16 @@ class PoolRounds:
             self.state.next_round_at = now + cfg.round_s
             self.pstore.save(self.config_json, self.state)
             return
-        plan = sched.plan(alloc, slots(capacity), morph_s=morph, fill=None if cfg.policy == "cost" else matrix)
+        fill = None if cfg.policy == "cost" else matrix  # cost releases VMs on purpose
+        plan = sched.plan(alloc, slots(capacity), morph_s=morph, fill=fill)
         sched.record(plan)
-        self._apply(jobs, alloc, plan, sched, capacity)
+        self._apply(jobs, alloc, plan, sched, capacity, matrix)
         self.state.round_index += 1
         self.state.next_round_at = now + cfg.round_s
         self.pstore.save(self.config_json, self.state)
 
     def _apply(self, jobs: list[JobRecord], alloc: Allocation, plan: Any, sched: RoundScheduler,
-               capacity: Mapping[str, int]) -> None:
+               capacity: Mapping[str, int], matrix: ThroughputMatrix) -> None:
         """Write the round into the state and tell every job whose placement changed."""
         moved = {m.job_id: m for m in plan.moves}
         r = self.state.round_index
@@ -239,8 +242,9 @@ class PoolRounds:
             s = self.state.jobs.setdefault(job.job_id, PoolJobState())
             p = plan.placements.get(job.job_id)
             s.vm_type, s.vm_ids = (p.vm_type, list(p.vm_ids)) if p is not None else ("", [])
-            s.allocation = {cfg_key(t, c): round(y, 6) for (t, c), y in alloc.fractions.get(job.job_id, {}).items()}
-            s.predicted = self.model.matrix([job.job_id]).rate(job.job_id, *p.config) if p is not None else 0.0
+            fractions = alloc.fractions.get(job.job_id, {})
+            s.allocation = {cfg_key(t, c): round(y, 6) for (t, c), y in fractions.items()}
+            s.predicted = matrix.rate(job.job_id, *p.config) if p is not None else 0.0
             s.factors = self.model.factors(job.job_id)
             s.received = {cfg_key(t, c): n for (t, c), n in sched.received(job.job_id).items()}
             s.age = sched.age(job.job_id)

@@ -148,44 +148,7 @@ class LocalProvider:
         for vm_id in names[:count]:
             vm_dir = Path(self.context.state_dir) / job_id / vm_id
             vm_dir.mkdir(parents=True, exist_ok=True)
-            argv = [
-                self.options.python,
-                "-m",
-                "manager.vm_agent",
-                "--manager",
-                self.context.manager_address,
-                "--token-file",
-                str(Path(self.context.token_file).resolve()),
-                "--vm-id",
-                vm_id,
-                "--job-id",
-                job_id,
-                "--slots",
-                str(slots),
-                "--address",
-                "127.0.0.1",
-                "--log-dir",
-                str(vm_dir),
-                "--heartbeat-interval",
-                f"{self.context.heartbeat_interval_s:g}",
-                "--orphan-timeout",
-                f"{self.context.orphan_timeout_s:g}",
-            ]
-            if self.context.tls_ca:
-                argv += ["--tls-ca", str(Path(self.context.tls_ca).resolve())]
-            if self.options.metadata_url:
-                argv += ["--metadata-url", self.options.metadata_url, "--vm-name", vm_id]
-            if self.options.approve_notices:
-                argv.append("--approve-notices")
-            if self.options.standby:
-                argv += [
-                    "--standby",
-                    str(slots),
-                    "--standby-delay",
-                    f"{self.options.standby_delay_s:g}",
-                    "--standby-priority",
-                    self.options.standby_priority,
-                ]
+            argv = self._agent_argv(job_id, vm_id, slots, vm_dir)
             env = dict(os.environ)
             package_root = str(Path(__file__).resolve().parents[2])
             env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
@@ -216,6 +179,48 @@ class LocalProvider:
                 )
             )
         return out
+
+    def _agent_argv(self, job_id: str, vm_id: str, slots: int, vm_dir: Path) -> list[str]:
+        """The command line of a pretend VM's agent."""
+        argv = [
+            self.options.python,
+            "-m",
+            "manager.vm_agent",
+            "--manager",
+            self.context.manager_address,
+            "--token-file",
+            str(Path(self.context.token_file).resolve()),
+            "--vm-id",
+            vm_id,
+            "--job-id",
+            job_id,
+            "--slots",
+            str(slots),
+            "--address",
+            "127.0.0.1",
+            "--log-dir",
+            str(vm_dir),
+            "--heartbeat-interval",
+            f"{self.context.heartbeat_interval_s:g}",
+            "--orphan-timeout",
+            f"{self.context.orphan_timeout_s:g}",
+        ]
+        if self.context.tls_ca:
+            argv += ["--tls-ca", str(Path(self.context.tls_ca).resolve())]
+        if self.options.metadata_url:
+            argv += ["--metadata-url", self.options.metadata_url, "--vm-name", vm_id]
+        if self.options.approve_notices:
+            argv.append("--approve-notices")
+        if self.options.standby:
+            argv += [
+                "--standby",
+                str(slots),
+                "--standby-delay",
+                f"{self.options.standby_delay_s:g}",
+                "--standby-priority",
+                self.options.standby_priority,
+            ]
+        return argv
 
     def delete_vm(self, vm: VMRecord) -> None:
         child = self._children.pop(vm.vm_id, None)
