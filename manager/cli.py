@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -102,6 +103,7 @@ def _add_serve_parser(sub: Any) -> None:
         metavar="HOST:PORT",
         help="also serve the read-only web dashboard here (needs varuna[dashboard]; the same token)",
     )
+    serve.add_argument("--pool", metavar="POOL.toml", help="VM types shared by --pool jobs (docs/pool.md)")
     tune = serve.add_argument_group("supervision")
     tune.add_argument("--heartbeat-interval", type=_positive(float), default=2.0, metavar="S")
     tune.add_argument(
@@ -185,6 +187,10 @@ def _client_options(p: argparse.ArgumentParser) -> None:
 def _add_client_parsers(sub: Any) -> None:
     submit = sub.add_parser("submit", help="submit a job spec (JSON or TOML); prints the job id")
     submit.add_argument("jobspec", metavar="JOBSPEC")
+    submit.add_argument(
+        "--pool", action="store_true", help="run on the manager's shared pool (as 'pool = true' in the spec)"
+    )
+    submit.add_argument("--weight", type=_positive(float), default=None, help="priority in the pool")
     _client_options(submit)
 
     status = sub.add_parser("status", help="job state, P×D, VMs with health, throughput history")
@@ -241,6 +247,14 @@ def _serve(args: argparse.Namespace) -> int:
     }
     if args.heartbeat_timeout <= args.heartbeat_interval:
         raise _UsageError("--heartbeat-timeout must exceed --heartbeat-interval (a few intervals)")
+    pool = None
+    if args.pool:
+        from manager.pool_config import load_pool_config
+
+        try:
+            pool = load_pool_config(args.pool)
+        except ValueError as exc:
+            raise _UsageError(str(exc).splitlines()[0]) from None
     try:
         server = ManagerServer(
             ServeConfig(
@@ -254,6 +268,7 @@ def _serve(args: argparse.Namespace) -> int:
                 state_dir=args.state_dir,
                 dashboard=args.dashboard,
                 manager=tuning,
+                pool=pool,
             )
         )
     except ValueError as exc:
@@ -333,6 +348,9 @@ def _rpc_error(exc: grpc.RpcError, address: str) -> Exception:
 def _submit(args: argparse.Namespace) -> int:
     try:
         spec = load_jobspec(args.jobspec)
+        if args.pool or args.weight is not None:
+            weight = args.weight if args.weight is not None else spec.weight
+            spec = dataclasses.replace(spec, pool=spec.pool or args.pool, weight=weight)
         calibration_json = ""
         if spec.calibration:
             from varuna.core.calibration import Calibration
@@ -399,6 +417,16 @@ def _status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _format_pool_share(p: Any) -> str:
+    """A pool job's share (docs/pool.md): placement, allocation, predicted and measured rates."""
+    where = f"{p.vm_count} × {p.vm_type}" if p.vm_type else "no VMs this round"
+    measured = f"{p.measured_samples_per_s:.1f}" if p.measured_samples_per_s else "not yet"
+    return (
+        f"  pool        {where} (round {p.round}, {p.policy}, weight {p.weight:g}); allocation "
+        f"{p.allocation or 'none'}; examples/s predicted {p.predicted_samples_per_s:.1f}, measured {measured}"
+    )
+
+
 def _format_status(job: Any) -> str:
     lines = [f"job {job.job_id}  {job.name}  [{job.state}]  step {job.step}/{job.target_steps}"]
     if job.generation:
@@ -411,6 +439,8 @@ def _format_status(job: Any) -> str:
         lines.append(f"  message     {job.message}")
     if job.calibration:
         lines.append(f"  calibration {job.calibration}")
+    if job.HasField("pool"):
+        lines.append(_format_pool_share(job.pool))
     lines.append(f"  provider    {job.provider}; checkpoints in {job.checkpoint_dir}")
     active = [vm for vm in job.vms if vm.state != "deleted"]
     lines.append(

@@ -367,7 +367,26 @@ def attach_to_engine(engine: Any) -> None:
         engine.checkpointer.set_every(int(every))
     if getattr(engine, "manager_reporter", None) is not None:
         return
+    slowdown = float(os.environ.get("VARUNA_VM_SLOWDOWN", "1") or 1)
+    if slowdown > 1.0:  # before the reporter: the step it reports is the slowed one
+        engine.add_step_callback(_SlowVM(slowdown))
     reporter = WorkerReporter.from_env(engine)
     engine.manager_reporter = reporter
     if reporter is not None:
         engine.add_step_callback(reporter.on_step)
+
+
+class _SlowVM:
+    """A pretend VM of a slower pool type (``$VARUNA_VM_SLOWDOWN`` f, set by the local provider):
+    after each step, wait (f − 1) × the step's time, so the worker trains f times slower, as on a
+    slower accelerator. The first step only starts the clock."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+        self._last: float | None = None
+
+    def __call__(self, result: Any) -> None:
+        now = time.monotonic()
+        if self._last is not None:
+            time.sleep((self.factor - 1.0) * (now - self._last))
+        self._last = time.monotonic()

@@ -134,6 +134,8 @@ class ManagerContext:
         self.started_at = clock()
         self._provider_factory = provider_factory
         self._jobs: dict[str, JobCache] = {}
+        #: The shared pool (manager.pool_rounds.PoolRounds) when serving with --pool, else None.
+        self.pool: Any = None
         self.provider_context = ProviderContext(
             manager_address=config.advertise_address,
             token_file=config.token_file,
@@ -157,6 +159,10 @@ class ManagerContext:
                 )
             cache = self._jobs[job.job_id] = JobCache(spec=spec, calibration=cal, profile=spec.profile_spec)
         return cache
+
+    def pool_job(self, job: JobRecord) -> bool:
+        """Whether ``job`` takes its VMs from the shared pool (docs/pool.md)."""
+        return self.pool is not None and bool(self.cache(job).spec.pool)
 
     def provider(self, job: JobRecord) -> Provider:
         """The job's provider (made on first use, closed by :meth:`close_providers`)."""

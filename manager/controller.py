@@ -75,6 +75,9 @@ from manager.context import ManagerConfig, ManagerContext
 from manager.generations import JobController
 from manager.job_requests import JobRequests
 from manager.morph_planner import MorphPlanner
+from manager.pool_config import PoolConfig
+from manager.pool_rounds import PoolRounds
+from manager.pool_store import PoolStore
 from manager.providers import Provider, ProviderContext, make_provider
 from manager.store import JobRecord, Store
 from manager.vm_book import VMBook
@@ -105,8 +108,12 @@ class Manager:
         *,
         provider_factory: Callable[[str, dict[str, Any], ProviderContext], Provider] = make_provider,
         clock: Callable[[], float] = time.time,
+        pool: PoolConfig | None = None,
     ) -> None:
         self.ctx = ManagerContext(store, config, provider_factory=provider_factory, clock=clock)
+        if pool is not None or PoolStore(store).load()[0]:
+            # The shared pool (docs/pool.md); a restart without --pool goes on with the stored one.
+            self.ctx.pool = PoolRounds(self.ctx, pool)
         self.calibration = CalibrationOrders(self.ctx)
         self.planner = MorphPlanner(self.ctx)
         self.controller = JobController(self.ctx, self.calibration, self.planner)
@@ -202,6 +209,9 @@ class Manager:
     def tick(self) -> None:
         """One pass over every active job (the loop calls it every ``tick_s``; tests call it)."""
         ctx = self.ctx
+        if ctx.pool is not None:
+            with ctx.lock:
+                ctx.pool.tick(ctx.clock())  # a round when one is due: placements for this pass
         for job in ctx.store.jobs(active_only=True):
             with ctx.lock:
                 provider = ctx.provider(job)

@@ -166,6 +166,8 @@ class JobController:
         slow = [vm.vm_id for vm in gen_vms if vm.slow]
         if slow:
             return f"fail-stutter slow VM {', '.join(slow)}"
+        if self.ctx.pool_job(job):  # the pool's rounds decide its VMs, not the grow rule
+            return self.ctx.pool.trigger(job, gen, vms, now)
         return self.planner.grow_trigger(job, gen, vms, now)
 
     # -- ending a generation -------------------------------------------------------------------
@@ -265,6 +267,18 @@ class JobController:
         # Proof of life must postdate the moment the last generation was told to stop (or ended).
         since = (last.stop_time or last.ended or 0.0) if last is not None else 0.0
         candidates = [vm for vm in vms if vm.state == "up" and not vm.slow and not vm.notice]
+        max_vms, min_vms = spec.max_vms, spec.min_vms
+        if ctx.pool_job(job):  # only the VMs of its placement (Note [Pool VMs] in pool_rounds.py)
+            candidates = ctx.pool.usable(job, candidates)
+            target = ctx.pool.target(job)
+            if target is None:
+                ctx.set_message(job, "waiting for the pool: no VMs this round")
+                return None
+            # All of its placement before a relaunch (one morph, not one per VM as they boot),
+            # unless they do not come within the gather timeout.
+            max_vms = target[1]
+            patient = now - (since or job.created) < ctx.config.gather_timeout_s
+            min_vms = target[1] if patient else min(spec.min_vms, target[1])
         usable = [vm for vm in candidates if ctx.usable(vm, now, since)]
         usable_ids = {vm.vm_id for vm in usable}  # by id: a list test is quadratic in the VMs
         unconfirmed = [vm for vm in candidates if vm.vm_id not in usable_ids]
@@ -279,14 +293,14 @@ class JobController:
         if last is None:
             pending = [vm for vm in vms if vm.state == "requested"]
             if (
-                len(usable) < spec.max_vms
+                len(usable) < max_vms
                 and (pending or unconfirmed)
                 and now - job.created < ctx.config.gather_timeout_s
             ):
-                ctx.set_message(job, f"gathering VMs: {len(usable)} of {spec.max_vms} ready")
+                ctx.set_message(job, f"gathering VMs: {len(usable)} of {max_vms} ready")
                 return None
-        if len(usable) < spec.min_vms:
-            ctx.set_message(job, f"waiting for VMs: {len(usable)} usable, min_vms is {spec.min_vms}")
+        if len(usable) < min_vms:
+            ctx.set_message(job, f"waiting for VMs: {len(usable)} usable, min_vms is {min_vms}")
             return None
         return usable
 

@@ -82,6 +82,8 @@ class JobRequests:
                 "jobspec: give either 'calibration' (a file) or [profile] (calibrate on the first VM), "
                 "not both",
             )
+        if spec.pool:
+            self._check_pool_job(spec, calibration_json)
         if calibration_json:
             cal_state, cal_source = "given", "from the job spec"
         elif spec.profile:
@@ -137,6 +139,21 @@ class JobRequests:
             for e in self.ctx.store.events(job_id, after_id=after_id, limit=limit)
         ]
 
+    def _check_pool_job(self, spec: JobSpec, calibration_json: str) -> None:
+        """A pool job needs a pool, and a calibration (the throughput matrix is made from it)."""
+        if self.ctx.pool is None:
+            raise ManagerError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this manager has no shared pool; start it with varuna-manager serve --pool POOL.toml "
+                "or submit without --pool",
+            )
+        if not calibration_json and not spec.profile:
+            raise ManagerError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "jobspec: a pool job needs 'calibration' or [profile]: the pool allocates by predicted "
+                "throughput",
+            )
+
     def status(self, job_id: str, history: int) -> list[pb.JobStatus]:
         """The job's (or every job's) status with its last ``history`` throughput points."""
         with self.ctx.lock:
@@ -176,6 +193,8 @@ class JobRequests:
             stats = {s.rank: s for s in store.worker_stats(job.job_id, gen.generation)}
         for vm in store.vms(job.job_id):
             self._add_vm_status(out, vm, gen, stats, now)
+        if spec.pool and self.ctx.pool is not None:
+            out.pool.CopyFrom(self.ctx.pool.share(job))
         for p in store.progress(job.job_id, last=history):
             out.throughput.add(
                 step=p.step,

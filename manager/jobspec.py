@@ -239,6 +239,11 @@ class JobSpec:
     ``varuna.core.schedule.SCHEDULE_KINDS``): auto-config plans P×D for it and the workers get it
     in their run plan (``VARUNA_SCHEDULE``). Default: the script's own ``--schedule X`` argument
     when ``args`` has one, else ``varuna``."""
+    pool: bool = False
+    """Run on the manager's shared pool (``serve --pool``, docs/pool.md): the pool's rounds decide
+    the VM type and count (at most ``max_vms``), not the job itself."""
+    weight: float = 1.0
+    """Priority in the pool: a job of weight 2 gets twice the normalised throughput (``las``)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -273,6 +278,10 @@ class JobSpec:
                 " slots of max_vms × procs_per_vm; raise max_vms or lower pipeline_depth"
             )
         self._check_schedule()
+        if not isinstance(self.pool, bool):
+            raise ValueError(f"jobspec: 'pool' must be true or false, got {self.pool!r}")
+        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or not self.weight > 0:
+            raise ValueError(f"jobspec: 'weight' must be a number > 0, got {self.weight!r}")
 
     def _check_counts(self) -> None:
         for name in ("global_batch_size", "max_vms", "target_steps"):
@@ -488,6 +497,8 @@ def spec_to_pb(spec: JobSpec, calibration_json: str = "") -> Any:
         gpu_memory_bytes=int(spec.gpu_memory_gib * 2**30),
         profile_json=json.dumps(spec.profile, sort_keys=True) if spec.profile else "",
         schedule=spec.schedule,
+        pool=spec.pool,
+        weight=spec.weight,
     )
 
 
@@ -523,4 +534,6 @@ def spec_from_pb(msg: Any) -> JobSpec:
         gpu_memory_gib=msg.gpu_memory_bytes / 2**30,
         profile=profile,
         schedule=msg.schedule,
+        pool=msg.pool,
+        weight=msg.weight or 1.0,
     )

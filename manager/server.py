@@ -29,6 +29,7 @@ from manager.auth import TokenInterceptor, load_token, server_credentials
 from manager.context import ManagerConfig, ManagerError
 from manager.controller import Manager
 from manager.daemon_lock import DaemonLock
+from manager.pool_config import PoolConfig
 from manager.store import Store
 from varuna.core.extras import MissingExtra, require_extra
 from varuna.launch.procs import is_loopback
@@ -67,6 +68,8 @@ class ServeConfig:
     """gRPC handler threads (each heartbeat holds one for a few milliseconds)."""
     manager: dict[str, Any] = field(default_factory=dict)
     """Overrides of :class:`ManagerConfig` fields (heartbeat timeout, stutter rule, ...)."""
+    pool: PoolConfig | None = None
+    """The shared pool (``--pool``, docs/pool.md); None: none, or the one stored in ``db``."""
 
 
 class _Servicer(pb_grpc.VarunaManagerServicer):
@@ -209,7 +212,7 @@ class ManagerServer:
             state_dir=state_dir,
             **self.config.manager,
         )
-        self.manager = Manager(self.store, mcfg)
+        self.manager = Manager(self.store, mcfg, pool=self.config.pool)
         pb_grpc.add_VarunaManagerServicer_to_server(_Servicer(self.manager), self._server)
         self._server.start()
         self.manager.start()

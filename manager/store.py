@@ -42,6 +42,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from manager.pool_store import POOL_SCHEMA
 from manager.record_cache import RecordCache
 from manager.records import (
     EventRecord,
@@ -63,7 +64,7 @@ __all__ = [
     "WorkerStatRecord",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Columns added after version 1 (a version-1 file gets them with ALTER TABLE on open).
 _ADDED_COLUMNS = {
@@ -74,6 +75,7 @@ _ADDED_COLUMNS = {
         ("jobs", "calibration_vm", "TEXT NOT NULL DEFAULT ''"),
         ("jobs", "calibration_started", "REAL"),
     ],
+    # 3: the shared pool's tables (manager/pool_store.py), created by _SCHEMA on open.
 }
 
 _SCHEMA = """
@@ -184,7 +186,7 @@ CREATE TABLE IF NOT EXISTS worker_stats (
     end_segment INTEGER NOT NULL,
     PRIMARY KEY (job_id, generation, rank)
 );
-"""
+""" + POOL_SCHEMA
 
 
 @functools.cache

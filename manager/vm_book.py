@@ -288,7 +288,9 @@ class VMBook:
         cache = ctx.cache(job)
         spec = cache.spec
         live = [vm for vm in vms if vm.state in ("requested", "up") and not vm.slow and not vm.notice]
-        want = spec.max_vms - len(live)
+        want, slots, type_options = spec.max_vms - len(live), spec.procs_per_vm, None
+        if ctx.pool_job(job):  # the pool's placement decides (Note [Pool VMs] in pool_rounds.py)
+            want, slots, type_options = ctx.pool.maintain(job, vms, now)
         if want <= 0 or now < cache.create_after or job.cancel_requested:
             return
         seqs = {
@@ -296,18 +298,24 @@ class VMBook:
         }
         created_so_far = len(vms)
         cache.create_after = now + ctx.config.create_retry_s  # until the result says otherwise
-        ctx.actions.append(lambda: self._create_vms(job, seqs, created_so_far))
+        ctx.actions.append(lambda: self._create_vms(job, seqs, created_so_far, slots, type_options))
 
-    def _create_vms(self, job: JobRecord, seqs: dict[str, int], created_so_far: int) -> None:
+    def _create_vms(
+        self,
+        job: JobRecord,
+        seqs: dict[str, int],
+        created_so_far: int,
+        slots: int,
+        type_options: dict[str, Any] | None,
+    ) -> None:
         ctx = self.ctx
         cache = ctx.cache(job)
         spec = cache.spec
         provider = ctx.provider(job)
         new: list = []
         try:
-            new = provider.create_vms(
-                job.job_id, list(seqs), spec.procs_per_vm, created_so_far=created_so_far
-            )
+            extra = {"type_options": type_options} if type_options else {}
+            new = provider.create_vms(job.job_id, list(seqs), slots, created_so_far=created_so_far, **extra)
         finally:
             # Numbers of VMs the provider did not start are given back: names stay dense while
             # the manager keeps asking a provider that is out of capacity.
@@ -319,6 +327,8 @@ class VMBook:
             )
         with ctx.lock:
             for nv in new:
+                # A pool VM's type lives in its provider reference (PoolRounds.vm_type_of).
+                ref = {**nv.ref, "vm_type": type_options["vm_type"]} if type_options else nv.ref
                 if ctx.store.vm(nv.vm_id) is None:
                     ctx.store.add_vm(
                         VMRecord(
@@ -327,18 +337,19 @@ class VMBook:
                             provider=spec.provider,
                             seq=seqs.get(nv.vm_id, 0),
                             state="requested",
-                            slots=spec.procs_per_vm,
+                            slots=slots,
                             created=ctx.clock(),
-                            provider_ref=json.dumps(nv.ref),
+                            provider_ref=json.dumps(ref),
                         )
                     )
                 else:  # its agent registered first
-                    ctx.store.update_vm(nv.vm_id, provider_ref=json.dumps(nv.ref))
+                    ctx.store.update_vm(nv.vm_id, provider_ref=json.dumps(ref))
             if new:
+                kind = f" of pool type {type_options['vm_type']}" if type_options else ""
                 ctx.event(
                     job.job_id,
                     "vm-requested",
-                    f"{len(new)} VM(s) from {spec.provider}: {', '.join(nv.vm_id for nv in new)}",
+                    f"{len(new)} VM(s){kind} from {spec.provider}: {', '.join(nv.vm_id for nv in new)}",
                 )
             if len(new) == len(seqs):
                 cache.create_after = 0.0  # got everything: no back-off

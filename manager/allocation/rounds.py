@@ -123,6 +123,14 @@ class RoundScheduler:
     def current_configs(self) -> dict[str, Config]:
         return {j: p.config for j, p in self._current.items()}
 
+    def received(self, job_id: str) -> dict[Config, int]:
+        """Rounds ``job_id`` ran per configuration."""
+        return {cfg: n for (j, cfg), n in self._received.items() if j == job_id}
+
+    def age(self, job_id: str) -> int:
+        """Rounds ``job_id`` has been in the pool."""
+        return self._age.get(job_id, 0)
+
     def forget(self, job_id: str) -> None:
         """Drop a finished or cancelled job (its VMs are free from the next plan)."""
         self._current.pop(job_id, None)

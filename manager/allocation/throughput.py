@@ -217,6 +217,19 @@ class ThroughputModel:
         for k in [k for k in self._factor if k[0] == job_id]:
             del self._factor[k]
 
+    def has_job(self, job_id: str) -> bool:
+        return job_id in self._predicted
+
+    def factors(self, job_id: str) -> dict[str, float]:
+        """The job's measured corrections per type (only the types measured so far)."""
+        return {t: f for (j, t), f in self._factor.items() if j == job_id}
+
+    def set_factor(self, job_id: str, vm_type: str, factor: float) -> None:
+        """Restore a stored correction (a restarted manager)."""
+        if not math.isfinite(factor) or factor <= 0:
+            raise ValueError(f"correction of job {job_id!r} on {vm_type} must be > 0, got {factor}")
+        self._factor[(job_id, vm_type)] = float(factor)
+
     def predicted(self, job_id: str, vm_type: str, count: int) -> float:
         return self._predicted.get(job_id, {}).get((vm_type, count), 0.0)
 

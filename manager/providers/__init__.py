@@ -54,10 +54,18 @@ class Provider(Protocol):
     name: str
 
     def create_vms(
-        self, job_id: str, names: Sequence[str], slots: int, *, created_so_far: int
+        self,
+        job_id: str,
+        names: Sequence[str],
+        slots: int,
+        *,
+        created_so_far: int,
+        type_options: Mapping[str, Any] | None = None,
     ) -> list[NewVM]:
         """Start up to ``len(names)`` VMs (fewer when capacity is short; ``created_so_far`` VMs
-        were already created for this job). Raises ``RuntimeError`` on a provider failure."""
+        were already created for this job). ``type_options``: the pool's VM type for a pool job
+        (``vm_type``, ``vm_slowdown`` and the type's ``provider_options``; docs/pool.md). Raises
+        ``RuntimeError`` on a provider failure."""
         ...
 
     def delete_vm(self, vm: VMRecord) -> None:

@@ -250,8 +250,18 @@ class AzureProvider:
     # -- Provider interface --------------------------------------------------------------------
 
     def create_vms(
-        self, job_id: str, names: Sequence[str], slots: int, *, created_so_far: int
+        self,
+        job_id: str,
+        names: Sequence[str],
+        slots: int,
+        *,
+        created_so_far: int,
+        type_options: Mapping[str, Any] | None = None,
     ) -> list[NewVM]:
+        if type_options:
+            # One scale set per job with one VM size: a job moving between VM types would need
+            # one per type (docs/pool.md, Not done yet).
+            raise RuntimeError("the azure provider does not run shared-pool jobs yet; use the local provider")
         from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
         from azure.mgmt.compute import models as m
 

@@ -44,7 +44,11 @@ from manager.procs import alive, process_start_time, reap, terminate_group
 from manager.providers import NewVM, ProviderContext
 from manager.store import VMRecord
 
-__all__ = ["LocalProvider", "LocalProviderOptions", "read_capacity"]
+__all__ = ["SLOWDOWN_ENV", "LocalProvider", "LocalProviderOptions", "read_capacity"]
+
+#: Environment of a pretend VM of a slower pool type: its workers' steps take this many times as
+#: long (the agent's environment, which its workers inherit).
+SLOWDOWN_ENV = "VARUNA_VM_SLOWDOWN"
 
 #: SIGTERM → SIGKILL grace when deleting a pretend VM (the agent kills its workers on SIGTERM).
 DELETE_GRACE_S = 3.0
@@ -123,9 +127,18 @@ class LocalProvider:
         self._children: dict[str, subprocess.Popen] = {}
 
     def create_vms(
-        self, job_id: str, names: Sequence[str], slots: int, *, created_so_far: int
+        self,
+        job_id: str,
+        names: Sequence[str],
+        slots: int,
+        *,
+        created_so_far: int,
+        type_options: Mapping[str, Any] | None = None,
     ) -> list[NewVM]:
         count = len(names)
+        # A pool VM type slower than this machine (docs/pool.md): its workers take this many
+        # times as long per step (manager.client.attach_to_engine applies it).
+        slowdown = float((type_options or {}).get("vm_slowdown", 1.0))
         limit = self.options.max_created
         if self.options.capacity_file:
             limit = read_capacity(self.options.capacity_file)
@@ -135,47 +148,13 @@ class LocalProvider:
         for vm_id in names[:count]:
             vm_dir = Path(self.context.state_dir) / job_id / vm_id
             vm_dir.mkdir(parents=True, exist_ok=True)
-            argv = [
-                self.options.python,
-                "-m",
-                "manager.vm_agent",
-                "--manager",
-                self.context.manager_address,
-                "--token-file",
-                str(Path(self.context.token_file).resolve()),
-                "--vm-id",
-                vm_id,
-                "--job-id",
-                job_id,
-                "--slots",
-                str(slots),
-                "--address",
-                "127.0.0.1",
-                "--log-dir",
-                str(vm_dir),
-                "--heartbeat-interval",
-                f"{self.context.heartbeat_interval_s:g}",
-                "--orphan-timeout",
-                f"{self.context.orphan_timeout_s:g}",
-            ]
-            if self.context.tls_ca:
-                argv += ["--tls-ca", str(Path(self.context.tls_ca).resolve())]
-            if self.options.metadata_url:
-                argv += ["--metadata-url", self.options.metadata_url, "--vm-name", vm_id]
-            if self.options.approve_notices:
-                argv.append("--approve-notices")
-            if self.options.standby:
-                argv += [
-                    "--standby",
-                    str(slots),
-                    "--standby-delay",
-                    f"{self.options.standby_delay_s:g}",
-                    "--standby-priority",
-                    self.options.standby_priority,
-                ]
+            argv = self._agent_argv(job_id, vm_id, slots, vm_dir)
             env = dict(os.environ)
             package_root = str(Path(__file__).resolve().parents[2])
             env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+            env.pop(SLOWDOWN_ENV, None)
+            if slowdown > 1.0:
+                env[SLOWDOWN_ENV] = f"{slowdown:g}"
             with open(vm_dir / "agent.log", "ab") as log:
                 try:
                     popen = subprocess.Popen(
@@ -200,6 +179,48 @@ class LocalProvider:
                 )
             )
         return out
+
+    def _agent_argv(self, job_id: str, vm_id: str, slots: int, vm_dir: Path) -> list[str]:
+        """The command line of a pretend VM's agent."""
+        argv = [
+            self.options.python,
+            "-m",
+            "manager.vm_agent",
+            "--manager",
+            self.context.manager_address,
+            "--token-file",
+            str(Path(self.context.token_file).resolve()),
+            "--vm-id",
+            vm_id,
+            "--job-id",
+            job_id,
+            "--slots",
+            str(slots),
+            "--address",
+            "127.0.0.1",
+            "--log-dir",
+            str(vm_dir),
+            "--heartbeat-interval",
+            f"{self.context.heartbeat_interval_s:g}",
+            "--orphan-timeout",
+            f"{self.context.orphan_timeout_s:g}",
+        ]
+        if self.context.tls_ca:
+            argv += ["--tls-ca", str(Path(self.context.tls_ca).resolve())]
+        if self.options.metadata_url:
+            argv += ["--metadata-url", self.options.metadata_url, "--vm-name", vm_id]
+        if self.options.approve_notices:
+            argv.append("--approve-notices")
+        if self.options.standby:
+            argv += [
+                "--standby",
+                str(slots),
+                "--standby-delay",
+                f"{self.options.standby_delay_s:g}",
+                "--standby-priority",
+                self.options.standby_priority,
+            ]
+        return argv
 
     def delete_vm(self, vm: VMRecord) -> None:
         child = self._children.pop(vm.vm_id, None)
