@@ -197,10 +197,12 @@ class PoolRounds:
         ctx, cfg = self.ctx, self.config
         self._dirty = False
         jobs = [j for j in ctx.store.jobs(active_only=True) if self.is_pool(j)]
-        for job_id in self._left({j.job_id for j in jobs}):
+        left = sorted(self._left({j.job_id for j in jobs}))
+        for job_id in left:
             self.state.jobs.pop(job_id)
             self.model.remove_job(job_id)
         jobs = [j for j in jobs if ctx.cache(j).calibration is not None]
+        trigger = self._trigger([j.job_id for j in jobs if j.job_id not in self.state.jobs], left)
         for job in jobs:
             self._add_to_model(job)
             self._observe(job)
@@ -228,14 +230,24 @@ class PoolRounds:
         fill = None if cfg.policy == "cost" else matrix  # cost releases VMs on purpose
         plan = sched.plan(alloc, slots(capacity), morph_s=morph, fill=fill)
         sched.record(plan)
-        self._apply(jobs, alloc, plan, sched, capacity, matrix)
+        self._apply(jobs, alloc, plan, sched, capacity, matrix, trigger)
         self.state.round_index += 1
         self.state.next_round_at = now + cfg.round_s
         self.pstore.save(self.config_json, self.state)
 
+    def _trigger(self, arrived: list[str], left: list[str]) -> str:
+        """Why a round runs, for its ``reallocated`` events: the jobs that arrived or ended, else
+        its time had come."""
+        ended = []
+        for job_id in left:
+            job = self.ctx.store.job(job_id)
+            ended.append(f"{job_id} {job.state if job is not None else 'left'}")
+        return ", ".join([f"{j} arrived" for j in sorted(arrived)] + ended) or "round due"
+
     def _apply(self, jobs: list[JobRecord], alloc: Allocation, plan: Any, sched: RoundScheduler,
-               capacity: Mapping[str, int], matrix: ThroughputMatrix) -> None:
-        """Write the round into the state and tell every job whose placement changed."""
+               capacity: Mapping[str, int], matrix: ThroughputMatrix, trigger: str) -> None:
+        """Write the round into the state and tell every job whose placement changed (and why the
+        round ran: ``trigger``)."""
         moved = {m.job_id: m for m in plan.moves}
         r = self.state.round_index
         for job in jobs:
@@ -258,11 +270,12 @@ class PoolRounds:
             self.ctx.event(
                 job.job_id,
                 "reallocated",
-                f"{reason}; allocation {share}; predicted {s.predicted:.1f} examples/s",
+                f"{reason}; allocation {share}; predicted {s.predicted:.1f} examples/s; round ran: {trigger}",
                 data={
                     "round": r,
                     "policy": self.config.policy,
                     "reason": move.reason,
+                    "trigger": trigger,
                     "before": list(move.before) if move.before else None,
                     "after": list(move.after) if move.after else None,
                     "morph_s": move.morph_s,

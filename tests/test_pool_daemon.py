@@ -91,6 +91,10 @@ class PoolWorld(World):
     def reallocations(self, job: str) -> list[str]:
         return [e.data["reason"] for e in self.event(job, "reallocated")]
 
+    def triggers(self, job: str) -> list[str]:
+        """Why the rounds that moved ``job`` ran."""
+        return [e.data["trigger"] for e in self.event(job, "reallocated")]
+
 
 def test_pool_config_validation_one_line_per_bad_field(tmp_path):
     def bad(change: dict, match: str) -> None:
@@ -124,6 +128,7 @@ def test_round_places_jobs_and_their_vms_follow(tmp_path):
     # Alone, a gets the fast VMs (4× the slow ones' speed): 2 × fast, and VMs of that type.
     assert w.placement(a) == ("fast", 2)
     assert w.reallocations(a) == ["started on 2 × fast"]
+    assert w.triggers(a) == [f"{a} arrived"]
     w.tick(0.1)
     w.tick(0.1)
     assert w.realised(a)
@@ -136,12 +141,15 @@ def test_round_places_jobs_and_their_vms_follow(tmp_path):
     w.tick(0.1)
     assert w.placement(a) == ("fast", 2) and w.placement(b) == ("slow", 2)
     assert w.reallocations(b) == ["started on 2 × slow"]
+    assert w.triggers(b) == [f"{b} arrived"]
+    assert f"round ran: {b} arrived" in w.event(b, "reallocated")[0].message
     alloc = w.mgr.ctx.pool.state.jobs[a].allocation
     assert set(alloc) == {"2×fast", "2×slow"} and 0.4 < alloc["2×fast"] < 0.6, alloc
     w.until(lambda: w.realised(b))
     w.tick(ROUND_S)
     assert w.reallocations(a)[1:] == ["2 × fast → 2 × slow (allocation)"]
     assert w.reallocations(b)[1:] == ["2 × slow → 2 × fast (allocation)"]
+    assert w.triggers(a)[1:] == w.triggers(b)[1:] == ["round due"]
     # Both generations stop gracefully with the round's reason, then relaunch on their placement.
     w.until(lambda: w.realised(a) and w.realised(b))
     stops = [e.data["reason"] for e in w.event(a, "stopping")]
@@ -160,6 +168,8 @@ def test_round_places_jobs_and_their_vms_follow(tmp_path):
     assert before == ("fast", 2) and w.placement(b) == before  # already on the best: stays
     assert w.mgr.ctx.pool.state.jobs[b].allocation == {"2×fast": 1.0}
     assert a not in w.mgr.ctx.pool.state.jobs
+    # Had the round moved b, its event would say why the round ran: a ended.
+    assert w.mgr.ctx.pool._trigger([], [a]) == f"{a} finished"
     w.tick(ROUND_S)
     assert w.realised(b) and len(w.reallocations(b)) == 2
 
