@@ -104,6 +104,11 @@ class SimConfig:
     and B lasts its cost − j + Exp(mean j), j = min(task_jitter_s, cost), so its mean is
     unchanged. 0: every task takes exactly its cost. Like link jitter it only matters where the
     policy forks on sub-millisecond timing (docs/simulator.md, Finding 7); seeded by ``seed``."""
+    weight_grad_fraction: float = 0.5
+    """Zero-bubble kinds (``schedule_kind(...).splits_backward``): the share of a stage's
+    calibrated backward charged to its W task (weight gradients); B (input gradient) gets the
+    rest. Calibrations measure the whole backward only, so the default splits it in halves
+    (docs/simulator.md)."""
     step_overhead_s: float | None = None
     """Runtime time added once per mini-batch beyond compute, all-reduce and optimizer: step
     set-up and the end-of-step agreement all-reduce (norm, overflow, loss) over every rank.
@@ -223,6 +228,11 @@ def stage_segments_for(
 def validate_config(cal: Calibration, c: SimConfig) -> tuple[tuple[int, int], ...]:
     """Raise ValueError unless ``c`` can be simulated with ``cal``; return its (virtual) stage ranges."""
     kind = schedule_kind(c.schedule)
+    if not 0.0 <= c.weight_grad_fraction <= 1.0:
+        raise ValueError(
+            f"weight_grad_fraction must lie in [0, 1], got {c.weight_grad_fraction}; "
+            "it is W's share of the backward"
+        )
     if c.num_stages < 1 or c.num_replicas < 1 or c.micro_batch_size < 1:
         raise ValueError(
             f"P, D and m must be >= 1 (got P={c.num_stages}, D={c.num_replicas}, m={c.micro_batch_size})"

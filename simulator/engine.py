@@ -92,6 +92,7 @@ def simulate(cal: Calibration, config: SimConfig, *, record: bool = False) -> Si
         links=links,
         seed=c.seed,
         timeline=tl,
+        split_backward=kind.splits_backward,
     )
     # What the stage's list recomputes decides its memory (replica 0's micro-batch count).
     pipe = pipelines[c.microbatches_of(sim_replicas[0])]

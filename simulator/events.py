@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from simulator.config import SimConfig
 from simulator.costs import StageCosts
 from varuna.core.calibration import Calibration
+from varuna.core.schedule import schedule_kind
 from varuna.core.timeline import Timeline
 
 __all__ = ["Links", "RankTables", "Tallies", "rank_tables", "run_events"]
@@ -112,9 +113,15 @@ def rank_tables(
     short_mb = [c.microbatches_of(d) - 1 if c.last_size_of(d) != m else -1 for d in replica]
     short_costs = [costs[c.last_size_of(d)] for d in replica]
 
+    w = c.weight_grad_fraction if schedule_kind(c.schedule).splits_backward else 0.0
+
     def durations(tab: StageCosts, k: int) -> list[dict[str, float]]:
         per_chunk = [ch * P + k for ch in range(v)]
-        return [{"F": tab.fwd[vs], "R": tab.rec[vs], "B": tab.bwd[vs]} for vs in per_chunk]
+        # A split backward: B (input gradient) and W (weight gradients) share the calibrated B.
+        return [
+            {"F": tab.fwd[vs], "R": tab.rec[vs], "B": tab.bwd[vs] * (1 - w), "W": tab.bwd[vs] * w}
+            for vs in per_chunk
+        ]
 
     def sends(idx: int, forward: bool) -> list[tuple | None]:
         k, base = stage[idx], replica[idx] * P
@@ -200,12 +207,15 @@ def run_events(
     links: Links,
     seed: int,
     timeline: Timeline | None,
+    split_backward: bool = False,
 ) -> Tallies:
     """Run every rank's policy to the end of the mini-batch; raises RuntimeError on a deadlock.
 
     Heap entries are (time, code, rank, x) with x the micro-batch (chunked: mb·chunks + chunk).
     No sequence number: events within ``_EPS_S`` of each other are applied together before any
     stage picks its next task, so their order inside a batch does not matter.
+    ``split_backward``: the lists have W tasks (a micro-batch is live until its W, and the last
+    W ends the stage's backward work).
     """
     tallies = Tallies(len(policies))
     loop = _Loop(ranks, policies, tallies, chunked, chunks, uniform=random.Random(seed).random)
@@ -217,6 +227,7 @@ def run_events(
     complete = [p.complete for p in policies]
     live, last_b_end = tallies.live, tallies.last_b_end
     dirty, now = list(range(len(policies))), 0.0
+    frees = "W" if split_backward else "B"
     while True:
         dispatch(dirty, now)  # every stage that became idle or received an input asks for work
         if not heap:
@@ -236,9 +247,13 @@ def run_events(
             running[idx] = None
             complete[idx](task)
             op = task.op
-            if op == "B":
-                live[idx] -= 1
-                last_b_end[idx] = now  # B's of a stage end in time order: the last one wins
+            if op == "B" or op == "W":
+                if op == frees:
+                    live[idx] -= 1
+                if now > last_b_end[idx]:  # the stage's last B (or W) wins
+                    last_b_end[idx] = now
+                if op == "W":
+                    continue
             elif op != "F":
                 continue
             send(idx, task, now, limit, dirty)

@@ -53,6 +53,7 @@ from varuna.core.interleaved import InterleavedKind
 from varuna.core.policy import DEFAULT_STASH_HEADROOM, StagePolicy, _PolicyTemplate
 from varuna.core.schedule_kind import ScheduleKind
 from varuna.core.tasks import BACKWARD, FORWARD, RECOMPUTE, Task, recomputed
+from varuna.core.zero_bubble import VarunaZBKind, ZBH1Kind, ZeroBubbleSchedule
 
 __all__ = [
     "SCHEDULE_KINDS",
@@ -201,7 +202,10 @@ class OneFOneBKind(ListScheduleKind):
 
 
 _KINDS: Mapping[str, ScheduleKind] = MappingProxyType(
-    {k.name: k for k in (VarunaKind(), GPipeKind(), OneFOneBKind(), InterleavedKind())}
+    {
+        k.name: k
+        for k in (VarunaKind(), GPipeKind(), OneFOneBKind(), InterleavedKind(), ZBH1Kind(), VarunaZBKind())
+    }
 )
 
 #: Schedule kinds the runtime can execute. ``1f1b`` is PipeDream-Flush.
@@ -232,9 +236,9 @@ def _check_sizes(num_stages: int, num_microbatches: int) -> None:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
 
 
-def _runtime_kind(name: str) -> ListScheduleKind:
+def _runtime_kind(name: str) -> ListScheduleKind | ZBH1Kind:
     kind = _KINDS.get(name)
-    if not isinstance(kind, ListScheduleKind):
+    if not isinstance(kind, (ListScheduleKind, ZBH1Kind)):
         raise ValueError(f"unknown schedule kind {name!r}; choose one of {', '.join(SCHEDULE_KINDS)}")
     return kind
 
@@ -265,8 +269,14 @@ def _insert_recompute(tasks: list[Task]) -> list[Task]:
 
 
 @functools.lru_cache(maxsize=256)
-def get_schedule(kind: str, num_stages: int, num_microbatches: int, recompute: bool = True) -> Schedule:
-    """Cached, immutable :class:`Schedule` (what the runtime and the simulator use)."""
+def get_schedule(
+    kind: str, num_stages: int, num_microbatches: int, recompute: bool = True
+) -> Schedule | ZeroBubbleSchedule:
+    """Cached, immutable :class:`Schedule` (what the runtime and the simulator use); the
+    zero-bubble kinds' own (``varuna/core/zero_bubble.py``)."""
+    zb = _KINDS.get(kind)
+    if isinstance(zb, ZBH1Kind):
+        return zb.pipeline(num_stages, num_microbatches, recompute=recompute)
     stages = build_schedule(kind, num_stages, num_microbatches, recompute=recompute)
     rec = schedule_kind(kind).effective_recompute(recompute)
     return Schedule(

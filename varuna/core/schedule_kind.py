@@ -54,6 +54,8 @@ class ScheduleKind(ABC):
     recompute_optional: ClassVar[bool] = True
     #: Whether a device holds several model chunks (its tasks carry a ``chunk``).
     chunked: ClassVar[bool] = False
+    #: Whether the backward is split into B (input gradient) and a later W (weight gradients).
+    splits_backward: ClassVar[bool] = False
 
     def __repr__(self) -> str:
         return f"schedule_kind({self.name!r})"

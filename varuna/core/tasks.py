@@ -20,6 +20,7 @@ __all__ = [
     "FORWARD",
     "RECOMPUTE",
     "BACKWARD",
+    "WEIGHT",
     "Task",
     "format_tasks",
     "parse_tasks",
@@ -31,11 +32,14 @@ __all__ = [
 FORWARD = "F"
 RECOMPUTE = "R"
 BACKWARD = "B"
+#: The weight-gradient half of a split backward (zero-bubble kinds, ``varuna/core/zero_bubble.py``):
+#: B then computes only the input gradient and W the parameter gradients, later.
+WEIGHT = "W"
 
 
 @dataclass(frozen=True, slots=True, order=True)
 class Task:
-    """One unit of work of a stage: ``op`` in {"F", "R", "B"} on ``microbatch`` (0-based).
+    """One unit of work of a stage: ``op`` in {"F", "R", "B", "W"} on ``microbatch`` (0-based).
 
     >>> Task("F", 3)
     Task(op='F', microbatch=3)
@@ -53,8 +57,8 @@ class Task:
     def parse(cls, text: str) -> Task:
         """Parse the string form (``"F3"``) back into a Task."""
         text = text.strip()
-        if len(text) < 2 or text[0] not in (FORWARD, RECOMPUTE, BACKWARD) or not text[1:].isdigit():
-            raise ValueError(f"cannot parse task {text!r}: expected F<i>, R<i> or B<i> with i >= 0")
+        if len(text) < 2 or text[0] not in (FORWARD, RECOMPUTE, BACKWARD, WEIGHT) or not text[1:].isdigit():
+            raise ValueError(f"cannot parse task {text!r}: expected F<i>, R<i>, B<i> or W<i> with i >= 0")
         return cls(text[0], int(text[1:]))
 
 

@@ -28,14 +28,16 @@ from varuna.core.extras import require
 
 __all__ = ["Event", "Timeline", "OPS", "COLORS"]
 
-#: Operations a timeline records. Compute: F, R, B. Gradient all-reduce: AR. Optimizer step: OPT.
+#: Operations a timeline records. Compute: F, R, B (and W: the weight gradients of a split
+#: backward). Gradient all-reduce: AR. Optimizer step: OPT.
 #: Transfers: SEND_ACT (activation to the next stage), SEND_GRAD (gradient to the previous stage).
-OPS = ("F", "R", "B", "AR", "OPT", "SEND_ACT", "SEND_GRAD")
+OPS = ("F", "R", "B", "W", "AR", "OPT", "SEND_ACT", "SEND_GRAD")
 
 #: Gantt colours, as in the paper's Figure 7.
 COLORS = {
     "F": "#d62728",
     "B": "#2ca02c",
+    "W": "#17becf",
     "R": "#ff7f0e",
     "AR": "#9467bd",
     "OPT": "#7f7f7f",

@@ -41,7 +41,16 @@ import torch
 from torch import nn
 
 from varuna.core.batching import MicroBatch
-from varuna.core.schedule import BACKWARD, FORWARD, RECOMPUTE, StagePolicy, Task, get_schedule
+from varuna.core.schedule import (
+    BACKWARD,
+    FORWARD,
+    RECOMPUTE,
+    StagePolicy,
+    Task,
+    get_schedule,
+    schedule_kind,
+)
+from varuna.core.tasks import WEIGHT
 from varuna.core.timeline import Timeline
 from varuna.cutting.batches import call_with_batch, slice_batch
 from varuna.cutting.cutpoint import CarryPlan, CutPoint, ForwardRun, SplitState, StopForward
@@ -50,6 +59,7 @@ from varuna.runtime.comm import Arrival
 from varuna.runtime.config import PRECISIONS, StepTimings, VarunaConfig
 from varuna.runtime.determinism import DeterminismError, first_difference
 from varuna.runtime.groups import StageLinks
+from varuna.runtime.split_backward import WeightWork, backward_input, backward_weight
 
 __all__ = ["StageModel", "ScheduleExecutor", "StageRun", "leaf"]
 
@@ -100,9 +110,13 @@ class _Work:
     graphs: dict[int, tuple] = field(default_factory=dict)
     #: what the forward sent, per micro-batch, while its recompute is still to be verified
     sent: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    #: zero-bubble kinds: what each micro-batch's W needs, from its B (varuna/runtime/split_backward.py)
+    weight: dict[int, WeightWork] = field(default_factory=dict)
     loss_sum: float = 0.0
-    busy_s: dict[str, float] = field(default_factory=lambda: {FORWARD: 0.0, RECOMPUTE: 0.0, BACKWARD: 0.0})
-    count: dict[str, int] = field(default_factory=lambda: {FORWARD: 0, RECOMPUTE: 0, BACKWARD: 0})
+    busy_s: dict[str, float] = field(
+        default_factory=lambda: {FORWARD: 0.0, RECOMPUTE: 0.0, BACKWARD: 0.0, WEIGHT: 0.0}
+    )
+    count: dict[str, int] = field(default_factory=lambda: {FORWARD: 0, RECOMPUTE: 0, BACKWARD: 0, WEIGHT: 0})
 
     def timings(self) -> StepTimings:
         def mean(op: str) -> float:
@@ -110,7 +124,8 @@ class _Work:
 
         return StepTimings(
             fwd_s=mean(FORWARD),
-            bwd_s=mean(BACKWARD),
+            # A split backward's B and W together are the backward (what calibration measures).
+            bwd_s=mean(BACKWARD) + (self.busy_s[WEIGHT] / max(1, self.count[BACKWARD])),
             recompute_s=mean(RECOMPUTE),
             num_forwards=self.count[FORWARD],
         )
@@ -148,6 +163,8 @@ class ScheduleExecutor:
         # Note [Deterministic forward]: the first training step checks sends against recomputes.
         # Not with unkeyed dropout (a negative control), whose recompute redraws other masks.
         self._verify = config.deterministic and config.rng_keyed
+        #: zero-bubble kinds: B computes the input gradient only, W the weight gradients later
+        self._split = schedule_kind(config.schedule).splits_backward
 
     def run(self, batch, mbs: list[MicroBatch], *, step: int, scale: float, train: bool) -> StageRun:
         """Run this replica's micro-batches ``mbs`` of ``batch`` (forward only unless ``train``)."""
@@ -194,8 +211,12 @@ class ScheduleExecutor:
                 if sent is not None:
                     self._check_recompute(mb, sent, out)
                 work.graphs[i] = (inputs, out)
-            else:
+            elif task.op == BACKWARD:
                 self._run_backward(work, mb, i, train=train)
+            else:
+                backward_weight(work.weight.pop(i))
+                if self.det is not None:
+                    self.det.capture(mb.index)
             policy.complete(task)
             t1 = time.perf_counter()
             work.busy_s[task.op] += t1 - t0
@@ -232,14 +253,17 @@ class ScheduleExecutor:
     def _run_backward(self, work: _Work, mb: MicroBatch, i: int, *, train: bool) -> None:
         inputs, out = work.graphs.pop(i)
         if self.s.is_last_stage:
-            (out * (mb.size / self.config.global_batch_size * self._scale)).backward()
+            pairs = [(out * (mb.size / self.config.global_batch_size * self._scale), None)]
         else:
             g = work.grads.pop(i)
             # Gradients come back for the floating-point tensors only (an integer mask may cross too).
             floats = [o for o in out if o.is_floating_point()]
             pairs = [(o, gi) for o, gi in zip(floats, g) if o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [gi for _, gi in pairs])
+        if self._split and train:
+            self._split_backward(work, i, inputs, pairs)
+            return
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [gi for _, gi in pairs])
         if self.det is not None and train:
             self.det.capture(mb.index)
         if self.links.grad_out is not None:
@@ -250,6 +274,17 @@ class ScheduleExecutor:
                     for x in inputs
                     if x.is_floating_point()
                 ),
+            )
+
+    def _split_backward(self, work: _Work, i: int, inputs, pairs: list) -> None:
+        """B of a zero-bubble kind: send the input gradient now, keep what W needs (W runs later)."""
+        leaves = [x for x in (inputs or ()) if x.is_floating_point()]
+        wanted = [x for x in leaves if x.requires_grad]
+        got, work.weight[i] = backward_input([o for o, _ in pairs], [g for _, g in pairs], wanted)
+        by_leaf = dict(zip(map(id, wanted), got))
+        if self.links.grad_out is not None:
+            self.links.grad_out.send(
+                i, tuple(g if (g := by_leaf.get(id(x))) is not None else torch.zeros_like(x) for x in leaves)
             )
 
     def _check_recompute(self, mb: MicroBatch, sent: tuple[torch.Tensor, ...], out) -> None:

@@ -44,24 +44,60 @@ __all__ = ["EmulatedBlock", "EmulatedModel", "emulated_model"]
 
 
 class _EmulatedOp(torch.autograd.Function):
-    """``x * scale + bias`` whose forward sleeps ``block.fwd_s`` and backward ``block.bwd_s``."""
+    """The input half ``x * scale`` (``scale`` detached): the forward sleeps ``block.fwd_s``, the
+    backward (the input gradient) ``(1 - weight_frac) * block.bwd_s``.
+
+    Note [Emulated split backward]: a block's output is the sum of two autograd nodes, this one
+    and :class:`_EmulatedWeightOp` (the bias, broadcast, whose backward computes the parameter
+    gradients and takes the other ``weight_frac`` of the backward time): ``x * scale + bias``,
+    the same values and gradients as one op. A whole backward runs both (the same time); a
+    zero-bubble B (the gradient w.r.t. the input only) runs this one, its W the other -- as a
+    real layer's backward computes only the outputs that are asked for.
+    """
 
     # The classic ``forward(ctx, ...)`` form on purpose: with a separate ``setup_context``, every
     # ``apply`` binds default arguments through ``inspect.signature`` (~0.1 ms of CPU per call on
     # a busy 2-core host), which would make the emulated device slower than its nominal time.
     @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, block: EmulatedBlock
-    ) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor, block: EmulatedBlock) -> torch.Tensor:
         if not x.is_meta:
             block.num_forward += 1
             if block.fwd_s > 0:
                 time.sleep(block.fwd_s)  # releases the GIL: an accelerator busy, not the CPU
         ctx.block = block
+        ctx.save_for_backward(scale)
+        return x * scale
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        (scale,) = ctx.saved_tensors
+        block: EmulatedBlock = ctx.block
+        shared = getattr(ctx, "shared", {})
+        if shared.pop("slept", False):
+            pass  # a whole backward: the weight half slept for both (one sleep: less overshoot)
+        elif not grad_out.is_meta and block.bwd_s > 0:
+            shared["input_ran"] = True
+            time.sleep((1.0 - block.weight_frac) * block.bwd_s)
+        return grad_out * scale, None, None
+
+
+class _EmulatedWeightOp(torch.autograd.Function):
+    """``bias`` broadcast to the output's shape, whose backward computes the gradients of
+    ``scale`` (from the saved input ``x``, detached) and ``bias``, sleeping ``weight_frac *
+    block.bwd_s`` -- all of ``block.bwd_s`` when the input needs no gradient (then the input
+    half has no backward). Not on the input's path, so a B never runs it (Note [Emulated split
+    backward])."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, block: EmulatedBlock, whole: bool
+    ) -> torch.Tensor:
+        ctx.block = block
         ctx.bias_shape = bias.shape
+        ctx.whole = whole
         # Saving the input keeps one activation alive until backward, as a real block would.
         ctx.save_for_backward(x, scale)
-        return x * scale + bias
+        return bias.expand(x.shape).clone()
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
@@ -70,12 +106,25 @@ class _EmulatedOp(torch.autograd.Function):
         if not grad_out.is_meta:
             block.num_backward += 1
             if block.bwd_s > 0:
-                time.sleep(block.bwd_s)
-        grad_x = grad_out * scale if ctx.needs_input_grad[0] else None
+                time.sleep(block.weight_frac * block.bwd_s if not _sleeps_whole(ctx) else block.bwd_s)
         # sum_to_size undoes the broadcasting of the (width,) parameters over the batch dims.
         grad_scale = (grad_out * x).sum_to_size(scale.shape) if ctx.needs_input_grad[1] else None
         grad_bias = grad_out.sum_to_size(ctx.bias_shape) if ctx.needs_input_grad[2] else None
-        return grad_x, grad_scale, grad_bias, None
+        return None, grad_scale, grad_bias, None, None
+
+
+def _sleeps_whole(ctx: Any) -> bool:
+    """Whether the weight half takes the whole backward's time: when the input half has no
+    backward, or will run in this same backward after this one (then it skips its sleep)."""
+    if ctx.whole:
+        return True
+    shared, node = getattr(ctx, "shared", None), getattr(ctx, "input_node", None)
+    if shared is None or node is None or shared.pop("input_ran", False):
+        return False
+    if torch._C._will_engine_execute_node(node):
+        shared["slept"] = True
+        return True
+    return False
 
 
 class EmulatedBlock(nn.Module):
@@ -96,8 +145,13 @@ class EmulatedBlock(nn.Module):
     def __init__(
         self, fwd_s: float, width: int, *, bwd_factor: float = 2.0,
         device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+        weight_frac: float = 0.5,
     ) -> None:
         super().__init__()
+        if not 0.0 <= weight_frac <= 1.0:
+            raise ValueError(f"weight_frac must lie in [0, 1], got {weight_frac!r}")
+        #: the share of the backward spent on the parameter gradients (Note [Emulated split backward])
+        self.weight_frac = float(weight_frac)
         if not (math.isfinite(fwd_s) and fwd_s >= 0):
             raise ValueError(f"fwd_s must be a finite number of seconds >= 0, got {fwd_s!r}")
         if not (math.isfinite(bwd_factor) and bwd_factor >= 0):
@@ -133,7 +187,12 @@ class EmulatedBlock(nn.Module):
         if x.shape[-1:] != (self.width,):
             raise ValueError(f"EmulatedBlock(width={self.width}) got an input of shape {tuple(x.shape)}; "
                              f"the last dimension must be {self.width}")
-        return _EmulatedOp.apply(x, self.scale, self.bias, self)
+        xs = _EmulatedOp.apply(x, self.scale.detach(), self)
+        w = _EmulatedWeightOp.apply(x.detach(), self.scale, self.bias, self, not x.requires_grad)
+        if xs.grad_fn is not None and w.grad_fn is not None:
+            xs.grad_fn.shared = w.grad_fn.shared = {}  # per call (Note [Emulated split backward])
+            w.grad_fn.input_node = xs.grad_fn
+        return xs + w
 
     def extra_repr(self) -> str:
         return f"fwd_s={self.fwd_s}, bwd_s={self.bwd_s}, width={self.width}"
