@@ -10,10 +10,13 @@ Same model, same conditions for both systems (see docs/benchmarks.md for the met
 - **network** (``varuna.testing.netem``; ``$VARUNA_NETEM`` for the engine, ``emulate_network`` around torch's
   schedule): none; moderate = latency 1 ms + Exp(mean 2 ms); heavy = 2 ms + Exp(mean 10 ms) per
   message;
-- **schedules**: ours ``varuna`` / ``gpipe`` / ``1f1b`` (``varuna.Engine``), torch's ``ScheduleGPipe``,
-  ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, each with activation checkpointing on its stages
-  (``torch.utils.checkpoint`` around the stage module, non-reentrant; rows ``+ckpt``) and without.
-  Ours: ``gpipe``/``1f1b`` with recompute (``+R``) and without; ``varuna`` always recomputes (not
+- **schedules**: ours ``varuna`` / ``gpipe`` / ``1f1b`` / ``zb-h1`` / ``varuna-zb`` (``varuna.Engine``),
+  torch's ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
+  ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` (the last
+  three with 2 chunks per rank, V-shaped placement for ZBV/DualPipeV; the emulated blocks split
+  their backward B = 2F into input and weight halves of F each), each with activation checkpointing
+  on its stages (``torch.utils.checkpoint`` around the stage module, non-reentrant; rows ``+ckpt``)
+  and without. Ours: ``gpipe``/``1f1b`` with recompute (``+R``) and without; ``varuna`` always recomputes (not
   on its last stage).
 - **real compute**: the GPT of examples/gpt2 at P = 2 on both systems (same split, same init).
 
@@ -59,6 +62,8 @@ for _path in (ROOT, ROOT / "scripts"):  # the package, and this script's results
 
 from bench_schedules_results import (  # noqa: E402  (after the sys.path set-up)
     LEVELS,
+    OUR_SCHEDULES,
+    TORCH_SCHEDULES,
     RunSpec,
     WorldSpec,
     goal_rows,
@@ -110,6 +115,16 @@ class _TorchRecorder:
 
         stage.forward_one_chunk = forward_one_chunk
         stage.backward_one_chunk = backward_one_chunk
+        wfn = getattr(stage, "backward_weight_one_chunk", None)
+        if wfn is not None:  # zero-bubble schedules: the weight gradients, split from the backward
+            def backward_weight_one_chunk(chunk_id, *args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return wfn(chunk_id, *args, **kwargs)
+                finally:
+                    self.events.append((index, "W", chunk_id, t0, time.perf_counter()))
+
+            stage.backward_weight_one_chunk = backward_weight_one_chunk
 
     def recompute_hooks(self, module: Any) -> None:
         """Record the forward of ``module`` run inside a backward (the checkpoint's recompute) as R."""
@@ -326,7 +341,8 @@ def _run_torch(spec: WorldSpec, run: RunSpec, rank: int) -> tuple[list, list]:
     P, v = spec.num_stages, run.chunks
     S = P * v  # virtual stages; rank r holds stages r, r + P, ...
     x, y = _batch(spec)
-    mine = [rank + c * P for c in range(v)]
+    # V-shaped kinds (ZBV, DualPipeV): rank r holds virtual stages r and 2P-1-r; else r, r+P, ...
+    mine = [rank, 2 * P - 1 - rank] if run.schedule in _V_SHAPED else [rank + c * P for c in range(v)]
     if spec.model == "gpt":
         pieces = _gpt_pieces(spec, S)
         modules = [pieces[s] for s in mine]
@@ -359,8 +375,8 @@ def _run_torch(spec: WorldSpec, run: RunSpec, rank: int) -> tuple[list, list]:
         for st in stages:
             recorder.wrap_stage(st)
         n = spec.num_microbatches
-        if run.schedule == "interleaved":
-            schedule = pipelining.ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn)
+        if run.schedule in _MULTI_STAGE:
+            schedule = getattr(pipelining, _MULTI_STAGE[run.schedule])(stages, n, loss_fn=loss_fn)
         else:
             cls = pipelining.ScheduleGPipe if run.schedule == "gpipe" else pipelining.Schedule1F1B
             schedule = cls(stages[0], n, loss_fn=loss_fn)
@@ -385,6 +401,15 @@ def _run_torch(spec: WorldSpec, run: RunSpec, rank: int) -> tuple[list, list]:
 
         return _timed_steps(spec, step, lambda: recorder.events)
 
+
+#: torch schedules that take every stage of the rank (class names), and the V-shaped ones.
+_MULTI_STAGE = {
+    "interleaved": "ScheduleInterleaved1F1B",
+    "izb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+_V_SHAPED = ("zbv", "dualpipev")
 
 #: The process group of ranks 0 and P-1 (holders of the GPT's tied embedding), made at start-up.
 _TIED_GROUP: list[Any] = [None]
@@ -425,13 +450,13 @@ def comparison_runs(levels: Sequence[str], *, with_no_recompute: bool = True) ->
 
     def torch_(recompute: bool, level: str) -> list[RunSpec]:
         return [RunSpec(system="torch", schedule=s, recompute=recompute, level=level,
-                        chunks=2 if s == "interleaved" else 1) for s in ("gpipe", "1f1b", "interleaved")]
+                        chunks=1 if s in ("gpipe", "1f1b") else 2) for s in TORCH_SCHEDULES]
 
     specs = []
     for level in levels:
-        specs += ours(("varuna", "gpipe", "1f1b"), True, level) + torch_(True, level)
+        specs += ours(OUR_SCHEDULES, True, level) + torch_(True, level)
         if with_no_recompute:
-            specs += ours(("gpipe", "1f1b"), False, level) + torch_(False, level)
+            specs += ours(("gpipe", "1f1b", "zb-h1"), False, level) + torch_(False, level)
     return specs
 
 
