@@ -156,7 +156,8 @@ def choose_micro_batch_size(cal: Calibration) -> int:
 # Note [Lower bound]: stage k can start micro-batch 0 only after stages 0..k-1 forwarded it (and
 # the activations crossed the links), must then run all its tasks one after another (Nm·(F+B)
 # plus its recomputes: at least Nm-1 on every stage but the last, for every schedule we run), and
-# after its last backward the gradient must still pass back through stages k-1..0. So stage 0's
+# after its last backward the gradient must still pass back through stages k-1..0 (zero-bubble
+# kinds: only the input-gradient half B of each backward is on that path). So stage 0's
 # last backward ends no earlier than max_k [Σ_{j<k}(F_j + act_j) + work_k + Σ_{j<k}(B_j + grad_j)],
 # and every stage's last backward no earlier than its own first-input time + work. The mini-batch
 # ends after the all-reduce and optimizer step that follow. This is exact for a perfectly
@@ -303,6 +304,8 @@ class _Planner:
         chain, tails = [], []
         head = 0.0  # Σ_{j<k} (F_j + act send_j)
         tail = 0.0  # Σ_{j<k} (B_j + grad send_j)
+        # A split backward (zero-bubble kinds) sends the gradient after B's input half only.
+        b_hop = 1.0 - cfg.weight_grad_fraction if self.kind.splits_backward else 1.0
         for k in range(P):
             # Recomputes: at least Nm-1 where the stage recomputes; none counted on the last stage
             # (gpipe's does recompute, but a weaker bound is still a bound).
@@ -312,7 +315,7 @@ class _Planner:
             tails.append(tail)
             if k < P - 1:
                 head += fill * (fk[k] + hop[k])
-                tail += fill * (bk[k] + hop[k])
+                tail += fill * (b_hop * bk[k] + hop[k])
         bound, suffix = 0.0, 0.0
         for k in range(P - 1, -1, -1):
             suffix = max(suffix, chain[k])
@@ -349,9 +352,9 @@ def autoconfigure(
 
     >>> from varuna.core.calibration import Calibration
     >>> cal = Calibration.synthetic(0.01, num_segments=4, micro_batch_sizes=(1, 2))
-    >>> autoconfigure(cal, gpus=4, global_batch_size=16, schedule="pipedream")
+    >>> autoconfigure(cal, gpus=4, global_batch_size=16, schedule="pipedream")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ValueError: unknown schedule kind 'pipedream'; choose one of varuna, gpipe, 1f1b, interleaved
+    ValueError: unknown schedule kind 'pipedream'; choose one of varuna, gpipe, 1f1b, interleaved, ...
     """
     t0 = time.perf_counter()
     _check_schedule(schedule)

@@ -37,6 +37,7 @@ def main() -> None:
     p.add_argument("--unkeyed-rng", action="store_true")
     p.add_argument("--unkeyed-data", action="store_true")
     p.add_argument("--no-deterministic", action="store_true")
+    p.add_argument("--schedule", default="varuna")
     a = p.parse_args()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo")
@@ -45,6 +46,7 @@ def main() -> None:
     engine = varuna.Engine(
         model,
         varuna.VarunaConfig(global_batch_size=M, micro_batch_size=a.micro_batch_size, seed=3,
+                            schedule=a.schedule,
                             max_grad_norm=1.0, deterministic=not a.no_deterministic,
                             canonical_reduction=not a.no_canonical, rng_keyed=not a.unkeyed_rng),
         example_batch=batch_for(0, M),

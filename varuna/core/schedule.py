@@ -219,9 +219,9 @@ def schedule_kind(name: str) -> ScheduleKind:
 
     >>> schedule_kind("varuna").opportunistic
     True
-    >>> schedule_kind("pipedream")
+    >>> schedule_kind("pipedream")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ValueError: unknown schedule kind 'pipedream'; choose one of varuna, gpipe, 1f1b, interleaved
+    ValueError: unknown schedule kind 'pipedream'; choose one of varuna, gpipe, 1f1b, interleaved, ...
     """
     kind = _KINDS.get(name)
     if kind is None:
