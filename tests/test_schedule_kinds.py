@@ -19,12 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_registry():
-    assert SCHEDULE_KINDS == ("varuna", "gpipe", "1f1b")
-    assert ALL_SCHEDULE_KINDS == ("varuna", "gpipe", "1f1b", "interleaved")
+    assert SCHEDULE_KINDS == ("varuna", "gpipe", "1f1b", "zb-h1", "varuna-zb")
+    assert ALL_SCHEDULE_KINDS == ("varuna", "gpipe", "1f1b", "interleaved", "zb-h1", "varuna-zb")
     for name in ALL_SCHEDULE_KINDS:
         kind = schedule_kind(name)
         assert kind.name == name and kind.runtime == (name in SCHEDULE_KINDS)
-    assert [schedule_kind(n).opportunistic for n in ALL_SCHEDULE_KINDS] == [True, False, False, False]
+    opportunistic = [schedule_kind(n).opportunistic for n in ALL_SCHEDULE_KINDS]
+    assert opportunistic == [True, False, False, False, False, True]
     with pytest.raises(ValueError, match="kind 'x'; choose one of varuna, gpipe, 1f1b, interleaved"):
         schedule_kind("x")
 

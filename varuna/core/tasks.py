@@ -113,12 +113,18 @@ def validate_stage_tasks(
 
 
 def peak_stashed(tasks: Sequence[Task]) -> int:
-    """Most micro-batches whose forward is done and backward not yet, along ``tasks``."""
+    """Most micro-batches whose forward is done and backward not yet, along ``tasks`` (a split
+    backward is done at its W: W needs the stage's input and activations).
+
+    >>> peak_stashed(parse_tasks("F0 F1 B0 W0 B1 W1")), peak_stashed(parse_tasks("F0 B0 F1 B1 W0 W1"))
+    (2, 2)
+    """
+    end = WEIGHT if any(t.op == WEIGHT for t in tasks) else BACKWARD
     live = peak = 0
     for t in tasks:
         if t.op == FORWARD:
             live += 1
             peak = max(peak, live)
-        elif t.op == BACKWARD:
+        elif t.op == end:
             live -= 1
     return peak

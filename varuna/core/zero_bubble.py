@@ -40,7 +40,7 @@ from typing import ClassVar
 
 from varuna.core.policy import DEFAULT_STASH_HEADROOM
 from varuna.core.schedule_kind import ScheduleKind
-from varuna.core.tasks import BACKWARD, FORWARD, RECOMPUTE, WEIGHT, Task, recomputed
+from varuna.core.tasks import BACKWARD, FORWARD, RECOMPUTE, WEIGHT, Task, peak_stashed, recomputed
 
 __all__ = [
     "zb_h1_order",
@@ -86,20 +86,14 @@ def zb_h1_order(num_stages: int, num_microbatches: int, stage: int, *, recompute
 
 
 def peak_in_flight(tasks: Sequence[Task]) -> int:
-    """Most micro-batches whose forward is done and W not yet, along ``tasks``.
+    """Most micro-batches whose forward is done and W not yet, along ``tasks``
+    (:func:`varuna.core.tasks.peak_stashed` of a split list).
 
     >>> from varuna.core.tasks import parse_tasks
     >>> peak_in_flight(parse_tasks("F0 F1 B0 B1 W0 W1"))
     2
     """
-    live = peak = 0
-    for t in tasks:
-        if t.op == FORWARD:
-            live += 1
-            peak = max(peak, live)
-        elif t.op == WEIGHT:
-            live -= 1
-    return peak
+    return peak_stashed(tasks)
 
 
 def validate_split_tasks(tasks: Sequence[Task], num_microbatches: int) -> None:
