@@ -60,6 +60,16 @@ class VarunaConfig:
     """Clip by the global gradient norm over all stages (shared parameters counted once)."""
     stage_ranges: list[tuple[int, int]] | None = None
     """Explicit segment ranges per stage; default: balanced on costs measured in a dry run."""
+    replica_shares: tuple[int, ...] | None = None
+    """Micro-batches each of the D replicas runs, for replicas on VMs of different speeds (virtual
+    nodes): D counts >= 1 summing to ceil(global_batch_size / micro_batch_size). The global batch,
+    m and the update are unchanged (bit-identical in deterministic mode); only which replica runs
+    which micro-batches moves. None: as even as possible. ``$VARUNA_REPLICA_SHARES`` ("3,1", the
+    run plan) overrides it. ``varuna.core.batching.proportional_shares`` turns speeds into shares."""
+    stage_speeds: tuple[float, ...] | None = None
+    """Relative speed of each stage's VM (P values > 0, pipeline order): the stage split balances
+    time, a segment costing c taking c / speed on its stage, so a slower VM's stage gets less of the
+    model. Ignored with explicit ``stage_ranges``. ``$VARUNA_STAGE_SPEEDS`` ("1,1.6") overrides it."""
     comm_timeout_s: float = 300.0
     """Every wait on another process gives up after this long."""
     peer_timeout_s: float = 10.0
@@ -171,6 +181,30 @@ class VarunaConfig:
             raise ValueError(
                 f"max_nonfinite_steps must be >= 0, 0 to never stop (got {self.max_nonfinite_steps})"
             )
+        self._validate_mixed()
+
+    def _validate_mixed(self) -> None:
+        """Shares and speeds as tuples of the right kind; their counts are checked against D and P
+        once the layout is known (``Engine``)."""
+        if self.replica_shares is not None:
+            self.replica_shares = tuple(self.replica_shares)
+            if not self.replica_shares or any(
+                isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in self.replica_shares
+            ):
+                raise ValueError(
+                    f"replica_shares {self.replica_shares} must be whole numbers >= 1 of micro-batches per "
+                    "replica, one per replica (or None for an even split)"
+                )
+        if self.stage_speeds is not None:
+            self.stage_speeds = tuple(self.stage_speeds)
+            if not self.stage_speeds or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
+                for v in self.stage_speeds
+            ):
+                raise ValueError(
+                    f"stage_speeds {self.stage_speeds} must be finite numbers > 0, one per stage "
+                    "(or None when every stage's VM is alike)"
+                )
 
 
     def _validate_tensorboard_dir(self) -> None:
@@ -224,6 +258,11 @@ def adopt_plan(config: VarunaConfig, plan: RunPlan) -> str | None:
         config.micro_batch_size = plan.micro_batch_size
     if plan.stage_ranges is not None:
         config.stage_ranges = [tuple(r) for r in plan.stage_ranges]
+    # The planner knows the cluster's VM types: its shares and speeds stand (as its m does).
+    if plan.replica_shares is not None:
+        config.replica_shares = plan.replica_shares
+    if plan.stage_speeds is not None:
+        config.stage_speeds = plan.stage_speeds
     return note
 
 

@@ -41,7 +41,8 @@ from torch import nn
 
 from varuna.core.batching import plan_microbatches
 from varuna.core.env import RunPlan
-from varuna.core.schedule import Task
+from varuna.core.partition import check_speeds
+from varuna.core.schedule import Task, schedule_kind
 from varuna.core.timeline import Timeline
 from varuna.cutting.batches import batch_size_of, slice_batch
 from varuna.cutting.cutpoint import CarryPlan, CutPoint, SplitState
@@ -128,7 +129,7 @@ class Engine:
         """Dry run, stage assignment and materialisation of this process's stage."""
         config, P = self.config, self.layout.P
         _place_cutpoints(model, example_batch, config, self.loss_fn, self.layout)  # before the dry run
-        self.micro_plan = plan_microbatches(config.global_batch_size, config.micro_batch_size, self.layout.D)
+        self.micro_plan = _plan_step(config, self.layout)
         self.device = pick_device(config.device)
         self._split = SplitState()
         first = slice_batch(example_batch, 0, min(config.micro_batch_size, batch_size_of(example_batch)))
@@ -147,6 +148,7 @@ class Engine:
             schedule=config.schedule,
             recompute=config.recompute,
             explicit=config.stage_ranges,
+            speeds=config.stage_speeds,
         )
         self.first_segment, self.last_segment = self.stage_ranges[self.stage]
         for cp in model.modules():
@@ -469,6 +471,24 @@ def _on_stop_signals(names: tuple[str, ...], handler) -> None:
         return
     for name in names:
         signal.signal(getattr(signal, name), handler)
+
+
+def _plan_step(config: VarunaConfig, layout: Layout) -> list[list]:
+    """Each replica's micro-batches (``replica_shares`` when set), after checking that the shares
+    fit D and the schedule kind, and the stage speeds fit P (one line each, on every rank)."""
+    plan = plan_microbatches(
+        config.global_batch_size, config.micro_batch_size, layout.D, config.replica_shares
+    )
+    kind = schedule_kind(config.schedule)
+    for d, mbs in enumerate(plan):
+        reason = kind.unsupported(layout.P, len(mbs))
+        if reason is not None:
+            raise ValueError(f"replica {d}'s {len(mbs)} micro-batch(es) cannot run at P={layout.P}: {reason}")
+    if config.stage_speeds is not None:
+        problem = check_speeds(config.stage_speeds, layout.P)
+        if problem is not None:
+            raise ValueError(problem)
+    return plan
 
 
 def _check_batch(batch, global_batch_size: int) -> None:

@@ -3,7 +3,8 @@
 Explicit ranges (the config's or the launcher's plan) are checked; otherwise the segments are
 split by :func:`varuna.core.partition.balanced_stages` on the dry run's segment costs (FLOPs, or
 measured time with ``plan_cost="time"``), the schedule kind saying what a segment costs on a
-non-last and on the last stage (varuna's last stage never recomputes). Rank 0's split is broadcast.
+non-last and on the last stage (varuna's last stage never recomputes), each stage's cost divided
+by its VM's relative speed when ``stage_speeds`` says the VMs differ. Rank 0's split is broadcast.
 
 Example::
 
@@ -92,8 +93,11 @@ def assign_stages(
     schedule: str,
     recompute: bool,
     explicit: Sequence[tuple[int, int]] | None,
+    speeds: Sequence[float] | None = None,
 ) -> list[tuple[int, int]]:
-    """Inclusive segment range of every stage (a collective when it balances on several ranks)."""
+    """Inclusive segment range of every stage (a collective when it balances on several ranks).
+    ``speeds``: relative speed of each stage's VM; a segment's cost on stage i is divided by
+    ``speeds[i]`` (``VarunaConfig.stage_speeds``)."""
     P, nseg = layout.P, profile.num_segments
     if explicit is not None:
         ranges = [tuple(r) for r in explicit]
@@ -110,7 +114,7 @@ def assign_stages(
     fwd, bwd = profile.fwd_cost, profile.bwd_cost
     # A recompute is a forward again: the dry run's forward cost stands for it.
     full, last = schedule_kind(schedule).balancing_costs(fwd, fwd, bwd, recompute=recompute)
-    ranges = balanced_stages(full, last, P) if P > 1 else [(0, nseg - 1)]
+    ranges = balanced_stages(full, last, P, speeds=speeds) if P > 1 else [(0, nseg - 1)]
     if layout.world > 1:
         # Timings differ between processes: rank 0's split is the one everybody uses.
         t = torch.tensor([x for r in ranges for x in r], dtype=torch.int64)
