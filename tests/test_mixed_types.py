@@ -242,3 +242,16 @@ def test_uneven_shares_without_canonical_order(tmp_path):
     ref = run(tmp_path, "ref", 1, 1, "--no-deterministic")
     loose = run(tmp_path, "loose", 1, 2, "--no-deterministic", "--replica-shares", "5,1")
     assert loose["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+
+
+def test_launcher_forwards_shares_and_speeds_to_every_worker():
+    """``VARUNA_REPLICA_SHARES=5,3 varuna-launch ...``: every worker's environment carries the plan."""
+    from varuna.launch.local import LocalHost
+    from varuna.launch.spec import LaunchConfig, plan_workers
+
+    cfg = LaunchConfig(script="t.py", pipeline_depth=2, data_parallel=2)
+    environ = {"VARUNA_REPLICA_SHARES": "5,3", "VARUNA_STAGE_SPEEDS": "1,1.6", "HOME": "/x"}
+    hosts = [LocalHost(slots=2), LocalHost(slots=2)]
+    specs = plan_workers(cfg, hosts, master_port=1, launcher_environ=environ)
+    plans = {RunPlan.from_env(s.set_vars) for s in specs}
+    assert plans == {RunPlan(replica_shares=(5, 3), stage_speeds=(1.0, 1.6))}

@@ -61,8 +61,9 @@ class Layout:
 
         Example::
 
-            >>> Layout(pipeline_depth=2, data_parallel=1, micro_batch_size=4, schedule="1f1b").run_plan()
-            RunPlan(global_batch_size=None, micro_batch_size=4, schedule='1f1b', stage_ranges=None)
+            >>> layout = Layout(pipeline_depth=2, data_parallel=1, micro_batch_size=4, schedule="1f1b")
+            >>> layout.run_plan().to_env()
+            {'VARUNA_MICRO_BATCH_SIZE': '4', 'VARUNA_SCHEDULE': '1f1b'}
         """
         return RunPlan(
             global_batch_size=global_batch_size,
