@@ -255,3 +255,40 @@ def test_launcher_forwards_shares_and_speeds_to_every_worker():
     specs = plan_workers(cfg, hosts, master_port=1, launcher_environ=environ)
     plans = {RunPlan.from_env(s.set_vars) for s in specs}
     assert plans == {RunPlan(replica_shares=(5, 3), stage_speeds=(1.0, 1.6))}
+
+
+CKPT_WORKER = Path(__file__).parent / "workers" / "ckpt_worker.py"
+
+
+def ckpt_run(tmp: Path, name: str, P: int, D: int, *args: str, env: dict | None = None):
+    out = tmp / name
+    check_ok(
+        run_world(
+            CKPT_WORKER,
+            P * D,
+            ["--out", str(out), "--pipeline-depth", str(P), "--deterministic", "--eps", "1e-8", *args],
+            env={"VARUNA_PIPELINE_DEPTH": str(P), **(env or {})},
+            timeout_s=180,
+        )
+    )
+    report = json.loads((out / "rank0.json").read_text())
+    params: dict[str, torch.Tensor] = {}
+    for f in sorted(out.glob("rank*.pt")):
+        for n, t in torch.load(f, weights_only=True).items():
+            assert torch.equal(params.setdefault(n, t), t), f"copies of {n} disagree"
+    return report, params
+
+
+@pytest.mark.slow
+def test_morph_from_a_mixed_to_a_homogeneous_cluster_is_bitwise(tmp_path):
+    """2×2 with shares (3, 1) and speeds (1, 3) for steps 1–2 → checkpoint → 1×1 for steps 3–4
+    equals 4 uninterrupted 1×1 steps bitwise (deterministic mode; 4 micro-batches of 2)."""
+    ckpt = str(tmp_path / "ckpt")
+    ref, ref_params = ckpt_run(tmp_path, "ref", 1, 1, "--ckpt-dir", str(tmp_path / "unused"), "--steps", "4")
+    mixed = {"VARUNA_REPLICA_SHARES": "3,1", "VARUNA_STAGE_SPEEDS": "1,3"}
+    a, _ = ckpt_run(tmp_path, "a", 2, 2, "--ckpt-dir", ckpt, "--steps", "2", "--save-at", "2", env=mixed)
+    b, params = ckpt_run(tmp_path, "b", 1, 1, "--ckpt-dir", ckpt, "--steps", "4", "--resume", "1")
+    assert b["first_step"] == 3
+    assert a["losses"] + b["losses"] == ref["losses"], "per-step losses differ"
+    assert params.keys() == ref_params.keys()
+    assert [n for n in ref_params if not torch.equal(params[n], ref_params[n])] == []
