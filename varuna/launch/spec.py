@@ -242,7 +242,8 @@ def _rank_hosts(config: LaunchConfig, hosts: Sequence[Host]) -> list[int]:
     for host_id, host in enumerate(hosts):
         if out.count(host_id) > host.slots:
             raise ValueError(
-                f"rank_hosts puts {out.count(host_id)} ranks on host {host_id}, which has {host.slots} slot(s)"
+                f"rank_hosts puts {out.count(host_id)} ranks on host {host_id}, which has"
+                f" {host.slots} slot(s)"
             )
     if max(out) >= len(hosts):
         raise ValueError(f"rank_hosts names host {max(out)} but there are {len(hosts)} host(s)")
