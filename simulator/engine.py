@@ -29,8 +29,11 @@ What is modelled (see docs/simulator.md for formulas):
   latency with a seeded exponential jitter per message, no overtaking (Note [Link model] in
   ``simulator/events.py``); sends
   never block compute;
-- the per-stage gradient all-reduce over D replicas, starting when the last replica finishes the
-  stage's last backward, with k = the number of rings sharing a host's NIC;
+- mixed VM types (``SimConfig.device_types``): each device's F, R and B at its VM type's costs,
+  and replicas with uneven micro-batch counts (``num_microbatches`` per replica, e.g. the shares of
+  ``varuna.core.batching.microbatch_counts(..., shares=...)``);
+- the per-stage gradient all-reduce over D replicas, starting when the last (slowest) replica
+  finishes the stage's last backward, with k = the number of rings sharing a host's NIC;
 - the optimizer step after the all-reduce;
 - a fixed per-mini-batch runtime overhead ``step_overhead_s`` (step set-up and the end-of-step
   agreement all-reduce), added to the mini-batch time.
@@ -76,6 +79,16 @@ def simulate(cal: Calibration, config: SimConfig, *, record: bool = False) -> Si
     costs = stage_cost_tables(cal, ranges, sizes, task_overhead_s=over, placeholder_s=placeholder_s)
     links = Links.of(cal, c)
     sim_replicas = _replicas_to_simulate(c, host, links.random)
+    rank_costs = None
+    if c.device_types is not None:
+        # Mixed VM types: each device computes at its type's costs (Calibration.for_type).
+        by_type = {
+            t: stage_cost_tables(
+                cal.for_type(t), ranges, sizes, task_overhead_s=over, placeholder_s=placeholder_s
+            )
+            for t in sorted({t for row in c.device_types for t in row})
+        }
+        rank_costs = [by_type[c.device_types[d][k]] for d in sim_replicas for k in range(c.num_stages)]
     policies, pipelines = [], {}
     for d in sim_replicas:
         nm = c.microbatches_of(d)
@@ -84,7 +97,7 @@ def simulate(cal: Calibration, config: SimConfig, *, record: bool = False) -> Si
         pipelines[nm] = pipe
     tl = Timeline(metadata={"config": c.label(), "source": "simulator"}) if record else None
     tallies = run_events(
-        rank_tables(c, v, host, sim_replicas, costs, links),
+        rank_tables(c, v, host, sim_replicas, costs, links, rank_costs),
         policies,
         chunked=kind.chunked,
         chunks=v,
@@ -110,7 +123,8 @@ def _replicas_to_simulate(c: SimConfig, host: Sequence[int], random: bool) -> li
     def pattern(d: int):
         base = d * P
         links = tuple(host[base + k] == host[base + (k + 1) % P] for k in range(P))
-        return c.microbatches_of(d), c.last_size_of(d), links
+        types = c.device_types[d] if c.device_types is not None else None
+        return c.microbatches_of(d), c.last_size_of(d), links, types
 
     seen: dict = {}
     for d in range(c.num_replicas):

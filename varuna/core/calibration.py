@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import datetime
 import json
 import os
@@ -48,6 +49,7 @@ from varuna.core.calibration_sections import (
     SegmentCalibration,
     SendStat,
 )
+from varuna.core.calibration_types import SegmentCompute, VmType
 
 __all__ = [
     "CALIBRATION_VERSION",
@@ -64,10 +66,16 @@ __all__ = [
     "RuntimeOverheads",
     "Calibration",
     "plan_model_mismatch",
+    "SegmentCompute",
+    "VmType",
 ]
 
-#: The schema version this code reads and writes. Bump on any incompatible change.
-CALIBRATION_VERSION = 1
+#: The schema version this code writes. Bump on any incompatible change. Version 2 added the
+#: optional ``types`` section (VM types, ``varuna/core/calibration_types.py``): a version-1 reader
+#: would ignore it and plan a mixed cluster as if every VM were the profiled one.
+CALIBRATION_VERSION = 2
+#: Versions this code reads: a version-1 file is a version-2 file without ``types``.
+READABLE_VERSIONS = (1, 2)
 
 _FREE_BW = 1e18  # bytes/s of the synthetic "free" links
 
@@ -99,6 +107,9 @@ class Calibration:
     """The profiler's diagnostics (file key ``profiler``: fit errors, peak memory, settings, run
     history; ``docs/profiling.md``). Opaque to this module: any JSON object, kept as it is through
     load and save."""
+    types: dict[str, VmType] = field(default_factory=dict)
+    """VM types (file key ``types``, version 2): each type's compute, own or the base's over its
+    speed (:meth:`for_type`); empty: one type, the profiled host's."""
     source: str = field(default="calibration", compare=False)
     """Where it was loaded from (used in error messages; not stored)."""
 
@@ -122,6 +133,9 @@ class Calibration:
             out["runtime_overheads"] = self.runtime_overheads.to_dict()
         if self.profiler is not None:
             out["profiler"] = _json_copy(self.profiler, "profiler")
+        if self.types:
+            out["version"] = max(self.version, 2)  # a version-1 reader must not drop the types
+            out["types"] = {name: t.to_dict() for name, t in self.types.items()}
         return out
 
     @classmethod
@@ -133,10 +147,11 @@ class Calibration:
                 f"expected a JSON object at the top level, got {type(data).__name__} — {REPROFILE_FIX}"
             )
         version = r.get(data, "version", "", "int")
-        if version != CALIBRATION_VERSION:
+        if version not in READABLE_VERSIONS:
             raise r.fail(
-                f"unsupported calibration version {version} (this varuna reads version "
-                f"{CALIBRATION_VERSION}) — re-run varuna-profile with this varuna to regenerate it"
+                f"unsupported calibration version {version} (this varuna reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}) — re-run varuna-profile with this varuna "
+                "to regenerate it"
             )
         model = ModelInfo._read(r, r.get(data, "model", "", "dict"), "model")
         ms = [
@@ -169,6 +184,11 @@ class Calibration:
             data.get("runtime_overheads"), "runtime_overheads", "dict", optional=True, fix=REMEASURE_FIX
         )
         prof = r.check(data.get("profiler"), "profiler", "dict", optional=True)
+        types = r.check(data.get("types"), "types", "dict", optional=True)
+        if types is not None and version < 2:
+            raise r.fail(
+                "field 'types' needs calibration version 2 (this file says 1) — set \"version\": 2"
+            )
         return cls(
             version=version,
             created=r.get(data, "created", "", "str"),
@@ -185,6 +205,9 @@ class Calibration:
             if runtime is None
             else RuntimeOverheads._read(r, runtime, "runtime_overheads"),
             profiler=None if prof is None else _json_copy(prof, "profiler"),
+            types={
+                name: VmType._read(r, name, t, model.num_segments, n) for name, t in (types or {}).items()
+            },
             source=source,
         )
 
@@ -347,6 +370,75 @@ class Calibration:
         """Optimizer step time for ``param_bytes`` bytes of parameters."""
         return param_bytes * self.optimizer_s_per_param_byte
 
+    # -- VM types (version 2) ------------------------------------------------------------------
+
+    def for_type(self, name: str) -> Calibration:
+        """This calibration as measured on VM type ``name``: its segments' F, R and B are the
+        type's own, or the base's divided by its speed; everything else is the base's; no types.
+
+        >>> cal = Calibration.synthetic(0.01, num_segments=2, micro_batch_sizes=(1,))
+        >>> cal.types["fast"] = VmType(name="fast", speed=2.0)
+        >>> round(cal.for_type("fast").fwd_s(0, 1), 6)
+        0.005
+        """
+        t = self.types.get(name)
+        if t is None:
+            have = ", ".join(sorted(self.types)) or "none"
+            raise ValueError(
+                f"{self.source} has no VM type {name!r} (its types: {have}); add it to the file's "
+                f"'types' section (docs/calibration.md) or profile a VM of that type"
+            )
+        if t.segments is not None and len(t.segments) != self.num_segments:
+            raise ValueError(
+                f"VM type {name!r} has {len(t.segments)} segment costs but the model has "
+                f"{self.num_segments} segments — {REPROFILE_FIX}"
+            )
+        segs = []
+        for i, s in enumerate(self.segments):
+            if t.segments is not None:
+                own = t.segments[i]
+                f, r, b = list(own.fwd_s), list(own.recompute_s), list(own.bwd_s)
+            else:
+                f, r, b = (_scaled(x, 1.0 / float(t.speed)) for x in (s.fwd_s, s.recompute_s, s.bwd_s))
+            segs.append(dataclasses.replace(s, fwd_s=f, recompute_s=r, bwd_s=b))
+        host = dataclasses.replace(self.host, device=t.device or f"{self.host.device} [{name}]")
+        return dataclasses.replace(
+            self, segments=segs, host=host, types={}, source=f"{self.source} [type {name}]"
+        )
+
+    def with_types(self, per_type: dict[str, Calibration], *, memory_bytes: dict[str, int] | None = None
+                   ) -> Calibration:
+        """A copy whose ``types`` hold each calibration of ``per_type`` (one file per VM type, e.g.
+        one profiling run on the first VM of each type) as a type with its own segment costs; all
+        must be of this model at these micro-batch sizes.
+
+        >>> base = Calibration.synthetic(0.01, num_segments=2, micro_batch_sizes=(1,))
+        >>> slow = Calibration.synthetic(0.02, num_segments=2, micro_batch_sizes=(1,))
+        >>> round(base.with_types({"slow": slow}).for_type("slow").bwd_s(1, 1), 6)
+        0.04
+        """
+        types = dict(self.types)
+        for name, cal in per_type.items():
+            cal.check_model(self.model.cutpoint_names, source=cal.source)
+            if list(cal.micro_batch_sizes) != list(self.micro_batch_sizes):
+                raise ValueError(
+                    f"{cal.source} (type {name!r}) measured micro-batch sizes {cal.micro_batch_sizes} but "
+                    f"{self.source} has {self.micro_batch_sizes}; profile both at the same sizes "
+                    f"(varuna-profile --micro-batch-sizes)"
+                )
+            types[name] = VmType(
+                name=name,
+                memory_bytes=(memory_bytes or {}).get(name),
+                device=cal.host.device,
+                segments=tuple(
+                    SegmentCompute(
+                        fwd_s=tuple(s.fwd_s), recompute_s=tuple(s.recompute_s), bwd_s=tuple(s.bwd_s)
+                    )
+                    for s in cal.segments
+                ),
+            )
+        return dataclasses.replace(self, types=types, version=max(self.version, 2))
+
     # -- synthetic files (tests, benchmarks, what-if studies) ---------------------------------
 
     @classmethod
@@ -476,6 +568,10 @@ def _synthetic_cutpoint(name: str, act_bytes: list[float], intra: LinkModel, int
         grad_send_intra_s=sends(intra),
         grad_send_inter_s=sends(inter),
     )
+
+
+def _scaled(stats: Sequence[ComputeStat], factor: float) -> list[ComputeStat]:
+    return [ComputeStat(median=x.median * factor, spread=x.spread * factor) for x in stats]
 
 
 def _json_copy(value: Any, what: str) -> Any:
