@@ -187,31 +187,32 @@ def _rank_types(config: LaunchConfig, used: list[HostEntry]) -> list[str | None]
 
 
 @needs_simulator
-def test_auto_config_on_typed_hosts_places_by_type_and_plans_shares(
+def test_auto_config_on_typed_hosts_runs_the_mixed_planner_and_places_by_type(
     tmp_path: Path, on_hosts: list[tuple[LaunchConfig, list[HostEntry]]]
 ) -> None:
-    from varuna.core.calibration import Calibration
+    from simulator.mixed_plan import plan_mixed
+    from varuna.core.calibration import Calibration, VmType
 
     script = tmp_path / "train.py"
     script.write_text("")
-    cal = tmp_path / "cal.json"
-    # Compute dominates (no communication cost worth a pipeline): auto-config picks P=1, D=4.
-    Calibration.synthetic(0.05, num_segments=2, micro_batch_sizes=(2,)).save(cal)
+    cal = Calibration.synthetic(0.05, num_segments=2, micro_batch_sizes=(2,))
+    cal.types = {"fast": VmType(name="fast", speed=1.6), "slow": VmType(name="slow", speed=1.0)}
+    cal.save(tmp_path / "cal.json")
     hosts = "localhost type=slow,localhost type=fast,localhost type=slow,localhost type=fast"
-    argv = ["--hosts", hosts, "--procs-per-host", "1", "--type-speeds", "fast=1.6,slow=1",
-            "--calibration", str(cal), "--global-batch-size", "32", "--quiet", str(script)]
-    assert main(argv) == 0
+    argv = ["--hosts", hosts, "--procs-per-host", "1", "--calibration", str(tmp_path / "cal.json"),
+            "--global-batch-size", "32", "--quiet", str(script)]
+    assert main(argv) == 0  # no --type-speeds: the calibration's types give the costs
     (config, used), = on_hosts
     plan = RunPlan.from_env(config.worker_env)
-    P, D, m = config.pipeline_depth, config.data_parallel, plan.micro_batch_size
-    assert m == 2 and P * D == 4
-    types = _rank_types(config, used)
-    assert used[0].vm_type == types[0] == "fast"  # rank 0's host is host 0 (the rendezvous)
-    if P == 1:
-        assert types == ["fast", "fast", "slow", "slow"]
-        # 16 micro-batches ∝ (1.6, 1.6, 1, 1): (5, 5, 3, 3) by largest remainders.
-        assert plan.replica_shares == (5, 5, 3, 3)
-    assert plan.replica_shares is None or check_shares(plan.replica_shares, 16, D) is None
+    costs = Calibration.load(tmp_path / "cal.json")
+    expected = plan_mixed({"slow": 2, "fast": 2}, costs, global_batch_size=32)
+    assert (config.pipeline_depth, config.data_parallel) == (expected.num_stages, expected.num_replicas)
+    assert plan.micro_batch_size == expected.micro_batch_size == 2
+    assert plan.replica_shares == expected.replica_shares and plan.stage_ranges == expected.stage_ranges
+    assert check_shares(plan.replica_shares, 16, config.data_parallel) is None
+    # Every rank on a host of the type the plan put there; rank 0's host is host 0 (the rendezvous).
+    assert _rank_types(config, used) == expected.rank_types()
+    assert used[0].vm_type == expected.rank_types()[0]
 
 
 def test_given_p_on_typed_hosts_sets_speeds(

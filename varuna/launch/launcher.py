@@ -38,7 +38,7 @@ from varuna.core.schedule import SCHEDULE_KINDS
 from varuna.launch.hosts import HostEntry, assign_slots, check_types, parse_hosts_arg, select_hosts
 from varuna.launch.job import check_hosts_capacity, check_local_script, launch, launch_on_hosts
 from varuna.launch.layout import LAYOUT_REQUIRED, Layout, resolve_layout
-from varuna.launch.mixed import parse_type_speeds, place_ranks, plan_types
+from varuna.launch.mixed import parse_type_speeds, place_ranks, plan_cluster
 from varuna.launch.procs import is_loopback
 from varuna.launch.spec import (
     MAX_PROCS_PER_HOST_CEILING,
@@ -435,6 +435,14 @@ def _main_hosts(args: argparse.Namespace, config: LaunchConfig) -> int:
     if not reachable:
         _say(f"cannot launch: no host is reachable{left_out}")
         return EXIT_WORKER_FAILED
+    if speeds is not None and args.pipeline_depth is None and args.calibration and args.global_batch_size:
+        # Auto-config on hosts of several types: the mixed planner picks P×D, m, the map, the shares.
+        try:
+            layout, used, config = _place_by_type(None, reachable, speeds, config, args)
+        except ValueError as exc:
+            _say(f"cannot launch: {exc}{left_out}")
+            return EXIT_WORKER_FAILED
+        return _launch_hosts(args, config, layout, used, ssh, unreachable)
     try:
         layout = resolve_layout(
             slots=[e.slots or 0 for e in reachable],
@@ -457,6 +465,18 @@ def _main_hosts(args: argparse.Namespace, config: LaunchConfig) -> int:
             return EXIT_WORKER_FAILED
     else:
         used = select_hosts(reachable, layout.pipeline_depth * layout.data_parallel)
+    return _launch_hosts(args, config, layout, used, ssh, unreachable)
+
+
+def _launch_hosts(
+    args: argparse.Namespace,
+    config: LaunchConfig,
+    layout: Layout,
+    used: list[HostEntry],
+    ssh: SshOptions,
+    unreachable: list[tuple[HostEntry, str]],
+) -> int:
+    """Start the agents on ``used`` for ``layout`` (the run plan in every worker's environment)."""
     config = _with_layout(config, layout, args)
     problem = _unreachable_master(config, used)
     if problem is not None:
@@ -476,6 +496,8 @@ def _type_speeds(args: argparse.Namespace, entries: list[HostEntry]) -> dict[str
         return None
     types = sorted({e.vm_type for e in entries if e.vm_type is not None})
     if args.type_speeds is None:
+        if len(types) > 1 and args.calibration and args.pipeline_depth is None:
+            return {}  # the calibration's 'types' give each type's costs (varuna.launch.mixed)
         if len(types) > 1:
             raise ValueError(
                 f"the hosts are of {len(types)} VM types ({', '.join(types)}); give their relative speeds,"
@@ -490,34 +512,55 @@ def _type_speeds(args: argparse.Namespace, entries: list[HostEntry]) -> dict[str
 
 
 def _place_by_type(
-    layout: Layout,
+    layout: Layout | None,
     reachable: list[HostEntry],
     speeds: dict[str, float],
     config: LaunchConfig,
     args: argparse.Namespace,
 ) -> tuple[Layout, list[HostEntry], LaunchConfig]:
-    """The mixed plan for P×D on typed hosts (:func:`varuna.launch.mixed.plan_types`): the layout
-    with its shares and speeds, the hosts used (rank 0's first) and the config with each rank's host."""
-    m = layout.micro_batch_size
-    num_micro = -(-args.global_batch_size // m) if m and args.global_batch_size else None
+    """The mixed plan on typed hosts (:func:`varuna.launch.mixed.plan_cluster`): for P×D of
+    ``layout``, or (None) the simulator's choice from ``--calibration``. Returns the layout with
+    its shares and speeds, the hosts used (rank 0's first) and the config with each rank's host."""
+    calibration = None
+    if layout is None:
+        from varuna.core.calibration import Calibration
+
+        try:
+            calibration = Calibration.load(args.calibration)
+        except OSError as exc:
+            raise ValueError(f"cannot read calibration {args.calibration!r}: {exc.strerror or exc}") from None
     slot_types = [e.vm_type or "" for e in reachable for _ in range(e.slots or 0)]
-    plan = plan_types(
+    plan = plan_cluster(
         slot_types,
         speeds,
-        pipeline_depth=layout.pipeline_depth,
-        data_parallel=layout.data_parallel,
-        num_microbatches=num_micro,
+        calibration=calibration,
+        global_batch_size=args.global_batch_size,
+        micro_batch_size=layout.micro_batch_size if layout is not None else None,
+        pipeline_depth=layout.pipeline_depth if layout is not None else None,
+        data_parallel=layout.data_parallel if layout is not None else None,
+        schedule=args.schedule or "varuna",
+        host_slots=max(e.slots or 1 for e in reachable),
+        gpu_memory_bytes=_gpu_memory_bytes(args),
     )
     placed = place_ranks(plan, [(e.vm_type or "", e.slots or 0) for e in reachable])
     order = list(dict.fromkeys(placed))  # hosts in order of their first rank: rank 0's is host 0
     used = [reachable[i] for i in order]
     rank_hosts = tuple(order.index(i) for i in placed)
-    note = "; ".join(x for x in (layout.note, f"mixed VM types: {plan.describe()}") if x)
-    if num_micro is None and len(set(plan.rank_types)) > 1:
-        note += " (replicas split the mini-batch evenly: shares need auto-config's m)"
-    layout = dataclasses.replace(
-        layout, replica_shares=plan.replica_shares, stage_speeds=plan.stage_speeds, note=note
-    )
+    if layout is None:
+        layout = Layout(
+            pipeline_depth=plan.pipeline_depth,
+            data_parallel=plan.data_parallel,
+            micro_batch_size=plan.micro_batch_size,
+            stage_ranges=plan.stage_ranges,
+            schedule=args.schedule or "varuna",
+            note=f"auto-config for mixed VM types: {plan.explanation}",
+        )
+    else:
+        note = "; ".join(x for x in (layout.note, f"mixed VM types: {plan.describe()}") if x)
+        if plan.replica_shares is None and len(set(plan.rank_types)) > 1:
+            note += " (replicas split the mini-batch evenly: shares need auto-config's m)"
+        layout = dataclasses.replace(layout, note=note)
+    layout = dataclasses.replace(layout, replica_shares=plan.replica_shares, stage_speeds=plan.stage_speeds)
     config = dataclasses.replace(
         config, pipeline_depth=plan.pipeline_depth, data_parallel=plan.data_parallel, rank_hosts=rank_hosts
     )

@@ -3,12 +3,13 @@ stage), each replica's share of the micro-batches and each stage's speed for the
 host each rank lands on so the stage→type map holds.
 
 Used by ``varuna-launch --hosts`` (host lines with ``type=``) and by the manager (pools of several
-VM types). :func:`plan_types` is the **one place** a mixed plan is made: until the simulator's
-heterogeneous auto-config exists it is the interim rule below; swapping the planner in changes
-this function only (Note [Interim mixed planner]).
+VM types). :func:`plan_cluster` is the **one place** a mixed plan is made: with costs (a
+calibration) it is the simulator's heterogeneous auto-config, ``simulator.mixed_plan.plan_mixed``
+(P, D, m, the stage→type map, the stage ranges, the shares; docs/simulator.md); without costs,
+or with P×D fixed by the user, the speed-only rule :func:`plan_types`.
 
-Note [Interim mixed planner]: P×D is chosen by the caller as for identical VMs (auto-config on
-one calibration, or given); this rule then takes the P·D fastest slots and tries two
+Note [Interim mixed planner]: with no calibration (P given, speeds only), P×D is the caller's;
+this rule then takes the P·D fastest slots and tries two
 arrangements of them — *grouped* (each replica's pipeline on VMs of one speed, fastest replica
 first: uneven shares) and *striped* (stage s of every replica on the same type, fastest stages
 first: uneven stage split) — and keeps the one with the higher predicted rate. For an
@@ -29,14 +30,25 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from varuna.core.batching import proportional_shares
+from varuna.core.calibration import Calibration, VmType
 
-__all__ = ["TYPE_NAME_RE", "MixedPlan", "check_type_name", "parse_type_speeds", "place_ranks", "plan_types"]
+__all__ = [
+    "TYPE_NAME_RE",
+    "MixedPlan",
+    "check_type_name",
+    "costs_with_types",
+    "parse_type_speeds",
+    "place_ranks",
+    "plan_cluster",
+    "plan_types",
+]
 
 #: A VM type's name: what host lines (``type=``) and job specs (``vm_types``) may call it.
 TYPE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -98,7 +110,15 @@ class MixedPlan:
     relative_rate: float
     """Predicted throughput in units of one speed-1 VM doing the whole model (grow decisions)."""
     arrangement: str
-    """``grouped`` or ``striped`` (Note [Interim mixed planner]), for the logs."""
+    """``grouped`` or ``striped`` (Note [Interim mixed planner]) or ``simulator`` (plan_mixed)."""
+    micro_batch_size: int | None = None
+    """m the simulator planned with (None: the speed-only rule, the script's m)."""
+    stage_ranges: tuple[tuple[int, int], ...] | None = None
+    """The simulator's segment→stage map (one for all replicas), else None."""
+    examples_per_s: float = 0.0
+    """The simulator's prediction (0 without costs)."""
+    explanation: str = ""
+    """``MixedPlan.explain()`` of the simulator: the map, the shares and the alternatives."""
 
     @property
     def rank_types(self) -> tuple[str, ...]:
@@ -113,6 +133,8 @@ class MixedPlan:
         """
         maps = " ".join("[" + ",".join(r) + "]" for r in self.slot_types)
         text = f"stage types {maps} ({self.arrangement})"
+        if self.micro_batch_size is not None:
+            text = f"P={self.pipeline_depth} D={self.data_parallel} m={self.micro_batch_size} " + text
         if self.replica_shares is not None:
             text += "; replica shares " + ",".join(str(x) for x in self.replica_shares)
         if self.stage_speeds is not None:
@@ -194,3 +216,111 @@ def place_ranks(plan: MixedPlan, hosts: Sequence[tuple[str, int]]) -> tuple[int,
         free[host] -= 1
         out.append(host)
     return tuple(out)
+
+
+def costs_with_types(
+    slot_types: Sequence[str],
+    speeds: Mapping[str, float],
+    calibration: Calibration,
+    costs_by_type: Mapping[str, Calibration] | None = None,
+) -> Calibration:
+    """One calibration whose ``types`` cover every type of ``slot_types``: each type's own
+    calibration (``costs_by_type``, e.g. profiled on its first VM), else the one in
+    ``calibration``'s ``types``, else ``calibration`` scaled by the type's speed (a calibration
+    without types is taken as measured on a speed-1 VM). ``ValueError`` names a type with none.
+
+    >>> base = Calibration.synthetic(0.01, num_segments=2, micro_batch_sizes=(1,))
+    >>> cal = costs_with_types(["a", "b"], {"a": 2.0, "b": 1.0}, base)
+    >>> round(cal.for_type("a").fwd_s(0, 1) / cal.for_type("b").fwd_s(0, 1), 6)
+    0.5
+    """
+    own = {t: c for t, c in (costs_by_type or {}).items() if t in set(slot_types)}
+    if own:
+        cal = calibration.with_types(own)
+    else:
+        cal = dataclasses.replace(calibration, types=dict(calibration.types))
+    missing = []
+    for t in dict.fromkeys(slot_types):
+        if t in cal.types:
+            continue
+        if t not in speeds:
+            missing.append(t)
+            continue
+        cal.types[t] = VmType(name=t, speed=float(speeds[t]))
+    if missing:
+        raise ValueError(
+            f"no costs or speed for VM type(s) {', '.join(missing)}: give each type a speed"
+            " (--type-speeds T=S, or speed in the job's vm_types) or a calibration whose 'types' hold it"
+        )
+    return cal
+
+
+def plan_cluster(
+    slot_types: Sequence[str],
+    speeds: Mapping[str, float],
+    *,
+    calibration: Calibration | None,
+    global_batch_size: int | None,
+    costs_by_type: Mapping[str, Calibration] | None = None,
+    micro_batch_size: int | None = None,
+    pipeline_depth: int | None = None,
+    data_parallel: int | None = None,
+    schedule: str = "varuna",
+    host_slots: int = 1,
+    gpu_memory_bytes: int | None = None,
+) -> MixedPlan:
+    """The mixed plan for slots of the given types (one name per slot): the simulator's
+    ``plan_mixed`` when there is a ``calibration`` and a global batch and P×D is not fixed, else
+    :func:`plan_types` with ``pipeline_depth`` × ``data_parallel`` and the ``speeds``.
+    ``ValueError`` (one line) when nothing fits.
+
+    >>> plan_cluster(["a", "b"], {"a": 1, "b": 1}, calibration=None, global_batch_size=None,
+    ...              pipeline_depth=1, data_parallel=2).slot_types
+    (('a',), ('b',))
+    """
+    fixed = pipeline_depth is not None or data_parallel is not None
+    if calibration is None or global_batch_size is None or fixed:
+        if pipeline_depth is None or data_parallel is None:
+            raise ValueError("a mixed plan without a calibration needs P and D")
+        m = micro_batch_size
+        return plan_types(
+            slot_types,
+            speeds,
+            pipeline_depth=pipeline_depth,
+            data_parallel=data_parallel,
+            num_microbatches=-(-global_batch_size // m) if m and global_batch_size else None,
+        )
+    try:
+        from simulator.mixed_plan import plan_mixed
+    except ImportError as exc:
+        raise ValueError(
+            f"planning for mixed VM types needs the simulator (simulator/mixed_plan.py), which cannot be"
+            f" imported here ({exc}); give --pipeline-depth P and --type-speeds instead"
+        ) from None
+    cal = costs_with_types(slot_types, speeds, calibration, costs_by_type)
+    cluster: dict[str, int] = {}
+    for t in slot_types:
+        cluster[t] = cluster.get(t, 0) + 1
+    result = plan_mixed(
+        cluster,
+        cal,
+        global_batch_size=global_batch_size,
+        micro_batch_size=micro_batch_size,
+        memory_by_type={t: gpu_memory_bytes for t in cluster} if gpu_memory_bytes else None,
+        schedule=schedule,
+        host_slots=host_slots,
+    )
+    uneven_speeds = len(set(result.stage_speeds)) > 1
+    return MixedPlan(
+        pipeline_depth=result.num_stages,
+        data_parallel=result.num_replicas,
+        slot_types=tuple(tuple(r) for r in result.stage_types),
+        replica_shares=tuple(result.replica_shares),
+        stage_speeds=tuple(result.stage_speeds) if uneven_speeds else None,
+        relative_rate=result.examples_per_s,
+        arrangement="simulator",
+        micro_batch_size=result.micro_batch_size,
+        stage_ranges=tuple(tuple(r) for r in result.stage_ranges),
+        examples_per_s=result.examples_per_s,
+        explanation=result.explain(),
+    )
