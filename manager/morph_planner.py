@@ -21,8 +21,9 @@ from manager.context import ManagerContext
 from manager.policy import LayoutPlan, choose_layout, grow_gain
 from manager.store import GenerationRecord, JobRecord, VMRecord
 from manager.vm_types import vm_type_of
+from varuna.core.calibration import Calibration
 from varuna.core.env import RunPlan
-from varuna.launch.mixed import place_ranks, plan_types
+from varuna.launch.mixed import place_ranks, plan_cluster
 
 __all__ = ["MorphPlanner", "Placement"]
 
@@ -81,61 +82,94 @@ class MorphPlanner:
         """The layout for the usable ``vms`` and the VMs it runs on; with mixed VM types also the
         stage→type map, the ranks' hosts, the shares and the stage speeds (:meth:`_mixed`).
         ``ValueError`` (one line) when nothing fits."""
+        if self.ctx.cache(job).spec.vm_type_specs:
+            return self._mixed(job, vms)
         plan = self.plan(job, [vm.slots for vm in vms])
-        if not self.ctx.cache(job).spec.vm_type_specs:
-            chosen: list[VMRecord] = []
-            for vm in vms:
-                if sum(v.slots for v in chosen) >= plan.world_size:
-                    break
-                chosen.append(vm)
-            return Placement(plan=plan, vms=chosen)
-        return self._mixed(job, plan, vms)
+        chosen: list[VMRecord] = []
+        for vm in vms:
+            if sum(v.slots for v in chosen) >= plan.world_size:
+                break
+            chosen.append(vm)
+        return Placement(plan=plan, vms=chosen)
 
-    def _mixed(self, job: JobRecord, plan: LayoutPlan, vms: list[VMRecord]) -> Placement:
-        """Mixed VM types: the adapter to the planner (``varuna.launch.mixed.plan_types``; Note
-        [Interim mixed planner] there). P×D is the one :meth:`plan` chose for the slots; the
-        prediction is scaled by the mix's rate relative to the calibrated type's speed."""
+    def _mixed(self, job: JobRecord, vms: list[VMRecord]) -> Placement:
+        """Mixed VM types, cached per (slots, types) like :meth:`plan`."""
         cache = self.ctx.cache(job)
-        spec = cache.spec
-        speeds = {t.name: t.speed for t in spec.vm_type_specs}
         types = [vm_type_of(vm.ref) for vm in vms]
         key = ("mixed", tuple(vm.slots for vm in vms), tuple(types))
         if key not in cache.plans:
-            m = plan.micro_batch_size or spec.micro_batch_size
             try:
-                mixed = plan_types(
-                    [t for t, vm in zip(types, vms) for _ in range(vm.slots)],
-                    speeds,
-                    pipeline_depth=plan.pipeline_depth,
-                    data_parallel=plan.data_parallel,
-                    num_microbatches=-(-spec.global_batch_size // m) if m else None,
-                )
-                placed = place_ranks(mixed, [(t, vm.slots) for t, vm in zip(types, vms)])
+                cache.plans[key] = self._mixed_plan(job, vms, types)
             except ValueError as exc:
                 cache.plans[key] = str(exc)
-            else:
-                order = list(dict.fromkeys(placed))  # rank 0's VM first: it hosts the rendezvous
-                calibrated = list(type_calibrations(job)) or [max(speeds, key=lambda t: speeds[t])]
-                base = plan.pipeline_depth * plan.data_parallel * speeds.get(calibrated[0], 1.0)
-                cache.plans[key] = (
-                    order,
-                    {
-                        "rank_hosts": [order.index(i) for i in placed],
-                        "rank_types": list(mixed.rank_types),
-                        "replica_shares": list(mixed.replica_shares) if mixed.replica_shares else None,
-                        "stage_speeds": list(mixed.stage_speeds) if mixed.stage_speeds else None,
-                        "plan": mixed.describe(),
-                    },
-                    mixed.relative_rate / base,
-                )
         entry = cache.plans[key]
         if isinstance(entry, str):
             raise ValueError(entry)
-        order, mixed_info, factor = entry
-        predicted = plan.predicted_samples_per_s * factor
-        source = f"{plan.source}; {mixed_info['plan']}"
-        plan = dataclasses.replace(plan, predicted_samples_per_s=predicted, source=source)
+        plan, order, mixed_info = entry
         return Placement(plan=plan, vms=[vms[i] for i in order], mixed=mixed_info)
+
+    def _mixed_plan(
+        self, job: JobRecord, vms: list[VMRecord], types: list[str]
+    ) -> tuple[LayoutPlan, list[int], dict]:
+        """The adapter to the planner (``varuna.launch.mixed.plan_cluster``): with a calibration
+        (each type's own when profiled per type, Note [Calibration per VM type]) the simulator's
+        mixed auto-config chooses P, D, m, the map, the ranges and the shares; without one (or
+        with P forced) P×D is :meth:`plan`'s and the types' declared speeds place and share."""
+        cache = self.ctx.cache(job)
+        spec = cache.spec
+        speeds = {t.name: t.speed for t in spec.vm_type_specs}
+        slot_types = [t for t, vm in zip(types, vms) for _ in range(vm.slots)]
+        by_type = {t: Calibration.from_dict(d, source=f"calibration of VM type {t}")
+                   for t, d in type_calibrations(job).items()}
+        if cache.calibration is not None and not spec.pipeline_depth:
+            mixed = plan_cluster(
+                slot_types,
+                speeds,
+                calibration=cache.calibration,
+                costs_by_type=by_type,
+                global_batch_size=spec.global_batch_size,
+                micro_batch_size=spec.micro_batch_size or None,
+                schedule=spec.schedule,
+                host_slots=max(vm.slots for vm in vms),
+                gpu_memory_bytes=int(spec.gpu_memory_gib * 2**30) or None,
+            )
+            plan = LayoutPlan(
+                pipeline_depth=mixed.pipeline_depth,
+                data_parallel=mixed.data_parallel,
+                micro_batch_size=mixed.micro_batch_size or 0,
+                predicted_samples_per_s=mixed.examples_per_s,
+                source=f"simulator, mixed VM types: {mixed.describe()}",
+            )
+        else:
+            plan = self.plan(job, [vm.slots for vm in vms])
+            m = plan.micro_batch_size or spec.micro_batch_size
+            mixed = plan_cluster(
+                slot_types,
+                speeds,
+                calibration=None,
+                global_batch_size=spec.global_batch_size,
+                micro_batch_size=m or None,
+                pipeline_depth=plan.pipeline_depth,
+                data_parallel=plan.data_parallel,
+            )
+            # The homogeneous prediction is for VMs of speed 1; the mix runs at its relative rate.
+            factor = mixed.relative_rate / (plan.pipeline_depth * plan.data_parallel)
+            plan = dataclasses.replace(
+                plan,
+                predicted_samples_per_s=plan.predicted_samples_per_s * factor,
+                source=f"{plan.source}; mixed VM types: {mixed.describe()}",
+            )
+        placed = place_ranks(mixed, [(t, vm.slots) for t, vm in zip(types, vms)])
+        order = list(dict.fromkeys(placed))  # rank 0's VM first: it hosts the rendezvous
+        info = {
+            "rank_hosts": [order.index(i) for i in placed],
+            "rank_types": list(mixed.rank_types),
+            "replica_shares": list(mixed.replica_shares) if mixed.replica_shares else None,
+            "stage_speeds": list(mixed.stage_speeds) if mixed.stage_speeds else None,
+            "stage_ranges": [list(r) for r in mixed.stage_ranges] if mixed.stage_ranges else None,
+            "plan": mixed.describe(),
+        }
+        return plan, order, info
 
     def grow_trigger(
         self, job: JobRecord, gen: GenerationRecord, vms: list[VMRecord], now: float
@@ -187,10 +221,12 @@ class MorphPlanner:
         planned_m = gen.micro_batch_size if gen.micro_batch_size and not spec.micro_batch_size else None
         mixed = json.loads(gen.mixed_json) if gen.mixed_json else {}
         shares, speeds = mixed.get("replica_shares"), mixed.get("stage_speeds")
+        ranges = mixed.get("stage_ranges")
         return RunPlan(
             global_batch_size=spec.global_batch_size,
             micro_batch_size=planned_m,
             schedule=spec.schedule,
+            stage_ranges=tuple(tuple(r) for r in ranges) if ranges else None,
             replica_shares=tuple(shares) if shares else None,
             stage_speeds=tuple(speeds) if speeds else None,
         )
