@@ -278,10 +278,12 @@ class CalibrationOrders:
 
     def lost(self, job: JobRecord, reason: str) -> None:
         """The VM running the profile went away: re-issue on another VM, or give up."""
-        if job.calibration_attempt >= CALIBRATION_MAX_ATTEMPTS:
+        # Attempts are numbered per job: with several VM types each type gets the same budget.
+        budget = CALIBRATION_MAX_ATTEMPTS * max(1, len(self.ctx.cache(job).spec.vm_type_specs))
+        if job.calibration_attempt >= budget:
             self.failed(
                 job,
-                f"{reason} during attempt {job.calibration_attempt} of {CALIBRATION_MAX_ATTEMPTS}",
+                f"{reason} during attempt {job.calibration_attempt} of {budget}",
                 vm_id=job.calibration_vm,
             )
             return

@@ -368,7 +368,8 @@ class VMBook:
                 else:  # its agent registered first
                     ctx.store.update_vm(nv.vm_id, provider_ref=json.dumps(ref))
             if new:
-                kind = f" of type {type_options['vm_type']}" if type_options else ""
+                pool = "pool " if ctx.pool_job(job) else ""
+                kind = f" of {pool}type {type_options['vm_type']}" if type_options else ""
                 ctx.event(
                     job.job_id,
                     "vm-requested",
