@@ -7,7 +7,8 @@ API (stable; the manager and the launcher call it)::
                *, global_batch_size: int, micro_batch_size: int | None = None,
                memory_by_type: Mapping[str, int] | None = None, schedule: str = "varuna",
                recompute: bool = True, host_slots: int = 1, max_layouts: int = 3000,
-               refine_shares: bool = True) -> MixedPlan
+               refine_shares: bool = True,
+               pipeline_depths: Sequence[int] | None = None) -> MixedPlan
 
 - ``cluster``: VM type name -> how many VMs (one accelerator each) of it the job may use.
 - ``costs_by_type``: one calibration per type (one file per type, e.g. profiled on the first VM of
@@ -28,20 +29,35 @@ treating every VM as the slowest type, and the best plan on the fastest type onl
 
 The search (docs/mixed_types.md):
 
-1. layouts: for each depth P, replicas are sets of P VMs; a replica's stages are ordered fastest
-   type first (the last stage, which does not recompute under varuna, is the cheapest place for a
-   slow VM). Every multiset of replica kinds the cluster can hold is a layout (up to
+1. layouts: for each depth P, replicas are sets of P VMs in some stage order (Note [Stage
+   order]). Every multiset of replica kinds the cluster can hold is a layout (up to
    ``max_layouts``; the homogeneous-by-speed and the striped layouts come first);
 2. stage ranges: ``varuna.core.partition.balanced_stages`` with per-stage speeds (the runtime's
    partitioner), tried with each distinct replica kind's speeds and with equal speeds; kept: the
    split whose estimate (below) is best;
-3. shares: proportional to each replica's speed, 1 / its slowest stage's time per micro-batch
-   (``varuna.core.batching.proportional_shares``: integers >= 1 summing to the micro-batch count);
+3. shares (Note [Shares]): proportional to each replica's speed, 1 / its slowest stage's time
+   per micro-batch τ_d, as integers >= 1 summing to the micro-batch count N: one each, then each
+   next micro-batch to the replica that would finish it first (n_d·τ_d plus its fill/drain);
 4. every layout is estimated analytically (replica d ends no earlier than n_d·τ_d plus its
-   fill/drain Σ_k t_dk − τ_d), the best few are simulated event by event (``simulate`` with
+   fill/drain Σ_k t_dk − τ_d; then the slowest stage's all-reduce and optimizer step); the best
+   few, and the best of each (P, D), are simulated event by event (``simulate`` with
    ``SimConfig.device_types``; the all-reduce waits for the slowest replica), and the best one's
    shares are refined by moving single micro-batches between replicas while the simulated step
    time improves.
+
+Note [Stage order]: which type runs which stage matters beyond the split: varuna's and 1f1b's
+last stage does not recompute, so the same segments cost it less, and a fast VM there can take
+a larger share of the model (brute force on 5 segments, 2 fast + 2 slow VMs, a costly
+all-reduce: the best single pipeline is slow, fast, slow, fast... with the last, fast stage
+holding two segments). Every replica in one order rule (fastest first, slowest first, fastest
+last) is tried, and when all replicas are alike, every distinct order of their types.
+
+Note [Shares]: for identical jobs (micro-batches) on machines of different speeds, giving each
+next job to the machine that would finish it earliest minimises the latest finish; that is
+VirtualFlow's "more virtual nodes to faster devices" made exact for integers, and with the fill
+term it accounts for a deeper or slower pipeline needing longer to fill and drain. Pure
+proportional rounding can be a whole micro-batch worse: speeds (1.6, 1.6, 1, 1) and N = 8 round
+to (2, 2, 2, 2), while (3, 3, 1, 1) finishes 6% sooner.
 
 Example::
 
@@ -57,6 +73,7 @@ Example::
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -64,9 +81,9 @@ from dataclasses import dataclass, field
 
 from simulator.autoconfig import choose_micro_batch_size
 from simulator.config import SimConfig
-from simulator.costs import stage_memory
+from simulator.costs import stage_memory, sync_costs
 from simulator.engine import simulate
-from varuna.core.batching import microbatch_counts, proportional_shares
+from varuna.core.batching import microbatch_counts
 from varuna.core.calibration import Calibration
 from varuna.core.env import RunPlan
 from varuna.core.partition import balanced_stages
@@ -76,6 +93,10 @@ __all__ = ["MixedPlan", "MixedAlternative", "TypeCosts", "plan_mixed", "resolve_
 
 #: Layouts simulated event by event after the analytic ranking (the rest only estimated).
 SIMULATED_LAYOUTS = 6
+#: Layouts simulated for every (P, D) beyond those.
+SIMULATED_PER_SHAPE = 3
+#: Most stage orders tried for a layout whose replicas are alike (P! of them).
+MAX_ORDERS = 24
 #: Rounds of single-micro-batch moves when refining the best plan's shares.
 REFINE_ROUNDS = 8
 
@@ -117,7 +138,7 @@ class MixedPlan:
     """Predicted (simulated) step time."""
     examples_per_s: float
     type_speeds: dict[str, float]
-    """Relative speed of each type at m (F+R+B of the whole model, the base type = 1)."""
+    """Relative speed of each type at m (F+R+B of the whole model; the slowest type = 1)."""
     alternatives: tuple[MixedAlternative, ...] = ()
     layouts_considered: int = 0
     simulations: int = 0
@@ -265,7 +286,7 @@ def _type_costs(
         b = [c.bwd_s(i, m) for i in range(n)]
         full[t], last[t] = kind.balancing_costs(f, r, b, recompute=recompute)
         speed[t] = sum(f) + sum(r) + sum(b)
-    ref = sum(cal.fwd_s(i, m) + cal.recompute_s(i, m) + cal.bwd_s(i, m) for i in range(cal.num_segments))
+    ref = max(speed.values())  # the slowest type is 1
     speed = {t: (ref / v if v > 0 else math.inf) for t, v in speed.items()}
     return TypeCosts(full=full, last=last, speed=speed)
 
@@ -295,6 +316,13 @@ class _Search:
         self.order = sorted((t for t, n in cluster.items() if n > 0), key=lambda t: (-tc.speed[t], t))
         self.base = self.order[-1]  # the slowest type's costs are the reference of the split
 
+    allowed: list[int] | None = None
+
+    def depths(self, vms: int) -> list[int]:
+        """Pipeline depths to try with ``vms`` VMs."""
+        top = min(self.cal.num_segments, vms)
+        return [P for P in (self.allowed or range(1, top + 1)) if 1 <= P <= top]
+
     def split(self, speeds: tuple[float, ...]) -> tuple[tuple[int, int], ...]:
         if speeds not in self._split:
             full, last = self.tc.full[self.base], self.tc.last[self.base]
@@ -307,30 +335,60 @@ class _Search:
         return tuple(round(self.tc.speed[t] / ref, 6) for t in row)
 
     def shares_for(self, times: Sequence[Sequence[float]]) -> tuple[int, ...] | None:
-        rates = [1.0 / max(t) if max(t) > 0 else 1.0 for t in times]
-        if self.N < len(rates):
+        """Micro-batches per replica: one each, then each next one to the replica that would
+        finish it first (finish = n·τ + fill, Note [Shares]); None when N < D."""
+        D = len(times)
+        if self.N < D:
             return None
-        return proportional_shares(rates, self.N)
+        tau = [max(t) for t in times]
+        fill = [sum(t) - x for t, x in zip(times, tau)]
+        shares = [1] * D
+        heap = [((2 * tau[d] + fill[d]), d) for d in range(D)]
+        heapq.heapify(heap)
+        for _ in range(self.N - D):
+            _, d = heapq.heappop(heap)
+            shares[d] += 1
+            heapq.heappush(heap, ((shares[d] + 1) * tau[d] + fill[d], d))
+        return tuple(shares)
 
-    def estimate(self, lay: _Layout, fixed_shares: tuple[int, ...] | None = None,
-                 fixed_ranges: tuple[tuple[int, int], ...] | None = None) -> None:
-        """Choose ranges (and shares) for ``lay`` by the analytic estimate."""
-        P = len(lay.rows[0])
-        if fixed_ranges is not None:
-            options = [(tuple([1.0] * P), fixed_ranges)]
-        else:
-            vecs = {self.row_speeds(r) for r in lay.rows} | {tuple([1.0] * P)}
-            options = [(v, self.split(v)) for v in sorted(vecs)]
-        for vec, ranges in options:
-            times = [self.tc.stage_times(r, ranges) for r in lay.rows]
-            shares = fixed_shares or self.shares_for(times)
-            if shares is None or not self._fits(lay.rows, ranges, shares):
-                continue
-            if any(self.kind.unsupported(P, n) is not None for n in shares):
-                continue
-            est = max(n * max(t) + sum(t) - max(t) for n, t in zip(shares, times))
-            if est < lay.estimate_s:
-                lay.ranges, lay.speeds, lay.shares, lay.estimate_s = ranges, vec, shares, est
+    def variants(self, layout: tuple[tuple[str, ...], ...], fixed_shares: tuple[int, ...] | None = None,
+                 fixed_ranges: tuple[tuple[int, int], ...] | None = None) -> list[_Layout]:
+        """Every (stage order, split) of ``layout`` that fits, with its shares and estimate
+        (``fixed_ranges``: only the given order and ranges)."""
+        P = len(layout[0])
+        out: list[_Layout] = []
+        for rows in [layout] if fixed_ranges is not None else self.orders(layout):
+            if fixed_ranges is not None:
+                options = [(tuple([1.0] * P), fixed_ranges)]
+            else:
+                vecs = {self.row_speeds(r) for r in rows} | {tuple([1.0] * P)}
+                options = [(v, self.split(v)) for v in sorted(vecs)]
+            for vec, ranges in options:
+                times = [self.tc.stage_times(r, ranges) for r in rows]
+                shares = fixed_shares or self.shares_for(times)
+                if shares is None or not self._fits(rows, ranges, shares):
+                    continue
+                if any(self.kind.unsupported(P, n) is not None for n in shares):
+                    continue
+                est = max(n * max(t) + sum(t) - max(t) for n, t in zip(shares, times))
+                trial = _Layout(rows=rows, ranges=ranges, shares=shares)
+                sync = sync_costs(self.cal, self.config(trial), [range(a, b + 1) for a, b in ranges])
+                est += max(ar + opt for ar, opt in sync)
+                out.append(_Layout(rows=rows, ranges=ranges, speeds=vec, shares=shares, estimate_s=est))
+        return out
+
+    def orders(self, rows: tuple[tuple[str, ...], ...]) -> list[tuple[tuple[str, ...], ...]]:
+        """Stage orders to try (Note [Stage order]): every replica fastest first, slowest first,
+        or fastest last; where all replicas are alike, every distinct order (up to MAX_ORDERS)."""
+        def fast_first(r: tuple[str, ...]) -> tuple[str, ...]:
+            return tuple(sorted(r, key=lambda t: (-self.tc.speed[t], t)))
+
+        out = [tuple(fast_first(r) for r in rows)]
+        out.append(tuple(fast_first(r)[::-1] for r in rows))
+        out.append(tuple(fast_first(r)[1:] + fast_first(r)[:1] for r in rows))
+        if len(set(rows)) == 1 and math.factorial(len(rows[0])) <= MAX_ORDERS:
+            out.extend((p,) * len(rows) for p in sorted(set(itertools.permutations(rows[0]))))
+        return list(dict.fromkeys(out))
 
     def _fits(self, rows, ranges, shares) -> bool:
         if not self.memory:
@@ -442,11 +500,13 @@ def plan_mixed(
     host_slots: int = 1,
     max_layouts: int = 3000,
     refine_shares: bool = True,
+    pipeline_depths: Sequence[int] | None = None,
 ) -> MixedPlan:
     """The fastest plan for a cluster of several VM types (see the module docstring).
 
     ``memory_by_type`` (bytes per accelerator; default: each type's ``memory_bytes`` in the
     calibration, unchecked where unknown) rules out layouts whose stages would not fit.
+    ``pipeline_depths`` restricts P (the alternatives too); default: 1 to min(segments, VMs).
     ``ValueError`` (one line, with the fix) when nothing can run.
     """
     kind = schedule_kind(schedule)
@@ -465,32 +525,27 @@ def plan_mixed(
     tc = _type_costs(cal, present, m, schedule, recompute)
     s = _Search(cal, {t: cluster[t] for t in present}, tc, global_batch_size, m, schedule, recompute,
                 host_slots, memory)
+    s.allowed = None if pipeline_depths is None else sorted({int(p) for p in pipeline_depths})
     total = sum(s.cluster.values())
     candidates: list[_Layout] = []
     considered = 0
     notes: list[str] = []
-    for P in range(1, min(cal.num_segments, total) + 1):
+    for P in s.depths(total):
         rows_list = _layouts(s.order, s.cluster, P, max_layouts)
         if len(rows_list) >= max_layouts:
             notes.append(f"P={P}: layouts capped at {max_layouts} (max_layouts)")
         for rows in rows_list:
             if len(rows) > s.N:
                 continue
-            lay = _Layout(rows=tuple(rows))
-            s.estimate(lay)
             considered += 1
-            if lay.ranges:
-                candidates.append(lay)
+            candidates.extend(s.variants(tuple(rows)))
     if not candidates:
         raise ValueError(
             f"no layout of {dict(cluster)} runs global batch {global_batch_size} at m={m} within each "
             "type's memory; use VMs with more memory, a smaller micro-batch size or more cut-points"
         )
-    candidates.sort(key=lambda c: c.estimate_s)
-    for lay in candidates[:SIMULATED_LAYOUTS]:
-        s.simulate(lay)
+    best = _simulate_best(s, candidates)
     alternatives = _alternatives(s)
-    best = min(candidates[:SIMULATED_LAYOUTS], key=lambda c: c.minibatch_s)
     if refine_shares:
         s.refine(best)
     return MixedPlan(
@@ -500,6 +555,24 @@ def plan_mixed(
         examples_per_s=best.examples_per_s, type_speeds=dict(tc.speed), alternatives=alternatives,
         layouts_considered=considered, simulations=s.simulations, notes=tuple(notes),
     )
+
+
+def _simulate_best(s: _Search, candidates: list[_Layout]) -> _Layout:
+    """Simulate the best few by estimate, and the best few of every (P, D): the estimate ranks
+    shapes against each other less well than layouts of one shape (bubbles, the all-reduce's
+    overlap). Returns the fastest simulated."""
+    candidates.sort(key=lambda c: c.estimate_s)
+    chosen = candidates[:SIMULATED_LAYOUTS]
+    per_shape: dict[tuple[int, int], int] = {}
+    for c in candidates:
+        shape = (len(c.rows[0]), len(c.rows))
+        if c in chosen or per_shape.get(shape, 0) < SIMULATED_PER_SHAPE:
+            if c not in chosen:
+                chosen.append(c)
+            per_shape[shape] = per_shape.get(shape, 0) + 1
+    for lay in chosen:
+        s.simulate(lay)
+    return min(chosen, key=lambda c: c.minibatch_s)
 
 
 def _alternatives(s: _Search) -> tuple[MixedAlternative, ...]:
@@ -513,16 +586,16 @@ def _alternatives(s: _Search) -> tuple[MixedAlternative, ...]:
         if label == "fast-only" and len(s.order) == 1:
             continue
         best = None
-        for P in range(1, min(s.cal.num_segments, len(pool)) + 1):
+        for P in s.depths(len(pool)):
             D = len(pool) // P if label == "fast-only" else total // P
             if D < 1 or D > s.N:
                 continue
             rows = tuple(tuple(pool[d * P : (d + 1) * P]) for d in range(D))
             counts, _ = microbatch_counts(s.M, s.m, D)
-            lay = _Layout(rows=rows)
-            s.estimate(lay, fixed_shares=counts, fixed_ranges=s.split(tuple([1.0] * P)))
-            if not lay.ranges:
+            found = s.variants(rows, fixed_shares=counts, fixed_ranges=s.split(tuple([1.0] * P)))
+            if not found:
                 continue
+            lay = found[0]
             s.simulate(lay)
             if best is None or lay.minibatch_s < best.minibatch_s:
                 best = lay

@@ -76,9 +76,8 @@ def test_wrong_version_names_version_and_fix():
     data = _cal().to_dict()
     data["version"] = 3
     text = _one_line_value_error(data, "unsupported calibration version 3")
-    assert (
-        "reads versions 1, 2" in text and "re-run varuna-profile" in text and text.startswith("calibration.json:")
-    )
+    assert "reads versions 1, 2" in text and "re-run varuna-profile" in text
+    assert text.startswith("calibration.json:")
 
 
 def test_missing_field_names_the_path_and_fix():

@@ -23,7 +23,6 @@ Example::
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import datetime
 import json
 import os
@@ -49,7 +48,7 @@ from varuna.core.calibration_sections import (
     SegmentCalibration,
     SendStat,
 )
-from varuna.core.calibration_types import SegmentCompute, VmType
+from varuna.core.calibration_types import SegmentCompute, VmType, for_type, with_types
 
 __all__ = [
     "CALIBRATION_VERSION",
@@ -373,71 +372,13 @@ class Calibration:
     # -- VM types (version 2) ------------------------------------------------------------------
 
     def for_type(self, name: str) -> Calibration:
-        """This calibration as measured on VM type ``name``: its segments' F, R and B are the
-        type's own, or the base's divided by its speed; everything else is the base's; no types.
-
-        >>> cal = Calibration.synthetic(0.01, num_segments=2, micro_batch_sizes=(1,))
-        >>> cal.types["fast"] = VmType(name="fast", speed=2.0)
-        >>> round(cal.for_type("fast").fwd_s(0, 1), 6)
-        0.005
-        """
-        t = self.types.get(name)
-        if t is None:
-            have = ", ".join(sorted(self.types)) or "none"
-            raise ValueError(
-                f"{self.source} has no VM type {name!r} (its types: {have}); add it to the file's "
-                f"'types' section (docs/calibration.md) or profile a VM of that type"
-            )
-        if t.segments is not None and len(t.segments) != self.num_segments:
-            raise ValueError(
-                f"VM type {name!r} has {len(t.segments)} segment costs but the model has "
-                f"{self.num_segments} segments — {REPROFILE_FIX}"
-            )
-        segs = []
-        for i, s in enumerate(self.segments):
-            if t.segments is not None:
-                own = t.segments[i]
-                f, r, b = list(own.fwd_s), list(own.recompute_s), list(own.bwd_s)
-            else:
-                f, r, b = (_scaled(x, 1.0 / float(t.speed)) for x in (s.fwd_s, s.recompute_s, s.bwd_s))
-            segs.append(dataclasses.replace(s, fwd_s=f, recompute_s=r, bwd_s=b))
-        host = dataclasses.replace(self.host, device=t.device or f"{self.host.device} [{name}]")
-        return dataclasses.replace(
-            self, segments=segs, host=host, types={}, source=f"{self.source} [type {name}]"
-        )
+        """This calibration as measured on VM type ``name`` (``calibration_types.for_type``)."""
+        return for_type(self, name)
 
     def with_types(self, per_type: dict[str, Calibration], *, memory_bytes: dict[str, int] | None = None
                    ) -> Calibration:
-        """A copy whose ``types`` hold each calibration of ``per_type`` (one file per VM type, e.g.
-        one profiling run on the first VM of each type) as a type with its own segment costs; all
-        must be of this model at these micro-batch sizes.
-
-        >>> base = Calibration.synthetic(0.01, num_segments=2, micro_batch_sizes=(1,))
-        >>> slow = Calibration.synthetic(0.02, num_segments=2, micro_batch_sizes=(1,))
-        >>> round(base.with_types({"slow": slow}).for_type("slow").bwd_s(1, 1), 6)
-        0.04
-        """
-        types = dict(self.types)
-        for name, cal in per_type.items():
-            cal.check_model(self.model.cutpoint_names, source=cal.source)
-            if list(cal.micro_batch_sizes) != list(self.micro_batch_sizes):
-                raise ValueError(
-                    f"{cal.source} (type {name!r}) measured micro-batch sizes {cal.micro_batch_sizes} but "
-                    f"{self.source} has {self.micro_batch_sizes}; profile both at the same sizes "
-                    f"(varuna-profile --micro-batch-sizes)"
-                )
-            types[name] = VmType(
-                name=name,
-                memory_bytes=(memory_bytes or {}).get(name),
-                device=cal.host.device,
-                segments=tuple(
-                    SegmentCompute(
-                        fwd_s=tuple(s.fwd_s), recompute_s=tuple(s.recompute_s), bwd_s=tuple(s.bwd_s)
-                    )
-                    for s in cal.segments
-                ),
-            )
-        return dataclasses.replace(self, types=types, version=max(self.version, 2))
+        """A copy holding each of ``per_type`` as a VM type (``calibration_types.with_types``)."""
+        return with_types(self, per_type, memory_bytes=memory_bytes)
 
     # -- synthetic files (tests, benchmarks, what-if studies) ---------------------------------
 
@@ -568,10 +509,6 @@ def _synthetic_cutpoint(name: str, act_bytes: list[float], intra: LinkModel, int
         grad_send_intra_s=sends(intra),
         grad_send_inter_s=sends(inter),
     )
-
-
-def _scaled(stats: Sequence[ComputeStat], factor: float) -> list[ComputeStat]:
-    return [ComputeStat(median=x.median * factor, spread=x.spread * factor) for x in stats]
 
 
 def _json_copy(value: Any, what: str) -> Any:

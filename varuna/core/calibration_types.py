@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from typing import Any
 
 from varuna.core.calibration_sections import REPROFILE_FIX, ComputeStat, FieldReader
 
-__all__ = ["SegmentCompute", "VmType", "check_type_name"]
+__all__ = ["SegmentCompute", "VmType", "check_type_name", "for_type", "with_types"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
@@ -161,3 +162,85 @@ class VmType:
             if segs is None
             else tuple(SegmentCompute._read(r, s, f"{path}.segments[{i}]", n) for i, s in enumerate(segs)),
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# Calibration.for_type / with_types (here to keep the Calibration class small; ``base`` is a
+# varuna.core.calibration.Calibration, which imports this module)
+
+
+def for_type(base: Any, name: str) -> Any:
+    """This calibration as measured on VM type ``name``: its segments' F, R and B are the
+    type's own, or the base's divided by its speed; everything else is the base's; no types.
+
+    >>> from varuna.core.calibration import Calibration
+    >>> cal = Calibration.synthetic(0.01, num_segments=2, micro_batch_sizes=(1,))
+    >>> cal.types["fast"] = VmType(name="fast", speed=2.0)
+    >>> round(cal.for_type("fast").fwd_s(0, 1), 6)
+    0.005
+    """
+    t = base.types.get(name)
+    if t is None:
+        have = ", ".join(sorted(base.types)) or "none"
+        raise ValueError(
+            f"{base.source} has no VM type {name!r} (its types: {have}); add it to the file's "
+            f"'types' section (docs/calibration.md) or profile a VM of that type"
+        )
+    if t.segments is not None and len(t.segments) != base.num_segments:
+        raise ValueError(
+            f"VM type {name!r} has {len(t.segments)} segment costs but the model has "
+            f"{base.num_segments} segments — {REPROFILE_FIX}"
+        )
+    segs = []
+    for i, s in enumerate(base.segments):
+        if t.segments is not None:
+            own = t.segments[i]
+            f, r, b = list(own.fwd_s), list(own.recompute_s), list(own.bwd_s)
+        else:
+            f, r, b = (_scaled(x, 1.0 / float(t.speed)) for x in (s.fwd_s, s.recompute_s, s.bwd_s))
+        segs.append(dataclasses.replace(s, fwd_s=f, recompute_s=r, bwd_s=b))
+    host = dataclasses.replace(base.host, device=t.device or f"{base.host.device} [{name}]")
+    return dataclasses.replace(
+        base, segments=segs, host=host, types={}, source=f"{base.source} [type {name}]"
+    )
+
+
+def with_types(
+    base: Any, per_type: dict[str, Any], *, memory_bytes: dict[str, int] | None = None
+) -> Any:
+    """A copy whose ``types`` hold each calibration of ``per_type`` (one file per VM type, e.g.
+    one profiling run on the first VM of each type) as a type with its own segment costs; all
+    must be of this model at these micro-batch sizes.
+
+    >>> from varuna.core.calibration import Calibration
+    >>> base = Calibration.synthetic(0.01, num_segments=2, micro_batch_sizes=(1,))
+    >>> slow = Calibration.synthetic(0.02, num_segments=2, micro_batch_sizes=(1,))
+    >>> round(base.with_types({"slow": slow}).for_type("slow").bwd_s(1, 1), 6)
+    0.04
+    """
+    types = dict(base.types)
+    for name, other in per_type.items():
+        other.check_model(base.model.cutpoint_names, source=other.source)
+        if list(other.micro_batch_sizes) != list(base.micro_batch_sizes):
+            raise ValueError(
+                f"{other.source} (type {name!r}) measured micro-batch sizes {other.micro_batch_sizes} but "
+                f"{base.source} has {base.micro_batch_sizes}; profile both at the same sizes "
+                f"(varuna-profile --micro-batch-sizes)"
+            )
+        types[name] = VmType(
+            name=name,
+            memory_bytes=(memory_bytes or {}).get(name),
+            device=other.host.device,
+            segments=tuple(
+                SegmentCompute(
+                    fwd_s=tuple(s.fwd_s), recompute_s=tuple(s.recompute_s), bwd_s=tuple(s.bwd_s)
+                )
+                for s in other.segments
+            ),
+        )
+    return dataclasses.replace(base, types=types, version=max(base.version, 2))
+
+
+
+def _scaled(stats: Any, factor: float) -> list[ComputeStat]:
+    return [ComputeStat(median=x.median * factor, spread=x.spread * factor) for x in stats]
