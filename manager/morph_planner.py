@@ -113,15 +113,15 @@ class MorphPlanner:
     ) -> tuple[LayoutPlan, list[int], dict]:
         """The adapter to the planner (``varuna.launch.mixed.plan_cluster``): with a calibration
         (each type's own when profiled per type, Note [Calibration per VM type]) the simulator's
-        mixed auto-config chooses P, D, m, the map, the ranges and the shares; without one (or
-        with P forced) P×D is :meth:`plan`'s and the types' declared speeds place and share."""
+        mixed auto-config chooses P (unless forced), D, m, the map, the ranges and the shares;
+        without one P×D is :meth:`plan`'s and the types' declared speeds place and share."""
         cache = self.ctx.cache(job)
         spec = cache.spec
         speeds = {t.name: t.speed for t in spec.vm_type_specs}
         slot_types = [t for t, vm in zip(types, vms) for _ in range(vm.slots)]
         by_type = {t: Calibration.from_dict(d, source=f"calibration of VM type {t}")
                    for t, d in type_calibrations(job).items()}
-        if cache.calibration is not None and not spec.pipeline_depth:
+        if cache.calibration is not None:
             mixed = plan_cluster(
                 slot_types,
                 speeds,
@@ -129,6 +129,7 @@ class MorphPlanner:
                 costs_by_type=by_type,
                 global_batch_size=spec.global_batch_size,
                 micro_batch_size=spec.micro_batch_size or None,
+                pipeline_depth=spec.pipeline_depth or None,
                 schedule=spec.schedule,
                 host_slots=max(vm.slots for vm in vms),
                 gpu_memory_bytes=int(spec.gpu_memory_gib * 2**30) or None,

@@ -215,6 +215,31 @@ def test_auto_config_on_typed_hosts_runs_the_mixed_planner_and_places_by_type(
     assert used[0].vm_type == expected.rank_types()[0]
 
 
+@needs_simulator
+def test_given_p_with_a_calibration_restricts_the_mixed_planner(
+    tmp_path: Path, on_hosts: list[tuple[LaunchConfig, list[HostEntry]]]
+) -> None:
+    from simulator.mixed_plan import plan_mixed
+    from varuna.core.calibration import Calibration, VmType
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    cal = Calibration.synthetic(0.05, num_segments=4, micro_batch_sizes=(2,))
+    cal.types = {"a": VmType(name="a", speed=2.0), "b": VmType(name="b", speed=1.0)}
+    cal.save(tmp_path / "cal.json")
+    argv = ["--hosts", "localhost type=b,localhost type=a,localhost type=b,localhost type=a",
+            "--procs-per-host", "1", "--pipeline-depth", "2", "--calibration", str(tmp_path / "cal.json"),
+            "--global-batch-size", "16", "--quiet", str(script)]
+    assert main(argv) == 0
+    (config, used), = on_hosts
+    expected = plan_mixed({"b": 2, "a": 2}, Calibration.load(tmp_path / "cal.json"), global_batch_size=16,
+                          pipeline_depths=[2])
+    assert config.pipeline_depth == expected.num_stages == 2
+    assert _rank_types(config, used) == expected.rank_types()
+    plan = RunPlan.from_env(config.worker_env)
+    assert plan.replica_shares == expected.replica_shares and plan.stage_ranges == expected.stage_ranges
+
+
 def test_given_p_on_typed_hosts_sets_speeds(
     tmp_path: Path, on_hosts: list[tuple[LaunchConfig, list[HostEntry]]]
 ) -> None:

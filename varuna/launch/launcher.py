@@ -435,7 +435,7 @@ def _main_hosts(args: argparse.Namespace, config: LaunchConfig) -> int:
     if not reachable:
         _say(f"cannot launch: no host is reachable{left_out}")
         return EXIT_WORKER_FAILED
-    if speeds is not None and args.pipeline_depth is None and args.calibration and args.global_batch_size:
+    if speeds is not None and args.data_parallel is None and args.calibration and args.global_batch_size:
         # Auto-config on hosts of several types: the mixed planner picks P×D, m, the map, the shares.
         try:
             layout, used, config = _place_by_type(None, reachable, speeds, config, args)
@@ -496,7 +496,7 @@ def _type_speeds(args: argparse.Namespace, entries: list[HostEntry]) -> dict[str
         return None
     types = sorted({e.vm_type for e in entries if e.vm_type is not None})
     if args.type_speeds is None:
-        if len(types) > 1 and args.calibration and args.pipeline_depth is None:
+        if len(types) > 1 and args.calibration and args.data_parallel is None:
             return {}  # the calibration's 'types' give each type's costs (varuna.launch.mixed)
         if len(types) > 1:
             raise ValueError(
@@ -519,7 +519,8 @@ def _place_by_type(
     args: argparse.Namespace,
 ) -> tuple[Layout, list[HostEntry], LaunchConfig]:
     """The mixed plan on typed hosts (:func:`varuna.launch.mixed.plan_cluster`): for P×D of
-    ``layout``, or (None) the simulator's choice from ``--calibration``. Returns the layout with
+    ``layout``, or (None) the simulator's choice from ``--calibration`` (at ``--pipeline-depth``
+    when given). Returns the layout with
     its shares and speeds, the hosts used (rank 0's first) and the config with each rank's host."""
     calibration = None
     if layout is None:
@@ -536,7 +537,7 @@ def _place_by_type(
         calibration=calibration,
         global_batch_size=args.global_batch_size,
         micro_batch_size=layout.micro_batch_size if layout is not None else None,
-        pipeline_depth=layout.pipeline_depth if layout is not None else None,
+        pipeline_depth=layout.pipeline_depth if layout is not None else args.pipeline_depth,
         data_parallel=layout.data_parallel if layout is not None else None,
         schedule=args.schedule or "varuna",
         host_slots=max(e.slots or 1 for e in reachable),

@@ -270,16 +270,15 @@ def plan_cluster(
     gpu_memory_bytes: int | None = None,
 ) -> MixedPlan:
     """The mixed plan for slots of the given types (one name per slot): the simulator's
-    ``plan_mixed`` when there is a ``calibration`` and a global batch and P×D is not fixed, else
-    :func:`plan_types` with ``pipeline_depth`` × ``data_parallel`` and the ``speeds``.
-    ``ValueError`` (one line) when nothing fits.
+    ``plan_mixed`` when there is a ``calibration`` and a global batch and D is not fixed (a given
+    ``pipeline_depth`` restricts its search), else :func:`plan_types` with ``pipeline_depth`` ×
+    ``data_parallel`` and the ``speeds``. ``ValueError`` (one line) when nothing fits.
 
     >>> plan_cluster(["a", "b"], {"a": 1, "b": 1}, calibration=None, global_batch_size=None,
     ...              pipeline_depth=1, data_parallel=2).slot_types
     (('a',), ('b',))
     """
-    fixed = pipeline_depth is not None or data_parallel is not None
-    if calibration is None or global_batch_size is None or fixed:
+    if calibration is None or global_batch_size is None or data_parallel is not None:
         if pipeline_depth is None or data_parallel is None:
             raise ValueError("a mixed plan without a calibration needs P and D")
         m = micro_batch_size
@@ -309,6 +308,7 @@ def plan_cluster(
         memory_by_type={t: gpu_memory_bytes for t in cluster} if gpu_memory_bytes else None,
         schedule=schedule,
         host_slots=host_slots,
+        pipeline_depths=[pipeline_depth] if pipeline_depth else None,
     )
     uneven_speeds = len(set(result.stage_speeds)) > 1
     return MixedPlan(
