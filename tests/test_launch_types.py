@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -271,3 +274,42 @@ def test_bad_type_input_is_one_usage_line(
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1, err
+
+
+# -- real processes ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_typed_pretend_hosts_get_their_planned_ranks_and_plan(tmp_path: Path) -> None:
+    """Three pretend hosts, slow, fast, slow; P=2 (D=1) at speeds fast=3, slow=1: the pipeline
+    runs on the fast host (first: rank 0's) and one slow host, every worker's host (by the agent's
+    VARUNA_HOST_ID and the launcher's placement line) is of the type the speed-only rule gives
+    its rank, and every worker gets the stage speeds (3, 1)."""
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import os\n"
+        "print('|'.join(os.environ.get(k, '') for k in ('RANK', 'VARUNA_HOST_ID', 'LOCAL_RANK',"
+        " 'LOCAL_WORLD_SIZE', 'VARUNA_STAGE_SPEEDS')))\n"
+    )
+    hosts = ",".join(f"localhost slots=1 type={t}" for t in ("slow", "fast", "slow"))
+    argv = ["--hosts", hosts, "--type-speeds", "fast=3,slow=1", "--pipeline-depth", "2", "--quiet",
+            str(script)]
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "varuna.launch", *argv], capture_output=True, text=True, timeout=100,
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"},
+        stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 0, result.stderr
+    speeds = {"fast": 3.0, "slow": 1.0}
+    expected = plan_types(["slow", "fast", "slow"], speeds, pipeline_depth=2, data_parallel=1)
+    assert expected.rank_types == ("fast", "slow") and expected.stage_speeds == (3.0, 1.0)
+    placement = next(line for line in result.stderr.splitlines() if " on 2 host(s): " in line)
+    host_types = [part.split("[")[1].split("]")[0] for part in placement.split(": ", 2)[2].split(", ")]
+    rows = [line.rsplit("] ", 1)[1].split("|") for line in result.stdout.splitlines() if "|" in line]
+    assert sorted(int(r[0]) for r in rows) == [0, 1]
+    for rank, host_id, local_rank, local_size, speeds in rows:
+        assert host_types[int(host_id)] == expected.rank_types[int(rank)], (rows, host_types)
+        assert (local_rank, local_size) == ("0", "1")
+        assert speeds == "3.0,1.0"
