@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="varuna-bench-mixed-") as tmp:
         best, constants, _ = vs._run_all(a, runs, "", str(a.work_dir) if a.work_dir else tmp)
     errors = []
-    print(f"\n{'case':<13}{'plan':<16}{'layout':<58}{'real/s':>8}{'sim/s':>8}{'err':>7}{'plan/s':>8}")
+    print(f"\n{'case':<16}{'plan':<16}{'layout':<58}{'real/s':>8}{'sim/s':>8}{'err':>7}{'plan/s':>8}")
     for case, plan in plans.values():
         got = {}
         for label, (c, predicted) in configs_of(case, plan).items():
@@ -126,13 +126,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             errors.append(abs(row.error))
             layout = c.label.split(" ", 2)[2].rsplit(" ", 1)[0]
             shape = c.label.split(" ")[0] + " " + layout
-            print(f"{case.name:<13}{label:<16}{shape:<58}{real:>8.2f}{sim:>8.2f}"
+            print(f"{case.name:<16}{label:<16}{shape:<58}{real:>8.2f}{sim:>8.2f}"
                   f"{row.error * 100:>+6.1f}%{predicted:>8.2f}")
         others = [v for k, v in got.items() if k != "aware"]
         if others:
             r_real = got["aware"][0] / max(o[0] for o in others)
             r_sim = got["aware"][1] / max(o[1] for o in others)
-            print(f"{case.name:<13}aware / better other: real {r_real:.2f}x, simulated {r_sim:.2f}x")
+            print(f"{case.name:<16}aware / better other: real {r_real:.2f}x, simulated {r_sim:.2f}x")
     print(f"\nsimulated vs real: median |error| {statistics.median(errors) * 100:.1f}%, "
           f"max {max(errors) * 100:.1f}% over {len(errors)} runs; {load()}")
     if a.json:
