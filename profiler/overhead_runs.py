@@ -179,6 +179,10 @@ def timed_steps(engine, batch, warmup: int, steps: int, warmup_out: list | None 
             out.append({"t0": t0, "t1": t1, "events": events})
         elif warmup_out is not None:
             warmup_out.append({"t0": t0, "t1": t1, "events": events})
+    # Ranks that finish the last step early must not start tearing their engine down (gc,
+    # group destruction: CPU-heavy) while another is still in it: on a loaded 2-core host that
+    # stretched the last timed step by up to 0.3 s (scripts/validate_mixed.py, docs/mixed_types.md).
+    dist.barrier()
     return out
 
 

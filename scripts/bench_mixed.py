@@ -8,10 +8,12 @@ type (even shares and split), and the best plan on the fastest type only. Each p
 on the REAL engine (``scripts/validate_simulator.py``'s workers: one process per device, blocks
 sleeping F / speed, ``replica_shares`` and ``stage_ranges`` as planned) and simulated again with
 the runtime constants measured in the same run. Printed: samples/s real and simulated, the error,
-and the aware plan's speed-up over the better of the two others.
+and the aware plan's speed-up over the better of the two others. ``plan/s`` is the planner's own
+prediction, from the known costs only (no runtime overheads: it plans before any run).
 
-Cases: 2 fast + 2 slow devices at P = 2, with fast = 1.6x and 2x the slow one; 3 types (2x,
-1.5x, 1x; 4 + 2 + 2 devices) at P = 4. The model: 8 emulated blocks (10 ms forward each on a 1x
+Cases: 2 fast + 2 slow devices at P = 2, with fast = 1.6x and 2x the slow one; the 1.6x one at
+P = 1 (data parallelism only: the gain is all virtual nodes); 3 types (2x, 1.5x, 1x; 4 + 2 + 2
+devices) at P = 4. The model: 8 emulated blocks (10 ms forward each on a 1x
 device), micro-batch size as in the validation, 16 micro-batches per mini-batch.
 
 Usage::
@@ -39,6 +41,7 @@ for p in (str(HERE.parent), str(HERE)):
         sys.path.insert(0, p)
 
 import validate_simulator as vs  # noqa: E402  (after the sys.path set-up)
+from validate_mixed import load  # noqa: E402
 
 from profiler.overheads import MICRO_BATCH_SIZE  # noqa: E402
 from simulator.mixed_plan import MixedPlan, plan_mixed  # noqa: E402
@@ -60,6 +63,7 @@ class Case:
 CASES = (
     Case("2types-1.6x", {1.6: 2, 1.0: 2}, 2),
     Case("2types-2x", {2.0: 2, 1.0: 2}, 2),
+    Case("2types-1.6x-dp", {1.6: 2, 1.0: 2}, 1),
     Case("3types", {2.0: 4, 1.5: 2, 1.0: 2}, 4),
 )
 
@@ -108,10 +112,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs.extend(c for c, _ in configs_of(case, plan).values() if c not in runs)
     if a.simulate_only:
         return 0
+    print(f"\nreal runs: {len(runs)}; {load()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="varuna-bench-mixed-") as tmp:
         best, constants, _ = vs._run_all(a, runs, "", str(a.work_dir) if a.work_dir else tmp)
     errors = []
-    print(f"\n{'case':<13}{'plan':<16}{'layout':<46}{'real/s':>8}{'sim/s':>8}{'err':>7}{'plan/s':>8}")
+    print(f"\n{'case':<16}{'plan':<16}{'layout':<58}{'real/s':>8}{'sim/s':>8}{'err':>7}{'plan/s':>8}")
     for case, plan in plans.values():
         got = {}
         for label, (c, predicted) in configs_of(case, plan).items():
@@ -121,15 +126,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             errors.append(abs(row.error))
             layout = c.label.split(" ", 2)[2].rsplit(" ", 1)[0]
             shape = c.label.split(" ")[0] + " " + layout
-            print(f"{case.name:<13}{label:<16}{shape:<46}{real:>8.2f}{sim:>8.2f}"
+            print(f"{case.name:<16}{label:<16}{shape:<58}{real:>8.2f}{sim:>8.2f}"
                   f"{row.error * 100:>+6.1f}%{predicted:>8.2f}")
         others = [v for k, v in got.items() if k != "aware"]
         if others:
             r_real = got["aware"][0] / max(o[0] for o in others)
             r_sim = got["aware"][1] / max(o[1] for o in others)
-            print(f"{case.name:<13}aware / better other: real {r_real:.2f}x, simulated {r_sim:.2f}x")
+            print(f"{case.name:<16}aware / better other: real {r_real:.2f}x, simulated {r_sim:.2f}x")
     print(f"\nsimulated vs real: median |error| {statistics.median(errors) * 100:.1f}%, "
-          f"max {max(errors) * 100:.1f}% over {len(errors)} runs")
+          f"max {max(errors) * 100:.1f}% over {len(errors)} runs; {load()}")
     if a.json:
         vs._write_json(a.json, list(best.values()), constants, {})
     return 0

@@ -22,6 +22,7 @@ Goal (the issue): every configuration within 5%, median <= 3%. Results: docs/mix
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -74,6 +75,12 @@ def run(configs: Sequence[vs.ValConfig], a: argparse.Namespace) -> list[vs.Row]:
     return rows
 
 
+def load() -> str:
+    """The machine's load, for the record (the runs share the host)."""
+    one, five, fifteen = os.getloadavg()
+    return f"{os.cpu_count()} cores, load average {one:.1f} {five:.1f} {fifteen:.1f}"
+
+
 def parser() -> argparse.ArgumentParser:
     p = vs._parser()
     p.description = __doc__
@@ -90,9 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("no configuration matches --only", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    print(f"{len(configs)} mixed configurations, {a.warmup} warm-up + {a.steps} timed steps each", flush=True)
+    print(f"{len(configs)} mixed configurations, {a.warmup} warm-up + {a.steps} timed steps each; "
+          f"{load()}", flush=True)
     run(configs, a)
-    print(f"wall time {time.perf_counter() - t0:.0f} s")
+    print(f"wall time {time.perf_counter() - t0:.0f} s; {load()}")
     return 0
 
 

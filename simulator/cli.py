@@ -264,9 +264,11 @@ def _run(args) -> int:
         raise _UsageError(f"--jitter-scale must be a number >= 0 (at most 1e6), got {args.jitter_scale}")
     if args.cluster is not None:
         return _mixed(args)
-    if args.gpus is None or args.calibration is None:
+    missing = [name for name, v in (("--calibration", args.calibration), ("--gpus", args.gpus)) if v is None]
+    if missing:
         raise _UsageError(
-            "give --calibration FILE and --gpus G (or --cluster TYPE=N,... for mixed VM types)"
+            f"the following arguments are required: {', '.join(missing)} "
+            "(or --cluster TYPE=N,... for mixed VM types)"
         )
     cal = Calibration.load(args.calibration)
     out = _estimate(args, cal) if args.config is not None else _search(args, cal)

@@ -6,7 +6,7 @@ API (stable; the manager and the launcher call it)::
                costs_by_type: Mapping[str, Calibration] | Calibration,
                *, global_batch_size: int, micro_batch_size: int | None = None,
                memory_by_type: Mapping[str, int] | None = None, schedule: str = "varuna",
-               recompute: bool = True, host_slots: int = 1, max_layouts: int = 3000,
+               recompute: bool = True, host_slots: int = 1, max_layouts: int = 500,
                refine_shares: bool = True,
                pipeline_depths: Sequence[int] | None = None) -> MixedPlan
 
@@ -31,7 +31,7 @@ The search (docs/mixed_types.md):
 
 1. layouts: for each depth P, replicas are sets of P VMs in some stage order (Note [Stage
    order]). Every multiset of replica kinds the cluster can hold is a layout (up to
-   ``max_layouts``; the homogeneous-by-speed and the striped layouts come first);
+   ``max_layouts`` per P; the homogeneous-by-speed and the striped layouts come first);
 2. stage ranges: ``varuna.core.partition.balanced_stages`` with per-stage speeds (the runtime's
    partitioner), tried with each distinct replica kind's speeds and with equal speeds; kept: the
    split whose estimate (below) is best;
@@ -93,10 +93,14 @@ __all__ = ["MixedPlan", "MixedAlternative", "TypeCosts", "plan_mixed", "resolve_
 
 #: Layouts simulated event by event after the analytic ranking (the rest only estimated).
 SIMULATED_LAYOUTS = 6
-#: Layouts simulated for every (P, D) beyond those.
+#: Layouts simulated for every (P, D) beyond those, among those estimated within
+#: SHAPE_ESTIMATE_SLACK of the best estimate.
 SIMULATED_PER_SHAPE = 3
+SHAPE_ESTIMATE_SLACK = 1.25
 #: Most stage orders tried for a layout whose replicas are alike (P! of them).
 MAX_ORDERS = 24
+#: Replicas at each end (latest, earliest estimated finish) a refining move takes from / gives to.
+REFINE_ENDS = 3
 #: Rounds of single-micro-batch moves when refining the best plan's shares.
 REFINE_ROUNDS = 8
 
@@ -313,6 +317,9 @@ class _Search:
         self.N = -(-M // m)
         self.simulations = 0
         self._split: dict[tuple, tuple[tuple[int, int], ...]] = {}
+        self._sync: dict[tuple, float] = {}
+        self._shares: dict[tuple, tuple[int, ...]] = {}
+        self._times: dict[tuple, list[float]] = {}
         self.order = sorted((t for t, n in cluster.items() if n > 0), key=lambda t: (-tc.speed[t], t))
         self.base = self.order[-1]  # the slowest type's costs are the reference of the split
 
@@ -334,6 +341,12 @@ class _Search:
         ref = self.tc.speed[self.base]
         return tuple(round(self.tc.speed[t] / ref, 6) for t in row)
 
+    def stage_times(self, row: tuple[str, ...], ranges: tuple[tuple[int, int], ...]) -> list[float]:
+        key = (row, ranges)
+        if key not in self._times:
+            self._times[key] = self.tc.stage_times(row, ranges)
+        return self._times[key]
+
     def shares_for(self, times: Sequence[Sequence[float]]) -> tuple[int, ...] | None:
         """Micro-batches per replica: one each, then each next one to the replica that would
         finish it first (finish = n·τ + fill, Note [Shares]); None when N < D."""
@@ -342,6 +355,9 @@ class _Search:
             return None
         tau = [max(t) for t in times]
         fill = [sum(t) - x for t, x in zip(times, tau)]
+        key = (tuple(tau), tuple(fill))
+        if key in self._shares:
+            return self._shares[key]
         shares = [1] * D
         heap = [((2 * tau[d] + fill[d]), d) for d in range(D)]
         heapq.heapify(heap)
@@ -349,7 +365,8 @@ class _Search:
             _, d = heapq.heappop(heap)
             shares[d] += 1
             heapq.heappush(heap, ((shares[d] + 1) * tau[d] + fill[d], d))
-        return tuple(shares)
+        self._shares[key] = tuple(shares)
+        return self._shares[key]
 
     def variants(self, layout: tuple[tuple[str, ...], ...], fixed_shares: tuple[int, ...] | None = None,
                  fixed_ranges: tuple[tuple[int, int], ...] | None = None) -> list[_Layout]:
@@ -364,18 +381,25 @@ class _Search:
                 vecs = {self.row_speeds(r) for r in rows} | {tuple([1.0] * P)}
                 options = [(v, self.split(v)) for v in sorted(vecs)]
             for vec, ranges in options:
-                times = [self.tc.stage_times(r, ranges) for r in rows]
+                times = [self.stage_times(r, ranges) for r in rows]
                 shares = fixed_shares or self.shares_for(times)
                 if shares is None or not self._fits(rows, ranges, shares):
                     continue
                 if any(self.kind.unsupported(P, n) is not None for n in shares):
                     continue
                 est = max(n * max(t) + sum(t) - max(t) for n, t in zip(shares, times))
-                trial = _Layout(rows=rows, ranges=ranges, shares=shares)
-                sync = sync_costs(self.cal, self.config(trial), [range(a, b + 1) for a, b in ranges])
-                est += max(ar + opt for ar, opt in sync)
+                est += self.sync_s(rows, ranges, shares)
                 out.append(_Layout(rows=rows, ranges=ranges, speeds=vec, shares=shares, estimate_s=est))
         return out
+
+    def sync_s(self, rows, ranges, shares) -> float:
+        """The slowest stage's all-reduce + optimizer step (types do not change it: cached)."""
+        key = (len(rows), ranges)
+        if key not in self._sync:
+            trial = _Layout(rows=rows, ranges=ranges, shares=shares)
+            sync = sync_costs(self.cal, self.config(trial), [range(a, b + 1) for a, b in ranges])
+            self._sync[key] = max(ar + opt for ar, opt in sync)
+        return self._sync[key]
 
     def orders(self, rows: tuple[tuple[str, ...], ...]) -> list[tuple[tuple[str, ...], ...]]:
         """Stage orders to try (Note [Stage order]): every replica fastest first, slowest first,
@@ -419,13 +443,19 @@ class _Search:
         lay.minibatch_s, lay.examples_per_s = res.minibatch_s, res.examples_per_s
 
     def refine(self, lay: _Layout, rounds: int = REFINE_ROUNDS) -> None:
-        """Move one micro-batch at a time between replicas while the simulated time drops."""
+        """Move one micro-batch at a time between replicas while the simulated time drops: from
+        one of the REFINE_ENDS replicas estimated to finish last to one of those finishing first."""
         D = len(lay.rows)
         if D < 2:
             return
+        times = [self.tc.stage_times(r, lay.ranges) for r in lay.rows]
         for _ in range(rounds):
             best = None
-            for src, dst in itertools.permutations(range(D), 2):
+            finish = sorted(range(D), key=lambda d: lay.shares[d] * max(times[d]) + sum(times[d]))
+            late, early = finish[::-1][:REFINE_ENDS], finish[:REFINE_ENDS]
+            for src, dst in itertools.product(late, early):
+                if src == dst or lay.shares[src] <= 1:
+                    continue
                 if lay.shares[src] <= 1:
                     continue
                 shares = list(lay.shares)
@@ -498,7 +528,7 @@ def plan_mixed(
     schedule: str = "varuna",
     recompute: bool = True,
     host_slots: int = 1,
-    max_layouts: int = 3000,
+    max_layouts: int = 500,
     refine_shares: bool = True,
     pipeline_depths: Sequence[int] | None = None,
 ) -> MixedPlan:
@@ -564,8 +594,11 @@ def _simulate_best(s: _Search, candidates: list[_Layout]) -> _Layout:
     candidates.sort(key=lambda c: c.estimate_s)
     chosen = candidates[:SIMULATED_LAYOUTS]
     per_shape: dict[tuple[int, int], int] = {}
+    cutoff = candidates[0].estimate_s * SHAPE_ESTIMATE_SLACK
     for c in candidates:
         shape = (len(c.rows[0]), len(c.rows))
+        if c.estimate_s > cutoff:
+            break
         if c in chosen or per_shape.get(shape, 0) < SIMULATED_PER_SHAPE:
             if c not in chosen:
                 chosen.append(c)

@@ -254,3 +254,61 @@ def test_cli_prints_map_shares_and_alternatives(tmp_path, capsys):
     rc = simulate_main(["--cluster", "fast=2,slow=x", "--global-batch-size", "16"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "TYPE=COUNT" in err
+
+
+# -- emulated mixed cluster (the validation's rig) ----------------------------------------------
+
+
+def test_emulated_device_speed_divides_every_sleep():
+    from varuna.testing.emulated import emulated_model
+
+    base = emulated_model(3, [0.01, 0.02, 0.03], 4)
+    fast = emulated_model(3, [0.01, 0.02, 0.03], 4, speed=1.6)
+    assert [b.fwd_s * 1.6 for b in fast.blocks] == pytest.approx([b.fwd_s for b in base.blocks])
+    assert [b.bwd_s * 1.6 for b in fast.blocks] == pytest.approx([b.bwd_s for b in base.blocks])
+    with pytest.raises(ValueError, match="speed must be a finite number > 0"):
+        emulated_model(2, 0.01, 4, speed=0)
+
+
+def _validation_script():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parent.parent / "scripts"
+    sys.path.insert(0, str(scripts))
+    try:
+        spec = importlib.util.spec_from_file_location("validate_simulator", scripts / "validate_simulator.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(scripts))
+    return module
+
+
+def test_validation_config_of_a_mixed_run_survives_json_and_simulates_its_speeds():
+    from dataclasses import asdict
+
+    vs = _validation_script()
+    c = vs.ValConfig(num_stages=2, num_replicas=2, schedule="gpipe", num_microbatches=4, level="none",
+                     speeds=((1.6, 1.6), (1.0, 1.0)), shares=(5, 3), stage_blocks=(3, 1))
+    back = vs.ValConfig(**json.loads(json.dumps(asdict(c))))
+    assert back == c and back.label == "2x2 gpipe shares=5/3 speeds=1.6-1.6/1-1 blocks=3/1 none"
+    assert [c.speed_of(r) for r in range(4)] == [1.6, 1.6, 1.0, 1.0]
+    rc = vs.known_costs_only()
+    cfg = vs.sim_config(c, rc)
+    assert cfg.device_types == (("x1.6", "x1.6"), ("x1", "x1")) and cfg.num_microbatches == (5, 3)
+    assert cfg.stage_segments == ((0, 2), (3, 3))
+    cal = vs.calibration_of(c, rc)
+    assert cal.for_type("x1.6").bwd_s(0, 1) == pytest.approx(2 * vs.BLOCK_FWD_S / 1.6)
+    # Stage 0 (3 blocks, F + R + B = 4F each) bounds each replica from below: n·12F / speed.
+    t = vs.simulate_config(c, rc)
+    assert t >= max(5 * 12 * vs.BLOCK_FWD_S / 1.6, 3 * 12 * vs.BLOCK_FWD_S)
+    # Homogeneous events are left as they are by the mixed-aware disturbance check.
+    plain = vs.ValConfig(num_stages=2, num_replicas=1, schedule="gpipe", num_microbatches=4, level="none")
+    events = [[0, 0, "F", 0, 0.0, 0.021]]
+    assert vs._nominal(plain, events) == events
+    # ... and a slow device's longer task is not taken for a host freeze.
+    slow_b = [[0, 1, "B", 0, 0.0, 2 * 3 * vs.BLOCK_FWD_S + 0.001]]
+    assert not vs.disturbed(vs._nominal(c, slow_b))
