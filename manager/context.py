@@ -98,6 +98,8 @@ class JobCache:
         default_factory=dict
     )  # gen -> stage -> rank -> latest compute s
     marked: dict[int, set[int]] = field(default_factory=dict)  # gen -> ranks marked slow
+    type_calibrations: dict[str, tuple[str, Calibration]] = field(default_factory=dict)
+    """VM type -> (its stored calibration JSON, parsed): the fail-stutter reference per type."""
     create_after: float = 0.0
     provider_error_logged: float = 0.0
 

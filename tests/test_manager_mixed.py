@@ -20,6 +20,7 @@ import pytest
 
 from manager import varuna_manager_pb2 as pb
 from manager.jobspec import JobSpec, spec_from_pb, spec_to_pb
+from manager.policy import StutterConfig, predicted_compute_s
 from manager.providers import NewVM
 from manager.vm_types import parse_vm_types, type_options
 from varuna.core.batching import check_shares
@@ -143,7 +144,8 @@ def _check_generation(w: World, job: str) -> dict:
 
 def test_calibrates_once_per_type_plans_the_mix_and_replans_after_a_preemption(tmp_path: Path) -> None:
     provider = TypedProvider(per_type={"fast": 2, "slow": 2})
-    w = World(tmp_path, provider=provider)
+    # A tight fail-stutter threshold: a slow type must still not look like a slow VM.
+    w = World(tmp_path, provider=provider, stutter=StutterConfig(threshold_pct=20.0, heartbeats=3))
     job = w.submit(max_vms=4, num_segments=0, workdir=str(tmp_path), profile=dict(PROFILE), vm_types=TYPES)
     w.tick()
     w.tick(0.1)
@@ -173,9 +175,28 @@ def test_calibrates_once_per_type_plans_the_mix_and_replans_after_a_preemption(t
     first = _check_generation(w, job)
     assert w.store.job(job).calibration_state == "done"
 
+    # Fail-stutter: each VM is judged against its own type's calibration. Every VM computing at
+    # its type's predicted speed (+10 %) is healthy -- no "slow", no "calibration-mismatch".
+    # Negative control: the slow type's time is > +20 % of the replicas' median here (2 fast,
+    # 2 slow at D = 4), so judged on raw times the slow VMs would be marked.
+    predicted = {
+        t: predicted_compute_s(
+            Calibration.from_dict(json.loads(_calibration_json(t))), 0, 0, 2, recompute=False
+        )
+        for t in SPEED
+    }
+    assert (w.gen(job).pipeline_depth, w.gen(job).data_parallel) == (1, 4)
+    assert predicted["slow"] / ((predicted["slow"] + predicted["fast"]) / 2) > 1.2
+
+    def at_speed() -> dict[str, float]:
+        return {vm.vm_id: predicted[_type_of(w, vm.vm_id)] * 1.1 for vm in w.running(job)}
+
+    w.steps(job, 1, 6, slow=at_speed())
+    w.tick(0.1)
+    assert not w.event(job, "slow") and not w.event(job, "calibration-mismatch"), w.kinds(job)
+
     # Preempt a fast VM of the running generation; its type has no capacity left: the relaunch
     # is planned with what remains (one fast, two slow).
-    w.steps(job, 1, 3)
     fast_vm = next(vm.vm_id for vm in w.running(job) if _type_of(w, vm.vm_id) == "fast")
     w.vms[fast_vm].alive = False
     provider.gone.add(fast_vm)
@@ -191,3 +212,11 @@ def test_calibrates_once_per_type_plans_the_mix_and_replans_after_a_preemption(t
     assert all(e["source"].startswith("simulator, mixed VM types: ") for e in launched), launched
     # Calibration happened once per type, not again at the relaunch.
     assert len([e for e in w.store.events(job) if e.kind == "calibration-started"]) == 2
+
+
+    # At D = 3 (1 fast, 2 slow) a slow-type VM at three times its type's prediction is caught.
+    w.steps(job, 7, 9, slow=at_speed(), resumed_from=6)
+    outlier = next(vm.vm_id for vm in w.running(job) if _type_of(w, vm.vm_id) == "slow")
+    w.steps(job, 10, 14, slow={**at_speed(), outlier: predicted["slow"] * 3}, resumed_from=6)
+    w.tick(0.1)
+    assert [e.message.split()[0] for e in w.event(job, "slow")] == [outlier], w.kinds(job)

@@ -129,8 +129,8 @@ def test_gpt_on_two_vm_types_calibrates_per_type_and_replans_after_losing_a_fast
         "--heartbeat-timeout", "5",
         "--create-retry", "1",
         "--gather-timeout", "60",
-        # Two types on a loaded machine: the fail-stutter rule must not take the slow type for a
-        # failing VM (it compares with one calibration's predictions).
+        # Pretend VMs share this machine's cores: under load the per-type calibrations do not
+        # describe them, and a VM marked slow would change the layout under test.
         "--slow-threshold-pct", "2000",
         "--stop-timeout", "60",
         "--orphan-timeout", "60",
