@@ -25,7 +25,6 @@ finally every rank steps its optimizer — or every rank skips the step.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import gc
 import os
@@ -42,7 +41,7 @@ from torch import nn
 
 from varuna.core.batching import plan_microbatches
 from varuna.core.env import RunPlan
-from varuna.core.schedule import Task, schedule_kind
+from varuna.core.schedule import Task
 from varuna.core.timeline import Timeline
 from varuna.cutting.batches import batch_size_of, slice_batch
 from varuna.cutting.cutpoint import CarryPlan, CutPoint, SplitState
@@ -60,7 +59,7 @@ from varuna.runtime.plugins import run_plugins
 from varuna.runtime.stages import assign_stages, check_pipeline_depth, planning_profile
 from varuna.runtime.tensorboard import TensorBoardLog, adopt_tensorboard_env, require_tensorboard
 from varuna.runtime.timeline_gather import gather_timeline
-from varuna.runtime.weight_versions import WeightVersions
+from varuna.runtime.weight_versions import stale_weights, weight_versions_for
 
 __all__ = ["VarunaConfig", "Engine", "StepResult", "NonFiniteLossStop"]
 
@@ -131,10 +130,6 @@ class Engine:
         config, P = self.config, self.layout.P
         _place_cutpoints(model, example_batch, config, self.loss_fn, self.layout)  # before the dry run
         self.micro_plan = plan_microbatches(config.global_batch_size, config.micro_batch_size, self.layout.D)
-        kind = schedule_kind(config.schedule)
-        reason = next((r for p in self.micro_plan if (r := kind.unsupported(P, len(p))) is not None), None)
-        if reason is not None:
-            raise ValueError(reason)
         self.device = pick_device(config.device)
         self._split = SplitState()
         first = slice_batch(example_batch, 0, min(config.micro_batch_size, batch_size_of(example_batch)))
@@ -191,10 +186,7 @@ class Engine:
                     stage_ranges=self.stage_ranges,
                 )
         self.optimizer = optimizer(list(self._trainable.values()))
-        #: PipeDream-2BW's stashed weight version (Note [2BW]); None for the synchronous kinds
-        self.weight_versions: WeightVersions | None = None
-        if schedule_kind(config.schedule).weight_versions == 2:
-            self.weight_versions = WeightVersions(self._trainable)
+        self.weight_versions = weight_versions_for(config, self._trainable, self.layout.P, self.micro_plan)
         self.scaler = DynamicLossScale(
             scale=config.loss_scale if config.precision == "fp16" else 1.0,
             growth_interval=config.loss_scale_growth_interval,
@@ -328,8 +320,7 @@ class Engine:
         mbs = self.micro_plan[self.replica]
         if self._det is not None:
             self._det.begin_step(mbs, sum(len(p) for p in self.micro_plan))
-        versions = self.weight_versions  # 2bw: gradients on the version before (Note [2BW])
-        with versions.stale() if versions is not None else contextlib.nullcontext():
+        with stale_weights(self.weight_versions):  # 2bw: on the version before (Note [2BW])
             run = self._executor.run(batch, mbs, step=self.step_count, scale=self.scaler.scale, train=True)
         self.executed_orders.append(run.executed)
         t_sync = time.perf_counter()

@@ -29,13 +29,17 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch import nn
 
-__all__ = ["PREVIOUS_KEY", "WeightVersions", "add_previous", "pop_previous"]
+from varuna.core.schedule import schedule_kind
+from varuna.runtime.config import VarunaConfig
+
+__all__ = ["PREVIOUS_KEY", "WeightVersions", "add_previous", "pop_previous", "stale_weights",
+           "weight_versions_for"]
 
 #: The key of the stashed version in a parameter's name-keyed optimizer state (checkpoints).
 PREVIOUS_KEY = "varuna_2bw_previous_weights"
@@ -108,6 +112,34 @@ class WeightVersions:
                         f"the model's is {tuple(p.shape)}: it was saved from another model"
                     )
                 self._previous[n].copy_(src)
+
+
+def weight_versions_for(
+    config: VarunaConfig,
+    trainable: Mapping[str, nn.Parameter],
+    num_stages: int,
+    micro_plan: Sequence[Sequence],
+) -> WeightVersions | None:
+    """The stash of ``config.schedule`` if it keeps two weight versions (the engine's
+    ``weight_versions``; None for the synchronous kinds); raises
+    ``ValueError`` (one line) where the kind cannot run a replica's micro-batches (``micro_plan``:
+    per replica, its micro-batches) on ``num_stages`` stages (2bw: fewer than P).
+
+    >>> cfg = VarunaConfig(global_batch_size=2, micro_batch_size=1, schedule="1f1b")
+    >>> weight_versions_for(cfg, {}, 2, [[0, 1]]) is None
+    True
+    """
+    kind = schedule_kind(config.schedule)
+    for mbs in micro_plan:
+        reason = kind.unsupported(num_stages, len(mbs))
+        if reason is not None:
+            raise ValueError(reason)
+    return WeightVersions(trainable) if kind.weight_versions == 2 else None
+
+
+def stale_weights(versions: WeightVersions | None) -> AbstractContextManager:
+    """``versions.stale()``, or nothing to do for a synchronous kind (``None``)."""
+    return versions.stale() if versions is not None else nullcontext()
 
 
 def add_previous(opt_state: dict, versions: WeightVersions | None) -> dict:
