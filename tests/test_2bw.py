@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed import check_ok, run_world
+from models import build_model, make_batch, reference_step
 from torch import nn
 
 import varuna
 from simulator.engine import SimConfig, simulate
-from tests.distributed import check_ok, run_world
 from varuna.core.calibration import Calibration
 from varuna.core.schedule import get_schedule, schedule_kind
 from varuna.core.tasks import format_tasks, validate_stage_tasks
@@ -23,6 +24,7 @@ from varuna.runtime.weight_versions import PREVIOUS_KEY, WeightVersions, pop_pre
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).parent / "workers" / "two_bw_worker.py"
+sys.path.insert(0, str(ROOT / "examples" / "gpt2"))  # the tiny GPT of tests/models.py
 LR = 0.1
 
 
@@ -270,9 +272,6 @@ def test_pipeline_and_data_parallel_equal_a_single_process_2bw(tmp_path):
 
 
 def resume_in_one_process(ckpt: Path, m_total: int = 8) -> dict:
-    sys.path.insert(0, str(ROOT / "examples" / "gpt2"))
-    from tests.models import build_model, make_batch
-
     data = make_batch("gpt", 4 * m_total)
 
     def batch_of(t):
@@ -293,9 +292,6 @@ def resume_in_one_process(ckpt: Path, m_total: int = 8) -> dict:
 def reference(*, stale: bool, steps: int = 4, m_total: int = 8, micro: int = 2, lr: float = 0.1):
     """Single-process SGD with momentum on the tiny GPT: gradients at W(t-2) (2bw) or W(t-1).
     (Not Adam: its g/sqrt(v) turns float noise in near-zero gradients into full-size steps.)"""
-    sys.path.insert(0, str(ROOT / "examples" / "gpt2"))
-    from tests.models import build_model, make_batch, reference_step
-
     cur = build_model("gpt", dropout=0.1)
     prev = copy.deepcopy(cur)
     opt = torch.optim.SGD(cur.parameters(), lr=lr, momentum=0.9)

@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from models import build_model, make_batch  # noqa: E402
 
 import varuna  # noqa: E402
+from varuna.core.schedule import get_schedule  # noqa: E402
 
 
 def batch_of(batches, step: int, m_total: int):
@@ -54,6 +55,10 @@ def train(name, base, a, batches, *, schedule, steps, resume="0", save_at=0):
             engine.save_checkpoint(wait=True)
             if dist.is_initialized():
                 dist.barrier()  # rank 0's manifest is written before anyone resumes from it
+    # 2bw runs 1f1b's per-step list strictly (no opportunistic reordering): always that order.
+    nm = len(engine.micro_plan[engine.replica])
+    static = get_schedule(schedule, engine.num_stages, nm).stages[engine.stage]
+    assert all(tuple(o) == static for o in engine.executed_orders), (name, engine.executed_orders[0], static)
     out = a.out / name
     out.mkdir(parents=True, exist_ok=True)
     torch.save({"weights": weights, "losses": losses}, out / f"rank{engine.layout.rank}.pt")
