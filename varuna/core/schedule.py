@@ -324,7 +324,7 @@ def get_schedule(kind: str, num_stages: int, num_microbatches: int, recompute: b
 @functools.lru_cache(maxsize=64)
 def _two_bw_window(num_stages: int, num_microbatches: int, steps: int, recompute: bool) -> Schedule:
     _check_sizes(num_stages, num_microbatches)
-    lists = OneFOneBKind._lists(schedule_kind("2bw"), num_stages, steps * num_microbatches, recompute)
+    lists = _runtime_kind("2bw")._lists(num_stages, steps * num_microbatches, recompute)
     return Schedule("2bw", num_stages, steps * num_microbatches, recompute, tuple(tuple(t) for t in lists))
 
 
