@@ -7,6 +7,12 @@ for ``--steps`` mini-batches; the training loss of every step and the validation
 
     python scripts/convergence_2bw.py                         # docs/img/convergence_2bw.png
     python scripts/convergence_2bw.py --steps 60 --schedules 1f1b,2bw --out /tmp/c.png
+    python scripts/convergence_2bw.py --plain-reference --steps 120   # the rule without varuna
+
+``--plain-reference`` trains the same model on the same batches in plain PyTorch (one process,
+whole mini-batch per step) with the synchronous rule and with the 2BW rule (gradient at W(t-2),
+applied to W(t-1), then clipped and stepped as the engine does) and prints the mean training
+loss per 20 steps: whether a gap between the schedules comes from the rule or from the engine.
 """
 
 from __future__ import annotations
@@ -36,7 +42,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=1800, help="per run")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "convergence_2bw.png")
+    p.add_argument("--plain-reference", action="store_true", help="only the plain-PyTorch check (no plot)")
     return p.parse_args(argv)
+
+
+def plain_losses(a: argparse.Namespace, *, stale: bool) -> list[float]:
+    """Training losses of the GPT example in plain PyTorch under the synchronous or 2BW rule."""
+    import copy
+
+    import torch
+
+    sys.path.insert(0, str(TRAIN.parent))
+    from data import ByteBatches
+    from model import GPT, GPTConfig
+
+    train_args = _example_defaults()
+    torch.set_num_threads(1)
+    torch.manual_seed(a.seed)
+    cur = GPT(GPTConfig(block_size=train_args.block_size, n_layer=train_args.n_layer,
+                        n_head=train_args.n_head, n_embd=train_args.n_embd, dropout=train_args.dropout))
+    prev = copy.deepcopy(cur)  # W(t-2) under 2BW
+    opt = torch.optim.AdamW(cur.parameters(), lr=a.lr, weight_decay=0.0)
+    data = ByteBatches(train_args.block_size, seed=a.seed)
+    losses = []
+    for t in range(1, a.steps + 1):
+        at = prev if stale else cur
+        at.zero_grad(set_to_none=True)
+        loss = at(*data.get("train", t, a.global_batch_size))
+        loss.backward()
+        newest = [p.detach().clone() for p in cur.parameters()]
+        for pc, pa in zip(cur.parameters(), at.parameters()):
+            pc.grad = pa.grad.clone()
+        torch.nn.utils.clip_grad_norm_(cur.parameters(), train_args.max_grad_norm)
+        opt.step()
+        with torch.no_grad():
+            for p, w in zip(prev.parameters(), newest):
+                p.copy_(w)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _example_defaults() -> argparse.Namespace:
+    sys.path.insert(0, str(TRAIN.parent))
+    from train import parse_args as example_args
+
+    return example_args([])
 
 
 def train(schedule: str, a: argparse.Namespace, work: Path) -> list[dict]:
@@ -95,6 +145,13 @@ def plot(runs: dict[str, list[dict]], a: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.plain_reference:
+        sync, stale = plain_losses(a, stale=False), plain_losses(a, stale=True)
+        print("steps      synchronous  2bw rule   (plain PyTorch, mean training loss)")
+        for i in range(0, a.steps, 20):
+            n = len(sync[i : i + 20])
+            print(f"{i + 1:4d}-{i + n:<4d}  {sum(sync[i:i + 20]) / n:11.4f}  {sum(stale[i:i + 20]) / n:8.4f}")
+        return 0
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for schedule in a.schedules.split(","):
