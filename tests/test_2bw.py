@@ -242,9 +242,10 @@ def test_simulator_shows_no_flush_bubble_in_steady_state():
 @pytest.mark.slow
 def test_pipeline_and_data_parallel_equal_a_single_process_2bw(tmp_path):
     """P=2 × D=2 processes against plain torch running the same rule: tolerance 2e-5 (fp32
-    sums in another order); the resumed run must equal the uninterrupted one exactly."""
+    sums in another order); the resumed run must equal the uninterrupted one exactly. (The
+    synchronous engine as a negative control: the fast tests above.)"""
     env = {"VARUNA_PIPELINE_DEPTH": "2"}
-    check_ok(run_world(WORKER, 4, ["--out", str(tmp_path)], env=env, timeout_s=400))
+    check_ok(run_world(WORKER, 4, ["--out", str(tmp_path)], env=env, timeout_s=600))
 
     def merged(name):
         out: dict = {}
@@ -254,17 +255,17 @@ def test_pipeline_and_data_parallel_equal_a_single_process_2bw(tmp_path):
                 out.setdefault(step, {}).update(ws)
         return out
 
-    got, resumed, sync = merged("2bw"), merged("resumed"), merged("1f1b")
+    got, resumed = merged("2bw"), merged("resumed")
     ref2, ref_sync = reference(stale=True), reference(stale=False)
     for t in range(1, 5):
         for n, w in got[t].items():
             assert torch.allclose(w, ref2[t][n], atol=2e-5, rtol=0), ("2bw", t, n)
-            assert torch.allclose(sync[t][n], ref_sync[t][n], atol=2e-5, rtol=0), ("1f1b", t, n)
     for t in (3, 4):
         assert set(resumed[t]) == set(got[t])
         assert all(torch.equal(resumed[t][n], got[t][n]) for n in got[t]), t
-    diff = max((got[2][n] - sync[2][n]).abs().max().item() for n in got[2])
-    assert diff > 1e-4, "2bw must differ from the synchronous schedule after step 2"
+    # The rules agree at step 1 and part at step 2 by ten times the tolerance above or more.
+    assert all(torch.allclose(ref2[1][n], ref_sync[1][n], atol=1e-6, rtol=0) for n in ref2[1])
+    assert max((ref2[2][n] - ref_sync[2][n]).abs().max().item() for n in ref2[2]) > 10 * 2e-5
     # The 2×2 checkpoint resumed in one process (another layout) continues the same trajectory.
     for t, ws in resume_in_one_process(tmp_path / "ckpt").items():
         for n, w in ws.items():

@@ -1,8 +1,8 @@
-"""Worker: the tiny GPT trained with ``schedule="2bw"`` (and ``1f1b``) under the engine at P×D.
+"""Worker: the tiny GPT trained with ``schedule="2bw"`` under the engine at P×D.
 
 Engine A trains ``--steps`` steps with 2bw, saving a checkpoint after ``--save-at``; engine B
-resumes from it and trains the same remaining steps; engine C trains with 1f1b (the synchronous
-negative control). Each dumps its weights after every step: ``<out>/<name>/rank<r>.pt``.
+resumes from it and trains the same remaining steps. Each dumps its weights after every step:
+``<out>/<name>/rank<r>.pt``.
 """
 
 from __future__ import annotations
@@ -82,7 +82,6 @@ def main() -> None:
     steps = range(1, a.steps + 1)
     train("2bw", base, a, batches, schedule="2bw", steps=steps, save_at=a.save_at)
     train("resumed", base, a, batches, schedule="2bw", steps=steps, resume="1")
-    train("1f1b", base, a, batches, schedule="1f1b", steps=steps)
 
 
 if __name__ == "__main__":
