@@ -215,7 +215,8 @@ class _Planner:
         out = []
         for k in range(P):
             s = stash[k] if stash is not None else self.stash_estimate(P, k, nm)
-            out.append(stage_memory(self.cal, list(ranges[k::P]), m, s, self.stage_recomputes(P, k)))
+            out.append(stage_memory(self.cal, list(ranges[k::P]), m, s, self.stage_recomputes(P, k),
+                                    weight_versions=self.kind.weight_versions))
         return out
 
     def memory_of(self, P: int, m: int, nm: int, ranges, stash: Sequence[int] | None = None) -> int:
@@ -351,7 +352,7 @@ def autoconfigure(
     >>> cal = Calibration.synthetic(0.01, num_segments=4, micro_batch_sizes=(1, 2))
     >>> autoconfigure(cal, gpus=4, global_batch_size=16, schedule="pipedream")
     Traceback (most recent call last):
-    ValueError: unknown schedule kind 'pipedream'; choose one of varuna, gpipe, 1f1b, interleaved
+    ValueError: unknown schedule kind 'pipedream'; choose one of varuna, gpipe, 1f1b, 2bw, interleaved
     """
     t0 = time.perf_counter()
     _check_schedule(schedule)

@@ -82,6 +82,7 @@ from varuna.runtime.optimizer_state import (
     merge_optimizer_states,
     optimizer_state_by_name,
 )
+from varuna.runtime.weight_versions import add_previous, pop_previous
 
 # The checkpoint API in one place: what scripts and tests import from varuna.runtime.checkpoint.
 __all__ = [
@@ -362,6 +363,8 @@ class Checkpointer:
         )
         mine = [s for s in plan if (s.stage, s.replica) == (L.stage, L.replica)]
         opt = optimizer_state_by_name(st.optimizer, dict(st.named_parameters())) if mine else None
+        if opt is not None:  # 2bw: the stashed weight version rides with the optimizer state
+            opt = add_previous(opt, getattr(st, "weight_versions", None))
         in_memory = takes_host_snapshot(self.snapshot, shard_state_bytes(mine, st.stage_params, opt))
         self.last_snapshot_in_memory = in_memory
         files, payloads = build_shard_payloads(
@@ -542,6 +545,7 @@ class Checkpointer:
         opt = payload["optimizer"]
         trainable = dict(eng.named_parameters())
         opt["state"] = {n: v for n, v in opt["state"].items() if n in trainable}
+        _load_previous(eng, pop_previous(opt))
         load_optimizer_state_by_name(eng.optimizer, trainable, opt, copy=False)  # fresh from disk
         eng.scaler.load_state_dict(m["loss_scale"])
         eng.step_count = int(m["step"])
@@ -667,9 +671,19 @@ def engine_state_dict(engine: CheckpointState) -> dict:
     return {
         "step": engine.step_count,
         "params": {n: p.detach() for n, p in engine.stage_params.items()},
-        "optimizer": optimizer_state_by_name(engine.optimizer, dict(engine.named_parameters())),
+        "optimizer": add_previous(
+            optimizer_state_by_name(engine.optimizer, dict(engine.named_parameters())),
+            getattr(engine, "weight_versions", None),
+        ),
         "loss_scale": engine.scaler.state_dict(),
     }
+
+
+def _load_previous(engine: CheckpointState, previous: dict | None) -> None:
+    """2bw (Note [2BW]): restore the stashed weight version; a synchronous run drops it."""
+    versions = getattr(engine, "weight_versions", None)
+    if versions is not None:
+        versions.load(previous)
 
 
 def load_engine_state_dict(engine: CheckpointState, state: Mapping[str, Any]) -> None:
@@ -689,6 +703,7 @@ def load_engine_state_dict(engine: CheckpointState, state: Mapping[str, Any]) ->
     trainable = dict(engine.named_parameters())
     opt = dict(state["optimizer"])
     opt["state"] = {n: v for n, v in opt.get("state", {}).items() if n in trainable}
+    _load_previous(engine, pop_previous(opt))
     load_optimizer_state_by_name(engine.optimizer, trainable, opt)
     engine.scaler.load_state_dict(state["loss_scale"])
     engine.step_count = int(state["step"])

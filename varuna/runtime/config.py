@@ -44,7 +44,9 @@ class VarunaConfig:
     data_parallel: int | None = None
     """D; defaults to $VARUNA_DATA_PARALLEL or WORLD_SIZE // P."""
     schedule: str = "varuna"
-    """One of varuna, gpipe, 1f1b."""
+    """One of varuna, gpipe, 1f1b (synchronous), or 2bw: PipeDream-2BW, asynchronous -- gradients
+    one step stale, one more copy of the weights; not the same training as one device
+    (docs/schedules.md)."""
     recompute: bool = True
     """Activation recompute for gpipe/1f1b (varuna always recomputes except on its last stage)."""
     stash_headroom: int = DEFAULT_STASH_HEADROOM
@@ -144,7 +146,7 @@ class VarunaConfig:
         Example::
 
             VarunaConfig(global_batch_size=32, micro_batch_size=4, schedule="zigzag").validate()
-            # ValueError: unknown schedule 'zigzag'; choose one of varuna, gpipe, 1f1b
+            # ValueError: unknown schedule 'zigzag'; choose one of varuna, gpipe, 1f1b, 2bw
         """
         if self.schedule not in SCHEDULE_KINDS:
             raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULE_KINDS)}")

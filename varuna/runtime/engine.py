@@ -60,6 +60,7 @@ from varuna.runtime.plugins import run_plugins
 from varuna.runtime.stages import assign_stages, check_pipeline_depth, planning_profile
 from varuna.runtime.tensorboard import TensorBoardLog, adopt_tensorboard_env, require_tensorboard
 from varuna.runtime.timeline_gather import gather_timeline
+from varuna.runtime.weight_versions import stale_weights, weight_versions_for
 
 __all__ = ["VarunaConfig", "Engine", "StepResult", "NonFiniteLossStop"]
 
@@ -187,6 +188,7 @@ class Engine:
                     stage_ranges=self.stage_ranges,
                 )
         self.optimizer = optimizer(list(self._trainable.values()))
+        self.weight_versions = weight_versions_for(config, self._trainable, self.layout.P, self.micro_plan)
         self.scaler = DynamicLossScale(
             scale=config.loss_scale if config.precision == "fp16" else 1.0,
             growth_interval=config.loss_scale_growth_interval,
@@ -320,7 +322,8 @@ class Engine:
         mbs = self.micro_plan[self.replica]
         if self._det is not None:
             self._det.begin_step(mbs, sum(len(p) for p in self.micro_plan))
-        run = self._executor.run(batch, mbs, step=self.step_count, scale=self.scaler.scale, train=True)
+        with stale_weights(self.weight_versions):  # 2bw: on the version before (Note [2BW])
+            run = self._executor.run(batch, mbs, step=self.step_count, scale=self.scaler.scale, train=True)
         self.executed_orders.append(run.executed)
         t_sync = time.perf_counter()
         outcome = self._sync.finish(
