@@ -41,7 +41,7 @@ from torch import nn
 
 from varuna.core.batching import plan_microbatches
 from varuna.core.env import RunPlan
-from varuna.core.schedule import Task
+from varuna.core.schedule import Task, schedule_kind
 from varuna.core.timeline import Timeline
 from varuna.cutting.batches import batch_size_of, slice_batch
 from varuna.cutting.cutpoint import CarryPlan, CutPoint, SplitState
@@ -56,7 +56,7 @@ from varuna.runtime.layout import Layout, init_distributed, pick_device
 from varuna.runtime.loss_scale import DynamicLossScale, NonFiniteLosses, NonFiniteLossStop
 from varuna.runtime.peer_watch import PeerWatch, watching
 from varuna.runtime.plugins import run_plugins
-from varuna.runtime.stages import assign_stages, check_pipeline_depth, planning_profile
+from varuna.runtime.stages import assign_stages, check_chunks_fit, check_pipeline_depth, planning_profile
 from varuna.runtime.tensorboard import TensorBoardLog, adopt_tensorboard_env, require_tensorboard
 from varuna.runtime.timeline_gather import gather_timeline
 
@@ -134,6 +134,13 @@ class Engine:
         first = slice_batch(example_batch, 0, min(config.micro_batch_size, batch_size_of(example_batch)))
         self.profile: ModelProfile = planning_profile(model, first, self.loss_fn, config, self.layout)
         check_pipeline_depth(P, self.profile.num_cutpoints)
+        kind = schedule_kind(config.schedule)
+        #: model chunks this process holds (v > 1: interleaved; chunk c is virtual stage c·P + stage)
+        self.chunks = v = kind.chunks_per_device(config.chunks)
+        if v > 1:
+            check_chunks_fit(P, v, self.profile.num_cutpoints)
+            for plan in self.micro_plan:  # Nm must suit the kind (interleaved: a multiple of P)
+                kind.pipeline(P, len(plan), recompute=config.recompute, chunks=v)
         if P > 1:  # refuse hidden dependencies (values crossing a boundary outside a CutPoint)
             from varuna.cutting.tracer import carry_specs, check_splittable
 
@@ -147,8 +154,11 @@ class Engine:
             schedule=config.schedule,
             recompute=config.recompute,
             explicit=config.stage_ranges,
+            chunks=v,
         )
-        self.first_segment, self.last_segment = self.stage_ranges[self.stage]
+        self.chunk_ranges = [self.stage_ranges[c * P + self.stage] for c in range(v)]
+        self.first_segment, self.last_segment = self.chunk_ranges[0][0], self.chunk_ranges[-1][1]
+        self.segments = [s for a, b in self.chunk_ranges for s in range(a, b + 1)]
         for cp in model.modules():
             if isinstance(cp, CutPoint):
                 cp._varuna_state = self._split
@@ -163,6 +173,7 @@ class Engine:
             device=self.device,
             seed=config.seed,
             param_init=param_init,
+            segments=self.segments if v > 1 else None,
         )
         self._trainable = {n: p for n, p in self.stage_params.items() if p.requires_grad}
 
@@ -183,6 +194,7 @@ class Engine:
                     last_segment=self.last_segment,
                     layout=self.layout,
                     stage_ranges=self.stage_ranges,
+                    segments=self.segments,
                 )
         self.optimizer = optimizer(list(self._trainable.values()))
         self.scaler = DynamicLossScale(
@@ -192,7 +204,9 @@ class Engine:
 
     def _build_comm(self) -> None:
         """Process groups (a collective), network emulation, links, executor and gradient sync."""
-        self._groups = build_groups(self.layout, self.stage_ranges, self.profile.shared_params())
+        self._groups = build_groups(
+            self.layout, self.stage_ranges, self.profile.shared_params(), chunks=self.chunks
+        )
         if self._det is not None:
             self._det.groups = self._groups
         self._netem = None
@@ -205,7 +219,7 @@ class Engine:
                 self._netem.__enter__()
         inbox: queue.Queue = queue.Queue()
         self._links = StageLinks.start(
-            self.layout, self._groups, self.device, inbox, self.config.comm_timeout_s
+            self.layout, self._groups, self.device, inbox, self.config.comm_timeout_s, chunks=self.chunks
         )
         self.timeline = Timeline()
         stage = StageModel(
@@ -224,6 +238,12 @@ class Engine:
             carry_plan=CarryPlan.for_stage(self.profile.carried, self.first_segment, self.last_segment,
                                            self.is_last_stage),
         )
+        if self.chunks > 1:
+            stage.chunk_ranges = self.chunk_ranges
+            stage.chunk_carry = [
+                CarryPlan.for_stage(self.profile.carried, a, b, stage.is_sink(c))
+                for c, (a, b) in enumerate(self.chunk_ranges)
+            ]
         self._executor = ScheduleExecutor(
             stage=stage,
             config=self.config,

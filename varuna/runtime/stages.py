@@ -26,7 +26,24 @@ from varuna.cutting.split import ModelProfile, profile_model
 from varuna.runtime.config import VarunaConfig
 from varuna.runtime.layout import Layout
 
-__all__ = ["assign_stages", "check_pipeline_depth", "planning_profile"]
+__all__ = ["assign_stages", "check_chunks_fit", "check_pipeline_depth", "planning_profile"]
+
+
+def check_chunks_fit(P: int, chunks: int, num_cutpoints: int) -> None:
+    """Raise ``ValueError`` (one line) when P processes of ``chunks`` model chunks each (P·chunks
+    virtual stages) need more cut-points than the model has.
+
+    Example::
+
+        check_chunks_fit(4, 2, 5)   # ValueError: ... needs 8 virtual stages, i.e. >= 7 cut-points ...
+    """
+    V = P * chunks
+    if chunks > 1 and V > num_cutpoints + 1:
+        raise ValueError(
+            f"the interleaved schedule with P={P} and chunks={chunks} needs {V} virtual stages, i.e. >= "
+            f"{V - 1} cut-points, but the model has {num_cutpoints}; lower chunks or the pipeline depth, or "
+            f"place more cut-points (--auto-cutpoints {V - 1}, or --cut-after selecting >= {V - 1} modules)"
+        )
 
 
 def check_pipeline_depth(P: int, num_cutpoints: int) -> None:
@@ -92,9 +109,11 @@ def assign_stages(
     schedule: str,
     recompute: bool,
     explicit: Sequence[tuple[int, int]] | None,
+    chunks: int = 1,
 ) -> list[tuple[int, int]]:
-    """Inclusive segment range of every stage (a collective when it balances on several ranks)."""
-    P, nseg = layout.P, profile.num_segments
+    """Inclusive segment range of every stage (a collective when it balances on several ranks);
+    with ``chunks`` > 1, of every virtual stage (P·chunks of them, virtual stage j on process j % P)."""
+    P, nseg = layout.P * chunks, profile.num_segments
     if explicit is not None:
         ranges = [tuple(r) for r in explicit]
         # A plan made from another model's calibration: say so, not just "bad ranges".
@@ -103,8 +122,9 @@ def assign_stages(
             raise ValueError(mismatch)
         flat = [s for a, b in ranges for s in range(a, b + 1)]
         if len(ranges) != P or flat != list(range(nseg)):
+            what = f"{P} (P·chunks)" if chunks > 1 else f"{P}"
             raise ValueError(
-                f"stage_ranges {ranges} must be {P} contiguous ranges covering segments 0..{nseg - 1}"
+                f"stage_ranges {ranges} must be {what} contiguous ranges covering segments 0..{nseg - 1}"
             )
         return ranges
     fwd, bwd = profile.fwd_cost, profile.bwd_cost
