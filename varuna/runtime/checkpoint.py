@@ -259,6 +259,8 @@ class Checkpointer:
 
     def attach(self) -> None:
         """Register the save-on-stop callback and resume when asked (a collective then)."""
+        if self.directory is not None or self.resume_mode != "never":
+            self._refuse_interleaved()
         if self.directory is not None:
             self.state.add_stop_callback(lambda _state: self.save_on_stop())
         if self.resume_mode != "never":
@@ -276,6 +278,12 @@ class Checkpointer:
     @property
     def rank(self) -> int:
         return self.state.layout.rank
+
+    def _refuse_interleaved(self) -> None:
+        # The shard plan maps a stage index to a rank; P·v virtual stages would lose chunks >= 1.
+        if len(self.state.stage_ranges) > self.state.layout.P:
+            raise ValueError("checkpoints of an interleaved run (chunks > 1) are not supported yet; run "
+                             "without a checkpoint directory or resume, or use a schedule with one chunk")
 
     def _local(self) -> Path:
         if self._local_root is None:
@@ -296,6 +304,7 @@ class Checkpointer:
         the same mini-batch boundary). Returns the step directory, or None when skipped because
         the previous save is still being copied. ``wait``: block until this rank's files are in
         the global store (rank 0: until the manifest is written)."""
+        self._refuse_interleaved()
         root = Path(directory) if directory is not None else self.directory
         if root is None:
             raise ValueError(
@@ -483,6 +492,7 @@ class Checkpointer:
         Returns the step loaded (the next ``train_step`` is step + 1), or None when nothing was
         found and ``required`` is false.
         """
+        self._refuse_interleaved()
         root = Path(directory) if directory is not None else self.directory
         if root is None:
             raise ValueError(

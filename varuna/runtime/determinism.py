@@ -204,7 +204,6 @@ class DeterministicGrads:
         last_segment: int,
         layout,
         stage_ranges: list[tuple[int, int]],
-        segments: list[int] | None = None,
     ) -> None:
         from torch import nn
 
@@ -214,8 +213,9 @@ class DeterministicGrads:
         #: the engine's process groups (``varuna.runtime.groups.ProcessGroups``), set once built
         self.groups = None
         prof = profile
-        # ``segments``: this process's segments (an interleaved process's chunks: several ranges).
-        mine = set(segments) if segments is not None else set(range(first_segment, last_segment + 1))
+        # This process's segments: its stage's range, or (interleaved: P·v virtual stages, v chunks
+        # per process) the ranges of virtual stages stage, stage + P, ...
+        mine = {s for a, b in stage_ranges[layout.stage :: layout.P] for s in range(a, b + 1)}
         self._parts: dict[int, dict[int, torch.Tensor]] = {}
         self.aliases: dict[str, dict[int, nn.Parameter]] = {}
         for n, p in trainable.items():

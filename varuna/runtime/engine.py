@@ -41,7 +41,7 @@ from torch import nn
 
 from varuna.core.batching import plan_microbatches
 from varuna.core.env import RunPlan
-from varuna.core.schedule import Task, schedule_kind
+from varuna.core.schedule import Task
 from varuna.core.timeline import Timeline
 from varuna.cutting.batches import batch_size_of, slice_batch
 from varuna.cutting.cutpoint import CarryPlan, CutPoint, SplitState
@@ -56,7 +56,7 @@ from varuna.runtime.layout import Layout, init_distributed, pick_device
 from varuna.runtime.loss_scale import DynamicLossScale, NonFiniteLosses, NonFiniteLossStop
 from varuna.runtime.peer_watch import PeerWatch, watching
 from varuna.runtime.plugins import run_plugins
-from varuna.runtime.stages import assign_stages, check_chunks_fit, check_pipeline_depth, planning_profile
+from varuna.runtime.stages import assign_stages, chunks_per_process, planning_profile
 from varuna.runtime.tensorboard import TensorBoardLog, adopt_tensorboard_env, require_tensorboard
 from varuna.runtime.timeline_gather import gather_timeline
 
@@ -67,11 +67,11 @@ class Engine:
     """Pipeline- and data-parallel training of an unmodified model annotated with CutPoints.
 
     ``model``: the user's ``nn.Module`` (on CPU, or on ``meta`` for models too big for a host).
-    ``example_batch``: one batch in the format ``train_step`` takes (only the first micro-batch
-    is used, for the dry run). ``optimizer``: builds the stage's optimizer from its parameters.
-    ``loss_fn(output, microbatch)``: the scalar *mean* loss of a micro-batch; default: the model
-    returns it. ``param_init(module_name, module)``: how a ``meta`` model's modules are
-    initialised (default: ``reset_parameters``).
+    ``example_batch``: one batch in the format ``train_step`` takes (only the first micro-batch is
+    used, for the dry run). ``optimizer``: builds the stage's optimizer from its parameters.
+    ``loss_fn(output, microbatch)``: the scalar *mean* loss of a micro-batch; default: the model returns
+    it. ``param_init(module_name, module)``: how a ``meta`` model's modules are initialised (default:
+    ``reset_parameters``).
 
     Hooks: :meth:`add_step_callback` (after every step, with its :class:`StepResult`),
     :meth:`add_stop_callback` (before a graceful stop exits), and the plugins named in
@@ -133,14 +133,7 @@ class Engine:
         self._split = SplitState()
         first = slice_batch(example_batch, 0, min(config.micro_batch_size, batch_size_of(example_batch)))
         self.profile: ModelProfile = planning_profile(model, first, self.loss_fn, config, self.layout)
-        check_pipeline_depth(P, self.profile.num_cutpoints)
-        kind = schedule_kind(config.schedule)
-        #: model chunks this process holds (v > 1: interleaved; chunk c is virtual stage c·P + stage)
-        self.chunks = v = kind.chunks_per_device(config.chunks)
-        if v > 1:
-            check_chunks_fit(P, v, self.profile.num_cutpoints)
-            for plan in self.micro_plan:  # Nm must suit the kind (interleaved: a multiple of P)
-                kind.pipeline(P, len(plan), recompute=config.recompute, chunks=v)
+        self.chunks = v = chunks_per_process(config, P, self.profile.num_cutpoints, self.micro_plan)
         if P > 1:  # refuse hidden dependencies (values crossing a boundary outside a CutPoint)
             from varuna.cutting.tracer import carry_specs, check_splittable
 
@@ -156,9 +149,8 @@ class Engine:
             explicit=config.stage_ranges,
             chunks=v,
         )
-        self.chunk_ranges = [self.stage_ranges[c * P + self.stage] for c in range(v)]
-        self.first_segment, self.last_segment = self.chunk_ranges[0][0], self.chunk_ranges[-1][1]
-        self.segments = [s for a, b in self.chunk_ranges for s in range(a, b + 1)]
+        mine = self.stage_ranges[self.stage :: P]  # interleaved: virtual stages stage, stage + P, ...
+        self.first_segment, self.last_segment = mine[0][0], mine[-1][1]
         for cp in model.modules():
             if isinstance(cp, CutPoint):
                 cp._varuna_state = self._split
@@ -173,7 +165,7 @@ class Engine:
             device=self.device,
             seed=config.seed,
             param_init=param_init,
-            segments=self.segments if v > 1 else None,
+            segments=[s for a, b in mine for s in range(a, b + 1)],
         )
         self._trainable = {n: p for n, p in self.stage_params.items() if p.requires_grad}
 
@@ -194,7 +186,6 @@ class Engine:
                     last_segment=self.last_segment,
                     layout=self.layout,
                     stage_ranges=self.stage_ranges,
-                    segments=self.segments,
                 )
         self.optimizer = optimizer(list(self._trainable.values()))
         self.scaler = DynamicLossScale(
@@ -204,9 +195,7 @@ class Engine:
 
     def _build_comm(self) -> None:
         """Process groups (a collective), network emulation, links, executor and gradient sync."""
-        self._groups = build_groups(
-            self.layout, self.stage_ranges, self.profile.shared_params(), chunks=self.chunks
-        )
+        self._groups = build_groups(self.layout, self.stage_ranges, self.profile.shared_params())
         if self._det is not None:
             self._det.groups = self._groups
         self._netem = None
@@ -222,30 +211,8 @@ class Engine:
             self.layout, self._groups, self.device, inbox, self.config.comm_timeout_s, chunks=self.chunks
         )
         self.timeline = Timeline()
-        stage = StageModel(
-            model=self.model,
-            loss_fn=self.loss_fn,
-            split=self._split,
-            cutpoints=self._order,
-            cutpoint_names=self.profile.cutpoint_names,
-            first_segment=self.first_segment,
-            last_segment=self.last_segment,
-            num_segments=self.profile.num_segments,
-            stage=self.stage,
-            replica=self.replica,
-            num_stages=self.layout.P,
-            device=self.device,
-            carry_plan=CarryPlan.for_stage(self.profile.carried, self.first_segment, self.last_segment,
-                                           self.is_last_stage),
-        )
-        if self.chunks > 1:
-            stage.chunk_ranges = self.chunk_ranges
-            stage.chunk_carry = [
-                CarryPlan.for_stage(self.profile.carried, a, b, stage.is_sink(c))
-                for c, (a, b) in enumerate(self.chunk_ranges)
-            ]
         self._executor = ScheduleExecutor(
-            stage=stage,
+            stage=_stage_model(self),
             config=self.config,
             links=self._links,
             inbox=inbox,
@@ -481,6 +448,28 @@ class Engine:
     def load_state_dict(self, state: dict) -> None:
         """Inverse of :meth:`state_dict`; ``state["params"]`` may hold the whole model's names."""
         load_engine_state_dict(self, state)
+
+
+def _stage_model(engine: Engine) -> StageModel:
+    """What the executor runs: the engine's materialised stage (its model chunks, interleaved)."""
+    e = engine
+    stage = StageModel(
+        model=e.model,
+        loss_fn=e.loss_fn,
+        split=e._split,
+        cutpoints=e._order,
+        cutpoint_names=e.profile.cutpoint_names,
+        first_segment=e.first_segment,
+        last_segment=e.last_segment,
+        num_segments=e.profile.num_segments,
+        stage=e.stage,
+        replica=e.replica,
+        num_stages=e.layout.P,
+        device=e.device,
+        carry_plan=CarryPlan.for_stage(e.profile.carried, e.first_segment, e.last_segment, e.is_last_stage),
+    )
+    stage.set_chunks(e.stage_ranges[e.stage :: e.layout.P], e.profile.carried)
+    return stage
 
 
 def _on_stop_signals(names: tuple[str, ...], handler) -> None:

@@ -96,6 +96,16 @@ class StageModel:
         """Whether ``chunk`` is the pipeline's first virtual stage (it reads the data)."""
         return chunk == 0 and self.stage == 0
 
+    def set_chunks(self, ranges: list[tuple[int, int]], carried) -> None:
+        """Hold the model chunks of segment ``ranges`` (interleaved; one range: nothing to do),
+        with their carry plans."""
+        if len(ranges) < 2:
+            return
+        self.chunk_ranges = list(ranges)
+        self.chunk_carry = [
+            CarryPlan.for_stage(carried, a, b, self.is_sink(c)) for c, (a, b) in enumerate(ranges)
+        ]
+
     def segments_of(self, chunk: int) -> tuple[int, int, CarryPlan | None]:
         """(first segment, last segment, carry plan) of ``chunk``."""
         if not self.chunk_ranges:

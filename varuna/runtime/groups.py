@@ -70,18 +70,17 @@ def build_groups(
     layout: Layout,
     stage_ranges: Sequence[tuple[int, int]],
     shared_params: Mapping[str, Sequence[int]],
-    *,
-    chunks: int = 1,
 ) -> ProcessGroups:
     """Create every process group in the same order on every rank (a collective).
 
     ``shared_params``: parameter name -> segments reading it (those read by one segment only are
-    ignored). ``chunks`` > 1 (interleaved): ``stage_ranges`` are the P·chunks virtual stages,
-    virtual stage j runs on process j % P, and one more link per replica joins the last process
-    to the first (activations of chunk c go on to chunk c + 1)."""
+    ignored). More ranges than P (interleaved, v = len(stage_ranges) / P chunks per process): they
+    are the virtual stages, virtual stage j runs on process j % P, and one more link per replica
+    joins the last process to the first (activations of chunk c go on to chunk c + 1)."""
     L = layout
     P, D = L.P, L.D
     groups = ProcessGroups()
+    chunks = len(stage_ranges) // P
     if L.world == 1:
         return groups
     for k in range(P):

@@ -26,7 +26,33 @@ from varuna.cutting.split import ModelProfile, profile_model
 from varuna.runtime.config import VarunaConfig
 from varuna.runtime.layout import Layout
 
-__all__ = ["assign_stages", "check_chunks_fit", "check_pipeline_depth", "planning_profile"]
+__all__ = [
+    "assign_stages",
+    "check_chunks_fit",
+    "check_pipeline_depth",
+    "chunks_per_process",
+    "planning_profile",
+]
+
+
+def chunks_per_process(config: VarunaConfig, P: int, num_cutpoints: int, micro_plan: Sequence) -> int:
+    """Model chunks each process holds under ``config`` (1 unless the kind is interleaved; chunk
+    c is virtual stage c·P + stage), after checking (one line each) that the model's cut-points
+    make P stages (:func:`check_pipeline_depth`) and P·v virtual ones, and that every replica's
+    micro-batch count suits the kind.
+
+    Example::
+
+        chunks_per_process(VarunaConfig(8, 1, schedule="interleaved", chunks=2), 4, 7, plan)  # 2
+    """
+    check_pipeline_depth(P, num_cutpoints)
+    kind = schedule_kind(config.schedule)
+    v = kind.chunks_per_device(config.chunks)
+    if v > 1:
+        check_chunks_fit(P, v, num_cutpoints)
+        for plan in micro_plan:  # Nm must suit the kind (interleaved: a multiple of P)
+            kind.pipeline(P, len(plan), recompute=config.recompute, chunks=v)
+    return v
 
 
 def check_chunks_fit(P: int, chunks: int, num_cutpoints: int) -> None:
