@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     for P in a.stages:
         ideal = a.nm * 4 * f + (P - 1) * 3 * f
         print(f"\nP={P} Nm={a.nm} F={a.fwd_ms:g}ms, ideal with recompute {ideal * 1e3:.0f} ms\n")
-        print("| schedule | " + " | ".join(f"{lv} ms (of ideal)" for lv in LEVELS) + " | stashed/stage (heavy) |")
+        cols = " | ".join(f"{lv} ms (of ideal)" for lv in LEVELS)
+        print(f"| schedule | {cols} | stashed/stage (heavy) |")
         print("|---|" + "---:|" * len(LEVELS) + "---|")
         for kind in KINDS:
             for v in (a.chunks if schedule_kind(kind).chunked else [1]):

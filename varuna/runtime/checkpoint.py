@@ -176,6 +176,14 @@ class CheckpointState(Protocol):
     def add_stop_callback(self, fn: Callable[[Any], None]) -> None: ...
 
 
+def _refuse_interleaved(state, wanted: bool = True) -> None:
+    """Checkpoints of an interleaved run are refused (one line): the shard plan maps a stage index
+    to a rank, and P·v virtual stages would lose the shards of chunks >= 1."""
+    if wanted and len(state.stage_ranges) > state.layout.P:
+        raise ValueError("checkpoints of an interleaved run (chunks > 1) are not supported yet; run "
+                         "without a checkpoint directory or resume, or use a schedule with one chunk")
+
+
 class Checkpointer:
     """Saves and loads the checkpoints of one training state (an :class:`~varuna.runtime.engine.Engine`,
     or anything providing :class:`CheckpointState`).
@@ -259,8 +267,7 @@ class Checkpointer:
 
     def attach(self) -> None:
         """Register the save-on-stop callback and resume when asked (a collective then)."""
-        if self.directory is not None or self.resume_mode != "never":
-            self._refuse_interleaved()
+        _refuse_interleaved(self.state, self.directory is not None or self.resume_mode != "never")
         if self.directory is not None:
             self.state.add_stop_callback(lambda _state: self.save_on_stop())
         if self.resume_mode != "never":
@@ -278,12 +285,6 @@ class Checkpointer:
     @property
     def rank(self) -> int:
         return self.state.layout.rank
-
-    def _refuse_interleaved(self) -> None:
-        # The shard plan maps a stage index to a rank; P·v virtual stages would lose chunks >= 1.
-        if len(self.state.stage_ranges) > self.state.layout.P:
-            raise ValueError("checkpoints of an interleaved run (chunks > 1) are not supported yet; run "
-                             "without a checkpoint directory or resume, or use a schedule with one chunk")
 
     def _local(self) -> Path:
         if self._local_root is None:
@@ -304,7 +305,7 @@ class Checkpointer:
         the same mini-batch boundary). Returns the step directory, or None when skipped because
         the previous save is still being copied. ``wait``: block until this rank's files are in
         the global store (rank 0: until the manifest is written)."""
-        self._refuse_interleaved()
+        _refuse_interleaved(self.state)
         root = Path(directory) if directory is not None else self.directory
         if root is None:
             raise ValueError(
@@ -492,7 +493,7 @@ class Checkpointer:
         Returns the step loaded (the next ``train_step`` is step + 1), or None when nothing was
         found and ``required`` is false.
         """
-        self._refuse_interleaved()
+        _refuse_interleaved(self.state)
         root = Path(directory) if directory is not None else self.directory
         if root is None:
             raise ValueError(
