@@ -12,19 +12,27 @@ from simulator.autoconfig import _Planner
 from simulator.config import SimConfig, segment_costs
 from simulator.engine import simulate
 from varuna.core.calibration import Calibration
-from varuna.core.schedule import ALL_SCHEDULE_KINDS, SCHEDULE_KINDS, get_schedule, schedule_kind
+from varuna.core.schedule import (
+    ALL_SCHEDULE_KINDS,
+    LIST_SCHEDULE_KINDS,
+    SCHEDULE_KINDS,
+    get_schedule,
+    schedule_kind,
+)
 from varuna.core.tasks import peak_stashed
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_registry():
-    assert SCHEDULE_KINDS == ("varuna", "gpipe", "1f1b", "2bw")
-    assert ALL_SCHEDULE_KINDS == ("varuna", "gpipe", "1f1b", "2bw", "interleaved")
+    assert LIST_SCHEDULE_KINDS == ("varuna", "gpipe", "1f1b", "2bw")
+    everything = ("varuna", "gpipe", "1f1b", "2bw", "interleaved", "varuna-interleaved")
+    assert SCHEDULE_KINDS == ALL_SCHEDULE_KINDS == everything
     for name in ALL_SCHEDULE_KINDS:
         kind = schedule_kind(name)
         assert kind.name == name and kind.runtime == (name in SCHEDULE_KINDS)
-    assert [schedule_kind(n).opportunistic for n in ALL_SCHEDULE_KINDS] == [True, False, False, False, False]
+    opportunistic = [schedule_kind(n).opportunistic for n in ALL_SCHEDULE_KINDS]
+    assert opportunistic == [True, False, False, False, False, True]
     with pytest.raises(ValueError, match="kind 'x'; choose one of varuna, gpipe, 1f1b, 2bw, interleaved"):
         schedule_kind("x")
 
@@ -43,7 +51,7 @@ def test_last_1f1b_stage_is_not_charged_a_recompute():
     assert [planner.stage_recomputes(3, k) for k in range(3)] == [True, True, False]
 
 
-@pytest.mark.parametrize("name", SCHEDULE_KINDS)
+@pytest.mark.parametrize("name", LIST_SCHEDULE_KINDS)
 @pytest.mark.parametrize("recompute", [True, False])
 def test_facts_match_the_lists(name, recompute):
     kind = schedule_kind(name)

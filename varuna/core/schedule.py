@@ -36,8 +36,10 @@ here by name (like torch pipelining's ``get_schedule_class``). Callers ask it --
 the name -- so a fact such as "the last 1f1b stage never recomputes" is stated once: the
 partitioner's costs (:meth:`~varuna.core.schedule_kind.ScheduleKind.balancing_costs`), the
 simulator's memory estimates and the auto-configurator's bounds all follow from it, and the
-tests check it against the task lists. ``SCHEDULE_KINDS`` are the kinds the runtime executes;
-``ALL_SCHEDULE_KINDS`` adds the simulation-only ``interleaved`` (``varuna/core/interleaved.py``).
+tests check it against the task lists. ``SCHEDULE_KINDS`` are the kinds the runtime executes
+(every registered one today, the chunked ``interleaved`` kinds of ``varuna/core/interleaved.py``
+included); ``ALL_SCHEDULE_KINDS`` adds any simulation-only kind; ``LIST_SCHEDULE_KINDS`` are those
+with one flat list per stage (:func:`build_schedule`).
 
 Note [2BW]: ``2bw`` is PipeDream-2BW (Narayanan et al., ICML'21), the one asynchronous kind
 (``weight_versions == 2``): the gradient of step t is computed on the weights W(t-2) (after t-2
@@ -61,7 +63,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import ClassVar
 
-from varuna.core.interleaved import InterleavedKind
+from varuna.core.interleaved import InterleavedKind, VarunaInterleavedKind
 from varuna.core.policy import DEFAULT_STASH_HEADROOM, StagePolicy, _PolicyTemplate
 from varuna.core.schedule_kind import ScheduleKind
 from varuna.core.tasks import BACKWARD, FORWARD, RECOMPUTE, Task, recomputed
@@ -69,6 +71,7 @@ from varuna.core.tasks import BACKWARD, FORWARD, RECOMPUTE, Task, recomputed
 __all__ = [
     "SCHEDULE_KINDS",
     "ALL_SCHEDULE_KINDS",
+    "LIST_SCHEDULE_KINDS",
     "Schedule",
     "ListScheduleKind",
     "TwoBWKind",
@@ -248,13 +251,21 @@ class TwoBWKind(OneFOneBKind):
 
 
 _KINDS: Mapping[str, ScheduleKind] = MappingProxyType(
-    {k.name: k for k in (VarunaKind(), GPipeKind(), OneFOneBKind(), TwoBWKind(), InterleavedKind())}
+    {
+        k.name: k
+        for k in (
+            VarunaKind(), GPipeKind(), OneFOneBKind(), TwoBWKind(), InterleavedKind(), VarunaInterleavedKind()
+        )
+    }
 )
 
 #: Schedule kinds the runtime can execute. ``1f1b`` is PipeDream-Flush.
 SCHEDULE_KINDS: tuple[str, ...] = tuple(name for name, k in _KINDS.items() if k.runtime)
-#: Every registered kind: the runtime's plus the simulation-only ones (``interleaved``).
+#: Every registered kind: the runtime's plus any simulation-only one.
 ALL_SCHEDULE_KINDS: tuple[str, ...] = tuple(_KINDS)
+#: The kinds with one flat list per stage (:func:`build_schedule`); the chunked ones
+#: (``interleaved``, ``varuna-interleaved``) build per-device chunk lists instead.
+LIST_SCHEDULE_KINDS: tuple[str, ...] = tuple(n for n, k in _KINDS.items() if isinstance(k, ListScheduleKind))
 
 
 def schedule_kind(name: str) -> ScheduleKind:
@@ -262,9 +273,9 @@ def schedule_kind(name: str) -> ScheduleKind:
 
     >>> schedule_kind("varuna").opportunistic
     True
-    >>> schedule_kind("pipedream")
+    >>> schedule_kind("pipedream")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ValueError: unknown schedule kind 'pipedream'; choose one of varuna, gpipe, 1f1b, 2bw, interleaved
+    ValueError: unknown schedule kind 'pipedream'; choose one of varuna, gpipe, 1f1b, 2bw, ...
     """
     kind = _KINDS.get(name)
     if kind is None:
@@ -282,7 +293,10 @@ def _check_sizes(num_stages: int, num_microbatches: int) -> None:
 def _runtime_kind(name: str) -> ListScheduleKind:
     kind = _KINDS.get(name)
     if not isinstance(kind, ListScheduleKind):
-        raise ValueError(f"unknown schedule kind {name!r}; choose one of {', '.join(SCHEDULE_KINDS)}")
+        raise ValueError(
+            f"unknown schedule kind {name!r} for flat lists; choose one of {', '.join(LIST_SCHEDULE_KINDS)} "
+            "(a chunked kind builds its lists with schedule_kind(name).pipeline(P, Nm, chunks=v))"
+        )
     return kind
 
 

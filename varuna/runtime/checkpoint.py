@@ -177,6 +177,14 @@ class CheckpointState(Protocol):
     def add_stop_callback(self, fn: Callable[[Any], None]) -> None: ...
 
 
+def _refuse_interleaved(state, wanted: bool = True) -> None:
+    """Checkpoints of an interleaved run are refused (one line): the shard plan maps a stage index
+    to a rank, and P·v virtual stages would lose the shards of chunks >= 1."""
+    if wanted and len(state.stage_ranges) > state.layout.P:
+        raise ValueError("checkpoints of an interleaved run (chunks > 1) are not supported yet; run "
+                         "without a checkpoint directory or resume, or use a schedule with one chunk")
+
+
 class Checkpointer:
     """Saves and loads the checkpoints of one training state (an :class:`~varuna.runtime.engine.Engine`,
     or anything providing :class:`CheckpointState`).
@@ -191,10 +199,6 @@ class Checkpointer:
     state: for stages sized to their memory); ``"auto"`` (default) takes the copy only when it
     fits in half of :func:`~varuna.runtime.checkpoint_writer.memory_headroom`
     (:func:`~varuna.runtime.checkpoint_writer.takes_host_snapshot`).
-
-    Test hooks: ``progress_hook(event)`` is called, from the background thread, at named points
-    of a save (``local-write``, ``copy-chunk``, ``copied``, ``marker``, ``manifest-tmp``,
-    ``manifest``); ``copy_chunk_bytes`` sets the copy granularity.
 
     Example::
 
@@ -222,6 +226,7 @@ class Checkpointer:
                 "resume needs a checkpoint directory: set --checkpoint-dir, "
                 "VarunaConfig.checkpoint_dir or $VARUNA_CHECKPOINT_DIR"
             )
+        # Test hooks: called from the writer thread at each named point of a save; copy granularity.
         self.progress_hook: Callable[[str], None] | None = None
         self.copy_chunk_bytes = 8 << 20
         self.snapshot = cfg.checkpoint_snapshot
@@ -260,6 +265,7 @@ class Checkpointer:
 
     def attach(self) -> None:
         """Register the save-on-stop callback and resume when asked (a collective then)."""
+        _refuse_interleaved(self.state, self.directory is not None or self.resume_mode != "never")
         if self.directory is not None:
             self.state.add_stop_callback(lambda _state: self.save_on_stop())
         if self.resume_mode != "never":
@@ -297,6 +303,7 @@ class Checkpointer:
         the same mini-batch boundary). Returns the step directory, or None when skipped because
         the previous save is still being copied. ``wait``: block until this rank's files are in
         the global store (rank 0: until the manifest is written)."""
+        _refuse_interleaved(self.state)
         root = Path(directory) if directory is not None else self.directory
         if root is None:
             raise ValueError(
@@ -486,6 +493,7 @@ class Checkpointer:
         Returns the step loaded (the next ``train_step`` is step + 1), or None when nothing was
         found and ``required`` is false.
         """
+        _refuse_interleaved(self.state)
         root = Path(directory) if directory is not None else self.directory
         if root is None:
             raise ValueError(

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from varuna.core.env import RunPlan
-from varuna.core.schedule import DEFAULT_STASH_HEADROOM, SCHEDULE_KINDS
+from varuna.core.schedule import DEFAULT_STASH_HEADROOM, SCHEDULE_KINDS, schedule_kind
 
 __all__ = ["PLAN_COSTS", "PRECISIONS", "VarunaConfig", "StepResult", "StepTimings", "adopt_plan",
            "adopt_cut_env"]
@@ -44,9 +44,12 @@ class VarunaConfig:
     data_parallel: int | None = None
     """D; defaults to $VARUNA_DATA_PARALLEL or WORLD_SIZE // P."""
     schedule: str = "varuna"
-    """One of varuna, gpipe, 1f1b (synchronous), or 2bw: PipeDream-2BW, asynchronous -- gradients
-    one step stale, one more copy of the weights; not the same training as one device
-    (docs/schedules.md)."""
+    """One of varuna, gpipe, 1f1b, interleaved, varuna-interleaved (synchronous), or 2bw:
+    PipeDream-2BW, asynchronous -- gradients one step stale, one more copy of the weights; not the
+    same training as one device (docs/schedules.md)."""
+    chunks: int = 1
+    """v: model chunks per process for the interleaved kinds (>= 2; the model then needs P·v - 1
+    cut-points and ``stage_ranges``, if given, P·v ranges in virtual-stage order); 1 otherwise."""
     recompute: bool = True
     """Activation recompute for gpipe/1f1b (varuna always recomputes except on its last stage)."""
     stash_headroom: int = DEFAULT_STASH_HEADROOM
@@ -152,6 +155,13 @@ class VarunaConfig:
             raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULE_KINDS)}")
         if self.stash_headroom < 0:
             raise ValueError(f"stash_headroom must be >= 0 (got {self.stash_headroom})")
+        kind = schedule_kind(self.schedule)
+        kind.check_chunks(self.chunks)
+        if kind.chunked and self.chunks < 2:
+            raise ValueError(
+                f"schedule {self.schedule} needs chunks >= 2 (got {self.chunks}); "
+                "with one chunk use varuna or 1f1b"
+            )
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; choose fp32, bf16 or fp16")
         if self.micro_batch_size < 1 or self.global_batch_size < 1:

@@ -57,7 +57,7 @@ from varuna.runtime.layout import Layout, init_distributed, pick_device
 from varuna.runtime.loss_scale import DynamicLossScale, NonFiniteLosses, NonFiniteLossStop
 from varuna.runtime.peer_watch import PeerWatch, watching
 from varuna.runtime.plugins import run_plugins
-from varuna.runtime.stages import assign_stages, check_pipeline_depth, planning_profile
+from varuna.runtime.stages import assign_stages, chunks_per_process, planning_profile
 from varuna.runtime.tensorboard import TensorBoardLog, adopt_tensorboard_env, require_tensorboard
 from varuna.runtime.timeline_gather import gather_timeline
 from varuna.runtime.weight_versions import stale_weights, weight_versions_for
@@ -69,11 +69,11 @@ class Engine:
     """Pipeline- and data-parallel training of an unmodified model annotated with CutPoints.
 
     ``model``: the user's ``nn.Module`` (on CPU, or on ``meta`` for models too big for a host).
-    ``example_batch``: one batch in the format ``train_step`` takes (only the first micro-batch
-    is used, for the dry run). ``optimizer``: builds the stage's optimizer from its parameters.
-    ``loss_fn(output, microbatch)``: the scalar *mean* loss of a micro-batch; default: the model
-    returns it. ``param_init(module_name, module)``: how a ``meta`` model's modules are
-    initialised (default: ``reset_parameters``).
+    ``example_batch``: one batch in the format ``train_step`` takes (only the first micro-batch is
+    used, for the dry run). ``optimizer``: builds the stage's optimizer from its parameters.
+    ``loss_fn(output, microbatch)``: the scalar *mean* loss of a micro-batch; default: the model returns
+    it. ``param_init(module_name, module)``: how a ``meta`` model's modules are initialised (default:
+    ``reset_parameters``).
 
     Hooks: :meth:`add_step_callback` (after every step, with its :class:`StepResult`),
     :meth:`add_stop_callback` (before a graceful stop exits), and the plugins named in
@@ -135,7 +135,7 @@ class Engine:
         self._split = SplitState()
         first = slice_batch(example_batch, 0, min(config.micro_batch_size, batch_size_of(example_batch)))
         self.profile: ModelProfile = planning_profile(model, first, self.loss_fn, config, self.layout)
-        check_pipeline_depth(P, self.profile.num_cutpoints)
+        self.chunks = v = chunks_per_process(config, P, self.profile.num_cutpoints, self.micro_plan)
         if P > 1:  # refuse hidden dependencies (values crossing a boundary outside a CutPoint)
             from varuna.cutting.tracer import carry_specs, check_splittable
 
@@ -150,8 +150,10 @@ class Engine:
             recompute=config.recompute,
             explicit=config.stage_ranges,
             speeds=config.stage_speeds,
+            chunks=v,
         )
-        self.first_segment, self.last_segment = self.stage_ranges[self.stage]
+        mine = self.stage_ranges[self.stage :: P]  # interleaved: virtual stages stage, stage + P, ...
+        self.first_segment, self.last_segment = mine[0][0], mine[-1][1]
         for cp in model.modules():
             if isinstance(cp, CutPoint):
                 cp._varuna_state = self._split
@@ -166,6 +168,7 @@ class Engine:
             device=self.device,
             seed=config.seed,
             param_init=param_init,
+            segments=[s for a, b in mine for s in range(a, b + 1)],
         )
         self._trainable = {n: p for n, p in self.stage_params.items() if p.requires_grad}
 
@@ -209,27 +212,11 @@ class Engine:
                 self._netem.__enter__()
         inbox: queue.Queue = queue.Queue()
         self._links = StageLinks.start(
-            self.layout, self._groups, self.device, inbox, self.config.comm_timeout_s
+            self.layout, self._groups, self.device, inbox, self.config.comm_timeout_s, chunks=self.chunks
         )
         self.timeline = Timeline()
-        stage = StageModel(
-            model=self.model,
-            loss_fn=self.loss_fn,
-            split=self._split,
-            cutpoints=self._order,
-            cutpoint_names=self.profile.cutpoint_names,
-            first_segment=self.first_segment,
-            last_segment=self.last_segment,
-            num_segments=self.profile.num_segments,
-            stage=self.stage,
-            replica=self.replica,
-            num_stages=self.layout.P,
-            device=self.device,
-            carry_plan=CarryPlan.for_stage(self.profile.carried, self.first_segment, self.last_segment,
-                                           self.is_last_stage),
-        )
         self._executor = ScheduleExecutor(
-            stage=stage,
+            stage=_stage_model(self),
             config=self.config,
             links=self._links,
             inbox=inbox,
@@ -466,6 +453,28 @@ class Engine:
     def load_state_dict(self, state: dict) -> None:
         """Inverse of :meth:`state_dict`; ``state["params"]`` may hold the whole model's names."""
         load_engine_state_dict(self, state)
+
+
+def _stage_model(engine: Engine) -> StageModel:
+    """What the executor runs: the engine's materialised stage (its model chunks, interleaved)."""
+    e = engine
+    stage = StageModel(
+        model=e.model,
+        loss_fn=e.loss_fn,
+        split=e._split,
+        cutpoints=e._order,
+        cutpoint_names=e.profile.cutpoint_names,
+        first_segment=e.first_segment,
+        last_segment=e.last_segment,
+        num_segments=e.profile.num_segments,
+        stage=e.stage,
+        replica=e.replica,
+        num_stages=e.layout.P,
+        device=e.device,
+        carry_plan=CarryPlan.for_stage(e.profile.carried, e.first_segment, e.last_segment, e.is_last_stage),
+    )
+    stage.set_chunks(e.stage_ranges[e.stage :: e.layout.P], e.profile.carried)
+    return stage
 
 
 def _on_stop_signals(names: tuple[str, ...], handler) -> None:
