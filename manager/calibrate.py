@@ -25,7 +25,14 @@ from pathlib import Path
 
 from manager.procs import die_with_parent, kill_group, reap
 
-__all__ = ["MAX_CALIBRATION_BYTES", "ProfileResult", "ProfileRun", "failure_reason", "main"]
+__all__ = [
+    "MAX_CALIBRATION_BYTES",
+    "ProfileResult",
+    "ProfileRun",
+    "emulate_slowdown",
+    "failure_reason",
+    "main",
+]
 
 #: Largest calibration file an agent sends back (the manager's gRPC server takes 16 MiB requests).
 MAX_CALIBRATION_BYTES = 15 << 20
@@ -176,7 +183,27 @@ def main(argv: list[str] | None = None) -> int:
         die_with_parent(int(parent))
     from profiler.cli import main as profile
 
-    return profile([*args[1:], "--out", args[0]])
+    code = profile([*args[1:], "--out", args[0]])
+    if code == 0:
+        emulate_slowdown(args[0])
+    return code
+
+
+def emulate_slowdown(path: str) -> None:
+    """On a pretend VM of a slower type (``$VARUNA_VM_SLOWDOWN`` > 1, set by the local provider:
+    its workers' steps are stretched by that factor) stretch the calibration's compute times
+    alike, so that calibrating once per VM type measures each type's emulated speed."""
+    slowdown = float(os.environ.get("VARUNA_VM_SLOWDOWN", "1") or 1)
+    if slowdown <= 1.0:
+        return
+    import dataclasses
+
+    from varuna.core.calibration import Calibration, VmType
+
+    cal = Calibration.load(path)
+    as_type = dataclasses.replace(cal, types={"vm": VmType(name="vm", speed=1.0 / slowdown)})
+    slow = dataclasses.replace(as_type.for_type("vm"), host=cal.host, source=cal.source)
+    slow.save(path)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,17 @@
 start] in manager/controller.py).
 
 A job whose spec has ``[profile]`` and no calibration file is calibrated once, on its first
-usable VM: the VM's agent runs ``varuna-profile`` and sends the file back with
+usable VM (Note [Calibration per VM type]: once per type, on the first VM of each, when the job
+has ``[[vm_types]]``): the VM's agent runs ``varuna-profile`` and sends the file back with
 ``ReportCalibration``. Everything is kept in the job's row, so a restarted manager re-sends the
 same attempt and reuses a stored result.
+
+Note [Calibration per VM type]: a job with several VM types is profiled once per type, on the
+first usable VM of that type, one type at a time (the same attempt/VM/deadline state machine in
+the job row, with ``calibration_type`` naming the type; between types the state is ``pending``
+again). Each result is kept in ``type_calibrations_json``; the first also becomes the job's
+calibration. The job is planned once every type among its usable VMs is calibrated; a type that
+first appears later is calibrated before the next launch (its VMs join at that morph).
 
     >>> CALIBRATION_SETTLED
     ('given', 'none', 'done', 'failed')
@@ -19,9 +27,16 @@ from manager import varuna_manager_pb2 as pb
 from manager.context import ManagerContext
 from manager.jobspec import ProfileSpec
 from manager.store import JobRecord, VMRecord
+from manager.vm_types import vm_type_of
 from varuna.core.calibration import Calibration
 
-__all__ = ["CALIBRATION_MAX_ATTEMPTS", "CALIBRATION_SETTLED", "CalibrationOrders", "calibration_state"]
+__all__ = [
+    "CALIBRATION_MAX_ATTEMPTS",
+    "CALIBRATION_SETTLED",
+    "CalibrationOrders",
+    "calibration_state",
+    "type_calibrations",
+]
 
 #: Profiling attempts per job: a VM lost during the run re-issues it on another one, this often.
 CALIBRATION_MAX_ATTEMPTS = 3
@@ -36,6 +51,12 @@ def calibration_state(job: JobRecord) -> str:
     Example: ``calibration_state(job)`` → ``"profiling"`` while a VM runs ``varuna-profile``.
     """
     return job.calibration_state or ("given" if job.calibration_json else "none")
+
+
+def type_calibrations(job: JobRecord) -> dict[str, dict]:
+    """Mixed VM types: each calibrated type's calibration document (insertion order: the order
+    they were profiled in)."""
+    return dict(json.loads(job.type_calibrations_json)) if job.type_calibrations_json else {}
 
 
 class CalibrationOrders:
@@ -95,22 +116,33 @@ class CalibrationOrders:
     ) -> None:
         ctx = self.ctx
         source = f"profiled on {vm.vm_id} in {req.wall_s:.1f} s"
-        ctx.store.update_job(
-            job.job_id,
-            calibration_json=req.calibration_json,
-            calibration_state="done",
-            calibration_source=source,
-        )
         cache = ctx.cache(job)
-        cache.calibration = cal
+        values: dict[str, object] = {"calibration_state": "done", "calibration_source": source}
+        vm_type = job.calibration_type if cache.spec.vm_type_specs else ""
+        if vm_type:
+            # Every type's own file; the first one also stands for the job (what the P×D choice
+            # reads until the planner takes costs per type), and the next type may follow.
+            by_type = {**type_calibrations(job), vm_type: json.loads(req.calibration_json)}
+            values["type_calibrations_json"] = json.dumps(by_type)
+            values["calibration_state"] = "pending"
+            values["calibration_source"] = "profiled per VM type: " + ", ".join(by_type)
+            if not job.calibration_json:
+                values["calibration_json"] = req.calibration_json
+                cache.calibration = cal
+        else:
+            values["calibration_json"] = req.calibration_json
+            cache.calibration = cal
+        ctx.store.update_job(job.job_id, **values)
         cache.plans.clear()
+        of_type = f" for VM type {vm_type}" if vm_type else ""
         ctx.event(
             job.job_id,
             "calibration-finished",
-            f"calibration {source} (attempt {req.attempt}): {cal.num_segments} segments, "
+            f"calibration{of_type} {source} (attempt {req.attempt}): {cal.num_segments} segments, "
             f"m = {', '.join(str(m) for m in cal.micro_batch_sizes)}; stored with the job",
             vm_id=vm.vm_id,
             data={
+                "vm_type": vm_type,
                 "attempt": req.attempt,
                 "wall_s": round(req.wall_s, 3),
                 "num_segments": cal.num_segments,
@@ -167,6 +199,8 @@ class CalibrationOrders:
                 f"{job.calibration_source}",
             )
             return False
+        if profile is not None and state in ("pending", "done") and ctx.cache(job).spec.vm_type_specs:
+            return self._ready_by_type(job, vms, profile, now)
         if state in CALIBRATION_SETTLED or profile is None:
             return True
         if state == "pending":
@@ -177,6 +211,23 @@ class CalibrationOrders:
             self._start(job, usable[0], profile, now)
             return False
         self._watch(job, vms, profile, now)
+        return False
+
+    def _ready_by_type(self, job: JobRecord, vms: list[VMRecord], profile: ProfileSpec, now: float) -> bool:
+        """Mixed VM types (Note [Calibration per VM type]): profile on the first usable VM of
+        every type not calibrated yet, one at a time; True once none is left."""
+        ctx = self.ctx
+        done = type_calibrations(job)
+        usable = [vm for vm in vms if ctx.usable(vm, now, since=0.0)]
+        todo = next((vm for vm in usable if vm_type_of(vm.ref) and vm_type_of(vm.ref) not in done), None)
+        if todo is not None:
+            self._start(job, todo, profile, now)
+            return False
+        if done:
+            if job.calibration_state != "done":
+                ctx.store.update_job(job.job_id, calibration_state="done")
+            return True
+        ctx.set_message(job, "waiting for a usable VM to calibrate on (varuna-profile)")
         return False
 
     def _watch(self, job: JobRecord, vms: list[VMRecord], profile: ProfileSpec, now: float) -> None:
@@ -204,30 +255,35 @@ class CalibrationOrders:
     def _start(self, job: JobRecord, vm: VMRecord, profile: ProfileSpec, now: float) -> None:
         ctx = self.ctx
         attempt = job.calibration_attempt + 1
+        vm_type = vm_type_of(vm.ref)
         ctx.store.update_job(
             job.job_id,
             calibration_state="profiling",
             calibration_attempt=attempt,
             calibration_vm=vm.vm_id,
             calibration_started=now,
+            calibration_type=vm_type,
         )
         argv = profile.profiler_args(job_micro_batch_size=ctx.cache(job).spec.micro_batch_size)
+        of_type = f" (VM type {vm_type})" if vm_type else ""
         ctx.event(
             job.job_id,
             "calibration-started",
-            f"calibrating on {vm.vm_id} (attempt {attempt}, timeout {profile.timeout_s:g} s): "
+            f"calibrating on {vm.vm_id}{of_type} (attempt {attempt}, timeout {profile.timeout_s:g} s): "
             f"varuna-profile {shlex.join(argv)}",
             vm_id=vm.vm_id,
-            data={"attempt": attempt, "argv": argv, "timeout_s": profile.timeout_s},
+            data={"attempt": attempt, "argv": argv, "timeout_s": profile.timeout_s, "vm_type": vm_type},
         )
         ctx.set_message(job, f"calibrating on {vm.vm_id}")
 
     def lost(self, job: JobRecord, reason: str) -> None:
         """The VM running the profile went away: re-issue on another VM, or give up."""
-        if job.calibration_attempt >= CALIBRATION_MAX_ATTEMPTS:
+        # Attempts are numbered per job: with several VM types each type gets the same budget.
+        budget = CALIBRATION_MAX_ATTEMPTS * max(1, len(self.ctx.cache(job).spec.vm_type_specs))
+        if job.calibration_attempt >= budget:
             self.failed(
                 job,
-                f"{reason} during attempt {job.calibration_attempt} of {CALIBRATION_MAX_ATTEMPTS}",
+                f"{reason} during attempt {job.calibration_attempt} of {budget}",
                 vm_id=job.calibration_vm,
             )
             return

@@ -24,7 +24,7 @@ import grpc
 
 from manager import varuna_manager_pb2 as pb
 from manager.jobspec import JobSpec, ProfileSpec
-from manager.policy import LayoutPlan, StutterConfig, StutterDetector
+from manager.policy import StutterConfig, StutterDetector
 from manager.providers import Provider, ProviderContext
 from manager.store import GenerationRecord, JobRecord, Store, VMRecord
 from varuna.core.calibration import Calibration
@@ -88,7 +88,9 @@ class JobCache:
     calibration: Calibration | None
     profile: ProfileSpec | None = None
     provider: Provider | None = None
-    plans: dict[tuple[int, ...], LayoutPlan | str] = field(default_factory=dict)
+    plans: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    """Layouts per slot tuple (LayoutPlan or why nothing fits); with mixed VM types also the mixed
+    placement per (slots, types) (``manager.morph_planner.MorphPlanner.place``)."""
     launches: dict[int, dict[str, list[pb.WorkerLaunch]]] = field(
         default_factory=dict
     )  # gen -> vm -> workers
@@ -96,6 +98,8 @@ class JobCache:
         default_factory=dict
     )  # gen -> stage -> rank -> latest compute s
     marked: dict[int, set[int]] = field(default_factory=dict)  # gen -> ranks marked slow
+    type_calibrations: dict[str, tuple[str, Calibration]] = field(default_factory=dict)
+    """VM type -> (its stored calibration JSON, parsed): the fail-stutter reference per type."""
     create_after: float = 0.0
     provider_error_logged: float = 0.0
 

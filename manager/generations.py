@@ -17,8 +17,7 @@ from typing import Any
 
 from manager.calibration_orders import CalibrationOrders
 from manager.context import ManagerContext
-from manager.morph_planner import MorphPlanner
-from manager.policy import LayoutPlan
+from manager.morph_planner import MorphPlanner, Placement
 from manager.store import GenerationRecord, JobRecord, VMRecord
 
 __all__ = ["JobController", "vm_progress"]
@@ -248,16 +247,11 @@ class JobController:
         if usable is None:
             return
         try:
-            plan = self.planner.plan(job, [vm.slots for vm in usable])
+            placement = self.planner.place(job, usable)
         except ValueError as exc:
             ctx.set_message(job, f"no configuration fits {len(usable)} VM(s): {exc}")
             return
-        chosen: list[VMRecord] = []
-        for vm in usable:
-            if sum(v.slots for v in chosen) >= plan.world_size:
-                break
-            chosen.append(vm)
-        self._launch(job, plan, chosen, last, len(usable), now)
+        self._launch(job, placement, last, len(usable), now)
 
     def _usable_vms(
         self, job: JobRecord, vms: list[VMRecord], last: GenerationRecord | None, now: float
@@ -307,14 +301,14 @@ class JobController:
     def _launch(
         self,
         job: JobRecord,
-        plan: LayoutPlan,
-        chosen: list[VMRecord],
+        placement: Placement,
         last: GenerationRecord | None,
         usable: int,
         now: float,
     ) -> None:
         """Store the next generation (agents start its workers from their next orders)."""
         ctx, spec = self.ctx, self.ctx.cache(job).spec
+        plan, chosen = placement.plan, placement.vms
         master = chosen[0]
         generation = job.generation + 1
         gen = GenerationRecord(
@@ -329,6 +323,7 @@ class JobController:
             master_port=master.free_port,
             launched=now,
             predicted_samples_per_s=plan.predicted_samples_per_s,
+            mixed_json=json.dumps(placement.mixed) if placement.mixed else "",
         )
         ctx.store.add_generation(gen)
         ctx.store.update_job(job.job_id, message="")
@@ -344,6 +339,8 @@ class JobController:
             "calibration": self.calibration.text(job, now),
             "reason": why,
         }
+        if placement.mixed:
+            data["mixed"] = placement.mixed
         change = ""
         if last is not None:
             data["previous"] = {

@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from manager.vm_types import VMTypeSpec, check_type_options, parse_vm_types
 from varuna.core.schedule import SCHEDULE_KINDS
 from varuna.launch.spec import default_max_procs_per_host
 
@@ -244,6 +245,9 @@ class JobSpec:
     the VM type and count (at most ``max_vms``), not the job itself."""
     weight: float = 1.0
     """Priority in the pool: a job of weight 2 gets twice the normalised throughput (``las``)."""
+    vm_types: list[dict[str, Any]] = field(default_factory=list)
+    """``[[vm_types]]``: a pool of several VM types for this job (:mod:`manager.vm_types`); empty:
+    one type. ``max_vms`` is then the sum of the types' ``max_vms``."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -282,6 +286,23 @@ class JobSpec:
             raise ValueError(f"jobspec: 'pool' must be true or false, got {self.pool!r}")
         if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or not self.weight > 0:
             raise ValueError(f"jobspec: 'weight' must be a number > 0, got {self.weight!r}")
+        self._check_vm_types()
+
+    def _check_vm_types(self) -> None:
+        if not self.vm_types and isinstance(self.vm_types, list):
+            return
+        types = parse_vm_types(self.vm_types)
+        if self.pool:
+            raise ValueError(
+                "jobspec: a pool job (pool = true) gets its VM types from the pool; drop vm_types"
+            )
+        check_type_options(types, self.provider)
+        total = sum(t.max_vms for t in types)
+        if self.max_vms != total:
+            raise ValueError(
+                f"jobspec: max_vms {self.max_vms} differs from the sum of the vm_types' max_vms ({total});"
+                f" set max_vms = {total}"
+            )
 
     def _check_counts(self) -> None:
         for name in ("global_batch_size", "max_vms", "target_steps"):
@@ -411,6 +432,11 @@ class JobSpec:
         return self.name or Path(self.script).name
 
     @property
+    def vm_type_specs(self) -> tuple[VMTypeSpec, ...]:
+        """The validated ``[[vm_types]]`` (empty: VMs of one type)."""
+        return parse_vm_types(self.vm_types) if self.vm_types else ()
+
+    @property
     def profile_spec(self) -> ProfileSpec | None:
         """The validated ``[profile]`` table, or None when the spec has none."""
         return ProfileSpec.from_dict(self.profile) if self.profile else None
@@ -499,6 +525,7 @@ def spec_to_pb(spec: JobSpec, calibration_json: str = "") -> Any:
         schedule=spec.schedule,
         pool=spec.pool,
         weight=spec.weight,
+        vm_types_json=json.dumps(spec.vm_types, sort_keys=True) if spec.vm_types else "",
     )
 
 
@@ -512,6 +539,10 @@ def spec_from_pb(msg: Any) -> JobSpec:
         profile = json.loads(msg.profile_json) if msg.profile_json else {}
     except json.JSONDecodeError as exc:
         raise ValueError(f"jobspec: profile is not valid JSON: {exc.msg}") from None
+    try:
+        vm_types = json.loads(msg.vm_types_json) if msg.vm_types_json else []
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"jobspec: vm_types is not valid JSON: {exc.msg}") from None
     return JobSpec(
         name=msg.name,
         script=msg.script,
@@ -536,4 +567,5 @@ def spec_from_pb(msg: Any) -> JobSpec:
         schedule=msg.schedule,
         pool=msg.pool,
         weight=msg.weight or 1.0,
+        vm_types=vm_types,
     )

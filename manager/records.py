@@ -62,6 +62,10 @@ class JobRecord:
     """The VM running (or that ran) the profiling attempt."""
     calibration_started: float | None = None
     """When the current attempt was ordered."""
+    type_calibrations_json: str = ""
+    """Mixed VM types: ``{type: calibration}`` (JSON) of every type calibrated so far."""
+    calibration_type: str = ""
+    """Mixed VM types: the type the current (or last) profiling attempt calibrates."""
 
     @property
     def spec(self) -> dict[str, Any]:
@@ -97,6 +101,9 @@ class GenerationRecord:
     graceful: int = 0
     """1 when every worker exited 0 (a clean stop or completion)."""
     predicted_samples_per_s: float = 0.0
+    mixed_json: str = ""
+    """Mixed VM types: the generation's plan (``rank_hosts``, ``replica_shares``,
+    ``stage_speeds``, ``rank_types``) as JSON; '' for VMs of one type."""
 
     @cached_property
     def _vm_tuple(self) -> tuple[str, ...]:

@@ -64,7 +64,7 @@ __all__ = [
     "WorkerStatRecord",
 ]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # Columns added after version 1 (a version-1 file gets them with ALTER TABLE on open).
 _ADDED_COLUMNS = {
@@ -76,6 +76,11 @@ _ADDED_COLUMNS = {
         ("jobs", "calibration_started", "REAL"),
     ],
     # 3: the shared pool's tables (manager/pool_store.py), created by _SCHEMA on open.
+    4: [  # mixed VM types (issue #19): calibration per type, each generation's mixed plan
+        ("jobs", "type_calibrations_json", "TEXT NOT NULL DEFAULT ''"),
+        ("jobs", "calibration_type", "TEXT NOT NULL DEFAULT ''"),
+        ("generations", "mixed_json", "TEXT NOT NULL DEFAULT ''"),
+    ],
 }
 
 _SCHEMA = """
@@ -99,7 +104,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     calibration_source TEXT NOT NULL DEFAULT '',
     calibration_attempt INTEGER NOT NULL DEFAULT 0,
     calibration_vm TEXT NOT NULL DEFAULT '',
-    calibration_started REAL
+    calibration_started REAL,
+    type_calibrations_json TEXT NOT NULL DEFAULT '',
+    calibration_type TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS generations (
     job_id TEXT NOT NULL,
@@ -120,6 +127,7 @@ CREATE TABLE IF NOT EXISTS generations (
     last_step INTEGER NOT NULL DEFAULT 0,
     graceful INTEGER NOT NULL DEFAULT 0,
     predicted_samples_per_s REAL NOT NULL DEFAULT 0,
+    mixed_json TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (job_id, generation)
 );
 CREATE TABLE IF NOT EXISTS vms (

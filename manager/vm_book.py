@@ -22,6 +22,8 @@ from manager.context import ManagerContext, ManagerError
 from manager.generations import JobController
 from manager.morph_planner import MorphPlanner
 from manager.store import JobRecord, VMRecord
+from manager.vm_types import type_options as options_of_type
+from manager.vm_types import vm_type_of
 
 __all__ = ["VMBook"]
 
@@ -94,10 +96,16 @@ class VMBook:
             raise ManagerError(
                 grpc.StatusCode.NOT_FOUND, f"unknown VM {req.vm_id!r} and no active job {req.job_id!r}"
             )
-        for ph in ctx.store.vms(job.job_id, states=["requested"]):
-            if ph.ref.get("placeholder"):
-                ctx.store.update_vm(ph.vm_id, state="deleted", gone_reason=f"became {req.vm_id}")
-                break
+        # A scale set names its instances <scale set>_<n>: the placeholder of that scale set (of
+        # the VM's type, with several types) gives the VM its type.
+        scale_set = req.vm_id.rsplit("_", 1)[0]
+        holders = [ph for ph in ctx.store.vms(job.job_id, states=["requested"]) if ph.ref.get("placeholder")]
+        holders.sort(key=lambda ph: ph.ref.get("scale_set") != scale_set)
+        adopted_ref: dict[str, Any] = {}
+        if holders:
+            ctx.store.update_vm(holders[0].vm_id, state="deleted", gone_reason=f"became {req.vm_id}")
+            if holders[0].ref.get("vm_type"):
+                adopted_ref = {"scale_set": scale_set, "vm_type": holders[0].ref["vm_type"]}
         ctx.store.add_vm(
             VMRecord(
                 vm_id=req.vm_id,
@@ -107,6 +115,7 @@ class VMBook:
                 state="requested",
                 slots=req.slots,
                 created=now,
+                **({"provider_ref": json.dumps(adopted_ref)} if adopted_ref else {}),
             )
         )
         vm = ctx.store.vm(req.vm_id)
@@ -288,17 +297,31 @@ class VMBook:
         cache = ctx.cache(job)
         spec = cache.spec
         live = [vm for vm in vms if vm.state in ("requested", "up") and not vm.slow and not vm.notice]
-        want, slots, type_options = spec.max_vms - len(live), spec.procs_per_vm, None
+        if now < cache.create_after or job.cancel_requested:
+            return
+        # (VMs wanted, slots per VM, type options, VMs created so far) per request.
+        requests: list[tuple[int, int, dict[str, Any] | None, int]] = []
         if ctx.pool_job(job):  # the pool's placement decides (Note [Pool VMs] in pool_rounds.py)
             want, slots, type_options = ctx.pool.maintain(job, vms, now)
-        if want <= 0 or now < cache.create_after or job.cancel_requested:
-            return
-        seqs = {
-            f"{job.job_id}-vm{seq}": seq for seq in (ctx.store.next_vm_seq(job.job_id) for _ in range(want))
-        }
-        created_so_far = len(vms)
-        cache.create_after = now + ctx.config.create_retry_s  # until the result says otherwise
-        ctx.actions.append(lambda: self._create_vms(job, seqs, created_so_far, slots, type_options))
+            requests.append((want, slots, type_options, len(vms)))
+        elif spec.vm_type_specs:  # a pool of several types of its own: each up to its max_vms
+            types = spec.vm_type_specs
+            for t in types:
+                of_type = [vm for vm in vms if vm_type_of(vm.ref) == t.name]
+                live_t = [vm for vm in live if vm_type_of(vm.ref) == t.name]
+                options = options_of_type(t, types)
+                requests.append((t.max_vms - len(live_t), spec.procs_per_vm, options, len(of_type)))
+        else:
+            requests.append((spec.max_vms - len(live), spec.procs_per_vm, None, len(vms)))
+        for want, slots, options, created_so_far in requests:
+            if want <= 0:
+                continue
+            numbers = [ctx.store.next_vm_seq(job.job_id) for _ in range(want)]
+            seqs = {f"{job.job_id}-vm{seq}": seq for seq in numbers}
+            cache.create_after = now + ctx.config.create_retry_s  # until the result says otherwise
+            ctx.actions.append(
+                lambda q=seqs, n=created_so_far, k=slots, o=options: self._create_vms(job, q, n, k, o)
+            )
 
     def _create_vms(
         self,
@@ -345,7 +368,8 @@ class VMBook:
                 else:  # its agent registered first
                     ctx.store.update_vm(nv.vm_id, provider_ref=json.dumps(ref))
             if new:
-                kind = f" of pool type {type_options['vm_type']}" if type_options else ""
+                pool = "pool " if ctx.pool_job(job) else ""
+                kind = f" of {pool}type {type_options['vm_type']}" if type_options else ""
                 ctx.event(
                     job.job_id,
                     "vm-requested",

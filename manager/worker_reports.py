@@ -10,14 +10,18 @@ fail-stutter rule (paper §4.6; :class:`manager.policy.StutterDetector`).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import grpc
 
 from manager import varuna_manager_pb2 as pb
+from manager.calibration_orders import type_calibrations
 from manager.context import ManagerContext, ManagerError
 from manager.policy import predicted_compute_s
 from manager.store import GenerationRecord, JobRecord, ProgressRecord, WorkerStatRecord
+from manager.vm_types import vm_type_of
+from varuna.core.calibration import Calibration
 
 __all__ = ["WorkerReports"]
 
@@ -154,13 +158,14 @@ class WorkerReports:
         )
         ctx.store.update_job(job.job_id, detection_time=None, detection_reason="")
 
-    def _predicted_s(self, job: JobRecord, req: pb.WorkerHeartbeatRequest) -> float | None:
-        """The calibration's compute time for this worker's segments, when it can say.
+    def _predicted_s(
+        self, job: JobRecord, req: pb.WorkerHeartbeatRequest, calibration: Calibration | None
+    ) -> float | None:
+        """``calibration``'s compute time for this worker's segments, when it can say.
 
         ``end_segment`` is the stage's last segment, included (Note [Stage ranges on the wire]
         in manager/varuna_manager.proto): summing up to it excluded left one segment out, so a
         healthy stage looked slower than predicted and its VM was evicted."""
-        calibration = self.ctx.cache(job).calibration
         if calibration is None or req.end_segment < req.first_segment or req.micro_batch_size <= 0:
             return None
         try:
@@ -174,6 +179,23 @@ class WorkerReports:
         except (ValueError, IndexError):
             return None
 
+    def _calibration_of(self, job: JobRecord, vm_id: str) -> Calibration | None:
+        """The calibration that describes ``vm_id``: its VM type's when the job mixes types (a
+        slow type is not a slow VM), else the job's."""
+        cache = self.ctx.cache(job)
+        vm = self.ctx.store.vm(vm_id) if cache.spec.vm_type_specs else None
+        vm_type = vm_type_of(vm.ref) if vm is not None else ""
+        by_type = type_calibrations(job) if vm_type else {}
+        if vm_type not in by_type:
+            return cache.calibration
+        # Parsed once per stored calibration, not on every heartbeat.
+        text = json.dumps(by_type[vm_type], sort_keys=True)
+        seen = cache.type_calibrations.get(vm_type)
+        if seen is None or seen[0] != text:
+            parsed = Calibration.from_dict(by_type[vm_type], source=f"calibration of VM type {vm_type}")
+            seen = cache.type_calibrations[vm_type] = (text, parsed)
+        return seen[1]
+
     def _check_stutter(self, job: JobRecord, gen: GenerationRecord, req: pb.WorkerHeartbeatRequest) -> None:
         """Fail-stutter rule (paper §4.6): compute time above the replicas' median (D ≥ 3) or the
         calibration's prediction by X % for N heartbeats in a row marks the worker's VM slow."""
@@ -182,6 +204,13 @@ class WorkerReports:
         ctx = self.ctx
         cache = ctx.cache(job)
         compute_s = req.fwd_s + req.bwd_s + req.recompute_s
+        predicted_s = self._predicted_s(job, req, cache.calibration)
+        own_s = self._predicted_s(job, req, self._calibration_of(job, req.vm_id))
+        if predicted_s and own_s and own_s != predicted_s:
+            # Mixed VM types: a slow type is not a slow VM. Judge every worker in the job
+            # calibration's units (its time scaled by the two types' predicted ratio), so both
+            # the replicas' median and the calibration rule compare like with like.
+            compute_s *= predicted_s / own_s
         # By stage: the replicas of this worker's stage, without a pass over every worker of
         # the generation (D × P of them) on each heartbeat.
         replicas = cache.compute.setdefault(gen.generation, {}).setdefault(req.stage, {})
@@ -191,7 +220,7 @@ class WorkerReports:
             step=req.step,
             compute_s=compute_s,
             replica_compute_s=list(replicas.values()),
-            predicted_s=self._predicted_s(job, req),
+            predicted_s=predicted_s,
         )
         if not verdict.marked:
             return

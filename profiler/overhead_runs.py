@@ -25,7 +25,7 @@ import gc
 import os
 import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -106,11 +106,18 @@ def destroy_groups(groups: list) -> None:
 @contextlib.contextmanager
 def emulated_engine(num_stages: int, num_replicas: int, schedule: str, num_microbatches: int,
                     recompute: bool, netem: str | None, timeout_s: float, *, blocks_per_stage: int,
-                    block_fwd_s: float) -> Iterator[tuple[Any, Any]]:
+                    block_fwd_s: float, stage_blocks: Sequence[int] | None = None,
+                    replica_shares: Sequence[int] | None = None, speed: float = 1.0,
+                    ) -> Iterator[tuple[Any, Any]]:
     """An engine over ``varuna.testing.emulated_model`` with ``blocks_per_stage · num_stages``
     blocks, one stage per ``blocks_per_stage`` blocks, under the network emulation ``netem``
     (a ``$VARUNA_NETEM`` value; None: none): yields it and its (whole) mini-batch; closes it and
     destroys its process groups after.
+
+    Mixed VM types (issue #19): ``stage_blocks`` (blocks per stage, uneven) replaces
+    ``blocks_per_stage``; ``replica_shares`` gives each replica its micro-batch count (the global
+    batch is then m·Σshares, ``num_microbatches`` unused); ``speed`` is this rank's emulated
+    device speed (``emulated_model(speed=...)``).
 
     Example (every rank)::
 
@@ -118,11 +125,16 @@ def emulated_engine(num_stages: int, num_replicas: int, schedule: str, num_micro
                              block_fwd_s=0.01) as (engine, batch):
             steps = timed_steps(engine, batch, warmup=1, steps=3)
     """
-    M = MICRO_BATCH_SIZE * num_microbatches * num_replicas
+    if replica_shares is not None:
+        M = MICRO_BATCH_SIZE * sum(replica_shares)
+    else:
+        M = MICRO_BATCH_SIZE * num_microbatches * num_replicas
     batch = _batch(M)
     torch.manual_seed(0)
-    model = emulated_model(blocks_per_stage * num_stages, block_fwd_s, EMULATED_WIDTH)
-    ranges = [(blocks_per_stage * k, blocks_per_stage * (k + 1) - 1) for k in range(num_stages)]
+    per_stage = list(stage_blocks) if stage_blocks is not None else [blocks_per_stage] * num_stages
+    model = emulated_model(sum(per_stage), block_fwd_s, EMULATED_WIDTH, speed=speed)
+    starts = [sum(per_stage[:k]) for k in range(num_stages)]
+    ranges = [(a, a + n - 1) for a, n in zip(starts, per_stage)]
     if netem:
         os.environ[NETEM_ENV_VAR] = netem  # the engine reads it at construction
     else:
@@ -135,6 +147,7 @@ def emulated_engine(num_stages: int, num_replicas: int, schedule: str, num_micro
                 varuna.VarunaConfig(
                     global_batch_size=M, micro_batch_size=MICRO_BATCH_SIZE, pipeline_depth=num_stages,
                     data_parallel=num_replicas, schedule=schedule, recompute=recompute, stage_ranges=ranges,
+                    replica_shares=None if replica_shares is None else tuple(replica_shares),
                     record_timeline=True, comm_timeout_s=timeout_s, stop_signals=(),
                 ),
                 example_batch=batch, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3),
@@ -166,6 +179,10 @@ def timed_steps(engine, batch, warmup: int, steps: int, warmup_out: list | None 
             out.append({"t0": t0, "t1": t1, "events": events})
         elif warmup_out is not None:
             warmup_out.append({"t0": t0, "t1": t1, "events": events})
+    # Ranks that finish the last step early must not start tearing their engine down (gc,
+    # group destruction: CPU-heavy) while another is still in it: on a loaded 2-core host that
+    # stretched the last timed step by up to 0.3 s (scripts/validate_mixed.py, docs/mixed_types.md).
+    dist.barrier()
     return out
 
 

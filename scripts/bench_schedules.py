@@ -10,8 +10,9 @@ Same model, same conditions for both systems (see docs/benchmarks.md for the met
 - **network** (``varuna.testing.netem``; ``$VARUNA_NETEM`` for the engine, ``emulate_network`` around torch's
   schedule): none; moderate = latency 1 ms + Exp(mean 2 ms); heavy = 2 ms + Exp(mean 10 ms) per
   message;
-- **schedules**: ours ``varuna`` / ``gpipe`` / ``1f1b`` / ``zb-h1`` / ``varuna-zb`` (``varuna.Engine``),
-  torch's ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
+- **schedules**: ours ``varuna`` / ``gpipe`` / ``1f1b`` / ``zb-h1`` / ``varuna-zb`` and the interleaved
+  ``interleaved`` / ``varuna-interleaved`` (v = 2 chunks per rank of F/2 each, like torch's)
+  (``varuna.Engine``), torch's ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
   ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` (the last
   three with 2 chunks per rank, V-shaped placement for ZBV/DualPipeV; the emulated blocks split
   their backward B = 2F into input and weight halves of F each), each with activation checkpointing
@@ -225,7 +226,8 @@ def _run_ours(spec: WorldSpec, run: RunSpec, rank: int) -> tuple[list, list]:
     import varuna
     from varuna.testing.netem import NETEM_ENV_VAR
 
-    P = spec.num_stages
+    P, v = spec.num_stages, run.chunks
+    V = P * v  # virtual stages (the interleaved kinds: v chunks per rank, virtual stage j on rank j % P)
     batch = _batch(spec)
     torch.manual_seed(0)
     if spec.model == "gpt":
@@ -233,15 +235,15 @@ def _run_ours(spec: WorldSpec, run: RunSpec, rank: int) -> tuple[list, list]:
 
         cfg = _gpt_config(spec)
         model = GPT(cfg)
-        per = cfg.n_layer // P  # segments: 0 = embedding + block 0, i = block i, n_layer = head
-        ranges = [(k * per, (k + 1) * per - 1) for k in range(P)]
+        per = cfg.n_layer // V  # segments: 0 = embedding + block 0, i = block i, n_layer = head
+        ranges = [(k * per, (k + 1) * per - 1) for k in range(V)]
         ranges[-1] = (ranges[-1][0], cfg.n_layer)
         optimizer = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
     else:
         from varuna.testing.emulated import emulated_model
 
-        model = emulated_model(P, spec.fwd_s, spec.width)
-        ranges = [(k, k) for k in range(P)]
+        model = emulated_model(V, spec.fwd_s / v, spec.width)  # a rank's work is the same at any v
+        ranges = [(k, k) for k in range(V)]
         optimizer = lambda ps: torch.optim.SGD(ps, lr=1e-3)  # noqa: E731
     netem = LEVELS[run.level]
     if netem:
@@ -254,7 +256,7 @@ def _run_ours(spec: WorldSpec, run: RunSpec, rank: int) -> tuple[list, list]:
             varuna.VarunaConfig(
                 global_batch_size=spec.num_microbatches * spec.micro_batch_size,
                 micro_batch_size=spec.micro_batch_size, pipeline_depth=P, data_parallel=1,
-                schedule=run.schedule, recompute=run.recompute, stage_ranges=ranges,
+                schedule=run.schedule, recompute=run.recompute, stage_ranges=ranges, chunks=v,
                 record_timeline=True, comm_timeout_s=spec.comm_timeout_s, stop_signals=(),
             ),
             example_batch=batch, optimizer=optimizer,
@@ -446,7 +448,8 @@ def _order_runs(specs: list[RunSpec], rounds: int, only: Sequence[str] = ()) -> 
 def comparison_runs(levels: Sequence[str], *, with_no_recompute: bool = True) -> list[RunSpec]:
     """Every configuration of the comparison at ``levels`` (emulated model; GPT runs override it)."""
     def ours(schedules: Sequence[str], recompute: bool, level: str) -> list[RunSpec]:
-        return [RunSpec(system="ours", schedule=s, recompute=recompute, level=level) for s in schedules]
+        return [RunSpec(system="ours", schedule=s, recompute=recompute, level=level,
+                        chunks=2 if "interleaved" in s else 1) for s in schedules]
 
     def torch_(recompute: bool, level: str) -> list[RunSpec]:
         return [RunSpec(system="torch", schedule=s, recompute=recompute, level=level,
@@ -456,7 +459,7 @@ def comparison_runs(levels: Sequence[str], *, with_no_recompute: bool = True) ->
     for level in levels:
         specs += ours(OUR_SCHEDULES, True, level) + torch_(True, level)
         if with_no_recompute:
-            specs += ours(("gpipe", "1f1b", "zb-h1"), False, level) + torch_(False, level)
+            specs += ours(("gpipe", "1f1b", "zb-h1", "interleaved"), False, level) + torch_(False, level)
     return specs
 
 

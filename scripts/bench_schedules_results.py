@@ -37,7 +37,7 @@ _TORCH_CLASS = {
     "dualpipev": "ScheduleDualPipeV",
 }
 #: The schedules compared: ours (``VarunaConfig.schedule``) and torch's (keys of _TORCH_CLASS).
-OUR_SCHEDULES = ("varuna", "gpipe", "1f1b", "zb-h1", "varuna-zb")
+OUR_SCHEDULES = ("varuna", "gpipe", "1f1b", "zb-h1", "varuna-zb", "interleaved", "varuna-interleaved")
 TORCH_SCHEDULES = tuple(_TORCH_CLASS)
 #: Mean delay of one message at each level (netem: latency + Exp(mean jitter); 0 without emulation).
 MEAN_HOP_S = {"none": 0.0, "moderate": 0.003, "heavy": 0.012}
@@ -58,13 +58,13 @@ class RunSpec:
     model: str = "emulated"
     """``emulated`` (EmulatedBlock stages) or ``gpt`` (examples/gpt2)."""
     chunks: int = 1
-    """Model chunks per rank (torch interleaved: 2)."""
+    """Model chunks per rank (the interleaved kinds: 2)."""
 
     @property
     def label(self) -> str:
         if self.system == "ours":
-            name = f"ours {self.schedule}"
-            return name + ("+R" if self.recompute and self.schedule not in ("varuna", "varuna-zb") else "")
+            name = f"ours {self.schedule}" + (f"(v={self.chunks})" if self.chunks > 1 else "")
+            return name + ("+R" if self.recompute and not self.schedule.startswith("varuna") else "")
         name = "torch " + _TORCH_CLASS[self.schedule].removeprefix("Schedule")
         if self.chunks > 1:
             name += f"(v={self.chunks})"
@@ -346,7 +346,9 @@ def goal_rows(rows: list[dict]) -> list[dict]:
         if r["model"] == "emulated":
             groups.setdefault((r["P"], r["level"]), []).append(r)
     for (P, level), rs in groups.items():
-        ours = [r for r in rs if r["system"] == "ours" and r["recompute"]]  # like for like: with recompute
+        # Like for like: our kinds with recompute (the varuna family always recomputes).
+        ours = [r for r in rs
+                if r["system"] == "ours" and (r["recompute"] or r["schedule"].startswith("varuna"))]
         torch_rc = [r for r in rs if r["system"] == "torch" and r["recompute"]]
         if not ours or not torch_rc:
             continue

@@ -130,21 +130,50 @@ class ValConfig:
     """Network level, a key of LEVELS."""
     recompute: bool = True
     """Activation recompute for gpipe / 1f1b (varuna always recomputes, except its last stage)."""
+    # Mixed VM types (issue #19; scripts/validate_mixed.py): None = the homogeneous case.
+    speeds: tuple[tuple[float, ...], ...] | None = None
+    """Per replica, per stage: the emulated device's speed (its blocks sleep F / speed)."""
+    shares: tuple[int, ...] | None = None
+    """Micro-batches per replica (``VarunaConfig.replica_shares``; then Nm is unused)."""
+    stage_blocks: tuple[int, ...] | None = None
+    """Blocks (segments) per stage, uneven; None: BLOCKS_PER_STAGE each."""
+
+    def __post_init__(self) -> None:  # JSON gives lists back: keep labels and equality stable
+        if self.speeds is not None:
+            object.__setattr__(self, "speeds", tuple(tuple(float(v) for v in r) for r in self.speeds))
+        for name in ("shares", "stage_blocks"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
     def world(self) -> int:
         return self.num_stages * self.num_replicas
 
     @property
+    def blocks(self) -> tuple[int, ...]:
+        return self.stage_blocks or (BLOCKS_PER_STAGE,) * self.num_stages
+
+    def speed_of(self, rank: int) -> float:
+        return 1.0 if self.speeds is None else self.speeds[rank // self.num_stages][rank % self.num_stages]
+
+    @property
     def label(self) -> str:
-        """E.g. ``4x2 varuna Nm=8 heavy``."""
+        """E.g. ``4x2 varuna Nm=8 heavy``, ``2x2 varuna shares=5/3 speeds=1.6-1.6/1-1 none``."""
         kind = self.schedule + ("" if self.recompute or self.schedule == "varuna" else "-noR")
-        return f"{self.num_stages}x{self.num_replicas} {kind} Nm={self.num_microbatches} {self.level}"
+        nm = f"Nm={self.num_microbatches}"
+        if self.shares is not None:
+            nm = "shares=" + "/".join(map(str, self.shares))
+        mixed = ""
+        if self.speeds is not None:
+            mixed = " speeds=" + "/".join("-".join(f"{v:g}" for v in r) for r in self.speeds)
+        if self.stage_blocks is not None:
+            mixed += " blocks=" + "/".join(map(str, self.stage_blocks))
+        return f"{self.num_stages}x{self.num_replicas} {kind} {nm}{mixed} {self.level}"
 
     def ideal_s(self) -> float:
         """Rough mini-batch time (compute only), for budgeting runs."""
-        f = BLOCKS_PER_STAGE * BLOCK_FWD_S
-        return self.num_microbatches * 4 * f + (self.num_stages - 1) * 3 * f
+        f = max(self.blocks) * BLOCK_FWD_S / min(min(r) for r in (self.speeds or ((1.0,),)))
+        return max(self.shares or (self.num_microbatches,)) * 4 * f + (self.num_stages - 1) * 3 * f
 
 
 def default_configs() -> list[ValConfig]:
@@ -244,14 +273,17 @@ def step_times(ranks: Sequence[dict], key: str, num_stages: int) -> list[float]:
 # The simulator side
 
 
-def build_calibration(num_stages: int, level: str, rc: RuntimeConstants):
+def build_calibration(num_stages: int, level: str, rc: RuntimeConstants, *, num_segments: int | None = None,
+                      speeds: Sequence[float] = ()):
     """The calibration of the emulated model at ``level``: known block costs and network delays,
     plus the measured hand-off (link latency) and all-reduce constants.
 
     Every rank is its own "host" (``host_slots=1``), so every link is an inter-host link; the
-    intra model is set equal to it.
+    intra model is set equal to it. ``speeds``: emulated device speeds, each a VM type named
+    :func:`speed_type` whose blocks sleep F / speed (the runtime's overheads do not scale).
     """
-    from varuna.core.calibration import AllReduceModel, Calibration, ComputeStat, LinkModel
+    from varuna.core.calibration import AllReduceModel, Calibration, ComputeStat, LinkModel, VmType
+    from varuna.core.calibration_types import SegmentCompute
 
     spec = LEVELS[level]
     # The link model's latency_s is the MEAN delay: the emulator's fixed latency, its mean
@@ -267,7 +299,7 @@ def build_calibration(num_stages: int, level: str, rc: RuntimeConstants):
     param_bytes = 2 * EMULATED_WIDTH * 4  # scale and bias, float32
     cal = Calibration.synthetic(
         BLOCK_FWD_S / MICRO_BATCH_SIZE,
-        num_segments=BLOCKS_PER_STAGE * num_stages,
+        num_segments=num_segments or BLOCKS_PER_STAGE * num_stages,
         micro_batch_sizes=(MICRO_BATCH_SIZE,),
         param_bytes=param_bytes,
         act_bytes_per_example=EMULATED_WIDTH * 4,
@@ -284,11 +316,22 @@ def build_calibration(num_stages: int, level: str, rc: RuntimeConstants):
     # BLOCKS_PER_STAGE segments).
     seg = rc.segment_overhead_s
     extra = {op: rc.op_overhead_s.get(op, 0.0) / BLOCKS_PER_STAGE for op in ("F", "R", "B")}
+    def costs(v: float) -> dict:
+        return {"fwd_s": (ComputeStat(median=BLOCK_FWD_S / v + seg + extra["F"]),),
+                "recompute_s": (ComputeStat(median=BLOCK_FWD_S / v + seg + extra["R"]),),
+                "bwd_s": (ComputeStat(median=2 * BLOCK_FWD_S / v + seg + extra["B"]),)}
+
     for s in cal.segments:
-        s.fwd_s = [ComputeStat(median=BLOCK_FWD_S + seg + extra["F"])]
-        s.recompute_s = [ComputeStat(median=BLOCK_FWD_S + seg + extra["R"])]
-        s.bwd_s = [ComputeStat(median=2 * BLOCK_FWD_S + seg + extra["B"])]
+        s.fwd_s, s.recompute_s, s.bwd_s = (list(x) for x in costs(1.0).values())
+    for v in sorted(set(speeds)):
+        own = tuple(SegmentCompute(**costs(v)) for _ in cal.segments)
+        cal.types[speed_type(v)] = VmType(name=speed_type(v), speed=v, segments=own)
     return cal
+
+
+def speed_type(speed: float) -> str:
+    """The VM type name of an emulated device speed (``x1.6``)."""
+    return f"x{speed:g}"
 
 
 def sim_config(c: ValConfig, rc: RuntimeConstants, seed: int = 0):
@@ -296,13 +339,14 @@ def sim_config(c: ValConfig, rc: RuntimeConstants, seed: int = 0):
     from simulator.engine import SimConfig
 
     P = c.num_stages
+    starts = [sum(c.blocks[:k]) for k in range(P)]
     return SimConfig(
         num_stages=P,
         num_replicas=c.num_replicas,
         micro_batch_size=MICRO_BATCH_SIZE,
-        num_microbatches=c.num_microbatches,
-        stage_segments=tuple((BLOCKS_PER_STAGE * k, BLOCKS_PER_STAGE * k + BLOCKS_PER_STAGE - 1)
-                             for k in range(P)),
+        num_microbatches=c.num_microbatches if c.shares is None else c.shares,
+        stage_segments=tuple((a, a + n - 1) for a, n in zip(starts, c.blocks)),
+        device_types=None if c.speeds is None else tuple(tuple(speed_type(v) for v in r) for r in c.speeds),
         schedule=c.schedule,
         recompute=c.recompute,
         host_slots=1,
@@ -321,9 +365,15 @@ def simulate_config(c: ValConfig, rc: RuntimeConstants, seeds: int = 25, *, stat
     the median instead."""
     from simulator.engine import simulate
 
-    cal = build_calibration(c.num_stages, c.level, rc)
+    cal = calibration_of(c, rc)
     n = seeds if LEVELS[c.level] is not None or rc.handoff_jitter_s > 0 or rc.task_jitter_s > 0 else 1
     return stat([simulate(cal, sim_config(c, rc, seed=s)).minibatch_s for s in range(n)])
+
+
+def calibration_of(c: ValConfig, rc: RuntimeConstants):
+    """:func:`build_calibration` for ``c``'s segments and device speeds."""
+    speeds = [v for r in c.speeds for v in r] if c.speeds is not None else []
+    return build_calibration(c.num_stages, c.level, rc, num_segments=sum(c.blocks), speeds=speeds)
 
 
 # Note [Means, not medians]: throughput over a run is M / (mean step time), and that is what the
@@ -380,7 +430,8 @@ def _run_config(spec: WorldSpec, cdict: dict, rank: int, bench_rounds: list[int]
     t = time.perf_counter()
     with emulated_engine(c.num_stages, c.num_replicas, c.schedule, c.num_microbatches, c.recompute,
                          netem_string(c.level), spec.comm_timeout_s, blocks_per_stage=BLOCKS_PER_STAGE,
-                         block_fwd_s=BLOCK_FWD_S) as (engine, batch):
+                         block_fwd_s=BLOCK_FWD_S, stage_blocks=c.stage_blocks, replica_shares=c.shares,
+                         speed=c.speed_of(rank)) as (engine, batch):
         build_s = time.perf_counter() - t
         warm: list[dict] = []
         steps = timed_steps(engine, batch, spec.warmup, spec.steps, warm)
@@ -502,6 +553,21 @@ class Row:
 MIN_CLEAN_STEPS = 3
 
 
+def _nominal(c: ValConfig, events: Sequence[Sequence]) -> list:
+    """Events with each F/R/B's known sleep swapped for a BLOCKS_PER_STAGE stage at speed 1, so
+    the homogeneous checks (``disturbed``, ``task_overheads``) apply to uneven stages and mixed
+    device speeds; identity for homogeneous configurations."""
+    nominal = BLOCKS_PER_STAGE * BLOCK_FWD_S
+    out = []
+    for e in events:
+        stage, replica, op, _, _, end = e[:6]
+        if op in ("F", "R", "B") and (c.speeds is not None or c.stage_blocks is not None):
+            own = c.blocks[stage] * BLOCK_FWD_S / c.speed_of(replica * c.num_stages + stage)
+            end = end - (own - nominal) * (2.0 if op == "B" else 1.0)
+        out.append([*e[:5], end, *e[6:]])
+    return out
+
+
 def analyze_run(c: ValConfig, ranks: Sequence[dict], attempt: int = 0, *, spread: bool = False) -> Row:
     """Real (median over the undisturbed timed steps) and simulated time of ``c`` in one world.
 
@@ -513,16 +579,16 @@ def analyze_run(c: ValConfig, ranks: Sequence[dict], attempt: int = 0, *, spread
         rc = replace(rc, handoff_jitter_s=0.0, task_jitter_s=0.0)
     every = step_times(ranks, c.label, c.num_stages)
     events = [[e for r in ranks for e in r["runs"][c.label]["steps"][i]["events"]] for i in range(len(every))]
-    clean = [i for i, evs in enumerate(events) if not disturbed(evs)]
+    clean = [i for i, evs in enumerate(events) if not disturbed(_nominal(c, evs))]
     use = clean if clean else list(range(len(every)))
     real = [every[i] for i in use]
-    over = [x for i in use for xs in task_overheads(events[i]).values() for x in xs]
+    over = [x for i in use for xs in task_overheads(_nominal(c, events[i])).values() for x in xs]
     model = [rc.task_s(e[2], BLOCKS_PER_STAGE, BLOCKS_PER_STAGE * e[0])
              for i in use for e in events[i] if e[2] in ("F", "R", "B")]
     hops = [h for i in use for h in waiting_hops(events[i])]
     warm = [r["runs"][c.label].get("warmup") or [] for r in ranks]
     first = None
-    if all(warm) and not disturbed([e for w in warm for e in w[0].get("events", [])]):
+    if all(warm) and not disturbed(_nominal(c, [e for w in warm for e in w[0].get("events", [])])):
         firsts = [w for i, w in enumerate(warm) if i % c.num_stages == 0]
         first = max(w[0]["t1"] for w in warm) - min(w[0]["t0"] for w in firsts)
     return Row(config=c, real_s=statistics.mean(real), sim_s=simulate_config(c, rc),
@@ -548,13 +614,14 @@ def print_table(rows: Sequence[Row], constants: dict[int, RuntimeConstants]) -> 
               f"{rc.segment_overhead_s * 1e3:>6.2f} {rc.placeholder_s * 1e3:>6.3f} "
               f"{rc.fit_rms_s * 1e3:>8.2f} {rc.step_overhead_s * 1e3:>6.2f} {rc.allreduce_s * 1e3:>6.2f}")
     print()
-    print(f"{'config':<28}{'real (s)':>10}{'sim (s)':>10}{'error':>9}  {'known-only':>11}  {'steps':>6}   "
+    w = max([28] + [len(r.config.label) + 1 for r in rows])
+    print(f"{'config':<{w}}{'real (s)':>10}{'sim (s)':>10}{'error':>9}  {'known-only':>11}  {'steps':>6}   "
           f"{'task+ real/model ms':>20}{'hop ms':>8}")
     for r in rows:
         tm = f"{r.task_overhead_ms:.2f}/{r.model_task_overhead_ms:.2f}"
         known = r.known_sim_s / r.real_s - 1
         used = f"{r.clean_steps}/{len(r.all_steps_s)}" + ("*" if r.attempt else " ")
-        print(f"{r.config.label:<28}{r.real_s:>10.3f}{r.sim_s:>10.3f}{r.error * 100:>+8.1f}%  "
+        print(f"{r.config.label:<{w}}{r.real_s:>10.3f}{r.sim_s:>10.3f}{r.error * 100:>+8.1f}%  "
               f"{known * 100:>+10.1f}%  {used:>6}   {tm:>20}{r.hop_ms:>8.2f}")
     print("steps: undisturbed / timed steps of the run used (Note [Disturbed steps]); *: a re-run")
     errs = [abs(r.error) for r in rows]
@@ -593,7 +660,7 @@ def write_gantt(c: ValConfig, trace: dict, rc: RuntimeConstants, out_dir: Path) 
 
     out_dir.mkdir(parents=True, exist_ok=True)
     real = Timeline.from_chrome_dict(trace)
-    sim = simulate(build_calibration(c.num_stages, c.level, rc), sim_config(c, rc), record=True).timeline
+    sim = simulate(calibration_of(c, rc), sim_config(c, rc), record=True).timeline
     assert sim is not None
     paths = []
     for name, tl in (("real", real), ("sim", sim)):

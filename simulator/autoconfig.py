@@ -48,6 +48,7 @@ __all__ = [
     "Candidate",
     "AutoConfigResult",
     "autoconfigure",
+    "autoconfigure_schedules",
     "choose_micro_batch_size",
     "sweep_gpus",
     "GpuSweepPoint",
@@ -216,7 +217,8 @@ class _Planner:
         out = []
         for k in range(P):
             s = stash[k] if stash is not None else self.stash_estimate(P, k, nm)
-            out.append(stage_memory(self.cal, list(ranges[k::P]), m, s, self.stage_recomputes(P, k)))
+            out.append(stage_memory(self.cal, list(ranges[k::P]), m, s, self.stage_recomputes(P, k),
+                                    weight_versions=self.kind.weight_versions))
         return out
 
     def memory_of(self, P: int, m: int, nm: int, ranges, stash: Sequence[int] | None = None) -> int:
@@ -354,7 +356,7 @@ def autoconfigure(
     >>> cal = Calibration.synthetic(0.01, num_segments=4, micro_batch_sizes=(1, 2))
     >>> autoconfigure(cal, gpus=4, global_batch_size=16, schedule="pipedream")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ValueError: unknown schedule kind 'pipedream'; choose one of varuna, gpipe, 1f1b, interleaved, ...
+    ValueError: unknown schedule kind 'pipedream'; choose one of varuna, gpipe, 1f1b, ...
     """
     t0 = time.perf_counter()
     _check_schedule(schedule)
@@ -538,6 +540,43 @@ class GpuSweepPoint:
     @property
     def examples_per_s_per_gpu(self) -> float:
         return self.examples_per_s / self.gpus
+
+
+def autoconfigure_schedules(
+    cal: Calibration,
+    *,
+    gpus: int,
+    global_batch_size: int,
+    schedules: Sequence[str] = ("varuna", "varuna-interleaved"),
+    chunk_options: Sequence[int] = (2, 3, 4),
+    **kwargs,
+) -> AutoConfigResult:
+    """:func:`autoconfigure` for every kind of ``schedules`` (the chunked ones at each v of
+    ``chunk_options``): the result of the kind and v whose best configuration is fastest; its
+    ``best.config`` names them (``schedule``, ``chunks``). A kind or v that cannot run here (too
+    few segments for P·v virtual stages, Nm not a multiple of P) is skipped with a note.
+
+    >>> from varuna.core.calibration import Calibration
+    >>> cal = Calibration.synthetic(0.01, num_segments=8, micro_batch_sizes=(1, 2))
+    >>> res = autoconfigure_schedules(cal, gpus=4, global_batch_size=32)
+    >>> res.best.config.schedule in ("varuna", "varuna-interleaved")
+    True
+    """
+    results: list[AutoConfigResult] = []
+    notes: list[str] = []
+    for name in schedules:
+        kind = schedule_kind(name)
+        for v in chunk_options if kind.chunked else (1,):
+            try:
+                results.append(autoconfigure(cal, gpus=gpus, global_batch_size=global_batch_size,
+                                             schedule=name, chunks=v, **kwargs))
+            except ValueError as e:
+                notes.append(f"{kind.label(recompute=True, chunks=v)}: {e}")
+    if not results:
+        raise ValueError("no schedule kind fits: " + "; ".join(notes))
+    best = max(results, key=lambda r: r.best.result.examples_per_s if r.best.result else 0.0)
+    best.notes.extend(notes)
+    return best
 
 
 def sweep_gpus(

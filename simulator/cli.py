@@ -7,6 +7,14 @@ Examples::
     varuna-simulate --calibration cal.json --gpus 64 --global-batch-size 8192 --config 8x8 \\
         --trace best.json --plot best.png
     varuna-simulate --calibration cal.json --gpus 64 --global-batch-size 8192 --sweep-gpus 16,32,64,128
+    varuna-simulate --calibration cal.json --cluster fast=2,slow=2 --global-batch-size 64  # cal's types
+    varuna-simulate --type-calibration fast=fast.json --type-calibration slow=slow.json \
+        --cluster fast=2,slow=2 --global-batch-size 64                  # one file per VM type
+
+With ``--cluster`` (mixed VM types, docs/mixed_types.md) it plans with
+``simulator.mixed_plan.plan_mixed`` and prints the chosen stage→type map, stage ranges, micro-batch
+shares and why: predicted samples/s against the best plan treating every VM as the slowest type
+and the best plan on the fastest type only.
 
 On a terminal, progress bars on stderr show the search and the sweep (``--quiet`` or
 ``VARUNA_QUIET=1`` turns them off; they never appear when stderr is not a terminal).
@@ -33,6 +41,7 @@ from simulator.autoconfig import (
 )
 from simulator.config import SIM_SCHEDULE_KINDS, SimConfig, SimResult
 from simulator.engine import simulate
+from simulator.mixed_plan import plan_mixed
 from varuna.core.calibration import Calibration
 from varuna.core.cli import OneLineParser
 from varuna.core.extras import MissingExtra, require_extra
@@ -88,6 +97,27 @@ def _gpu_list(text: str) -> list[int]:
     return values
 
 
+def _cluster(text: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        name, _, count = part.partition("=")
+        if not name.strip() or not count.strip().isdigit() or name.strip() in out:
+            raise argparse.ArgumentTypeError(
+                f"invalid cluster {text!r}; write TYPE=COUNT,... with each type once, e.g. fast=2,slow=2"
+            )
+        out[name.strip()] = int(count)
+    return out
+
+
+def _type_file(text: str) -> tuple[str, str]:
+    name, _, path = text.partition("=")
+    if not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(
+            f"invalid --type-calibration {text!r}; write TYPE=FILE, e.g. slow=slow.json"
+        )
+    return name.strip(), path.strip()
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -104,10 +134,25 @@ def build_parser() -> argparse.ArgumentParser:
         description="Simulate pipeline+data-parallel training from a calibration file and "
         "pick the fastest configuration.",
     )
+    p.add_argument("--calibration", metavar="FILE", help="calibration JSON from varuna-profile")
+    p.add_argument("--gpus", type=_positive, metavar="G", help="GPUs available (not with --cluster)")
     p.add_argument(
-        "--calibration", required=True, metavar="FILE", help="calibration JSON from varuna-profile"
+        "--cluster",
+        type=_cluster,
+        metavar="TYPE=N,...",
+        help="a cluster of mixed VM types, e.g. fast=2,slow=2 (one accelerator per VM): plan it",
     )
-    p.add_argument("--gpus", required=True, type=_positive, metavar="G", help="GPUs available")
+    p.add_argument(
+        "--type-calibration",
+        type=_type_file,
+        action="append",
+        default=[],
+        metavar="TYPE=FILE",
+        help="calibration of one VM type (repeat per type); else the types of --calibration",
+    )
+    p.add_argument(
+        "--pipeline-depths", type=_gpu_list, metavar="P1,P2,...", help="with --cluster: only these P"
+    )
     p.add_argument(
         "--global-batch-size",
         required=True,
@@ -217,6 +262,14 @@ def _run(args) -> int:
         require_extra("plot", "--plot")
     if not 0 <= args.jitter_scale <= 1e6:  # also refuses nan and inf
         raise _UsageError(f"--jitter-scale must be a number >= 0 (at most 1e6), got {args.jitter_scale}")
+    if args.cluster is not None:
+        return _mixed(args)
+    missing = [name for name, v in (("--calibration", args.calibration), ("--gpus", args.gpus)) if v is None]
+    if missing:
+        raise _UsageError(
+            f"the following arguments are required: {', '.join(missing)} "
+            "(or --cluster TYPE=N,... for mixed VM types)"
+        )
     cal = Calibration.load(args.calibration)
     out = _estimate(args, cal) if args.config is not None else _search(args, cal)
     if args.sweep_gpus:
@@ -304,6 +357,39 @@ def _search(args, cal: Calibration) -> dict:
     )
     print(_table(plan, args.top))
     return {}
+
+
+def _mixed(args) -> int:
+    """``--cluster``: plan a cluster of several VM types; prints the plan and why (or JSON)."""
+    if args.gpus is not None or args.config is not None or args.sweep_gpus:
+        raise _UsageError("--cluster plans the given VMs; leave out --gpus, --config and --sweep-gpus")
+    if args.type_calibration:
+        costs = {name: Calibration.load(path) for name, path in args.type_calibration}
+    elif args.calibration is not None:
+        costs = Calibration.load(args.calibration)
+    else:
+        raise _UsageError(
+            "--cluster needs --calibration FILE (with a 'types' section) or --type-calibration TYPE=FILE"
+        )
+    plan = plan_mixed(
+        args.cluster,
+        costs,
+        global_batch_size=args.global_batch_size,
+        micro_batch_size=args.micro_batch_size,
+        memory_by_type=None if args.gpu_memory is None else {t: args.gpu_memory for t in args.cluster},
+        schedule=args.schedule,
+        recompute=not args.no_recompute,
+        host_slots=args.hosts_slots,
+        pipeline_depths=args.pipeline_depths,
+    )
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=1))
+        return 0
+    print(plan.explain())
+    env = plan.run_plan().to_env()
+    print("run plan: " + " ".join(f"{k}={v}" for k, v in env.items()))
+    print(f"[{plan.layouts_considered} layouts estimated, {plan.simulations} simulated]")
+    return 0
 
 
 def _sweep(args, cal: Calibration) -> list[dict]:

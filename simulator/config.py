@@ -109,6 +109,10 @@ class SimConfig:
     calibrated backward charged to its W task (weight gradients); B (input gradient) gets the
     rest. Calibrations measure the whole backward only, so the default splits it in halves
     (docs/simulator.md)."""
+    device_types: tuple[tuple[str, ...], ...] | None = None
+    """Mixed VM types: per replica, per stage, the VM type of its device (a name in the
+    calibration's ``types``, docs/calibration.md): that device's F, R and B are the type's
+    (``Calibration.for_type``). None: every device is the profiled host."""
     step_overhead_s: float | None = None
     """Runtime time added once per mini-batch beyond compute, all-reduce and optimizer: step
     set-up and the end-of-step agreement all-reduce (norm, overflow, loss) over every rank.
@@ -116,11 +120,13 @@ class SimConfig:
 
     @classmethod
     def for_global_batch(
-        cls, *, global_batch_size: int, num_replicas: int, micro_batch_size: int, **kwargs
+        cls, *, global_batch_size: int, num_replicas: int, micro_batch_size: int,
+        shares: Sequence[int] | None = None, **kwargs
     ) -> SimConfig:
         """Config whose micro-batches split ``global_batch_size`` as the runtime does
-        (``varuna.core.batching.microbatch_counts``)."""
-        counts, last = microbatch_counts(global_batch_size, micro_batch_size, num_replicas)
+        (``varuna.core.batching.microbatch_counts``; ``shares``: micro-batches per replica, as
+        ``VarunaConfig.replica_shares``)."""
+        counts, last = microbatch_counts(global_batch_size, micro_batch_size, num_replicas, shares)
         return cls(
             num_replicas=num_replicas,
             micro_batch_size=micro_batch_size,
@@ -243,6 +249,7 @@ def validate_config(cal: Calibration, c: SimConfig) -> tuple[tuple[int, int], ..
         )
     kind.check_chunks(c.chunks)
     _check_replicas(c)
+    _check_types(cal, c)
     _check_knobs(c)
     v = kind.chunks_per_device(c.chunks)
     V = c.num_stages * v
@@ -282,6 +289,23 @@ def _check_replicas(c: SimConfig) -> None:
             )
         if not 1 <= c.last_size_of(d) <= c.micro_batch_size:
             raise ValueError(f"replica {d}'s last micro-batch size {c.last_size_of(d)} is outside 1..m")
+
+
+def _check_types(cal: Calibration, c: SimConfig) -> None:
+    if c.device_types is None:
+        return
+    types = c.device_types
+    if len(types) != c.num_replicas or any(len(row) != c.num_stages for row in types):
+        raise ValueError(
+            f"device_types needs D={c.num_replicas} rows of P={c.num_stages} VM type names (per replica, "
+            f"per stage), got {[list(row) for row in types]}"
+        )
+    missing = sorted({t for row in types for t in row} - set(cal.types))
+    if missing:
+        raise ValueError(
+            f"device_types names VM type(s) {', '.join(missing)} that the calibration does not have "
+            f"(its types: {', '.join(sorted(cal.types)) or 'none'}); add them to its 'types' section"
+        )
 
 
 def _check_knobs(c: SimConfig) -> None:

@@ -136,10 +136,21 @@ def allreduce_concurrency(host: Sequence[int], P: int, D: int) -> list[int]:
 
 
 def stage_memory(
-    cal: Calibration, ranges: Sequence[tuple[int, int]], m: int, stashed: int, recompute: bool
+    cal: Calibration,
+    ranges: Sequence[tuple[int, int]],
+    m: int,
+    stashed: int,
+    recompute: bool,
+    *,
+    weight_versions: int = 1,
 ) -> int:
     """Peak memory of one device holding the segment ``ranges`` (one per model chunk) with
-    ``stashed`` micro-batches in flight (``Calibration.stage_memory_bytes``)."""
+    ``stashed`` micro-batches in flight (``Calibration.stage_memory_bytes``), plus the parameters
+    once more per extra weight version (2bw keeps two)."""
+    if weight_versions > 1:
+        params = sum(cal.segments[i].param_bytes for a, b in ranges for i in range(a, b + 1))
+        extra = (weight_versions - 1) * params
+        return extra + stage_memory(cal, ranges, m, stashed, recompute)
     if len(ranges) == 1:
         a, b = ranges[0]
         return cal.stage_memory_bytes(range(a, b + 1), m, stashed, recompute=recompute)

@@ -29,8 +29,11 @@ What is modelled (see docs/simulator.md for formulas):
   latency with a seeded exponential jitter per message, no overtaking (Note [Link model] in
   ``simulator/events.py``); sends
   never block compute;
-- the per-stage gradient all-reduce over D replicas, starting when the last replica finishes the
-  stage's last backward, with k = the number of rings sharing a host's NIC;
+- mixed VM types (``SimConfig.device_types``): each device's F, R and B at its VM type's costs,
+  and replicas with uneven micro-batch counts (``num_microbatches`` per replica, e.g. the shares of
+  ``varuna.core.batching.microbatch_counts(..., shares=...)``);
+- the per-stage gradient all-reduce over D replicas, starting when the last (slowest) replica
+  finishes the stage's last backward, with k = the number of rings sharing a host's NIC;
 - the optimizer step after the all-reduce;
 - a fixed per-mini-batch runtime overhead ``step_overhead_s`` (step set-up and the end-of-step
   agreement all-reduce), added to the mini-batch time.
@@ -47,6 +50,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -64,11 +68,56 @@ def simulate(cal: Calibration, config: SimConfig, *, record: bool = False) -> Si
     """Simulate one mini-batch of ``config`` with ``cal``'s costs.
 
     ``record=True`` also returns a :class:`varuna.core.timeline.Timeline` of every task, send,
-    all-reduce and optimizer step (slower: one object per event).
+    all-reduce and optimizer step (slower: one object per event). An asynchronous kind (2bw,
+    no flush between mini-batches) is priced in steady state: :func:`_steady_state`.
     """
+    if schedule_kind(config.schedule).weight_versions > 1:
+        return _steady_state(cal, config, record=record)
+    return _simulate(cal, config, record=record)
+
+
+def _steady_state(cal: Calibration, c: SimConfig, *, record: bool) -> SimResult:
+    """Note [2BW] in varuna/core/schedule.py: mini-batches run back to back, so one costs what a
+    window of two costs beyond a window of one: T(2) - T(1), each window ending with the last
+    mini-batch's all-reduce and optimizer step (the earlier all-reduce overlaps the next
+    mini-batch's compute; its use of the links is not modelled). Busy times likewise; the
+    executed orders are the second mini-batch's tasks (micro-batch Nm + i is its i-th) in the
+    order they ran; peaks and the timeline are the two-step window's."""
+    kind = schedule_kind(c.schedule)
+    for d in range(c.num_replicas):
+        reason = kind.unsupported(c.num_stages, c.microbatches_of(d))
+        if reason is not None:
+            raise ValueError(reason)
+    one = _simulate(cal, c, record=False)
+    two = _simulate(cal, c, record=record, steps=2)
+    t = two.minibatch_s - one.minibatch_s
+    busy = tuple(b2 - b1 for b1, b2 in zip(one.stage_busy_s, two.stage_busy_s))
+    second = tuple(
+        tuple(tuple(task for task in order if task.microbatch >= c.microbatches_of(d)) for order in per_stage)
+        for d, per_stage in zip(two.simulated_replicas, two.executed)
+    )
+    return dataclasses.replace(
+        two,
+        executed=second,
+        minibatch_s=t,
+        examples_per_s=one.examples / t if t > 0 else math.inf,
+        pipeline_s=two.pipeline_s - one.pipeline_s,
+        examples=one.examples,
+        stage_busy_s=busy,
+        stage_idle_s=tuple(
+            max(0.0, t - b - a - o) for b, a, o in zip(busy, one.stage_allreduce_s, one.stage_optimizer_s)
+        ),
+    )
+
+
+def _simulate(cal: Calibration, config: SimConfig, *, record: bool, steps: int = 1) -> SimResult:
+    """One window of ``steps`` mini-batches of ``config`` (more than one: back to back, 2bw)."""
     c = config
     ranges = validate_config(cal, c)
     kind = schedule_kind(c.schedule)
+    if steps > 1:  # the window's micro-batches; a short last micro-batch only at its very end
+        counts = tuple(steps * c.microbatches_of(d) for d in range(c.num_replicas))
+        c = dataclasses.replace(c, num_microbatches=counts)
     v = kind.chunks_per_device(c.chunks)
     host = host_of_ranks(c)
     over, placeholder_s, step_overhead_s = runtime_overheads(cal, c)
@@ -76,15 +125,25 @@ def simulate(cal: Calibration, config: SimConfig, *, record: bool = False) -> Si
     costs = stage_cost_tables(cal, ranges, sizes, task_overhead_s=over, placeholder_s=placeholder_s)
     links = Links.of(cal, c)
     sim_replicas = _replicas_to_simulate(c, host, links.random)
+    rank_costs = None
+    if c.device_types is not None:
+        # Mixed VM types: each device computes at its type's costs (Calibration.for_type).
+        by_type = {
+            t: stage_cost_tables(
+                cal.for_type(t), ranges, sizes, task_overhead_s=over, placeholder_s=placeholder_s
+            )
+            for t in sorted({t for row in c.device_types for t in row})
+        }
+        rank_costs = [by_type[c.device_types[d][k]] for d in sim_replicas for k in range(c.num_stages)]
     policies, pipelines = [], {}
     for d in sim_replicas:
         nm = c.microbatches_of(d)
-        pipe = kind.pipeline(c.num_stages, nm, recompute=c.recompute, chunks=c.chunks)
+        pipe = kind.window(c.num_stages, nm // steps, steps, recompute=c.recompute, chunks=c.chunks)
         policies.extend(pipe.policy(k, stash_headroom=c.stash_headroom) for k in range(c.num_stages))
         pipelines[nm] = pipe
     tl = Timeline(metadata={"config": c.label(), "source": "simulator"}) if record else None
     tallies = run_events(
-        rank_tables(c, v, host, sim_replicas, costs, links),
+        rank_tables(c, v, host, sim_replicas, costs, links, rank_costs),
         policies,
         chunked=kind.chunked,
         chunks=v,
@@ -97,7 +156,8 @@ def simulate(cal: Calibration, config: SimConfig, *, record: bool = False) -> Si
     # What the stage's list recomputes decides its memory (replica 0's micro-batch count).
     pipe = pipelines[c.microbatches_of(sim_replicas[0])]
     recomputes = [pipe.recomputes(k) for k in range(c.num_stages)]
-    return _result(cal, c, ranges, sim_replicas, tallies, recomputes, policies, step_overhead_s, tl)
+    res = _result(cal, c, ranges, sim_replicas, tallies, recomputes, policies, step_overhead_s, tl)
+    return dataclasses.replace(res, config=config) if steps > 1 else res
 
 
 def _replicas_to_simulate(c: SimConfig, host: Sequence[int], random: bool) -> list[int]:
@@ -111,7 +171,8 @@ def _replicas_to_simulate(c: SimConfig, host: Sequence[int], random: bool) -> li
     def pattern(d: int):
         base = d * P
         links = tuple(host[base + k] == host[base + (k + 1) % P] for k in range(P))
-        return c.microbatches_of(d), c.last_size_of(d), links
+        types = c.device_types[d] if c.device_types is not None else None
+        return c.microbatches_of(d), c.last_size_of(d), links, types
 
     seen: dict = {}
     for d in range(c.num_replicas):
@@ -167,7 +228,9 @@ def _result(
         stage_optimizer_s=tuple(opt_s),
         peak_stashed=tuple(peak),
         stage_memory_bytes=tuple(
-            stage_memory(cal, device_ranges[k], m, peak[k], recomputes[k]) for k in range(P)
+            stage_memory(cal, device_ranges[k], m, peak[k], recomputes[k],
+                         weight_versions=schedule_kind(c.schedule).weight_versions)
+            for k in range(P)
         ),
         stage_segments=ranges,
         executed=tuple(tuple(tuple(policies[j * P + k].executed) for k in range(P)) for j in range(nsim)),

@@ -104,14 +104,18 @@ def rank_tables(
     sim_replicas: Sequence[int],
     costs: dict[int, StageCosts],
     links: Links,
+    rank_costs: Sequence[dict[int, StageCosts]] | None = None,
 ) -> RankTables:
-    """The :class:`RankTables` of the simulated replicas (``chunks`` model chunks per device)."""
+    """The :class:`RankTables` of the simulated replicas (``chunks`` model chunks per device).
+    ``rank_costs`` (mixed VM types): per rank idx, its device type's compute tables (else
+    ``costs``); messages always cost what ``costs`` says (the model and network are one)."""
     P, m, v = c.num_stages, c.micro_batch_size, chunks
     n = len(sim_replicas) * P
     stage = [idx % P for idx in range(n)]
     replica = [sim_replicas[idx // P] for idx in range(n)]
     short_mb = [c.microbatches_of(d) - 1 if c.last_size_of(d) != m else -1 for d in replica]
     short_costs = [costs[c.last_size_of(d)] for d in replica]
+    compute = rank_costs if rank_costs is not None else [costs] * n
 
     w = c.weight_grad_fraction if schedule_kind(c.schedule).splits_backward else 0.0
 
@@ -152,8 +156,8 @@ def rank_tables(
         stage=stage,
         replica=replica,
         short_mb=short_mb,
-        dur_m=[durations(costs[m], stage[idx]) for idx in range(n)],
-        dur_short=[durations(short_costs[idx], stage[idx]) for idx in range(n)],
+        dur_m=[durations(compute[idx][m], stage[idx]) for idx in range(n)],
+        dur_short=[durations(compute[idx][c.last_size_of(replica[idx])], stage[idx]) for idx in range(n)],
         outbox=[{"F": sends(idx, True), "B": sends(idx, False)} for idx in range(n)],
     )
 

@@ -47,7 +47,7 @@ def test_round_trip_through_a_file(tmp_path):
     assert back == cal  # dataclass equality ignores the source path
     assert back.source == str(path)
     data = json.loads(path.read_text())
-    assert data["version"] == CALIBRATION_VERSION == 1
+    assert data["version"] == CALIBRATION_VERSION == 2
     assert set(data) >= {
         "version",
         "created",
@@ -74,11 +74,10 @@ def _one_line_value_error(data, match: str) -> str:
 
 def test_wrong_version_names_version_and_fix():
     data = _cal().to_dict()
-    data["version"] = 2
-    text = _one_line_value_error(data, "unsupported calibration version 2")
-    assert (
-        "reads version 1" in text and "re-run varuna-profile" in text and text.startswith("calibration.json:")
-    )
+    data["version"] = 3
+    text = _one_line_value_error(data, "unsupported calibration version 3")
+    assert "reads versions 1, 2" in text and "re-run varuna-profile" in text
+    assert text.startswith("calibration.json:")
 
 
 def test_missing_field_names_the_path_and_fix():
@@ -249,8 +248,7 @@ def test_a_file_without_the_sections_loads_and_resaves_as_before():
 def test_a_profiler_written_version_1_file_keeps_its_diagnostics():
     # What varuna-profile has always written: the schema plus a "profiler" object (tuples come back
     # as lists from JSON). It used to be dropped on re-save; now it is kept.
-    data = {**_cal().to_dict(), "profiler": json.loads(json.dumps(_DIAGNOSTICS))}
-    assert data["version"] == CALIBRATION_VERSION == 1
+    data = {**_cal().to_dict(), "profiler": json.loads(json.dumps(_DIAGNOSTICS)), "version": 1}
     cal = Calibration.from_dict(data)
     assert cal.profiler == _DIAGNOSTICS and cal.runtime_overheads is None
     assert cal.to_dict() == data

@@ -235,3 +235,35 @@ def test_options_are_validated():
         AzureProviderOptions.from_dict({"resource_group": RG})
     with pytest.raises(ValueError, match="unknown azure option"):
         AzureProviderOptions.from_dict({"vmsize": "x"})
+
+
+def test_each_vm_type_gets_its_own_scale_set_and_size(tmp_path):
+    """Mixed VM types (manager/vm_types.py): VMs of a type go to ``<scale set>-<type>`` with the
+    type's ``vm_size``; an eviction is noticed in every type's scale set."""
+    typed = f"{BASE}-a100"
+    provider, transport = _provider(
+        tmp_path,
+        {
+            ("GET", typed): (404, NOT_FOUND),
+            ("PUT", typed): (201, {**SCALE_SET, "name": f"{SS}-a100"}),
+            ("GET", typed + "/virtualMachines"): (200, {"value": [
+                {"id": f"{typed}/virtualMachines/1", "name": f"{SS}-a100_1", "instanceId": "1",
+                 "properties": {"provisioningState": "Succeeded"}},
+            ]}),
+            ("GET", BASE + "/virtualMachines"): (200, INSTANCES),
+        },
+    )
+    options = {"vm_type": "a100", "vm_size": "Standard_NC24ads_A100_v4", "vm_slowdown": 1.5}
+    new = provider.create_vms("job1", ["job1-vm1"], 1, created_so_far=0, type_options=options)
+    assert new[0].ref == {"placeholder": True, "scale_set": f"{SS}-a100"}
+    put = transport.requests[-1]
+    assert put["method"] == "PUT" and put["path"] == typed
+    assert put["json"]["sku"] == {"name": "Standard_NC24ads_A100_v4", "tier": "Standard", "capacity": 1}
+    known = [
+        VMRecord(vm_id=f"{SS}-a100_{i}", job_id="job1", provider="azure", seq=i, state="up", slots=1,
+                 created=0.0, provider_ref=json.dumps({"scale_set": f"{SS}-a100", "vm_type": "a100"}))
+        for i in (1, 2)
+    ] + [
+        VMRecord(vm_id=f"{SS}_0", job_id="job1", provider="azure", seq=3, state="up", slots=1, created=0.0),
+    ]
+    assert provider.gone_vms(known) == [f"{SS}-a100_2"]  # listed per scale set; _2 was evicted

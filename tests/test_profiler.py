@@ -183,7 +183,7 @@ def test_assembled_file_round_trips_through_the_schema(tmp_path):
     assert back.to_dict() == cal.to_dict()
     assert back.micro_batch_sizes == [1, 2] and back.fwd_s(0, 2) == pytest.approx(0.021)
     data = json.loads(path.read_text())
-    assert data["version"] == 1 and data[EXTRA_KEY]["compute_fit"][0]["fwd_s"]["max_rel_error"] < 0.05
+    assert data["version"] == 2 and data[EXTRA_KEY]["compute_fit"][0]["fwd_s"]["max_rel_error"] < 0.05
     assert data[EXTRA_KEY]["segments"][0]["peak_bytes"] == [
         1000 + 1000 + 2000 + 64 + 256,
         3000 + 1000 + 128 + 512,
@@ -290,7 +290,7 @@ def test_calibration_file_known_costs_and_netem_latency(emulated_calibration):
     back = Calibration.load(out)
     assert back.to_dict() == cal.to_dict()
     data = json.loads(out.read_text())
-    assert data["version"] == 1 and data["micro_batch_sizes"] == [1, 2]
+    assert data["version"] == 2 and data["micro_batch_sizes"] == [1, 2]
     assert data["model"]["cutpoint_names"] == ["cut_points.0"] and EXTRA_KEY in data
     assert {"seconds", "bytes"} <= set(re.findall(r"\w+", json.dumps(data[EXTRA_KEY]["units"])))
     # Known compute costs (the emulated blocks sleep fwd_s forward, 2·fwd_s backward).

@@ -9,7 +9,7 @@ import pytest
 from schedule_reference import varuna_by_rules
 
 from varuna.core.policy import StagePolicy
-from varuna.core.schedule import SCHEDULE_KINDS, build_schedule, get_schedule
+from varuna.core.schedule import LIST_SCHEDULE_KINDS, build_schedule, get_schedule
 from varuna.core.tasks import Task, format_tasks, parse_tasks, peak_stashed, validate_stage_tasks
 
 
@@ -30,7 +30,7 @@ def test_gpipe_matches_paper_figure_4():
         assert one_based(stage) == "F1 F2 F3 F4 F5 B5 R4 B4 R3 B3 R2 B2 R1 B1"
 
 
-@pytest.mark.parametrize("kind", SCHEDULE_KINDS)
+@pytest.mark.parametrize("kind", LIST_SCHEDULE_KINDS)
 @pytest.mark.parametrize("P,N", [(1, 1), (1, 4), (2, 1), (2, 7), (3, 8), (4, 5), (5, 3), (8, 16), (6, 30)])
 def test_every_list_is_well_formed(kind, P, N):
     for k, tasks in enumerate(build_schedule(kind, P, N)):

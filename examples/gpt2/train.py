@@ -21,6 +21,7 @@ from model import GPT, GPTConfig  # noqa: E402
 
 import varuna  # noqa: E402
 from varuna.core.extras import MissingExtra  # noqa: E402
+from varuna.core.schedule import SCHEDULE_KINDS  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -28,7 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="total optimizer steps")
     p.add_argument("--global-batch-size", type=int, default=32)
     p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--schedule", default="varuna", choices=["varuna", "gpipe", "1f1b"])
+    p.add_argument("--schedule", default="varuna", choices=list(SCHEDULE_KINDS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-out", type=Path, help="JSON Lines, one object per step")
     p.add_argument(

@@ -20,6 +20,11 @@ token to ``/etc/varuna/token`` (mode 600), runs ``setup_command`` (e.g. ``pip in
 'varuna[manager]==X'``) and starts ``python3 -m manager.vm_agent``. Note that ``customData`` is readable by
 anyone who can read the scale set in the subscription; use a dedicated token per deployment.
 
+Note [One scale set per VM type]: a job with several VM types (``[[vm_types]]``, issue #19) gets
+one scale set per type, ``<scale set>-<type>``, created with that type's ``vm_size`` (and
+``max_price``, ``image`` when the type sets them): a scale set has one VM size. Instances are
+named ``<scale set>-<type>_<n>``, so a registering VM's type is its scale set's.
+
 Everything is reached through the SDK client, so tests replace its HTTP transport (azure-core
 ``HttpTransport``) with recorded responses: tests/test_manager_azure.py. Nothing here has run
 against real Azure from this repository's CI (it has no Azure access).
@@ -28,6 +33,8 @@ against real Azure from this repository's CI (it has no Azure access).
 from __future__ import annotations
 
 import base64
+import dataclasses
+import re
 import shlex
 import time
 from collections.abc import Mapping, Sequence
@@ -37,9 +44,12 @@ from typing import Any
 from manager.providers import NewVM, ProviderContext
 from manager.scheduled_events import DEFAULT_METADATA_URL
 from manager.store import VMRecord
+from manager.vm_types import TYPE_PROVIDER_OPTIONS
 from varuna.core.extras import require_extra
 
 __all__ = ["AzureProvider", "AzureProviderOptions", "agent_custom_data"]
+
+TYPE_OPTION_KEYS = TYPE_PROVIDER_OPTIONS["azure"]
 
 _IMDS_NAME_URL = "http://169.254.169.254/metadata/instance/compute/name?api-version=2021-02-01&format=text"
 
@@ -193,11 +203,22 @@ class AzureProvider:
             self._token = load_token(self.context.token_file)
         return self._token
 
-    def scale_set_model(self, job_id: str, slots: int, capacity: int) -> Any:
+    def _typed(self, job_id: str, type_options: Mapping[str, Any] | None) -> tuple[AzureProviderOptions, str]:
+        """The options and scale set for VMs of a type (Note [One scale set per VM type])."""
+        if not type_options or not type_options.get("vm_type"):
+            return self.options, self._scale_set_name(job_id)
+        overrides = {k: v for k, v in type_options.items() if k in TYPE_OPTION_KEYS}
+        vm_type = re.sub(r"[^A-Za-z0-9-]", "-", str(type_options["vm_type"]))
+        name = f"{self._scale_set_name(job_id)[: 63 - len(vm_type)]}-{vm_type}"
+        return dataclasses.replace(self.options, **overrides), name
+
+    def scale_set_model(
+        self, job_id: str, slots: int, capacity: int, options: AzureProviderOptions | None = None
+    ) -> Any:
         """The scale set to create: spot instances, eviction policy Delete, the agent in customData."""
         from azure.mgmt.compute import models as m
 
-        o = self.options
+        o = options or self.options
         profile = m.VirtualMachineScaleSetVMProfile(
             priority="Spot",
             eviction_policy="Delete",
@@ -258,14 +279,11 @@ class AzureProvider:
         created_so_far: int,
         type_options: Mapping[str, Any] | None = None,
     ) -> list[NewVM]:
-        if type_options:
-            # One scale set per job with one VM size: a job moving between VM types would need
-            # one per type (docs/pool.md, Not done yet).
-            raise RuntimeError("the azure provider does not run shared-pool jobs yet; use the local provider")
         from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
         from azure.mgmt.compute import models as m
 
-        o, name, count = self.options, self._scale_set_name(job_id), len(names)
+        o, name = self._typed(job_id, type_options)
+        count = len(names)
         if count == 0:
             return []
         try:
@@ -277,7 +295,7 @@ class AzureProvider:
                 # polling=False: the instances register themselves when they boot; waiting for the
                 # long-running operation here would only hold up the manager.
                 self.client.virtual_machine_scale_sets.begin_create_or_update(
-                    o.resource_group, name, self.scale_set_model(job_id, slots, count), polling=False
+                    o.resource_group, name, self.scale_set_model(job_id, slots, count, o), polling=False
                 )
             else:
                 capacity = int((current.sku.capacity if current.sku else 0) or 0) + count
@@ -318,15 +336,16 @@ class AzureProvider:
                 f"azure: cannot delete {vm.vm_id}: {exc.message or exc}".splitlines()[0]
             ) from exc
 
-    def list_instances(self, job_id: str) -> dict[str, str]:
-        """``{instance name: provisioning state}`` of the job's scale set (empty if it does not exist)."""
+    def list_instances(self, job_id: str, scale_set: str | None = None) -> dict[str, str]:
+        """``{instance name: provisioning state}`` of the job's scale set (or ``scale_set``, one
+        VM type's; empty if it does not exist)."""
         from azure.core.exceptions import ResourceNotFoundError
 
         try:
             return {
                 vm.name: str((vm.provisioning_state if hasattr(vm, "provisioning_state") else "") or "")
                 for vm in self.client.virtual_machine_scale_set_vms.list(
-                    self.options.resource_group, self._scale_set_name(job_id)
+                    self.options.resource_group, scale_set or self._scale_set_name(job_id)
                 )
             }
         except ResourceNotFoundError:
@@ -337,7 +356,10 @@ class AzureProvider:
         if not known or time.monotonic() - self._last_list < self.options.list_interval_s:
             return []
         self._last_list = time.monotonic()
-        self._listed = self.list_instances(known[0].job_id)
+        scale_sets = {vm.ref.get("scale_set") or self._scale_set_name(vm.job_id) for vm in known}
+        self._listed = {}
+        for scale_set in sorted(scale_sets):  # one per VM type of the job
+            self._listed.update(self.list_instances(known[0].job_id, scale_set))
         return [
             vm.vm_id
             for vm in known

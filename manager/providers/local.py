@@ -142,6 +142,10 @@ class LocalProvider:
         limit = self.options.max_created
         if self.options.capacity_file:
             limit = read_capacity(self.options.capacity_file)
+        if "max_created" in (type_options or {}):
+            # A job's VM type with a spot capacity of its own (manager.vm_types); created_so_far
+            # then counts the VMs of that type.
+            limit = int((type_options or {})["max_created"])
         if limit is not None:
             count = max(0, min(count, limit - created_so_far))
         out: list[NewVM] = []

@@ -38,7 +38,9 @@ def main() -> None:
     p.add_argument("--unkeyed-data", action="store_true")
     p.add_argument("--no-deterministic", action="store_true")
     p.add_argument("--schedule", default="varuna")
+    p.add_argument("--replica-shares", default=None, help="micro-batches per replica, e.g. 5,1")
     a = p.parse_args()
+    shares = tuple(int(x) for x in a.replica_shares.split(",")) if a.replica_shares else None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo")
     model = build_model("gpt", dropout=0.1)
@@ -48,7 +50,8 @@ def main() -> None:
         varuna.VarunaConfig(global_batch_size=M, micro_batch_size=a.micro_batch_size, seed=3,
                             schedule=a.schedule,
                             max_grad_norm=1.0, deterministic=not a.no_deterministic,
-                            canonical_reduction=not a.no_canonical, rng_keyed=not a.unkeyed_rng),
+                            canonical_reduction=not a.no_canonical, rng_keyed=not a.unkeyed_rng,
+                            replica_shares=shares),
         example_batch=batch_for(0, M),
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
     )
@@ -60,7 +63,9 @@ def main() -> None:
     digests = {n: hashlib.sha256(q.detach().contiguous().numpy().tobytes()).hexdigest()
                for n, q in engine.named_parameters()}
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / f"rank{engine.layout.rank}.json").write_text(json.dumps({"losses": losses, "digests": digests}))
+    report = {"losses": losses, "digests": digests, "Nm": [len(p) for p in engine.micro_plan],
+              "stage_ranges": engine.stage_ranges}
+    (a.out / f"rank{engine.layout.rank}.json").write_text(json.dumps(report))
     engine.close()
 
 

@@ -48,6 +48,7 @@ from varuna.core.calibration_sections import (
     SegmentCalibration,
     SendStat,
 )
+from varuna.core.calibration_types import SegmentCompute, VmType, for_type, with_types
 
 __all__ = [
     "CALIBRATION_VERSION",
@@ -64,10 +65,16 @@ __all__ = [
     "RuntimeOverheads",
     "Calibration",
     "plan_model_mismatch",
+    "SegmentCompute",
+    "VmType",
 ]
 
-#: The schema version this code reads and writes. Bump on any incompatible change.
-CALIBRATION_VERSION = 1
+#: The schema version this code writes. Bump on any incompatible change. Version 2 added the
+#: optional ``types`` section (VM types, ``varuna/core/calibration_types.py``): a version-1 reader
+#: would ignore it and plan a mixed cluster as if every VM were the profiled one.
+CALIBRATION_VERSION = 2
+#: Versions this code reads: a version-1 file is a version-2 file without ``types``.
+READABLE_VERSIONS = (1, 2)
 
 _FREE_BW = 1e18  # bytes/s of the synthetic "free" links
 
@@ -99,6 +106,9 @@ class Calibration:
     """The profiler's diagnostics (file key ``profiler``: fit errors, peak memory, settings, run
     history; ``docs/profiling.md``). Opaque to this module: any JSON object, kept as it is through
     load and save."""
+    types: dict[str, VmType] = field(default_factory=dict)
+    """VM types (file key ``types``, version 2): each type's compute, own or the base's over its
+    speed (:meth:`for_type`); empty: one type, the profiled host's."""
     source: str = field(default="calibration", compare=False)
     """Where it was loaded from (used in error messages; not stored)."""
 
@@ -122,6 +132,9 @@ class Calibration:
             out["runtime_overheads"] = self.runtime_overheads.to_dict()
         if self.profiler is not None:
             out["profiler"] = _json_copy(self.profiler, "profiler")
+        if self.types:
+            out["version"] = max(self.version, 2)  # a version-1 reader must not drop the types
+            out["types"] = {name: t.to_dict() for name, t in self.types.items()}
         return out
 
     @classmethod
@@ -133,10 +146,11 @@ class Calibration:
                 f"expected a JSON object at the top level, got {type(data).__name__} — {REPROFILE_FIX}"
             )
         version = r.get(data, "version", "", "int")
-        if version != CALIBRATION_VERSION:
+        if version not in READABLE_VERSIONS:
             raise r.fail(
-                f"unsupported calibration version {version} (this varuna reads version "
-                f"{CALIBRATION_VERSION}) — re-run varuna-profile with this varuna to regenerate it"
+                f"unsupported calibration version {version} (this varuna reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}) — re-run varuna-profile with this varuna "
+                "to regenerate it"
             )
         model = ModelInfo._read(r, r.get(data, "model", "", "dict"), "model")
         ms = [
@@ -169,6 +183,11 @@ class Calibration:
             data.get("runtime_overheads"), "runtime_overheads", "dict", optional=True, fix=REMEASURE_FIX
         )
         prof = r.check(data.get("profiler"), "profiler", "dict", optional=True)
+        types = r.check(data.get("types"), "types", "dict", optional=True)
+        if types is not None and version < 2:
+            raise r.fail(
+                "field 'types' needs calibration version 2 (this file says 1) — set \"version\": 2"
+            )
         return cls(
             version=version,
             created=r.get(data, "created", "", "str"),
@@ -185,6 +204,9 @@ class Calibration:
             if runtime is None
             else RuntimeOverheads._read(r, runtime, "runtime_overheads"),
             profiler=None if prof is None else _json_copy(prof, "profiler"),
+            types={
+                name: VmType._read(r, name, t, model.num_segments, n) for name, t in (types or {}).items()
+            },
             source=source,
         )
 
@@ -346,6 +368,17 @@ class Calibration:
     def optimizer_s(self, param_bytes: float) -> float:
         """Optimizer step time for ``param_bytes`` bytes of parameters."""
         return param_bytes * self.optimizer_s_per_param_byte
+
+    # -- VM types (version 2) ------------------------------------------------------------------
+
+    def for_type(self, name: str) -> Calibration:
+        """This calibration as measured on VM type ``name`` (``calibration_types.for_type``)."""
+        return for_type(self, name)
+
+    def with_types(self, per_type: dict[str, Calibration], *, memory_bytes: dict[str, int] | None = None
+                   ) -> Calibration:
+        """A copy holding each of ``per_type`` as a VM type (``calibration_types.with_types``)."""
+        return with_types(self, per_type, memory_bytes=memory_bytes)
 
     # -- synthetic files (tests, benchmarks, what-if studies) ---------------------------------
 

@@ -83,7 +83,14 @@ def is_passthrough(name: str) -> bool:
 
 #: The run plan (:class:`RunPlan`): what the launcher or the manager planned this job for. They
 #: travel as pass-through ``VARUNA_*`` variables so older launch paths keep working.
-PLAN_VARS = ("VARUNA_GLOBAL_BATCH_SIZE", "VARUNA_MICRO_BATCH_SIZE", "VARUNA_SCHEDULE", "VARUNA_STAGE_RANGES")
+PLAN_VARS = (
+    "VARUNA_GLOBAL_BATCH_SIZE",
+    "VARUNA_MICRO_BATCH_SIZE",
+    "VARUNA_SCHEDULE",
+    "VARUNA_STAGE_RANGES",
+    "VARUNA_REPLICA_SHARES",
+    "VARUNA_STAGE_SPEEDS",
+)
 
 
 # Hint appended to "variable missing" errors: the usual cause is running a worker script by hand.
@@ -323,6 +330,11 @@ class RunPlan:
     stage_ranges: tuple[tuple[int, int], ...] | None = None
     """Inclusive segment range of each stage chosen by auto-config (``VARUNA_STAGE_RANGES``,
     ``"0-3,4-7"``)."""
+    replica_shares: tuple[int, ...] | None = None
+    """Micro-batches per replica on a cluster of mixed VM types (``VARUNA_REPLICA_SHARES``,
+    ``"3,1"``; docs/determinism.md "Mixed VM types")."""
+    stage_speeds: tuple[float, ...] | None = None
+    """Relative speed of each stage's VM, for the stage split (``VARUNA_STAGE_SPEEDS``, ``"1,1.6"``)."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "micro_batch_size"):
@@ -331,6 +343,10 @@ class RunPlan:
                 raise ValueError(f"RunPlan: {name} must be >= 1, got {value}")
         if self.stage_ranges is not None:
             object.__setattr__(self, "stage_ranges", tuple((int(a), int(b)) for a, b in self.stage_ranges))
+        if self.replica_shares is not None:
+            object.__setattr__(self, "replica_shares", tuple(self.replica_shares))
+        if self.stage_speeds is not None:
+            object.__setattr__(self, "stage_speeds", tuple(float(v) for v in self.stage_speeds))
 
     def to_env(self) -> dict[str, str]:
         """The ``VARUNA_*`` variables for the planned fields (unplanned ones are left out)."""
@@ -343,6 +359,10 @@ class RunPlan:
             out["VARUNA_SCHEDULE"] = self.schedule
         if self.stage_ranges is not None:
             out["VARUNA_STAGE_RANGES"] = ",".join(f"{a}-{b}" for a, b in self.stage_ranges)
+        if self.replica_shares is not None:
+            out["VARUNA_REPLICA_SHARES"] = ",".join(str(x) for x in self.replica_shares)
+        if self.stage_speeds is not None:
+            out["VARUNA_STAGE_SPEEDS"] = ",".join(repr(v) for v in self.stage_speeds)
         return out
 
     @classmethod
@@ -374,7 +394,21 @@ class RunPlan:
             micro_batch_size=get_int("VARUNA_MICRO_BATCH_SIZE"),
             schedule=environ.get("VARUNA_SCHEDULE") or None,
             stage_ranges=ranges,
+            replica_shares=_parse_list(environ, "VARUNA_REPLICA_SHARES", int, "3,1"),
+            stage_speeds=_parse_list(environ, "VARUNA_STAGE_SPEEDS", float, "1,1.6"),
         )
+
+
+def _parse_list(environ: Mapping[str, str], name: str, kind: type, example: str) -> tuple | None:
+    raw = environ.get(name)
+    if not raw:
+        return None
+    try:
+        return tuple(kind(part) for part in raw.split(","))
+    except ValueError:
+        raise ValueError(
+            f"RunPlan: {name}={raw!r} is not a comma-separated list of {kind.__name__}s like {example!r}"
+        ) from None
 
 
 def _parse_range(text: str) -> tuple[int, int]:

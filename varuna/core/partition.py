@@ -11,6 +11,13 @@ suffix sum of last-stage costs), each tested in O(K) — the last stage takes a 
 is a prefix split by greedy-from-the-left, which is optimal for every prefix at once. For K=96
 cut-points that is ~5k candidates sorted once and ~13 O(K) tests per pipeline depth.
 
+Stages on VMs of different speeds (``speeds``, relative throughput per stage, in pipeline
+order): a segment costing c takes c / speeds[i] on stage i, and the most expensive stage *time* is
+minimised, so a stage on a slower VM gets less of the model. Stage order fixes which VM holds
+which stage, so the greedy test above no longer applies (a slow stage can make a single segment
+too costly for it alone); an exact O(P·K²) dynamic programme over (stage, first segment) is used
+instead (K=96, P=36: ~0.2 M steps). Equal speeds take the homogeneous path, whose plans do not move.
+
 Ranges are ``(first, last)`` segment indices, inclusive.
 
 Example::
@@ -19,6 +26,8 @@ Example::
     [(0, 1), (2, 2), (3, 5)]
     >>> balanced_stages([3, 3, 3, 3], [2, 2, 2, 2], 2)   # last stage is cheaper: it takes 3
     [(0, 0), (1, 3)]
+    >>> balanced_partition([1, 1, 1, 1, 1, 1], 2, speeds=[2, 1])   # stage 0 is twice as fast
+    [(0, 3), (4, 5)]
 """
 
 from __future__ import annotations
@@ -27,7 +36,14 @@ import heapq
 import math
 from collections.abc import Sequence
 
-__all__ = ["balanced_partition", "balanced_stages", "candidate_maxima", "stage_costs", "stage_of_segment"]
+__all__ = [
+    "balanced_partition",
+    "balanced_stages",
+    "candidate_maxima",
+    "check_speeds",
+    "stage_costs",
+    "stage_of_segment",
+]
 
 
 def candidate_maxima(full: Sequence[float], last: Sequence[float]) -> list[float]:
@@ -134,6 +150,7 @@ def balanced_stages(
     candidates: Sequence[float] | None = None,
     weights: Sequence[float] | None = None,
     capacity: float = math.inf,
+    speeds: Sequence[float] | None = None,
 ) -> list[tuple[int, int]]:
     """Contiguous ranges of segments for ``num_stages`` stages minimising the costliest stage.
 
@@ -141,11 +158,14 @@ def balanced_stages(
     (F+B). ``candidates`` (from :func:`candidate_maxima`) can be passed to reuse the sort across
     pipeline depths. With ``weights`` (e.g. bytes of parameters, gradients and optimizer state)
     every stage's summed weight must also stay within ``capacity``; ``ValueError`` if impossible.
+    ``speeds[i]``: relative speed of stage i's device (its time is its cost / speeds[i]).
 
     >>> balanced_stages([1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], 3)
     [(0, 1), (2, 3), (4, 5)]
     >>> balanced_stages([3, 3, 3, 3], [2, 2, 2, 2], 2, weights=[1, 1, 1, 1], capacity=2)
     [(0, 1), (2, 3)]
+    >>> balanced_stages([3, 3, 3, 3], [2, 2, 2, 2], 2, speeds=[1.0, 0.25])   # a slow last stage
+    [(0, 2), (3, 3)]
     """
     n = len(full)
     if len(last) != n or (weights is not None and len(weights) != n):
@@ -155,6 +175,12 @@ def balanced_stages(
             f"cannot split {n} segments into {num_stages} stages; use a pipeline depth between 1 "
             f"and {n} (the number of cut-points + 1)"
         )
+    if speeds is not None:
+        problem = check_speeds(speeds, num_stages)
+        if problem is not None:
+            raise ValueError(problem)
+        if len(set(speeds)) > 1:
+            return _split_by_speed(full, last, [float(v) for v in speeds], weights, capacity)
     cands = list(candidates) if candidates is not None else candidate_maxima(full, last)
     lo, hi = 0, len(cands) - 1
     best = _split(full, last, num_stages, cands[hi], weights, capacity)
@@ -172,23 +198,105 @@ def balanced_stages(
     return best
 
 
+def check_speeds(speeds: Sequence[float], num_stages: int) -> str | None:
+    """Why ``speeds`` cannot be the per-stage speeds of a ``num_stages``-stage pipeline (one line
+    naming the fix), or None.
+
+    >>> print(check_speeds([1.0, 0.0], 2))
+    stage_speeds [1.0, 0.0]: every speed must be finite and > 0 (relative throughput of the stage's VM)
+    """
+    speeds = list(speeds)
+    if len(speeds) != num_stages:
+        return (
+            f"stage_speeds {speeds} has {len(speeds)} value(s) but the pipeline has P={num_stages} stages; "
+            "give one per stage"
+        )
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf for v in speeds):
+        return (
+            f"stage_speeds {speeds}: every speed must be finite and > 0 "
+            "(relative throughput of the stage's VM)"
+        )
+    return None
+
+
+def _split_by_speed(
+    full: Sequence[float],
+    last: Sequence[float],
+    speeds: list[float],
+    weights: Sequence[float] | None,
+    capacity: float,
+) -> list[tuple[int, int]]:
+    """Exact min-max stage time for per-stage ``speeds`` (see the module docstring)."""
+    n, P = len(full), len(speeds)
+    pf, pl, pw = [0.0], [0.0], [0.0]
+    for i in range(n):
+        pf.append(pf[-1] + full[i])
+        pl.append(pl[-1] + last[i])
+        pw.append(pw[-1] + (weights[i] if weights is not None else 0.0))
+    wcap = capacity * (1 + 1e-12)
+    inf = math.inf
+    # best[k][j]: least max time of stages 0..k-1 (non-last) covering segments [0, j); arg for rebuild.
+    best = [[inf] * (n + 1) for _ in range(P)]
+    arg = [[-1] * (n + 1) for _ in range(P)]
+    best[0][0] = 0.0
+    for k in range(1, P):
+        sp = speeds[k - 1]
+        for j in range(k, n - (P - k) + 1):
+            for i in range(k - 1, j):
+                if best[k - 1][i] == inf or pw[j] - pw[i] > wcap:
+                    continue
+                t = max(best[k - 1][i], (pf[j] - pf[i]) / sp)
+                if t < best[k][j]:
+                    best[k][j], arg[k][j] = t, i
+    top, cut = inf, -1
+    for i in range(P - 1, n):
+        if best[P - 1][i] == inf or pw[n] - pw[i] > wcap:
+            continue
+        t = max(best[P - 1][i], (pl[n] - pl[i]) / speeds[P - 1])
+        if t < top:
+            top, cut = t, i
+    if cut < 0:
+        raise ValueError(
+            f"no split of {n} segments into {P} stages keeps every stage within {capacity:.6g}"
+        )
+    ranges = [(cut, n - 1)]
+    j = cut
+    for k in range(P - 1, 0, -1):
+        i = arg[k][j]
+        ranges.append((i, j - 1))
+        j = i
+    return ranges[::-1]
+
+
 def stage_costs(
-    full: Sequence[float], last: Sequence[float], ranges: Sequence[tuple[int, int]]
+    full: Sequence[float],
+    last: Sequence[float],
+    ranges: Sequence[tuple[int, int]],
+    speeds: Sequence[float] | None = None,
 ) -> list[float]:
-    """Cost of each stage of ``ranges`` (the last uses ``last`` costs)."""
+    """Cost of each stage of ``ranges`` (the last uses ``last`` costs); with ``speeds``, its time
+    (cost / speed).
+
+    >>> stage_costs([3, 3, 3, 3], [2, 2, 2, 2], [(0, 2), (3, 3)], speeds=[1.0, 0.25])
+    [9.0, 8.0]
+    """
     out = []
     for k, (a, b) in enumerate(ranges):
         src = last if k == len(ranges) - 1 else full
-        out.append(sum(src[a : b + 1]))
+        c = sum(src[a : b + 1])
+        out.append(c / speeds[k] if speeds is not None else c)
     return out
 
 
-def balanced_partition(costs: Sequence[float], num_stages: int) -> list[tuple[int, int]]:
-    """:func:`balanced_stages` when every stage, the last included, pays the same cost per segment."""
+def balanced_partition(
+    costs: Sequence[float], num_stages: int, speeds: Sequence[float] | None = None
+) -> list[tuple[int, int]]:
+    """:func:`balanced_stages` when every stage, the last included, pays the same cost per segment
+    (divided by its ``speeds`` entry when given)."""
     for c in costs:
         if c < 0:
             raise ValueError(f"segment costs must be >= 0, got {c}")
-    return balanced_stages(costs, costs, num_stages)
+    return balanced_stages(costs, costs, num_stages, speeds=speeds)
 
 
 def stage_of_segment(ranges: Sequence[tuple[int, int]]) -> list[int]:

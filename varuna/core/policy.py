@@ -116,6 +116,7 @@ class StagePolicy:
         "_plan",
         "_ngrad",
         "_feeds",
+        "_first",
     )
 
     def __init__(
@@ -126,6 +127,7 @@ class StagePolicy:
         opportunistic: bool = True,
         *,
         stash_headroom: int = DEFAULT_STASH_HEADROOM,
+        chunked: bool = False,
         _template: _PolicyTemplate | None = None,
     ):
         if stash_headroom < 0:
@@ -142,9 +144,13 @@ class StagePolicy:
         self._rec = tpl.recomputed  # shared, read-only
         self._plan = tpl.planned_downstream  # shared, read-only
         self._ngrad = 0  # gradients arrived for micro-batches whose forward is done
-        self._feeds = opportunistic and stage != num_stages - 1  # Note [Keeping the next stage fed]
+        # ``chunked``: one device of an interleaved pipeline (varuna/core/interleaved.py): no
+        # micro-batch is implicitly a source or a sink, its caller marks them with ``arrived``;
+        # the feeding rule assumes backwards in micro-batch order, which interleaved lists lack.
+        self._first = stage == 0 and not chunked
+        self._last = stage == num_stages - 1 and not chunked
+        self._feeds = opportunistic and not self._last and not chunked  # Note [Keeping the next stage fed]
         self._st = bytearray(tpl.num_microbatches)
-        self._last = stage == num_stages - 1
         self._cap = tpl.peak + stash_headroom
         self._awaiting_b: int | None = None
         self._head = 0
@@ -159,7 +165,7 @@ class StagePolicy:
 
     @property
     def is_first(self) -> bool:
-        return self.stage == 0
+        return self._first
 
     @property
     def is_last(self) -> bool:
@@ -209,7 +215,7 @@ class StagePolicy:
             return False
         s = self._st[i]
         if task.op == FORWARD:
-            return i == self._next_f and (self.stage == 0 or s & _A != 0)
+            return i == self._next_f and (self._first or s & _A != 0)
         if task.op == RECOMPUTE:
             return s & _F != 0
         if not s & _F:
@@ -235,7 +241,7 @@ class StagePolicy:
         i, op = first.microbatch, first.op
         s = self._st[i]
         if op == FORWARD:
-            if i == self._next_f and (self.stage == 0 or s & _A):
+            if i == self._next_f and (self._first or s & _A):
                 return first
         elif op == RECOMPUTE:
             if s & _F:
@@ -262,7 +268,7 @@ class StagePolicy:
         # Note [Filling the wait]: a graph-less forward may use the gap.
         if self.opportunistic and self._live < self._cap:
             i = self._next_f
-            if i < len(st) and self._rec[i] and (self.stage == 0 or st[i] & _A):
+            if i < len(st) and self._rec[i] and (self._first or st[i] & _A):
                 p = pos[3 * i]
                 if p >= 0 and not done_pos[p]:
                     return tasks[p]
@@ -277,7 +283,7 @@ class StagePolicy:
         best = n
         i = self._next_f
         j = 3 * i
-        if j < size and pos[j] >= 0 and not done_pos[pos[j]] and (self.stage == 0 or st[i] & _A):
+        if j < size and pos[j] >= 0 and not done_pos[pos[j]] and (self._first or st[i] & _A):
             best = pos[j]
         rec = self._rec
         for i in self._cand:
@@ -303,7 +309,7 @@ class StagePolicy:
         if i - self._ngrad >= self._plan[r.microbatch] or self._live >= self._cap or not self._feeds:
             return r
         st = self._st
-        if i < len(st) and self._rec[i] and (self.stage == 0 or st[i] & _A):
+        if i < len(st) and self._rec[i] and (self._first or st[i] & _A):
             p = self._pos[3 * i]
             if p >= 0 and not self._done_pos[p]:
                 return self.tasks[p]

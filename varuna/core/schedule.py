@@ -36,8 +36,22 @@ here by name (like torch pipelining's ``get_schedule_class``). Callers ask it --
 the name -- so a fact such as "the last 1f1b stage never recomputes" is stated once: the
 partitioner's costs (:meth:`~varuna.core.schedule_kind.ScheduleKind.balancing_costs`), the
 simulator's memory estimates and the auto-configurator's bounds all follow from it, and the
-tests check it against the task lists. ``SCHEDULE_KINDS`` are the kinds the runtime executes;
-``ALL_SCHEDULE_KINDS`` adds the simulation-only ``interleaved`` (``varuna/core/interleaved.py``).
+tests check it against the task lists. ``SCHEDULE_KINDS`` are the kinds the runtime executes
+(every registered one today, the chunked ``interleaved`` kinds of ``varuna/core/interleaved.py``
+included); ``ALL_SCHEDULE_KINDS`` adds any simulation-only kind; ``LIST_SCHEDULE_KINDS`` are those
+with one flat list per stage (:func:`build_schedule`).
+
+Note [2BW]: ``2bw`` is PipeDream-2BW (Narayanan et al., ICML'21), the one asynchronous kind
+(``weight_versions == 2``): the gradient of step t is computed on the weights W(t-2) (after t-2
+updates) while the update applies to the newest, W(t) = W(t-1) - lr * grad f_t(W(t-2)) with the
+optimizer's rule -- the update of step t is first used by step t+2. That lets mini-batch t+1's
+forwards start while mini-batch t's backwards drain: no pipeline flush, each micro-batch on one
+weight version on every stage. Its window (:meth:`TwoBWKind.window`) is therefore 1F1B over
+several mini-batches back to back (micro-batch s*Nm + i is micro-batch i of the s-th), what the
+simulator runs to price a step in steady state. The runtime keeps the version semantics exactly
+(``varuna/runtime/weight_versions.py``) but still runs each mini-batch's 1F1B list with a flush
+after it (docs/schedules.md says so). Training is NOT the same as on one device with the
+synchronous rule.
 """
 
 from __future__ import annotations
@@ -49,7 +63,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import ClassVar
 
-from varuna.core.interleaved import InterleavedKind
+from varuna.core.interleaved import InterleavedKind, VarunaInterleavedKind
 from varuna.core.policy import DEFAULT_STASH_HEADROOM, StagePolicy, _PolicyTemplate
 from varuna.core.schedule_kind import ScheduleKind
 from varuna.core.tasks import BACKWARD, FORWARD, RECOMPUTE, Task, recomputed
@@ -58,8 +72,10 @@ from varuna.core.zero_bubble import VarunaZBKind, ZBH1Kind, ZeroBubbleSchedule
 __all__ = [
     "SCHEDULE_KINDS",
     "ALL_SCHEDULE_KINDS",
+    "LIST_SCHEDULE_KINDS",
     "Schedule",
     "ListScheduleKind",
+    "TwoBWKind",
     "schedule_kind",
     "build_schedule",
     "get_schedule",
@@ -201,17 +217,59 @@ class OneFOneBKind(ListScheduleKind):
         return [_insert_recompute(t) for t in base] if recompute else base
 
 
+class TwoBWKind(OneFOneBKind):
+    """PipeDream-2BW (Narayanan et al., ICML'21), an opt-in ASYNCHRONOUS mode (Note [2BW]): two
+    weight versions per stage, gradients one step stale, mini-batches back to back in 1F1B order.
+
+    >>> from varuna.core.tasks import format_tasks
+    >>> format_tasks(schedule_kind("2bw").window(2, 2, 2, recompute=False).stages[0])
+    'F0 F1 B0 F2 B1 F3 B2 B3'
+    """
+
+    name: ClassVar[str] = "2bw"
+    weight_versions: ClassVar[int] = 2
+
+    def unsupported(self, num_stages: int, num_microbatches: int) -> str | None:
+        if num_microbatches < num_stages:
+            return (
+                f"the 2bw schedule needs at least P={num_stages} micro-batches per replica (got "
+                f"{num_microbatches}): with fewer, a mini-batch would start before the update two steps "
+                "back is made and two weight versions would not suffice; raise the global batch size or "
+                "lower the micro-batch size"
+            )
+        return None
+
+    def window(
+        self, num_stages: int, num_microbatches: int, steps: int, *, recompute: bool = True, chunks: int = 1
+    ) -> Schedule:
+        """1F1B over ``steps`` mini-batches without a flush between them (Note [2BW])."""
+        self.check_chunks(chunks)
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        if steps == 1:
+            return self.pipeline(num_stages, num_microbatches, recompute=recompute)
+        return _two_bw_window(num_stages, num_microbatches, steps, self.effective_recompute(recompute))
+
+
 _KINDS: Mapping[str, ScheduleKind] = MappingProxyType(
     {
         k.name: k
-        for k in (VarunaKind(), GPipeKind(), OneFOneBKind(), InterleavedKind(), ZBH1Kind(), VarunaZBKind())
+        for k in (
+            VarunaKind(), GPipeKind(), OneFOneBKind(), TwoBWKind(),
+            InterleavedKind(), VarunaInterleavedKind(), ZBH1Kind(), VarunaZBKind(),
+        )
     }
 )
 
 #: Schedule kinds the runtime can execute. ``1f1b`` is PipeDream-Flush.
 SCHEDULE_KINDS: tuple[str, ...] = tuple(name for name, k in _KINDS.items() if k.runtime)
-#: Every registered kind: the runtime's plus the simulation-only ones (``interleaved``).
+#: Every registered kind: the runtime's plus any simulation-only one.
 ALL_SCHEDULE_KINDS: tuple[str, ...] = tuple(_KINDS)
+#: The kinds with one flat list per stage (:func:`build_schedule`); the chunked ones
+#: (``interleaved``, ``varuna-interleaved``) build per-device chunk lists instead.
+LIST_SCHEDULE_KINDS: tuple[str, ...] = tuple(
+    n for n, k in _KINDS.items() if isinstance(k, (ListScheduleKind, ZBH1Kind))
+)
 
 
 def schedule_kind(name: str) -> ScheduleKind:
@@ -221,7 +279,7 @@ def schedule_kind(name: str) -> ScheduleKind:
     True
     >>> schedule_kind("pipedream")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ValueError: unknown schedule kind 'pipedream'; choose one of varuna, gpipe, 1f1b, interleaved, ...
+    ValueError: unknown schedule kind 'pipedream'; choose one of varuna, gpipe, 1f1b, 2bw, ...
     """
     kind = _KINDS.get(name)
     if kind is None:
@@ -239,7 +297,10 @@ def _check_sizes(num_stages: int, num_microbatches: int) -> None:
 def _runtime_kind(name: str) -> ListScheduleKind | ZBH1Kind:
     kind = _KINDS.get(name)
     if not isinstance(kind, (ListScheduleKind, ZBH1Kind)):
-        raise ValueError(f"unknown schedule kind {name!r}; choose one of {', '.join(SCHEDULE_KINDS)}")
+        raise ValueError(
+            f"unknown schedule kind {name!r} for flat lists; choose one of {', '.join(LIST_SCHEDULE_KINDS)} "
+            "(a chunked kind builds its lists with schedule_kind(name).pipeline(P, Nm, chunks=v))"
+        )
     return kind
 
 
@@ -282,6 +343,13 @@ def get_schedule(
     return Schedule(
         kind, num_stages, num_microbatches, rec and num_stages > 0, tuple(tuple(s) for s in stages)
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _two_bw_window(num_stages: int, num_microbatches: int, steps: int, recompute: bool) -> Schedule:
+    _check_sizes(num_stages, num_microbatches)
+    lists = _runtime_kind("2bw")._lists(num_stages, steps * num_microbatches, recompute)
+    return Schedule("2bw", num_stages, steps * num_microbatches, recompute, tuple(tuple(t) for t in lists))
 
 
 # ---------------------------------------------------------------------------------------------

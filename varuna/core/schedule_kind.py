@@ -56,6 +56,10 @@ class ScheduleKind(ABC):
     chunked: ClassVar[bool] = False
     #: Whether the backward is split into B (input gradient) and a later W (weight gradients).
     splits_backward: ClassVar[bool] = False
+    #: Versions of its weights a stage keeps: 1 for the synchronous kinds (a flush after every
+    #: mini-batch); 2 for PipeDream-2BW (``TwoBWKind`` in ``varuna/core/schedule.py``), whose
+    #: gradients are one step stale and whose mini-batches run back to back.
+    weight_versions: ClassVar[int] = 1
 
     def __repr__(self) -> str:
         return f"schedule_kind({self.name!r})"
@@ -74,6 +78,19 @@ class ScheduleKind(ABC):
         self, num_stages: int, num_microbatches: int, *, recompute: bool = True, chunks: int = 1
     ) -> Pipeline:
         """The per-stage policies of one pipeline of this kind (what the simulator drives)."""
+
+    def window(
+        self, num_stages: int, num_microbatches: int, steps: int, *, recompute: bool = True, chunks: int = 1
+    ) -> Pipeline:
+        """The lists of ``steps`` consecutive mini-batches run back to back (micro-batch
+        ``s·Nm + i`` is micro-batch i of the s-th): only a kind without a flush between
+        mini-batches has one longer than a single mini-batch."""
+        if steps != 1:
+            raise ValueError(
+                f"the {self.name} schedule flushes the pipeline after every mini-batch: its window is one "
+                "mini-batch (steps=1); only an asynchronous kind (2bw) runs mini-batches back to back"
+            )
+        return self.pipeline(num_stages, num_microbatches, recompute=recompute, chunks=chunks)
 
     def effective_recompute(self, recompute: bool) -> bool:
         """The recompute flag this kind runs with when asked for ``recompute``."""

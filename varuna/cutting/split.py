@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -357,6 +357,7 @@ def materialize_stage(
     device: torch.device,
     seed: int = 0,
     param_init: Callable[[str, nn.Module], None] | None = None,
+    segments: Collection[int] | None = None,
 ) -> dict[str, nn.Parameter]:
     """Turn ``model`` (in place) into the executable model of segments [first, last].
 
@@ -365,7 +366,8 @@ def materialize_stage(
     [Placeholders]). A ``meta`` model gets its stage's parameters created on ``device`` and
     initialised by ``param_init(module_name, module)`` under a per-module-name seed.
     """
-    segs = range(first_segment, last_segment + 1)
+    # ``segments``: an interleaved process's model chunks (several ranges) instead of one range.
+    segs = range(first_segment, last_segment + 1) if segments is None else frozenset(segments)
     params = _named_params(model)
     keep = {n for n, s in profile.param_segments.items() if any(x in segs for x in s)}
     # Wrap first: the meta shape dictionaries need the original parameter shapes.

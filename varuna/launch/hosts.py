@@ -3,10 +3,15 @@ counts, and which hosts a job uses (:func:`select_hosts`).
 
 A host file has one host per line, ``#`` starts a comment::
 
-    # user@host:port  slots=N      (user, port and slots are optional)
+    # user@host:port  slots=N  type=NAME      (user, port, slots and type are optional)
     localhost slots=2
     10.0.0.5
-    alice@gpu-7.example.com:2222 slots=4
+    alice@gpu-7.example.com:2222 slots=4 type=v100
+
+``type=NAME`` says which VM type the host is (issue #19, mixed VM types): either every host has a
+type or none. With types, ``varuna-launch`` places the ranks so that the mixed plan's stage→type
+map holds and tells the workers each replica's share and each stage's speed
+(:mod:`varuna.launch.mixed`).
 
 ``--hosts`` also takes the same entries comma-separated (``localhost,10.0.0.5:2222``). A plain
 ``localhost`` entry is a *pretend host*: its agent is started directly, without ssh, so a
@@ -44,6 +49,7 @@ __all__ = [
     "LOCALHOST",
     "HostEntry",
     "assign_slots",
+    "check_types",
     "parse_host_entry",
     "parse_host_file",
     "parse_hosts_arg",
@@ -58,6 +64,10 @@ _USER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}$")
 # [user@](name | IPv4 | [IPv6])[:port]; each part is validated further below.
 _ENTRY_RE = re.compile(r"^(?:(?P<user>[^@\s]+)@)?(?P<host>\[[^\]\s]*\]|[^:@\s\[\]]+)(?::(?P<port>[^:\s]*))?$")
 _SLOTS_RE = re.compile(r"^slots=(?P<n>[0-9]+)$")
+_FORM = "[user@]host[:port] [slots=N] [type=NAME]"
+
+# Same as varuna.launch.mixed.TYPE_NAME_RE (kept here: this module imports nothing of the launcher).
+_TYPE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 LOCALHOST = "localhost"
 
@@ -81,6 +91,8 @@ class HostEntry:
     """ssh port; None lets ssh choose (22 or ``~/.ssh/config``)."""
     slots: int | None = None
     """How many workers the host runs; None means ``--procs-per-host``."""
+    vm_type: str | None = None
+    """The host's VM type (``type=NAME``); None when the host file does not say."""
     origin: str = ""
     """Where the entry was written (``hosts.txt line 3``), for error messages."""
 
@@ -119,7 +131,7 @@ def _validate_host(host: str, text: str, origin: str) -> str:
             text,
             origin,
             "not a valid host name or IP address (letters, digits, '-' and '.' only;"
-            " write [user@]host[:port] [slots=N])",
+            f" write {_FORM})",
         )
     if re.fullmatch(r"[0-9.]+", host):
         try:
@@ -130,7 +142,7 @@ def _validate_host(host: str, text: str, origin: str) -> str:
 
 
 def parse_host_entry(text: str, *, origin: str = "") -> HostEntry:
-    """Parse and validate ``[user@]host[:port] [slots=N]``; ``ValueError`` names the entry.
+    """Parse and validate ``[user@]host[:port] [slots=N] [type=NAME]``; ``ValueError`` names the entry.
 
     Example::
 
@@ -146,7 +158,7 @@ def parse_host_entry(text: str, *, origin: str = "") -> HostEntry:
         raise _bad(text, origin, "empty entry")
     match = _ENTRY_RE.match(tokens[0])
     if match is None:
-        raise _bad(text, origin, "expected [user@]host[:port] [slots=N]")
+        raise _bad(text, origin, f"expected {_FORM}")
     user, host, port_text = match.group("user"), match.group("host"), match.group("port")
     if user is not None and not _USER_RE.match(user):
         raise _bad(text, origin, f"user name {user!r} is not valid (letters, digits, '_', '.', '-')")
@@ -156,17 +168,59 @@ def parse_host_entry(text: str, *, origin: str = "") -> HostEntry:
         if not re.fullmatch(r"[0-9]{1,5}", port_text) or not 0 < int(port_text) < 65536:
             raise _bad(text, origin, f"port {port_text!r} is not a TCP port (1..65535)")
         port = int(port_text)
+    slots, vm_type = _parse_options(tokens[1:], text, origin)
+    return HostEntry(host=host, user=user, port=port, slots=slots, vm_type=vm_type, origin=origin)
+
+
+def _parse_options(tokens: Sequence[str], text: str, origin: str) -> tuple[int | None, str | None]:
+    """``slots=N`` and ``type=NAME`` after the host, each at most once."""
     slots: int | None = None
-    for token in tokens[1:]:
+    vm_type: str | None = None
+    for token in tokens:
+        key, sep, value = token.partition("=")
+        if not sep or key not in ("slots", "type"):
+            raise _bad(text, origin, f"unexpected {token!r}; only slots=N and type=NAME may follow the host")
+        if key == "type":
+            if vm_type is not None:
+                raise _bad(text, origin, "type= given twice")
+            if not _TYPE_RE.match(value):
+                why = f"type {value!r} is not a VM type name (1-64 letters, digits, '_', '.', '-')"
+                raise _bad(text, origin, why)
+            vm_type = value
+            continue
         slot_match = _SLOTS_RE.match(token)
         if slot_match is None:
-            raise _bad(text, origin, f"unexpected {token!r}; only slots=N may follow the host")
+            raise _bad(text, origin, f"slots {value!r} is not a whole number; write slots=N")
         if slots is not None:
             raise _bad(text, origin, "slots= given twice")
         slots = int(slot_match.group("n"))
         if slots < 1:
             raise _bad(text, origin, "slots must be >= 1")
-    return HostEntry(host=host, user=user, port=port, slots=slots, origin=origin)
+    return slots, vm_type
+
+
+def check_types(entries: Sequence[HostEntry]) -> bool:
+    """Whether the hosts say their VM types; ``ValueError`` (one line) when only some do.
+
+    Example::
+
+        >>> check_types(parse_hosts_arg("a type=x,b type=y"))
+        True
+        >>> check_types(parse_hosts_arg("a type=x,b"))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: host entry 'b' (--hosts entry 2) has no type= but other hosts do; ...
+    """
+    typed = [e for e in entries if e.vm_type is not None]
+    if not typed:
+        return False
+    untyped = next((e for e in entries if e.vm_type is None), None)
+    if untyped is not None:
+        raise ValueError(
+            f"host entry {untyped.display!r} ({untyped.origin}) has no type= but other hosts do;"
+            " give type=NAME on every host or on none"
+        )
+    return True
 
 
 def parse_host_file(path: str | os.PathLike[str]) -> list[HostEntry]:
@@ -188,7 +242,7 @@ def parse_host_file(path: str | os.PathLike[str]) -> list[HostEntry]:
             if text:
                 entries.append(parse_host_entry(text, origin=f"{name} line {lineno}"))
     if not entries:
-        raise ValueError(f"host file {name} lists no hosts; write one [user@]host[:port] [slots=N] per line")
+        raise ValueError(f"host file {name} lists no hosts; write one {_FORM} per line")
     return entries
 
 

@@ -35,9 +35,10 @@ import sys
 from varuna.core.batching import microbatch_counts
 from varuna.core.cli import OneLineParser
 from varuna.core.schedule import SCHEDULE_KINDS
-from varuna.launch.hosts import HostEntry, assign_slots, parse_hosts_arg, select_hosts
+from varuna.launch.hosts import HostEntry, assign_slots, check_types, parse_hosts_arg, select_hosts
 from varuna.launch.job import check_hosts_capacity, check_local_script, launch, launch_on_hosts
 from varuna.launch.layout import LAYOUT_REQUIRED, Layout, resolve_layout
+from varuna.launch.mixed import parse_type_speeds, place_ranks, plan_cluster
 from varuna.launch.procs import is_loopback
 from varuna.launch.spec import (
     MAX_PROCS_PER_HOST_CEILING,
@@ -95,8 +96,15 @@ def _add_placement_args(parser: argparse.ArgumentParser) -> None:
         "--hosts",
         default=None,
         metavar="FILE|H1,H2,...",
-        help="host file or comma-separated list of [user@]host[:port] [slots=N]; a plain 'localhost' is a"
-        " pretend host on this machine (no ssh)",
+        help="host file or comma-separated list of [user@]host[:port] [slots=N] [type=NAME]; a plain"
+        " 'localhost' is a pretend host on this machine (no ssh)",
+    )
+    where.add_argument(
+        "--type-speeds",
+        default=None,
+        metavar="T1=S1,...",
+        help="relative speed of each VM type named by the hosts' type= (e.g. fast=1.6,slow=1): ranks are"
+        " placed by type and each replica's share and stage's speed go to the workers (docs/launch.md)",
     )
     where.add_argument(
         "--procs-per-host", type=int, default=None, metavar="K", help="slots of hosts without slots=N"
@@ -301,6 +309,8 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
         return "argument required: --procs N (this machine) or --hosts FILE|H1,H2,..."
     if args.procs_per_host is not None and args.hosts is None:
         return "--procs-per-host needs --hosts"
+    if args.type_speeds is not None and args.hosts is None:
+        return "--type-speeds needs --hosts whose lines say type=NAME"
     if args.pipeline_depth is None and args.calibration is None:
         return LAYOUT_REQUIRED
     if args.script is None:
@@ -407,6 +417,7 @@ def _main_hosts(args: argparse.Namespace, config: LaunchConfig) -> int:
     raise ``ValueError`` (exit 2); a job that cannot be placed exits 1."""
     entries = assign_slots(parse_hosts_arg(args.hosts), args.procs_per_host)
     check_hosts_capacity(entries, args.max_procs_per_host)
+    speeds = _type_speeds(args, entries)
     ssh = SshOptions(
         key_file=args.ssh_key or os.environ.get("VARUNA_SSH_KEY") or None,
         known_hosts_file=args.ssh_known_hosts or os.environ.get("VARUNA_SSH_KNOWN_HOSTS") or None,
@@ -424,6 +435,14 @@ def _main_hosts(args: argparse.Namespace, config: LaunchConfig) -> int:
     if not reachable:
         _say(f"cannot launch: no host is reachable{left_out}")
         return EXIT_WORKER_FAILED
+    if speeds is not None and args.data_parallel is None and args.calibration and args.global_batch_size:
+        # Auto-config on hosts of several types: the mixed planner picks P×D, m, the map, the shares.
+        try:
+            layout, used, config = _place_by_type(None, reachable, speeds, config, args)
+        except ValueError as exc:
+            _say(f"cannot launch: {exc}{left_out}")
+            return EXIT_WORKER_FAILED
+        return _launch_hosts(args, config, layout, used, ssh, unreachable)
     try:
         layout = resolve_layout(
             slots=[e.slots or 0 for e in reachable],
@@ -438,8 +457,27 @@ def _main_hosts(args: argparse.Namespace, config: LaunchConfig) -> int:
     except ValueError as exc:
         _say(f"cannot launch: {exc}{left_out}")
         return EXIT_WORKER_FAILED
+    if speeds is not None:
+        try:
+            layout, used, config = _place_by_type(layout, reachable, speeds, config, args)
+        except ValueError as exc:
+            _say(f"cannot launch: {exc}{left_out}")
+            return EXIT_WORKER_FAILED
+    else:
+        used = select_hosts(reachable, layout.pipeline_depth * layout.data_parallel)
+    return _launch_hosts(args, config, layout, used, ssh, unreachable)
+
+
+def _launch_hosts(
+    args: argparse.Namespace,
+    config: LaunchConfig,
+    layout: Layout,
+    used: list[HostEntry],
+    ssh: SshOptions,
+    unreachable: list[tuple[HostEntry, str]],
+) -> int:
+    """Start the agents on ``used`` for ``layout`` (the run plan in every worker's environment)."""
     config = _with_layout(config, layout, args)
-    used = select_hosts(reachable, config.world_size)
     problem = _unreachable_master(config, used)
     if problem is not None:
         _say(f"cannot launch: {problem}")
@@ -448,6 +486,86 @@ def _main_hosts(args: argparse.Namespace, config: LaunchConfig) -> int:
     return launch_on_hosts(
         config, used, ssh=ssh, job_id=args.job_id, unreachable=unreachable, progress=_progress(args)
     )
+
+
+def _type_speeds(args: argparse.Namespace, entries: list[HostEntry]) -> dict[str, float] | None:
+    """Each VM type's speed when the hosts say their types, else None (ValueError: one line)."""
+    if not check_types(entries):
+        if args.type_speeds is not None:
+            raise ValueError("--type-speeds given but no host line says type=NAME; add type= to the hosts")
+        return None
+    types = sorted({e.vm_type for e in entries if e.vm_type is not None})
+    if args.type_speeds is None:
+        if len(types) > 1 and args.calibration and args.data_parallel is None:
+            return {}  # the calibration's 'types' give each type's costs (varuna.launch.mixed)
+        if len(types) > 1:
+            raise ValueError(
+                f"the hosts are of {len(types)} VM types ({', '.join(types)}); give their relative speeds,"
+                f" e.g. --type-speeds {','.join(f'{t}=1' for t in types)}"
+            )
+        return {types[0]: 1.0}
+    speeds = parse_type_speeds(args.type_speeds)
+    missing = [t for t in types if t not in speeds]
+    if missing:
+        raise ValueError(f"--type-speeds has no speed for VM type(s) {', '.join(missing)} named by the hosts")
+    return speeds
+
+
+def _place_by_type(
+    layout: Layout | None,
+    reachable: list[HostEntry],
+    speeds: dict[str, float],
+    config: LaunchConfig,
+    args: argparse.Namespace,
+) -> tuple[Layout, list[HostEntry], LaunchConfig]:
+    """The mixed plan on typed hosts (:func:`varuna.launch.mixed.plan_cluster`): for P×D of
+    ``layout``, or (None) the simulator's choice from ``--calibration`` (at ``--pipeline-depth``
+    when given). Returns the layout with
+    its shares and speeds, the hosts used (rank 0's first) and the config with each rank's host."""
+    calibration = None
+    if layout is None:
+        from varuna.core.calibration import Calibration
+
+        try:
+            calibration = Calibration.load(args.calibration)
+        except OSError as exc:
+            raise ValueError(f"cannot read calibration {args.calibration!r}: {exc.strerror or exc}") from None
+    slot_types = [e.vm_type or "" for e in reachable for _ in range(e.slots or 0)]
+    plan = plan_cluster(
+        slot_types,
+        speeds,
+        calibration=calibration,
+        global_batch_size=args.global_batch_size,
+        micro_batch_size=layout.micro_batch_size if layout is not None else None,
+        pipeline_depth=layout.pipeline_depth if layout is not None else args.pipeline_depth,
+        data_parallel=layout.data_parallel if layout is not None else None,
+        schedule=args.schedule or "varuna",
+        host_slots=max(e.slots or 1 for e in reachable),
+        gpu_memory_bytes=_gpu_memory_bytes(args),
+    )
+    placed = place_ranks(plan, [(e.vm_type or "", e.slots or 0) for e in reachable])
+    order = list(dict.fromkeys(placed))  # hosts in order of their first rank: rank 0's is host 0
+    used = [reachable[i] for i in order]
+    rank_hosts = tuple(order.index(i) for i in placed)
+    if layout is None:
+        layout = Layout(
+            pipeline_depth=plan.pipeline_depth,
+            data_parallel=plan.data_parallel,
+            micro_batch_size=plan.micro_batch_size,
+            stage_ranges=plan.stage_ranges,
+            schedule=args.schedule or "varuna",
+            note=f"auto-config for mixed VM types: {plan.explanation}",
+        )
+    else:
+        note = "; ".join(x for x in (layout.note, f"mixed VM types: {plan.describe()}") if x)
+        if plan.replica_shares is None and len(set(plan.rank_types)) > 1:
+            note += " (replicas split the mini-batch evenly: shares need auto-config's m)"
+        layout = dataclasses.replace(layout, note=note)
+    layout = dataclasses.replace(layout, replica_shares=plan.replica_shares, stage_speeds=plan.stage_speeds)
+    config = dataclasses.replace(
+        config, pipeline_depth=plan.pipeline_depth, data_parallel=plan.data_parallel, rank_hosts=rank_hosts
+    )
+    return layout, used, config
 
 
 def _say(text: str) -> None:
@@ -470,11 +588,15 @@ def _unreachable_master(config: LaunchConfig, used: list[HostEntry]) -> str | No
 def _placement_line(config: LaunchConfig, used: list[HostEntry]) -> str:
     """``P=2 × D=2 on 2 host(s): a (2 workers), b (2 workers)``."""
     counts, left = [], config.world_size
-    for entry in used:  # contiguous rank ranges, as plan_workers assigns them
-        counts.append(min(entry.slots or 0, left))
+    for host_id, entry in enumerate(used):
+        if config.rank_hosts is not None:
+            counts.append(list(config.rank_hosts).count(host_id))
+            continue
+        counts.append(min(entry.slots or 0, left))  # contiguous rank ranges, as plan_workers assigns them
         left -= counts[-1]
     return f"P={config.pipeline_depth} × D={config.data_parallel} on {len(used)} host(s): " + ", ".join(
-        f"{e.display} ({n} worker{'s' if n > 1 else ''})" for e, n in zip(used, counts)
+        f"{e.display}{f' [{e.vm_type}]' if e.vm_type else ''} ({n} worker{'s' if n > 1 else ''})"
+        for e, n in zip(used, counts)
     )
 
 

@@ -40,7 +40,7 @@ class Layout:
 
         >>> resolve_layout(slots=[2, 2, 1], pipeline_depth=2)  # doctest: +NORMALIZE_WHITESPACE
         Layout(pipeline_depth=2, data_parallel=2, micro_batch_size=None, stage_ranges=None,
-               schedule=None, note='')
+               schedule=None, replica_shares=None, stage_speeds=None, note='')
     """
 
     pipeline_depth: int
@@ -51,6 +51,10 @@ class Layout:
     """Segment→stage map auto-config simulated (exported as ``VARUNA_STAGE_RANGES``), else None."""
     schedule: str | None = None
     """Schedule kind auto-config planned for (exported as ``VARUNA_SCHEDULE``), else None."""
+    replica_shares: tuple[int, ...] | None = None
+    """Micro-batches per replica on hosts of mixed VM types (``VARUNA_REPLICA_SHARES``), else None."""
+    stage_speeds: tuple[float, ...] | None = None
+    """Relative speed of each stage's VM type (``VARUNA_STAGE_SPEEDS``), else None."""
     note: str = ""
     """How auto-config chose it, for the launcher's log."""
 
@@ -61,14 +65,17 @@ class Layout:
 
         Example::
 
-            >>> Layout(pipeline_depth=2, data_parallel=1, micro_batch_size=4, schedule="1f1b").run_plan()
-            RunPlan(global_batch_size=None, micro_batch_size=4, schedule='1f1b', stage_ranges=None)
+            >>> layout = Layout(pipeline_depth=2, data_parallel=1, micro_batch_size=4, schedule="1f1b")
+            >>> layout.run_plan().to_env()
+            {'VARUNA_MICRO_BATCH_SIZE': '4', 'VARUNA_SCHEDULE': '1f1b'}
         """
         return RunPlan(
             global_batch_size=global_batch_size,
             micro_batch_size=self.micro_batch_size,
             schedule=schedule if schedule is not None else self.schedule,
             stage_ranges=self.stage_ranges,
+            replica_shares=self.replica_shares,
+            stage_speeds=self.stage_speeds,
         )
 
 

@@ -116,6 +116,9 @@ class LaunchConfig:
     max_procs_per_host: int | None = None
     """Most workers one host may run (:func:`check_procs_per_host`); None:
     :func:`default_max_procs_per_host`. At most :data:`MAX_PROCS_PER_HOST_CEILING`."""
+    rank_hosts: Sequence[int] | None = None
+    """Index of the host each rank runs on (mixed VM types: :func:`varuna.launch.mixed.place_ranks`);
+    None: hosts get contiguous rank ranges in order."""
 
     def __post_init__(self) -> None:
         if not self.script:
@@ -140,6 +143,13 @@ class LaunchConfig:
             )
         self.script_args = tuple(self.script_args)
         self.worker_env = dict(self.worker_env)
+        if self.rank_hosts is not None:
+            self.rank_hosts = tuple(int(h) for h in self.rank_hosts)
+            if len(self.rank_hosts) != self.world_size or min(self.rank_hosts) < 0:
+                raise ValueError(
+                    f"rank_hosts {self.rank_hosts} must give a host index >= 0 for each of the"
+                    f" {self.world_size} ranks"
+                )
 
     @property
     def world_size(self) -> int:
@@ -220,6 +230,26 @@ class WorkerSpec:
         return f"rank {self.env.rank} stage {self.env.stage} replica {self.env.replica}"
 
 
+def _rank_hosts(config: LaunchConfig, hosts: Sequence[Host]) -> list[int]:
+    """The host of every rank: ``config.rank_hosts``, checked against the hosts' slots, or
+    contiguous ranges in host order."""
+    if config.rank_hosts is None:
+        out: list[int] = []
+        for host_id, host in enumerate(hosts):
+            out += [host_id] * min(host.slots, config.world_size - len(out))
+        return out
+    out = list(config.rank_hosts)
+    for host_id, host in enumerate(hosts):
+        if out.count(host_id) > host.slots:
+            raise ValueError(
+                f"rank_hosts puts {out.count(host_id)} ranks on host {host_id}, which has"
+                f" {host.slots} slot(s)"
+            )
+    if max(out) >= len(hosts):
+        raise ValueError(f"rank_hosts names host {max(out)} but there are {len(hosts)} host(s)")
+    return out
+
+
 def plan_workers(
     config: LaunchConfig,
     hosts: Sequence[Host],
@@ -256,30 +286,31 @@ def plan_workers(
     master_addr = config.master_addr or hosts[0].address
     argv = config.worker_argv()
 
+    rank_hosts = _rank_hosts(config, hosts)
+    per_host = [rank_hosts.count(h) for h in range(len(hosts))]
+    next_local = [0] * len(hosts)
     specs: list[WorkerSpec] = []
-    for host_id, host in enumerate(hosts):
-        local_world_size = min(host.slots, world_size - len(specs))
-        for local_rank in range(local_world_size):
-            env = WorkerEnv(
-                master_addr=master_addr,
-                master_port=master_port,
-                rank=len(specs),
-                world_size=world_size,
-                local_rank=local_rank,
-                local_world_size=local_world_size,
-                pipeline_depth=config.pipeline_depth,
-                data_parallel=config.data_parallel,
-                host_id=host_id,
-                extra=passthrough,
-            )
-            set_vars = {**plain_vars, **env.to_env()}
-            # Line-buffered worker output, so prefixed lines reach the launcher as they are
-            # printed rather than in 8 KiB blocks at exit; a user's explicit choice wins.
-            if "PYTHONUNBUFFERED" not in launcher_environ and "PYTHONUNBUFFERED" not in set_vars:
-                set_vars["PYTHONUNBUFFERED"] = "1"
-            specs.append(WorkerSpec(env=env, argv=argv, set_vars=set_vars, cwd=cwd))
-        if len(specs) == world_size:
-            break
+    for rank, host_id in enumerate(rank_hosts):
+        local_rank = next_local[host_id]
+        next_local[host_id] += 1
+        env = WorkerEnv(
+            master_addr=master_addr,
+            master_port=master_port,
+            rank=rank,
+            world_size=world_size,
+            local_rank=local_rank,
+            local_world_size=per_host[host_id],
+            pipeline_depth=config.pipeline_depth,
+            data_parallel=config.data_parallel,
+            host_id=host_id,
+            extra=passthrough,
+        )
+        set_vars = {**plain_vars, **env.to_env()}
+        # Line-buffered worker output, so prefixed lines reach the launcher as they are
+        # printed rather than in 8 KiB blocks at exit; a user's explicit choice wins.
+        if "PYTHONUNBUFFERED" not in launcher_environ and "PYTHONUNBUFFERED" not in set_vars:
+            set_vars["PYTHONUNBUFFERED"] = "1"
+        specs.append(WorkerSpec(env=env, argv=argv, set_vars=set_vars, cwd=cwd))
     return specs
 
 

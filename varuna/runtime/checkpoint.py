@@ -82,6 +82,7 @@ from varuna.runtime.optimizer_state import (
     merge_optimizer_states,
     optimizer_state_by_name,
 )
+from varuna.runtime.weight_versions import add_previous, pop_previous
 
 # The checkpoint API in one place: what scripts and tests import from varuna.runtime.checkpoint.
 __all__ = [
@@ -176,6 +177,14 @@ class CheckpointState(Protocol):
     def add_stop_callback(self, fn: Callable[[Any], None]) -> None: ...
 
 
+def _refuse_interleaved(state, wanted: bool = True) -> None:
+    """Checkpoints of an interleaved run are refused (one line): the shard plan maps a stage index
+    to a rank, and P·v virtual stages would lose the shards of chunks >= 1."""
+    if wanted and len(state.stage_ranges) > state.layout.P:
+        raise ValueError("checkpoints of an interleaved run (chunks > 1) are not supported yet; run "
+                         "without a checkpoint directory or resume, or use a schedule with one chunk")
+
+
 class Checkpointer:
     """Saves and loads the checkpoints of one training state (an :class:`~varuna.runtime.engine.Engine`,
     or anything providing :class:`CheckpointState`).
@@ -190,10 +199,6 @@ class Checkpointer:
     state: for stages sized to their memory); ``"auto"`` (default) takes the copy only when it
     fits in half of :func:`~varuna.runtime.checkpoint_writer.memory_headroom`
     (:func:`~varuna.runtime.checkpoint_writer.takes_host_snapshot`).
-
-    Test hooks: ``progress_hook(event)`` is called, from the background thread, at named points
-    of a save (``local-write``, ``copy-chunk``, ``copied``, ``marker``, ``manifest-tmp``,
-    ``manifest``); ``copy_chunk_bytes`` sets the copy granularity.
 
     Example::
 
@@ -221,6 +226,7 @@ class Checkpointer:
                 "resume needs a checkpoint directory: set --checkpoint-dir, "
                 "VarunaConfig.checkpoint_dir or $VARUNA_CHECKPOINT_DIR"
             )
+        # Test hooks: called from the writer thread at each named point of a save; copy granularity.
         self.progress_hook: Callable[[str], None] | None = None
         self.copy_chunk_bytes = 8 << 20
         self.snapshot = cfg.checkpoint_snapshot
@@ -259,6 +265,7 @@ class Checkpointer:
 
     def attach(self) -> None:
         """Register the save-on-stop callback and resume when asked (a collective then)."""
+        _refuse_interleaved(self.state, self.directory is not None or self.resume_mode != "never")
         if self.directory is not None:
             self.state.add_stop_callback(lambda _state: self.save_on_stop())
         if self.resume_mode != "never":
@@ -296,6 +303,7 @@ class Checkpointer:
         the same mini-batch boundary). Returns the step directory, or None when skipped because
         the previous save is still being copied. ``wait``: block until this rank's files are in
         the global store (rank 0: until the manifest is written)."""
+        _refuse_interleaved(self.state)
         root = Path(directory) if directory is not None else self.directory
         if root is None:
             raise ValueError(
@@ -362,6 +370,8 @@ class Checkpointer:
         )
         mine = [s for s in plan if (s.stage, s.replica) == (L.stage, L.replica)]
         opt = optimizer_state_by_name(st.optimizer, dict(st.named_parameters())) if mine else None
+        if opt is not None:  # 2bw: the stashed weight version rides with the optimizer state
+            opt = add_previous(opt, getattr(st, "weight_versions", None))
         in_memory = takes_host_snapshot(self.snapshot, shard_state_bytes(mine, st.stage_params, opt))
         self.last_snapshot_in_memory = in_memory
         files, payloads = build_shard_payloads(
@@ -483,6 +493,7 @@ class Checkpointer:
         Returns the step loaded (the next ``train_step`` is step + 1), or None when nothing was
         found and ``required`` is false.
         """
+        _refuse_interleaved(self.state)
         root = Path(directory) if directory is not None else self.directory
         if root is None:
             raise ValueError(
@@ -542,6 +553,7 @@ class Checkpointer:
         opt = payload["optimizer"]
         trainable = dict(eng.named_parameters())
         opt["state"] = {n: v for n, v in opt["state"].items() if n in trainable}
+        _load_previous(eng, pop_previous(opt))
         load_optimizer_state_by_name(eng.optimizer, trainable, opt, copy=False)  # fresh from disk
         eng.scaler.load_state_dict(m["loss_scale"])
         eng.step_count = int(m["step"])
@@ -667,9 +679,19 @@ def engine_state_dict(engine: CheckpointState) -> dict:
     return {
         "step": engine.step_count,
         "params": {n: p.detach() for n, p in engine.stage_params.items()},
-        "optimizer": optimizer_state_by_name(engine.optimizer, dict(engine.named_parameters())),
+        "optimizer": add_previous(
+            optimizer_state_by_name(engine.optimizer, dict(engine.named_parameters())),
+            getattr(engine, "weight_versions", None),
+        ),
         "loss_scale": engine.scaler.state_dict(),
     }
+
+
+def _load_previous(engine: CheckpointState, previous: dict | None) -> None:
+    """2bw (Note [2BW]): restore the stashed weight version; a synchronous run drops it."""
+    versions = getattr(engine, "weight_versions", None)
+    if versions is not None:
+        versions.load(previous)
 
 
 def load_engine_state_dict(engine: CheckpointState, state: Mapping[str, Any]) -> None:
@@ -689,6 +711,7 @@ def load_engine_state_dict(engine: CheckpointState, state: Mapping[str, Any]) ->
     trainable = dict(engine.named_parameters())
     opt = dict(state["optimizer"])
     opt["state"] = {n: v for n, v in opt.get("state", {}).items() if n in trainable}
+    _load_previous(engine, pop_previous(opt))
     load_optimizer_state_by_name(engine.optimizer, trainable, opt)
     engine.scaler.load_state_dict(state["loss_scale"])
     engine.step_count = int(state["step"])

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from varuna.core.env import RunPlan
-from varuna.core.schedule import DEFAULT_STASH_HEADROOM, SCHEDULE_KINDS
+from varuna.core.schedule import DEFAULT_STASH_HEADROOM, SCHEDULE_KINDS, schedule_kind
 
 __all__ = ["PLAN_COSTS", "PRECISIONS", "VarunaConfig", "StepResult", "StepTimings", "adopt_plan",
            "adopt_cut_env"]
@@ -44,7 +44,12 @@ class VarunaConfig:
     data_parallel: int | None = None
     """D; defaults to $VARUNA_DATA_PARALLEL or WORLD_SIZE // P."""
     schedule: str = "varuna"
-    """One of varuna, gpipe, 1f1b."""
+    """One of varuna, gpipe, 1f1b, interleaved, varuna-interleaved (synchronous), or 2bw:
+    PipeDream-2BW, asynchronous -- gradients one step stale, one more copy of the weights; not the
+    same training as one device (docs/schedules.md)."""
+    chunks: int = 1
+    """v: model chunks per process for the interleaved kinds (>= 2; the model then needs P·v - 1
+    cut-points and ``stage_ranges``, if given, P·v ranges in virtual-stage order); 1 otherwise."""
     recompute: bool = True
     """Activation recompute for gpipe/1f1b (varuna always recomputes except on its last stage)."""
     stash_headroom: int = DEFAULT_STASH_HEADROOM
@@ -60,6 +65,16 @@ class VarunaConfig:
     """Clip by the global gradient norm over all stages (shared parameters counted once)."""
     stage_ranges: list[tuple[int, int]] | None = None
     """Explicit segment ranges per stage; default: balanced on costs measured in a dry run."""
+    replica_shares: tuple[int, ...] | None = None
+    """Micro-batches each of the D replicas runs, for replicas on VMs of different speeds (virtual
+    nodes): D counts >= 1 summing to ceil(global_batch_size / micro_batch_size). The global batch,
+    m and the update are unchanged (bit-identical in deterministic mode); only which replica runs
+    which micro-batches moves. None: as even as possible. ``$VARUNA_REPLICA_SHARES`` ("3,1", the
+    run plan) overrides it. ``varuna.core.batching.proportional_shares`` turns speeds into shares."""
+    stage_speeds: tuple[float, ...] | None = None
+    """Relative speed of each stage's VM (P values > 0, pipeline order): the stage split balances
+    time, a segment costing c taking c / speed on its stage, so a slower VM's stage gets less of the
+    model. Ignored with explicit ``stage_ranges``. ``$VARUNA_STAGE_SPEEDS`` ("1,1.6") overrides it."""
     comm_timeout_s: float = 300.0
     """Every wait on another process gives up after this long."""
     peer_timeout_s: float = 10.0
@@ -134,12 +149,19 @@ class VarunaConfig:
         Example::
 
             VarunaConfig(global_batch_size=32, micro_batch_size=4, schedule="zigzag").validate()
-            # ValueError: unknown schedule 'zigzag'; choose one of varuna, gpipe, 1f1b
+            # ValueError: unknown schedule 'zigzag'; choose one of varuna, gpipe, 1f1b, 2bw
         """
         if self.schedule not in SCHEDULE_KINDS:
             raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULE_KINDS)}")
         if self.stash_headroom < 0:
             raise ValueError(f"stash_headroom must be >= 0 (got {self.stash_headroom})")
+        kind = schedule_kind(self.schedule)
+        kind.check_chunks(self.chunks)
+        if kind.chunked and self.chunks < 2:
+            raise ValueError(
+                f"schedule {self.schedule} needs chunks >= 2 (got {self.chunks}); "
+                "with one chunk use varuna or 1f1b"
+            )
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; choose fp32, bf16 or fp16")
         if self.micro_batch_size < 1 or self.global_batch_size < 1:
@@ -171,6 +193,30 @@ class VarunaConfig:
             raise ValueError(
                 f"max_nonfinite_steps must be >= 0, 0 to never stop (got {self.max_nonfinite_steps})"
             )
+        self._validate_mixed()
+
+    def _validate_mixed(self) -> None:
+        """Shares and speeds as tuples of the right kind; their counts are checked against D and P
+        once the layout is known (``Engine``)."""
+        if self.replica_shares is not None:
+            self.replica_shares = tuple(self.replica_shares)
+            if not self.replica_shares or any(
+                isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in self.replica_shares
+            ):
+                raise ValueError(
+                    f"replica_shares {self.replica_shares} must be whole numbers >= 1 of micro-batches per "
+                    "replica, one per replica (or None for an even split)"
+                )
+        if self.stage_speeds is not None:
+            self.stage_speeds = tuple(self.stage_speeds)
+            if not self.stage_speeds or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
+                for v in self.stage_speeds
+            ):
+                raise ValueError(
+                    f"stage_speeds {self.stage_speeds} must be finite numbers > 0, one per stage "
+                    "(or None when every stage's VM is alike)"
+                )
 
 
     def _validate_tensorboard_dir(self) -> None:
@@ -224,6 +270,11 @@ def adopt_plan(config: VarunaConfig, plan: RunPlan) -> str | None:
         config.micro_batch_size = plan.micro_batch_size
     if plan.stage_ranges is not None:
         config.stage_ranges = [tuple(r) for r in plan.stage_ranges]
+    # The planner knows the cluster's VM types: its shares and speeds stand (as its m does).
+    if plan.replica_shares is not None:
+        config.replica_shares = plan.replica_shares
+    if plan.stage_speeds is not None:
+        config.stage_speeds = plan.stage_speeds
     return note
 
 

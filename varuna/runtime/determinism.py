@@ -213,7 +213,10 @@ class DeterministicGrads:
         #: the engine's process groups (``varuna.runtime.groups.ProcessGroups``), set once built
         self.groups = None
         prof = profile
-        first, last = first_segment, last_segment
+        # This process's segments: its stage's range, or (interleaved: P·v virtual stages, v chunks
+        # per process) the ranges of virtual stages stage, stage + P, ...
+        mine = {s for a, b in stage_ranges[layout.stage :: layout.P] for s in range(a, b + 1)}
+        self._parts: dict[int, dict[int, torch.Tensor]] = {}
         self.aliases: dict[str, dict[int, nn.Parameter]] = {}
         for n, p in trainable.items():
             segs = prof.param_segments.get(n, ())
@@ -221,7 +224,7 @@ class DeterministicGrads:
                 # One autograd leaf per reading segment, sharing the parameter's storage: the
                 # optimizer's in-place update of the parameter is seen by every alias.
                 self.aliases[n] = {
-                    s: nn.Parameter(p.detach(), requires_grad=True) for s in segs if first <= s <= last
+                    s: nn.Parameter(p.detach(), requires_grad=True) for s in segs if s in mine
                 }
         owners = {id(p): n for n, p in trainable.items() if n in self.aliases}
         self.regs: dict[str, list[tuple[nn.Module, str]]] = {n: [] for n in self.aliases}
@@ -256,12 +259,23 @@ class DeterministicGrads:
         self.losses = {}
         self.n = num_microbatches
 
-    def capture(self, microbatch: int) -> None:
+    def capture(self, microbatch: int, *, last: bool = True) -> None:
+        """After a backward of ``microbatch``: take its gradients; ``last=False`` (an interleaved
+        process's earlier chunks) keeps them as a part until its last chunk's backward. A chunk's
+        backward fills only its own leaves (a shared parameter has one alias per segment), so the
+        row takes each leaf from the one part that has it: no addition, bits as in one process."""
+        got = self._parts.pop(microbatch, {})
+        for j, (_, _, t) in enumerate(self.leaves):
+            if t.grad is not None:
+                got[j] = t.grad if j not in got else got[j] + t.grad
+                t.grad = None
+        if not last:
+            self._parts[microbatch] = got
+            return
         flat = torch.cat(
-            [(t.grad if t.grad is not None else torch.zeros_like(t)).reshape(-1) for _, _, t in self.leaves]
+            [(got[j] if j in got else torch.zeros_like(t)).reshape(-1)
+             for j, (_, _, t) in enumerate(self.leaves)]
         )
-        for _, _, t in self.leaves:
-            t.grad = None
         self.acc.add(microbatch, flat)
 
     def reduce(self) -> None:
@@ -293,7 +307,8 @@ class DeterministicGrads:
             return rows
         from varuna.core.partition import stage_of_segment
 
-        seg_stage = stage_of_segment(self.stage_ranges)
+        P = layout.P
+        seg_stage = [k % P for k in stage_of_segment(self.stage_ranges)]  # virtual stage -> process
         stages = sorted({seg_stage[s] for s in segs})
         ranks = sorted(layout.rank_of(k, d) for k in stages for d in range(layout.D))
         group = next(g for g, names in self.groups.shared if n in names)

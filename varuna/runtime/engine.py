@@ -41,7 +41,8 @@ from torch import nn
 
 from varuna.core.batching import plan_microbatches
 from varuna.core.env import RunPlan
-from varuna.core.schedule import Task
+from varuna.core.partition import check_speeds
+from varuna.core.schedule import Task, schedule_kind
 from varuna.core.timeline import Timeline
 from varuna.cutting.batches import batch_size_of, slice_batch
 from varuna.cutting.cutpoint import CarryPlan, CutPoint, SplitState
@@ -56,9 +57,10 @@ from varuna.runtime.layout import Layout, init_distributed, pick_device
 from varuna.runtime.loss_scale import DynamicLossScale, NonFiniteLosses, NonFiniteLossStop
 from varuna.runtime.peer_watch import PeerWatch, watching
 from varuna.runtime.plugins import run_plugins
-from varuna.runtime.stages import assign_stages, check_pipeline_depth, planning_profile
+from varuna.runtime.stages import assign_stages, chunks_per_process, planning_profile
 from varuna.runtime.tensorboard import TensorBoardLog, adopt_tensorboard_env, require_tensorboard
 from varuna.runtime.timeline_gather import gather_timeline
+from varuna.runtime.weight_versions import stale_weights, weight_versions_for
 
 __all__ = ["VarunaConfig", "Engine", "StepResult", "NonFiniteLossStop"]
 
@@ -67,11 +69,11 @@ class Engine:
     """Pipeline- and data-parallel training of an unmodified model annotated with CutPoints.
 
     ``model``: the user's ``nn.Module`` (on CPU, or on ``meta`` for models too big for a host).
-    ``example_batch``: one batch in the format ``train_step`` takes (only the first micro-batch
-    is used, for the dry run). ``optimizer``: builds the stage's optimizer from its parameters.
-    ``loss_fn(output, microbatch)``: the scalar *mean* loss of a micro-batch; default: the model
-    returns it. ``param_init(module_name, module)``: how a ``meta`` model's modules are
-    initialised (default: ``reset_parameters``).
+    ``example_batch``: one batch in the format ``train_step`` takes (only the first micro-batch is
+    used, for the dry run). ``optimizer``: builds the stage's optimizer from its parameters.
+    ``loss_fn(output, microbatch)``: the scalar *mean* loss of a micro-batch; default: the model returns
+    it. ``param_init(module_name, module)``: how a ``meta`` model's modules are initialised (default:
+    ``reset_parameters``).
 
     Hooks: :meth:`add_step_callback` (after every step, with its :class:`StepResult`),
     :meth:`add_stop_callback` (before a graceful stop exits), and the plugins named in
@@ -128,12 +130,12 @@ class Engine:
         """Dry run, stage assignment and materialisation of this process's stage."""
         config, P = self.config, self.layout.P
         _place_cutpoints(model, example_batch, config, self.loss_fn, self.layout)  # before the dry run
-        self.micro_plan = plan_microbatches(config.global_batch_size, config.micro_batch_size, self.layout.D)
+        self.micro_plan = _plan_step(config, self.layout)
         self.device = pick_device(config.device)
         self._split = SplitState()
         first = slice_batch(example_batch, 0, min(config.micro_batch_size, batch_size_of(example_batch)))
         self.profile: ModelProfile = planning_profile(model, first, self.loss_fn, config, self.layout)
-        check_pipeline_depth(P, self.profile.num_cutpoints)
+        self.chunks = v = chunks_per_process(config, P, self.profile.num_cutpoints, self.micro_plan)
         if P > 1:  # refuse hidden dependencies (values crossing a boundary outside a CutPoint)
             from varuna.cutting.tracer import carry_specs, check_splittable
 
@@ -147,8 +149,11 @@ class Engine:
             schedule=config.schedule,
             recompute=config.recompute,
             explicit=config.stage_ranges,
+            speeds=config.stage_speeds,
+            chunks=v,
         )
-        self.first_segment, self.last_segment = self.stage_ranges[self.stage]
+        mine = self.stage_ranges[self.stage :: P]  # interleaved: virtual stages stage, stage + P, ...
+        self.first_segment, self.last_segment = mine[0][0], mine[-1][1]
         for cp in model.modules():
             if isinstance(cp, CutPoint):
                 cp._varuna_state = self._split
@@ -163,6 +168,7 @@ class Engine:
             device=self.device,
             seed=config.seed,
             param_init=param_init,
+            segments=[s for a, b in mine for s in range(a, b + 1)],
         )
         self._trainable = {n: p for n, p in self.stage_params.items() if p.requires_grad}
 
@@ -185,6 +191,7 @@ class Engine:
                     stage_ranges=self.stage_ranges,
                 )
         self.optimizer = optimizer(list(self._trainable.values()))
+        self.weight_versions = weight_versions_for(config, self._trainable, self.layout.P, self.micro_plan)
         self.scaler = DynamicLossScale(
             scale=config.loss_scale if config.precision == "fp16" else 1.0,
             growth_interval=config.loss_scale_growth_interval,
@@ -205,27 +212,11 @@ class Engine:
                 self._netem.__enter__()
         inbox: queue.Queue = queue.Queue()
         self._links = StageLinks.start(
-            self.layout, self._groups, self.device, inbox, self.config.comm_timeout_s
+            self.layout, self._groups, self.device, inbox, self.config.comm_timeout_s, chunks=self.chunks
         )
         self.timeline = Timeline()
-        stage = StageModel(
-            model=self.model,
-            loss_fn=self.loss_fn,
-            split=self._split,
-            cutpoints=self._order,
-            cutpoint_names=self.profile.cutpoint_names,
-            first_segment=self.first_segment,
-            last_segment=self.last_segment,
-            num_segments=self.profile.num_segments,
-            stage=self.stage,
-            replica=self.replica,
-            num_stages=self.layout.P,
-            device=self.device,
-            carry_plan=CarryPlan.for_stage(self.profile.carried, self.first_segment, self.last_segment,
-                                           self.is_last_stage),
-        )
         self._executor = ScheduleExecutor(
-            stage=stage,
+            stage=_stage_model(self),
             config=self.config,
             links=self._links,
             inbox=inbox,
@@ -318,7 +309,8 @@ class Engine:
         mbs = self.micro_plan[self.replica]
         if self._det is not None:
             self._det.begin_step(mbs, sum(len(p) for p in self.micro_plan))
-        run = self._executor.run(batch, mbs, step=self.step_count, scale=self.scaler.scale, train=True)
+        with stale_weights(self.weight_versions):  # 2bw: on the version before (Note [2BW])
+            run = self._executor.run(batch, mbs, step=self.step_count, scale=self.scaler.scale, train=True)
         self.executed_orders.append(run.executed)
         t_sync = time.perf_counter()
         outcome = self._sync.finish(
@@ -463,12 +455,52 @@ class Engine:
         load_engine_state_dict(self, state)
 
 
+def _stage_model(engine: Engine) -> StageModel:
+    """What the executor runs: the engine's materialised stage (its model chunks, interleaved)."""
+    e = engine
+    stage = StageModel(
+        model=e.model,
+        loss_fn=e.loss_fn,
+        split=e._split,
+        cutpoints=e._order,
+        cutpoint_names=e.profile.cutpoint_names,
+        first_segment=e.first_segment,
+        last_segment=e.last_segment,
+        num_segments=e.profile.num_segments,
+        stage=e.stage,
+        replica=e.replica,
+        num_stages=e.layout.P,
+        device=e.device,
+        carry_plan=CarryPlan.for_stage(e.profile.carried, e.first_segment, e.last_segment, e.is_last_stage),
+    )
+    stage.set_chunks(e.stage_ranges[e.stage :: e.layout.P], e.profile.carried)
+    return stage
+
+
 def _on_stop_signals(names: tuple[str, ...], handler) -> None:
     """Install ``handler`` for the signals ``names`` (only possible from the main thread)."""
     if not names or threading.current_thread() is not threading.main_thread():
         return
     for name in names:
         signal.signal(getattr(signal, name), handler)
+
+
+def _plan_step(config: VarunaConfig, layout: Layout) -> list[list]:
+    """Each replica's micro-batches (``replica_shares`` when set), after checking that the shares
+    fit D and the schedule kind, and the stage speeds fit P (one line each, on every rank)."""
+    plan = plan_microbatches(
+        config.global_batch_size, config.micro_batch_size, layout.D, config.replica_shares
+    )
+    kind = schedule_kind(config.schedule)
+    for d, mbs in enumerate(plan):
+        reason = kind.unsupported(layout.P, len(mbs))
+        if reason is not None:
+            raise ValueError(f"replica {d}'s {len(mbs)} micro-batch(es) cannot run at P={layout.P}: {reason}")
+    if config.stage_speeds is not None:
+        problem = check_speeds(config.stage_speeds, layout.P)
+        if problem is not None:
+            raise ValueError(problem)
+    return plan
 
 
 def _check_batch(batch, global_batch_size: int) -> None:

@@ -41,15 +41,8 @@ import torch
 from torch import nn
 
 from varuna.core.batching import MicroBatch
-from varuna.core.schedule import (
-    BACKWARD,
-    FORWARD,
-    RECOMPUTE,
-    StagePolicy,
-    Task,
-    get_schedule,
-    schedule_kind,
-)
+from varuna.core.interleaved import forward_only_policy
+from varuna.core.schedule import BACKWARD, FORWARD, RECOMPUTE, StagePolicy, Task, schedule_kind
 from varuna.core.tasks import WEIGHT
 from varuna.core.timeline import Timeline
 from varuna.cutting.batches import call_with_batch, slice_batch
@@ -84,10 +77,43 @@ class StageModel:
     """The CutPoints' module names in segment order (for messages; may be empty)."""
     #: module outputs this stage receives and sends with its activations (Note [Carried values])
     carry_plan: CarryPlan | None = None
+    #: interleaved kinds: (first, last) segment of each model chunk this process holds (chunk c is
+    #: virtual stage c·P + stage), and each chunk's carry plan; empty: one chunk, the fields above
+    chunk_ranges: list[tuple[int, int]] = field(default_factory=list)
+    chunk_carry: list[CarryPlan | None] = field(default_factory=list)
 
     @property
     def is_last_stage(self) -> bool:
         return self.stage == self.num_stages - 1
+
+    @property
+    def num_chunks(self) -> int:
+        return max(1, len(self.chunk_ranges))
+
+    def is_sink(self, chunk: int) -> bool:
+        """Whether ``chunk`` is the pipeline's last virtual stage (it computes the loss)."""
+        return chunk * self.num_stages + self.stage == self.num_stages * self.num_chunks - 1
+
+    def is_source(self, chunk: int) -> bool:
+        """Whether ``chunk`` is the pipeline's first virtual stage (it reads the data)."""
+        return chunk == 0 and self.stage == 0
+
+    def set_chunks(self, ranges: list[tuple[int, int]], carried) -> None:
+        """Hold the model chunks of segment ``ranges`` (interleaved; one range: nothing to do),
+        with their carry plans."""
+        if len(ranges) < 2:
+            return
+        self.chunk_ranges = list(ranges)
+        self.chunk_carry = [
+            CarryPlan.for_stage(carried, a, b, self.is_sink(c)) for c, (a, b) in enumerate(ranges)
+        ]
+
+    def segments_of(self, chunk: int) -> tuple[int, int, CarryPlan | None]:
+        """(first segment, last segment, carry plan) of ``chunk``."""
+        if not self.chunk_ranges:
+            return self.first_segment, self.last_segment, self.carry_plan
+        first, last = self.chunk_ranges[chunk]
+        return first, last, self.chunk_carry[chunk]
 
 
 @dataclass
@@ -96,22 +122,26 @@ class StageRun:
 
     loss_sum: float
     """Sum over this replica's micro-batches of loss × size / M_total (last stage; else 0)."""
-    executed: list[Task]
+    executed: list
+    """The tasks in the order they ran (``ChunkTask`` for the interleaved kinds)."""
     timings: StepTimings
 
 
 @dataclass
 class _Work:
-    """Per-step state of the loop: what arrived, what waits for its backward, the loss so far."""
+    """Per-step state of the loop: what arrived, what waits for its backward, the loss so far.
+    Keyed by (micro-batch, chunk); the chunk is 0 unless the kind is interleaved."""
 
-    acts: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
-    grads: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
-    stash: dict[int, tuple[torch.Tensor, ...] | None] = field(default_factory=dict)
-    graphs: dict[int, tuple] = field(default_factory=dict)
+    acts: dict[tuple[int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    grads: dict[tuple[int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    stash: dict[tuple[int, int], tuple[torch.Tensor, ...] | None] = field(default_factory=dict)
+    graphs: dict[tuple[int, int], tuple] = field(default_factory=dict)
     #: what the forward sent, per micro-batch, while its recompute is still to be verified
-    sent: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    sent: dict[tuple[int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    #: backwards run per micro-batch (deterministic mode captures after the last chunk's)
+    bwd_done: dict[int, int] = field(default_factory=dict)
     #: zero-bubble kinds: what each micro-batch's W needs, from its B (varuna/runtime/split_backward.py)
-    weight: dict[int, WeightWork] = field(default_factory=dict)
+    weight: dict[tuple[int, int], WeightWork] = field(default_factory=dict)
     loss_sum: float = 0.0
     busy_s: dict[str, float] = field(
         default_factory=lambda: {FORWARD: 0.0, RECOMPUTE: 0.0, BACKWARD: 0.0, WEIGHT: 0.0}
@@ -168,15 +198,20 @@ class ScheduleExecutor:
 
     def run(self, batch, mbs: list[MicroBatch], *, step: int, scale: float, train: bool) -> StageRun:
         """Run this replica's micro-batches ``mbs`` of ``batch`` (forward only unless ``train``)."""
-        P, k, n = self.s.num_stages, self.s.stage, len(mbs)
+        P, k, n, v = self.s.num_stages, self.s.stage, len(mbs), self.s.num_chunks
         self._step, self._scale = step, scale
         if train:
-            sched = get_schedule(self.config.schedule, P, n, self.config.recompute)
-            policy = sched.policy(k, stash_headroom=self.config.stash_headroom)
-            recomputed = sched.recomputed(k)
+            kind = schedule_kind(self.config.schedule)
+            pipe = kind.pipeline(P, n, recompute=self.config.recompute, chunks=v)
+            policy = pipe.policy(k, stash_headroom=self.config.stash_headroom)
+            rec = pipe.recomputed(k)
+            recomputed = frozenset(rec) if v > 1 else frozenset((i, 0) for i in rec)
+        elif v > 1:
+            policy = forward_only_policy(P, n, v, k)
+            recomputed = frozenset((i, c) for i in range(n) for c in range(v))
         else:
             policy = StagePolicy([Task(FORWARD, i) for i in range(n)], k, P, opportunistic=False)
-            recomputed = frozenset(range(n))  # forward-only: never keep a graph
+            recomputed = frozenset((i, 0) for i in range(n))  # forward-only: never keep a graph
         self.links.begin_step(n, train=train)
         # Dropout draws are keyed by work (Note [Step]); the user's RNG stream is restored after.
         devices = [self.s.device] if self.s.device.type == "cuda" else []
@@ -187,11 +222,12 @@ class ScheduleExecutor:
         return StageRun(loss_sum=work.loss_sum, executed=list(policy.executed), timings=work.timings())
 
     def _execute(
-        self, batch, mbs: list[MicroBatch], policy, recomputed: frozenset[int], train: bool
+        self, batch, mbs: list[MicroBatch], policy, recomputed: frozenset[tuple[int, int]], train: bool
     ) -> _Work:
         work = _Work()
         timeout = self.config.comm_timeout_s
         record = self.config.record_timeline
+        v = self.s.num_chunks
         while not policy.finished:
             self._drain(policy, work, block=False, timeout=timeout)
             task = policy.next_task()
@@ -199,76 +235,87 @@ class ScheduleExecutor:
                 self._drain(policy, work, block=True, timeout=timeout)
                 continue
             t0 = time.perf_counter()
-            i, mb = task.microbatch, mbs[task.microbatch]
+            i, c = task.microbatch, getattr(task, "chunk", 0)
+            mb, key = mbs[i], (i, c)
             if task.op == FORWARD:
-                self._run_forward(work, batch, mb, i, keep_graph=train and i not in recomputed, train=train)
+                keep = train and key not in recomputed
+                self._run_forward(work, batch, mb, key, keep_graph=keep, train=train)
             elif task.op == RECOMPUTE:
-                inputs = work.stash.pop(i)
+                inputs = work.stash.pop(key)
                 if inputs is not None:
                     inputs = tuple(leaf(x) for x in inputs)
-                out = self._forward(batch, mb, inputs, with_grad=True)
-                sent = work.sent.pop(i, None)
+                out = self._forward(batch, mb, inputs, with_grad=True, chunk=c)
+                sent = work.sent.pop(key, None)
                 if sent is not None:
-                    self._check_recompute(mb, sent, out)
-                work.graphs[i] = (inputs, out)
+                    self._check_recompute(mb, sent, out, c)
+                work.graphs[key] = (inputs, out)
             elif task.op == BACKWARD:
-                self._run_backward(work, mb, i, train=train)
+                self._run_backward(work, mb, key, train=train)
             else:
-                backward_weight(work.weight.pop(i))
+                backward_weight(work.weight.pop(key))
                 if self.det is not None:
                     self.det.capture(mb.index)
             policy.complete(task)
             t1 = time.perf_counter()
             work.busy_s[task.op] += t1 - t0
             work.count[task.op] += 1
-            if record:
-                self.timeline.add(self.s.stage, self.s.replica, task.op, mb.index, t0, t1)
+            if record:  # interleaved: the event's micro-batch is tagged index·v + chunk
+                self.timeline.add(self.s.stage, self.s.replica, task.op, mb.index * v + c, t0, t1)
         return work
 
     def _run_forward(
-        self, work: _Work, batch, mb: MicroBatch, i: int, *, keep_graph: bool, train: bool
+        self, work: _Work, batch, mb: MicroBatch, key: tuple[int, int], *, keep_graph: bool, train: bool
     ) -> None:
-        received = work.acts.pop(i, None)
+        i, c = key
+        received = work.acts.pop(key, None)
         # Note [Deterministic forward]: with the autograd state of the recompute and of a 1×1 run.
         with_grad = keep_graph or (train and self.config.deterministic)
         inputs = received
         if inputs is not None and with_grad:
             inputs = tuple(leaf(x) for x in inputs)
-        out = self._forward(batch, mb, inputs, with_grad=with_grad)
-        if self.s.is_last_stage:
+        out = self._forward(batch, mb, inputs, with_grad=with_grad, chunk=c)
+        if self.s.is_sink(c):
             loss_value = float(out.detach())  # a sync point on GPU; one per micro-batch
             work.loss_sum += loss_value * mb.size / self.config.global_batch_size
             if self.det is not None:
                 self.det.losses[mb.index] = loss_value
         else:
             sent = tuple(x.detach() for x in out)
-            self.links.act_out.send(i, sent)
+            # The receiving chunk: the same one on the next process, the next one past the last.
+            to = c if self.s.stage < self.s.num_stages - 1 else c + 1
+            self.links.act_out.send(i * self.s.num_chunks + to, sent)
             if train and not keep_graph and self._verify:
-                work.sent[i] = sent
+                work.sent[key] = sent
         if keep_graph:
-            work.graphs[i] = (inputs, out)
+            work.graphs[key] = (inputs, out)
         elif train:
-            work.stash[i] = received  # not the leaves: no reference to the graph being dropped
+            work.stash[key] = received  # not the leaves: no reference to the graph being dropped
 
-    def _run_backward(self, work: _Work, mb: MicroBatch, i: int, *, train: bool) -> None:
-        inputs, out = work.graphs.pop(i)
-        if self.s.is_last_stage:
+    def _run_backward(self, work: _Work, mb: MicroBatch, key: tuple[int, int], *, train: bool) -> None:
+        i, c = key
+        inputs, out = work.graphs.pop(key)
+        if self.s.is_sink(c):
             pairs = [(out * (mb.size / self.config.global_batch_size * self._scale), None)]
         else:
-            g = work.grads.pop(i)
+            g = work.grads.pop(key)
             # Gradients come back for the floating-point tensors only (an integer mask may cross too).
             floats = [o for o in out if o.is_floating_point()]
             pairs = [(o, gi) for o, gi in zip(floats, g) if o.requires_grad]
         if self._split and train:
-            self._split_backward(work, i, inputs, pairs)
+            self._split_backward(work, key, inputs, pairs)
             return
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [gi for _, gi in pairs])
+        v = self.s.num_chunks
         if self.det is not None and train:
-            self.det.capture(mb.index)
-        if self.links.grad_out is not None:
+            # Each chunk's backward fills its own parameters' gradients (a shared one: per-segment
+            # aliases), so the micro-batch's row is the sum of disjoint parts (exact).
+            work.bwd_done[i] = work.bwd_done.get(i, 0) + 1
+            self.det.capture(mb.index, last=work.bwd_done[i] == v)
+        if not self.s.is_source(c):
+            to = c if self.s.stage > 0 else c - 1
             self.links.grad_out.send(
-                i,
+                i * v + to,
                 tuple(
                     (x.grad if x.grad is not None else torch.zeros_like(x))
                     for x in inputs
@@ -276,29 +323,31 @@ class ScheduleExecutor:
                 ),
             )
 
-    def _split_backward(self, work: _Work, i: int, inputs, pairs: list) -> None:
+    def _split_backward(self, work: _Work, key: tuple[int, int], inputs, pairs: list) -> None:
         """B of a zero-bubble kind: send the input gradient now, keep what W needs (W runs later)."""
+        i, c = key
         leaves = [x for x in (inputs or ()) if x.is_floating_point()]
         wanted = [x for x in leaves if x.requires_grad]
-        got, work.weight[i] = backward_input([o for o, _ in pairs], [g for _, g in pairs], wanted)
+        got, work.weight[key] = backward_input([o for o, _ in pairs], [g for _, g in pairs], wanted)
         by_leaf = dict(zip(map(id, wanted), got))
-        if self.links.grad_out is not None:
+        if not self.s.is_source(c):
+            to = c if self.s.stage > 0 else c - 1
             self.links.grad_out.send(
-                i, tuple(g if (g := by_leaf.get(id(x))) is not None else torch.zeros_like(x) for x in leaves)
+                i * self.s.num_chunks + to,
+                tuple(g if (g := by_leaf.get(id(x))) is not None else torch.zeros_like(x) for x in leaves),
             )
 
-    def _check_recompute(self, mb: MicroBatch, sent: tuple[torch.Tensor, ...], out) -> None:
+    def _check_recompute(self, mb: MicroBatch, sent: tuple[torch.Tensor, ...], out, chunk: int = 0) -> None:
         """Note [Deterministic forward]: the recompute must reproduce what the forward sent."""
         diff = first_difference(sent, tuple(x.detach() for x in out))
         if diff is None:
             return
         s = self.s
+        first, last, _ = s.segments_of(chunk)
         names = s.cutpoint_names
-        where = f"CutPoint '{names[s.last_segment]}'" if s.last_segment < len(names) else (
-            f"CutPoint #{s.last_segment}"
-        )
+        where = f"CutPoint '{names[last]}'" if last < len(names) else f"CutPoint #{last}"
         raise DeterminismError(
-            f"varuna: deterministic mode: stage {s.stage} (segments {s.first_segment}-{s.last_segment}) "
+            f"varuna: deterministic mode: stage {s.stage} (segments {first}-{last}) "
             f"sent micro-batch {mb.index}'s activation at {where} (boundary to stage {s.stage + 1}, {diff}) "
             "that its recompute does not reproduce bitwise: something in these segments gives another "
             "result when the same micro-batch runs again (state kept between calls, randomness outside "
@@ -322,8 +371,13 @@ class ScheduleExecutor:
             if isinstance(item, Exception):
                 raise RuntimeError(f"communication thread failed: {item}") from item
             assert isinstance(item, Arrival)
-            (work.acts if item.kind == FORWARD else work.grads)[item.microbatch] = item.tensors
-            policy.arrived(item.kind, item.microbatch)
+            v = self.s.num_chunks
+            i, c = divmod(item.microbatch, v)  # the sender tags micro-batch·v + receiving chunk
+            (work.acts if item.kind == FORWARD else work.grads)[(i, c)] = item.tensors
+            if v > 1:
+                policy.arrived(item.kind, i, c)
+            else:
+                policy.arrived(item.kind, i)
             block = False
 
     # ------------------------------------------------------------------ the forward of one micro-batch
@@ -352,9 +406,12 @@ class ScheduleExecutor:
             return contextlib.nullcontext()
         return torch.autocast(self.s.device.type, dtype=dt)
 
-    def _forward(self, batch, mb: MicroBatch, inputs, with_grad: bool):
-        """Run the user's forward for this stage; returns the loss (last stage) or outputs."""
+    def _forward(self, batch, mb: MicroBatch, inputs, with_grad: bool, chunk: int = 0):
+        """Run the user's forward for this stage (its model chunk ``chunk``); returns the loss
+        (last virtual stage) or outputs."""
         s = self.s
+        first, last, carry = s.segments_of(chunk)
+        sink = s.is_sink(chunk)
         data = slice_batch(batch, mb.start, mb.end)
         reseed = self._reseed(mb.index)
         on_segment = reseed
@@ -367,12 +424,12 @@ class ScheduleExecutor:
 
         run = ForwardRun(
             cutpoints=s.cutpoints,
-            first_segment=s.first_segment,
-            last_segment=s.last_segment if not s.is_last_stage else len(s.cutpoints),
+            first_segment=first,
+            last_segment=last if not sink else len(s.cutpoints),
             num_segments=s.num_segments,
             inputs=inputs,
             on_segment=on_segment,
-            carry_plan=s.carry_plan,
+            carry_plan=carry,
         )
         s.split.run = run
         try:
@@ -382,10 +439,10 @@ class ScheduleExecutor:
                     out = call_with_batch(s.model, data)
                 except StopForward as stop:
                     return stop.outputs
-                if not s.is_last_stage:
+                if not sink:
                     raise RuntimeError(
                         f"stage {s.stage}'s forward returned without reaching CutPoint "
-                        f"#{s.last_segment}; "
+                        f"#{last}; "
                         "the forward must pass every CutPoint on every call"
                     )
                 return s.loss_fn(out, data)

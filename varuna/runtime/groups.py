@@ -67,15 +67,20 @@ class ProcessGroups:
 
 
 def build_groups(
-    layout: Layout, stage_ranges: Sequence[tuple[int, int]], shared_params: Mapping[str, Sequence[int]]
+    layout: Layout,
+    stage_ranges: Sequence[tuple[int, int]],
+    shared_params: Mapping[str, Sequence[int]],
 ) -> ProcessGroups:
     """Create every process group in the same order on every rank (a collective).
 
     ``shared_params``: parameter name -> segments reading it (those read by one segment only are
-    ignored)."""
+    ignored). More ranges than P (interleaved, v = len(stage_ranges) / P chunks per process): they
+    are the virtual stages, virtual stage j runs on process j % P, and one more link per replica
+    joins the last process to the first (activations of chunk c go on to chunk c + 1)."""
     L = layout
     P, D = L.P, L.D
     groups = ProcessGroups()
+    chunks = len(stage_ranges) // P
     if L.world == 1:
         return groups
     for k in range(P):
@@ -85,8 +90,8 @@ def build_groups(
         if k == L.stage:
             groups.dp_group = g
     for d in range(D):
-        for k in range(P - 1):
-            pair = [L.rank_of(k, d), L.rank_of(k + 1, d)]
+        for k in range(P if chunks > 1 else P - 1):
+            pair = [L.rank_of(k, d), L.rank_of((k + 1) % P, d)]
             ga = dist.new_group(pair)
             gg = dist.new_group(pair)
             groups.created += [ga, gg]
@@ -96,7 +101,7 @@ def build_groups(
     seg_stage = stage_of_segment(stage_ranges)
     by_stages: dict[tuple[int, ...], list[str]] = {}
     for name, segs in sorted(shared_params.items()):
-        stages = tuple(sorted({seg_stage[s] for s in segs}))
+        stages = tuple(sorted({seg_stage[s] % P for s in segs}))
         if len(stages) > 1:
             by_stages.setdefault(stages, []).append(name)
     for stages, names in sorted(by_stages.items()):
@@ -119,27 +124,42 @@ class StageLinks:
     act_in: LinkReceiver | None = None
     grad_out: LinkSender | None = None
 
+    #: receives per micro-batch and step: (activations, gradients); v chunks each, but one fewer
+    #: where the pipeline starts (no activation into chunk 0 of the first process) or ends
+    per_mb: tuple[int, int] = (1, 1)
+
     @classmethod
     def start(
-        cls, layout: Layout, groups: ProcessGroups, device: torch.device, inbox: queue.Queue, timeout_s: float
+        cls,
+        layout: Layout,
+        groups: ProcessGroups,
+        device: torch.device,
+        inbox: queue.Queue,
+        timeout_s: float,
+        *,
+        chunks: int = 1,
     ) -> StageLinks:
-        """Start the sender/receiver endpoints of ``layout``'s stage (threads for the receivers)."""
+        """Start the sender/receiver endpoints of ``layout``'s stage (threads for the receivers);
+        with ``chunks`` > 1 the last process links back to the first (see :func:`build_groups`)."""
         L, t = layout, timeout_s
         k, d = L.stage, L.replica
         links = cls()
-        if k < L.P - 1:
-            nxt = L.rank_of(k + 1, d)
+        if chunks > 1:
+            links.per_mb = (chunks - (k == 0), chunks - (k == L.P - 1))
+        if k < L.P - 1 or (chunks > 1 and L.P > 1):
+            nxt = L.rank_of((k + 1) % L.P, d)
             links.act_out = LinkSender(f"act-send-{k}", nxt, groups.act_groups[(k, d)], device, inbox, t)
             links.grad_in = LinkReceiver(
                 f"grad-recv-{k}", BACKWARD, nxt, groups.grad_groups[(k, d)], device, inbox, t
             )
-        if k > 0:
-            prv = L.rank_of(k - 1, d)
+        if k > 0 or (chunks > 1 and L.P > 1):
+            j = (k - 1) % L.P
+            prv = L.rank_of(j, d)
             links.act_in = LinkReceiver(
-                f"act-recv-{k}", FORWARD, prv, groups.act_groups[(k - 1, d)], device, inbox, t
+                f"act-recv-{k}", FORWARD, prv, groups.act_groups[(j, d)], device, inbox, t
             )
             links.grad_out = LinkSender(
-                f"grad-send-{k}", prv, groups.grad_groups[(k - 1, d)], device, inbox, t
+                f"grad-send-{k}", prv, groups.grad_groups[(j, d)], device, inbox, t
             )
         return links
 
@@ -149,10 +169,11 @@ class StageLinks:
         for sender in (self.act_out, self.grad_out):
             if sender is not None:
                 sender.flush()
+        acts, grads = self.per_mb
         if self.act_in is not None:
-            self.act_in.expect(num_microbatches)
+            self.act_in.expect(num_microbatches * acts)
         if self.grad_in is not None and train:
-            self.grad_in.expect(num_microbatches)
+            self.grad_in.expect(num_microbatches * grads)
 
     def close(self) -> None:
         """Stop the receivers, let outstanding sends finish, then drop the endpoints (and with them

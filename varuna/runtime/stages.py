@@ -3,7 +3,8 @@
 Explicit ranges (the config's or the launcher's plan) are checked; otherwise the segments are
 split by :func:`varuna.core.partition.balanced_stages` on the dry run's segment costs (FLOPs, or
 measured time with ``plan_cost="time"``), the schedule kind saying what a segment costs on a
-non-last and on the last stage (varuna's last stage never recomputes). Rank 0's split is broadcast.
+non-last and on the last stage (varuna's last stage never recomputes), each stage's cost divided
+by its VM's relative speed when ``stage_speeds`` says the VMs differ. Rank 0's split is broadcast.
 
 Example::
 
@@ -26,7 +27,50 @@ from varuna.cutting.split import ModelProfile, profile_model
 from varuna.runtime.config import VarunaConfig
 from varuna.runtime.layout import Layout
 
-__all__ = ["assign_stages", "check_pipeline_depth", "planning_profile"]
+__all__ = [
+    "assign_stages",
+    "check_chunks_fit",
+    "check_pipeline_depth",
+    "chunks_per_process",
+    "planning_profile",
+]
+
+
+def chunks_per_process(config: VarunaConfig, P: int, num_cutpoints: int, micro_plan: Sequence) -> int:
+    """Model chunks each process holds under ``config`` (1 unless the kind is interleaved; chunk
+    c is virtual stage c·P + stage), after checking (one line each) that the model's cut-points
+    make P stages (:func:`check_pipeline_depth`) and P·v virtual ones, and that every replica's
+    micro-batch count suits the kind.
+
+    Example::
+
+        chunks_per_process(VarunaConfig(8, 1, schedule="interleaved", chunks=2), 4, 7, plan)  # 2
+    """
+    check_pipeline_depth(P, num_cutpoints)
+    kind = schedule_kind(config.schedule)
+    v = kind.chunks_per_device(config.chunks)
+    if v > 1:
+        check_chunks_fit(P, v, num_cutpoints)
+        for plan in micro_plan:  # Nm must suit the kind (interleaved: a multiple of P)
+            kind.pipeline(P, len(plan), recompute=config.recompute, chunks=v)
+    return v
+
+
+def check_chunks_fit(P: int, chunks: int, num_cutpoints: int) -> None:
+    """Raise ``ValueError`` (one line) when P processes of ``chunks`` model chunks each (P·chunks
+    virtual stages) need more cut-points than the model has.
+
+    Example::
+
+        check_chunks_fit(4, 2, 5)   # ValueError: ... needs 8 virtual stages, i.e. >= 7 cut-points ...
+    """
+    V = P * chunks
+    if chunks > 1 and V > num_cutpoints + 1:
+        raise ValueError(
+            f"the interleaved schedule with P={P} and chunks={chunks} needs {V} virtual stages, i.e. >= "
+            f"{V - 1} cut-points, but the model has {num_cutpoints}; lower chunks or the pipeline depth, or "
+            f"place more cut-points (--auto-cutpoints {V - 1}, or --cut-after selecting >= {V - 1} modules)"
+        )
 
 
 def check_pipeline_depth(P: int, num_cutpoints: int) -> None:
@@ -92,9 +136,14 @@ def assign_stages(
     schedule: str,
     recompute: bool,
     explicit: Sequence[tuple[int, int]] | None,
+    speeds: Sequence[float] | None = None,
+    chunks: int = 1,
 ) -> list[tuple[int, int]]:
-    """Inclusive segment range of every stage (a collective when it balances on several ranks)."""
-    P, nseg = layout.P, profile.num_segments
+    """Inclusive segment range of every stage (a collective when it balances on several ranks);
+    with ``chunks`` > 1, of every virtual stage (P·chunks of them, virtual stage j on process j % P).
+    ``speeds``: relative speed of each process's VM; a segment's cost on a stage of process i is
+    divided by ``speeds[i]`` (``VarunaConfig.stage_speeds``)."""
+    P, nseg = layout.P * chunks, profile.num_segments
     if explicit is not None:
         ranges = [tuple(r) for r in explicit]
         # A plan made from another model's calibration: say so, not just "bad ranges".
@@ -103,14 +152,17 @@ def assign_stages(
             raise ValueError(mismatch)
         flat = [s for a, b in ranges for s in range(a, b + 1)]
         if len(ranges) != P or flat != list(range(nseg)):
+            what = f"{P} (P·chunks)" if chunks > 1 else f"{P}"
             raise ValueError(
-                f"stage_ranges {ranges} must be {P} contiguous ranges covering segments 0..{nseg - 1}"
+                f"stage_ranges {ranges} must be {what} contiguous ranges covering segments 0..{nseg - 1}"
             )
         return ranges
     fwd, bwd = profile.fwd_cost, profile.bwd_cost
     # A recompute is a forward again: the dry run's forward cost stands for it.
     full, last = schedule_kind(schedule).balancing_costs(fwd, fwd, bwd, recompute=recompute)
-    ranges = balanced_stages(full, last, P) if P > 1 else [(0, nseg - 1)]
+    if speeds is not None and chunks > 1:
+        speeds = [speeds[j % layout.P] for j in range(P)]
+    ranges = balanced_stages(full, last, P, speeds=speeds) if P > 1 else [(0, nseg - 1)]
     if layout.world > 1:
         # Timings differ between processes: rank 0's split is the one everybody uses.
         t = torch.tensor([x for r in ranges for x in r], dtype=torch.int64)

@@ -227,14 +227,17 @@ class EmulatedModel(nn.Module):
 
 def emulated_model(
     num_blocks: int, fwd_s: float | Sequence[float], width: int, *, bwd_factor: float = 2.0,
-    device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None, dtype: torch.dtype | None = None, speed: float = 1.0,
 ) -> EmulatedModel:
     """A trainable model of ``num_blocks`` emulated blocks with a ``varuna.CutPoint`` between
     consecutive blocks: ``num_blocks - 1`` cut-points, so ``num_blocks`` segments of one block
     each (the last segment also computes the loss).
 
     ``fwd_s`` is one forward time for all blocks or one per block (e.g. a heavier first block).
-    Inputs and targets have shape ``(batch, width)`` (or any ``(..., width)``).
+    Inputs and targets have shape ``(batch, width)`` (or any ``(..., width)``). ``speed``: the
+    emulated device's relative speed (mixed VM types, issue #19): every block takes
+    ``fwd_s / speed`` (and its backward ``bwd_factor`` times that), so a process built with
+    ``speed=1.6`` is a device 1.6× faster; the weights do not depend on it.
 
     Example::
 
@@ -247,6 +250,8 @@ def emulated_model(
 
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    if not (isinstance(speed, (int, float)) and 0 < speed < math.inf):
+        raise ValueError(f"speed must be a finite number > 0 (relative device speed), got {speed!r}")
     if isinstance(fwd_s, (int, float)):
         times = [float(fwd_s)] * num_blocks
     else:
@@ -254,7 +259,9 @@ def emulated_model(
         if len(times) != num_blocks:
             raise ValueError(f"fwd_s has {len(times)} entries for {num_blocks} blocks; give one "
                              f"number or one per block")
-    blocks = [EmulatedBlock(t, width, bwd_factor=bwd_factor, device=device, dtype=dtype) for t in times]
+    blocks = [
+        EmulatedBlock(t / speed, width, bwd_factor=bwd_factor, device=device, dtype=dtype) for t in times
+    ]
     return EmulatedModel(blocks, [CutPoint() for _ in range(num_blocks - 1)])
 
 
