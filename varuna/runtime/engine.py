@@ -106,10 +106,14 @@ class Engine:
         self._step_callbacks: list[Callable[[StepResult], None]] = []
         self._stop_callbacks: list[Callable[[Engine], None]] = []
         self.model = model
+        #: what a live morph needs to build this engine again on a fresh model (live_morph.py)
+        self.rebuild_args = {"example_batch": example_batch, "optimizer": optimizer, "loss_fn": loss_fn,
+                             "param_init": param_init}
         self._build_stage(model, example_batch, param_init)
         self._build_training(optimizer)
         self._build_comm()
         self.step_count = 0
+        self._uncommitted = False  # inside a step whose optimizer step has not run yet
         self.executed_orders: list[list[Task]] = []
         #: set by a stop signal on this rank; agreed by all ranks at the end of the next step
         self.stop_requested = False
@@ -256,6 +260,12 @@ class Engine:
         return self.layout.P
 
     @property
+    def committed_step(self) -> int:
+        """The last step whose optimizer step ran on this rank: the commit point a live morph
+        resumes from (a step that failed before it is redone; docs/live_morph.md)."""
+        return self.step_count - int(self._uncommitted)
+
+    @property
     def is_last_stage(self) -> bool:
         return self.stage == self.layout.P - 1
 
@@ -310,6 +320,7 @@ class Engine:
         t_start = time.perf_counter()
         _check_batch(batch, self.config.global_batch_size)
         self.step_count += 1
+        self._uncommitted = True
         with watching(self._watch, self.step_count):  # Note [Peer watch]
             return self._train_step(batch, t_start)
 
@@ -325,6 +336,7 @@ class Engine:
             run.loss_sum, stop_requested=self.stop_requested, micro_plan=self.micro_plan
         )
         sync_s = time.perf_counter() - t_sync
+        self._uncommitted = False
         self.checkpointer.after_step()  # periodic checkpoint at this mini-batch boundary, if configured
         wall = time.perf_counter() - t_start
         result = StepResult(
