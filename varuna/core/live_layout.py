@@ -70,7 +70,9 @@ def plan_survivor_layout(
     raise ValueError(f"no layout fits max_stages={max_stages}, max_replicas={max_replicas}")
 
 
-def transfer_plan(held: Sequence[Sequence[str]], needs: Sequence[Sequence[str]]) -> dict[tuple[int, int], list[str]]:
+def transfer_plan(
+    held: Sequence[Sequence[str]], needs: Sequence[Sequence[str]]
+) -> dict[tuple[int, int], list[str]]:
     """Which rank sends which names to whom: ``{(src, dst): names}``.
 
     ``held[r]``: the parameter names rank ``r`` kept from the old layout; ``needs[r]``: the names

@@ -212,24 +212,8 @@ class Engine:
             self.layout, self._groups, self.device, inbox, self.config.comm_timeout_s
         )
         self.timeline = Timeline()
-        stage = StageModel(
-            model=self.model,
-            loss_fn=self.loss_fn,
-            split=self._split,
-            cutpoints=self._order,
-            cutpoint_names=self.profile.cutpoint_names,
-            first_segment=self.first_segment,
-            last_segment=self.last_segment,
-            num_segments=self.profile.num_segments,
-            stage=self.stage,
-            replica=self.replica,
-            num_stages=self.layout.P,
-            device=self.device,
-            carry_plan=CarryPlan.for_stage(self.profile.carried, self.first_segment, self.last_segment,
-                                           self.is_last_stage),
-        )
         self._executor = ScheduleExecutor(
-            stage=stage,
+            stage=_stage_model(self),
             config=self.config,
             links=self._links,
             inbox=inbox,
@@ -261,8 +245,7 @@ class Engine:
 
     @property
     def committed_step(self) -> int:
-        """The last step whose optimizer step ran on this rank: the commit point a live morph
-        resumes from (a step that failed before it is redone; docs/live_morph.md)."""
+        """The last step whose optimizer step ran here: a live morph's commit point (docs/live_morph.md)."""
         return self.step_count - int(self._uncommitted)
 
     @property
@@ -473,6 +456,26 @@ class Engine:
     def load_state_dict(self, state: dict) -> None:
         """Inverse of :meth:`state_dict`; ``state["params"]`` may hold the whole model's names."""
         load_engine_state_dict(self, state)
+
+
+def _stage_model(engine: Engine) -> StageModel:
+    """What the executor runs: this stage's part of the model and where it sits."""
+    return StageModel(
+        model=engine.model,
+        loss_fn=engine.loss_fn,
+        split=engine._split,
+        cutpoints=engine._order,
+        cutpoint_names=engine.profile.cutpoint_names,
+        first_segment=engine.first_segment,
+        last_segment=engine.last_segment,
+        num_segments=engine.profile.num_segments,
+        stage=engine.stage,
+        replica=engine.replica,
+        num_stages=engine.layout.P,
+        device=engine.device,
+        carry_plan=CarryPlan.for_stage(engine.profile.carried, engine.first_segment, engine.last_segment,
+                                       engine.is_last_stage),
+    )
 
 
 def _on_stop_signals(names: tuple[str, ...], handler) -> None:
