@@ -61,16 +61,16 @@ def test_transfer_plan_sends_only_what_is_missing_from_a_holder():
 # ---------------------------------------------------------------------------------- processes
 
 
-def run_live_world(out: Path, ckpt: Path, steps: int, die: tuple[int, int] | None = None,
+def run_live_world(out: Path, ckpt: Path, steps: int, die: tuple[list[int], int] | None = None,
                    timeout_s: float = 180.0) -> tuple[list[int], list[int | None]]:
     """4 workers at 2×2 around a store this process hosts (the supervisor's role); when ``die``
-    = (member, step), that member kills itself after the step and is declared dead once its
-    exit is seen. Returns the workers' pids and exit codes."""
+    = (members, step), those members kill themselves after the step and each is declared dead
+    once its exit is seen. Returns the workers' pids and exit codes."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
     args = [sys.executable, str(WORKER), "--out", str(out), "--ckpt-dir", str(ckpt), "--steps", str(steps)]
     if die:
-        args += ["--die-member", str(die[0]), "--die-after", str(die[1])]
+        args += ["--die-members", ",".join(map(str, die[0])), "--die-after", str(die[1])]
     out.mkdir(parents=True)
     procs, logs = [], []
     try:
@@ -81,11 +81,11 @@ def run_live_world(out: Path, ckpt: Path, steps: int, die: tuple[int, int] | Non
                    "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
             logs.append(open(out / f"member{r}.log", "w"))  # noqa: SIM115 (closed below)
             procs.append(subprocess.Popen(args, env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
-        if die:
-            procs[die[0]].wait(timeout_s)  # the supervisor sees the exit...
-            from varuna.runtime.live_morph import declare_dead
+        from varuna.runtime.live_morph import declare_dead
 
-            declare_dead(store, die[0])  # ...and says so
+        for m in die[0] if die else []:
+            procs[m].wait(timeout_s)  # the supervisor sees the exit...
+            declare_dead(store, m)  # ...and says so
         for p in procs:
             p.wait(timeout_s)
     finally:
@@ -114,7 +114,7 @@ def test_kill_one_of_2x2_survivors_go_on_in_process_bit_identical(tmp_path):
         ref_params.update(read_member(ref_out, m)[1])
     ref_losses = read_member(ref_out, 0)[0]["losses"]
 
-    pids, codes = run_live_world(live_out, ckpt, steps, die=(3, die_after))
+    pids, codes = run_live_world(live_out, ckpt, steps, die=([3], die_after))
     logs = {m: (live_out / f"member{m}.log").read_text()[-3000:] for m in range(4)}
     assert codes == [0, 0, 0, -signal.SIGKILL], logs
     for m in range(3):
@@ -131,3 +131,16 @@ def test_kill_one_of_2x2_survivors_go_on_in_process_bit_identical(tmp_path):
         assert params.keys() == ref_params.keys()
         assert [n for n in params if not torch.equal(params[n], ref_params[n])] == []
     assert not ckpt.exists()
+
+
+@pytest.mark.slow
+def test_a_lost_stage_falls_back_to_the_restart_path(tmp_path):
+    """Both replicas of stage 1 die: no live copy of its state, so the survivors say so and exit
+    with the peer-lost code (the supervisor restarts from a checkpoint) instead of hanging."""
+    from varuna.runtime.peer_watch import PEER_LOST_EXIT_CODE
+
+    out = tmp_path / "lost"
+    _, codes = run_live_world(out, tmp_path / "ckpt", 4, die=([1, 3], 1), timeout_s=120)
+    assert codes == [PEER_LOST_EXIT_CODE, -signal.SIGKILL, PEER_LOST_EXIT_CODE, -signal.SIGKILL]
+    for m in (0, 2):
+        assert "stage 1 has no live replica" in (out / f"member{m}.log").read_text()

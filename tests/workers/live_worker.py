@@ -49,7 +49,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--ckpt-dir", type=Path, required=True)
     p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--die-member", type=int, default=-1)
+    p.add_argument("--die-members", default="", help="comma-separated members that kill themselves")
     p.add_argument("--die-after", type=int, default=-1)
     p.add_argument("--timeout", type=float, default=60.0)
     a = p.parse_args()
@@ -80,7 +80,7 @@ def main() -> None:
             step = engine.step_count + 1
             continue
         losses.append([r.step, r.loss])
-        if step == a.die_after and live.member == a.die_member:
+        if step == a.die_after and str(live.member) in a.die_members.split(","):
             os.kill(os.getpid(), signal.SIGKILL)
         step += 1
     a.out.mkdir(parents=True, exist_ok=True)
