@@ -43,7 +43,7 @@ def launched(monkeypatch: pytest.MonkeyPatch) -> list[LaunchConfig]:
     """What main() would run: the configs it hands to ``launch`` (nothing is started)."""
     configs: list[LaunchConfig] = []
 
-    def fake_launch(config: LaunchConfig) -> int:
+    def fake_launch(config: LaunchConfig, progress: bool = False) -> int:
         configs.append(config)
         return 0
 
