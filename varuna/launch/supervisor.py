@@ -20,7 +20,8 @@ workers still standing exit 0.
 
 Exit codes: 0 all workers exited 0 (with live morph: every worker not lost); 1 a worker failed
 (the message names its rank and exit code) or could not be started, an agent failed, or the job
-does not fit the reachable hosts; 2 bad usage; 128+N the launcher was stopped by signal N (130 for SIGINT, 143 for SIGTERM).
+does not fit the reachable hosts; 2 bad usage; 128+N the launcher was stopped by signal N (130
+for SIGINT, 143 for SIGTERM).
 
 Example::
 
