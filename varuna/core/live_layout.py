@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from varuna.core.env import stage_and_replica
 
-__all__ = ["NoLiveReplica", "SurvivorLayout", "plan_survivor_layout", "transfer_plan"]
+__all__ = ["NoLiveReplica", "SurvivorLayout", "plan_generation", "plan_survivor_layout", "transfer_plan"]
 
 
 class NoLiveReplica(RuntimeError):
@@ -67,6 +67,38 @@ def plan_survivor_layout(
             working = alive[:n]
             return SurvivorLayout(P=P, D=n // P, new_rank={r: i for i, r in enumerate(working)},
                                   spares=alive[n:])
+    raise ValueError(f"no layout fits max_stages={max_stages}, max_replicas={max_replicas}")
+
+
+def plan_generation(
+    *, old_P: int, holders: int, newcomers: int, max_stages: int, max_replicas: int,
+    hint: tuple[int, int] | None = None,
+) -> tuple[int, int, int]:
+    """P'×D' and how many members work, for ``holders`` members that keep state (they come first
+    in the new rank order) and ``newcomers`` without state (joiners, spares). Returns ``(P, D, n)``:
+    the first ``n`` members work, the rest are spares.
+
+    ``hint`` (the manager's or launcher's plan, e.g. from the simulator) wins when it fits the
+    members and the limits; otherwise the rule of :func:`plan_survivor_layout`: as many members as
+    fit, P' nearest ``old_P``, the smaller on a tie.
+
+    >>> plan_generation(old_P=1, holders=2, newcomers=2, max_stages=3, max_replicas=4, hint=(2, 2))
+    (2, 2, 4)
+    >>> plan_generation(old_P=2, holders=4, newcomers=1, max_stages=3, max_replicas=4)
+    (2, 2, 4)
+    """
+    total = holders + newcomers
+    if total < 1:
+        raise ValueError("a generation needs at least one member")
+    if hint is not None:
+        P, D = hint
+        if 1 <= P <= max_stages and 1 <= D <= max_replicas and P * D <= total:
+            return P, D, P * D
+    for n in range(total, 0, -1):
+        fits = [p for p in range(1, min(max_stages, n) + 1) if n % p == 0 and n // p <= max_replicas]
+        if fits:
+            P = min(fits, key=lambda p: (abs(p - old_P), p))
+            return P, n // P, n
     raise ValueError(f"no layout fits max_stages={max_stages}, max_replicas={max_replicas}")
 
 

@@ -117,6 +117,10 @@ class Engine:
         self.executed_orders: list[list[Task]] = []
         #: set by a stop signal on this rank; agreed by all ranks at the end of the next step
         self.stop_requested = False
+        #: live morph (live_trainer.py): asked before each step's agreement whether this rank
+        #: requests a step-boundary regroup; with a hook, an agreed stop only sets ``agreed_stop``
+        self.boundary_hook: Callable[[], bool] | None = None
+        self.agreed_stop = False
         _on_stop_signals(config.stop_signals, self._signal_stop)
         self.checkpointer = Checkpointer(self)  # save on stop, periodic saves, resume
         self.checkpointer.attach()  # a collective when resuming: every rank loads the same step
@@ -315,8 +319,10 @@ class Engine:
         run = self._executor.run(batch, mbs, step=self.step_count, scale=self.scaler.scale, train=True)
         self.executed_orders.append(run.executed)
         t_sync = time.perf_counter()
+        hook = self.boundary_hook
         outcome = self._sync.finish(
-            run.loss_sum, stop_requested=self.stop_requested, micro_plan=self.micro_plan
+            run.loss_sum, stop_requested=self.stop_requested or (hook is not None and hook()),
+            micro_plan=self.micro_plan,
         )
         sync_s = time.perf_counter() - t_sync
         self._uncommitted = False
@@ -339,7 +345,9 @@ class Engine:
         if line is not None:  # every rank saw the same agreed loss: every rank stops here
             self.close()
             raise NonFiniteLossStop(line)
-        if outcome.stop:
+        if outcome.stop and hook is not None:
+            self.agreed_stop = True  # the live trainer decides: regroup, or stop (Engine._stop)
+        elif outcome.stop:
             self._stop()
         return result
 
