@@ -91,7 +91,8 @@ def worker(a: argparse.Namespace) -> None:
     phases = _time_phases()
     live = LiveWorld.join(timeout_s=WAIT_S)
     config = varuna.VarunaConfig(global_batch_size=a.global_batch, micro_batch_size=a.micro_batch, seed=0,
-                                 comm_timeout_s=WAIT_S, checkpoint_dir=a.ckpt, resume="auto" if a.ckpt else "0")
+                                 comm_timeout_s=WAIT_S, checkpoint_dir=a.ckpt,
+                                 resume="auto" if a.ckpt else "0")
     engine = varuna.Engine(build(), config, example_batch=batch(1),
                            optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4))
     report: dict = {"pid": os.getpid(), "resumed_at": engine.step_count}
@@ -127,8 +128,8 @@ def _time_phases() -> dict[str, float]:
     from varuna.runtime import live_morph
 
     spent: dict[str, float] = {}
-    names = {"_tear_down": "tear down", "_rendezvous": "rendezvous", "_init_group": "new group",
-             "Engine": "new engine", "_transfer_state": "transfer"}
+    names = {"_tear_down": "tear down", "_close": "rendezvous", "_init_group": "new group",
+             "Engine": "new engine", "_hand_over": "transfer"}
     for attr, label in names.items():
         fn = getattr(live_morph, attr, None)
         if fn is None:
@@ -161,7 +162,8 @@ class World:
         for r in range(n):
             env = {**os.environ, "VARUNA_LIVE_STORE": f"127.0.0.1:{self.store.port}", "RANK": str(r),
                    "WORLD_SIZE": str(n), "LOCAL_RANK": str(r), "VARUNA_PIPELINE_DEPTH": str(P),
-                   "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+                   "OMP_NUM_THREADS": "1",
+                   "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
             log = open(out / f"{tag}-rank{r}.log", "w")  # noqa: SIM115 (the child keeps its copy)
             self.procs.append(subprocess.Popen([sys.executable, __file__, "--worker", *argv], env=env,
                                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
@@ -189,8 +191,8 @@ def one_morph(path: str, size: ModelSize, a: argparse.Namespace, tmp: Path) -> d
     out = tmp / "out"
     out.mkdir(parents=True)
     ckpt = str(tmp / "ckpt") if path == "restart" else ""
-    argv = [*size.args(), "--out", str(out), "--steps", str(a.kill_after + 1), "--kill-after", str(a.kill_after),
-            "--kill-member", "3", "--checkpoint-every", str(a.checkpoint_every), "--ckpt", ckpt]
+    argv = [*size.args(), "--out", str(out), "--steps", str(a.kill_after + 1),
+            "--kill-after", str(a.kill_after), "--kill-member", "3", "--checkpoint-every", str(a.checkpoint_every), "--ckpt", ckpt]
     world = World(4, 2, argv, out, "first")
     try:
         world.wait(3)  # the kill
@@ -249,7 +251,7 @@ def run(a: argparse.Namespace) -> dict:
 
 
 def table(results: dict, a: argparse.Namespace) -> str:
-    lines = ["| model | params | path | morph latency, median (min–max) | completed steps redone | speed-up |",
+    lines = ["| model | params | path | morph latency, median (min–max) | completed steps redone | speed-up |",  # noqa: E501
              "|---|---|---|---|---|---|"]
     for (name, path), rows in results.items():
         lat = [r["latency_s"] for r in rows]

@@ -1,15 +1,16 @@
-"""Worker for ``varuna-launch --live-morph`` (tests/test_launch_live.py): the tiny GPT in a live
-world (varuna/runtime/live_morph.py) with periodic checkpoints, so that the launcher's fallback
-restart can resume. Some members SIGKILL themselves after a step, on the first launch only
-(``$VARUNA_RESTARTS`` = 0).
+"""Worker for ``varuna-launch --live-morph`` (tests/test_launch_live.py): the tiny GPT trained by
+:class:`varuna.runtime.live_trainer.LiveTrainer` (the live-morph entry point) with periodic
+checkpoints, so that the launcher's fallback restart can resume. Some members SIGKILL themselves
+after a step, on the first launch only (``$VARUNA_RESTARTS`` = 0).
 
-Writes, per member, ``member{m}.json`` (pid, restarts, the (step, loss) pairs it ran, its morphs,
-the final P×D, whether it resumed from a checkpoint) and ``member{m}.pt`` (its final parameters).
+Writes, per member, ``member{m}.json`` (pid, restarts, the step it resumed at, the (step, loss)
+pairs it ran, its morphs, the final P×D) and ``member{m}.pt`` (its final parameters).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -24,8 +25,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from models import build_model  # noqa: E402
 
 import varuna  # noqa: E402
-from varuna.runtime.live_morph import LiveMorphFailed, LiveWorld, recover  # noqa: E402
-from varuna.runtime.peer_watch import PEER_LOST_EXIT_CODE  # noqa: E402
+from varuna.runtime.live_trainer import LiveTrainer  # noqa: E402
 
 GLOBAL_BATCH, MICRO_BATCH = 8, 2
 
@@ -46,38 +46,28 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(1)
     restarts = int(os.environ.get("VARUNA_RESTARTS", "0"))
-    live = LiveWorld.join(timeout_s=60.0)
     config = varuna.VarunaConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH, seed=7,
                                  comm_timeout_s=60.0, checkpoint_every=a.checkpoint_every, deterministic=True)
-    engine = varuna.Engine(build_model("gpt", dropout=0.1), config, example_batch=batch_for(1),
-                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-8))
-    resumed_at = engine.step_count
-    losses, morphs = [], []
-    step = engine.step_count + 1
-    while step <= a.steps:
-        try:
-            r = engine.train_step(batch_for(step))
-        except RuntimeError as e:  # a peer died inside the step
-            print(f"member {live.member}: step {step} failed ({str(e)[:100]}); regrouping", flush=True)
-            try:
-                engine = recover(engine, build_model("gpt", dropout=0.1), live)
-            except LiveMorphFailed as f:
-                print(f"varuna: {f}", file=sys.stderr, flush=True)
-                raise SystemExit(PEER_LOST_EXIT_CODE) from None
-            if engine is None:
-                raise SystemExit("spare: nothing to do in this layout") from None
-            morphs.append(vars(live.last_morph))
-            step = engine.step_count + 1
-            continue
+    trainer = LiveTrainer(lambda: build_model("gpt", dropout=0.1), config, example_batch=batch_for(1),
+                          optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-8))
+    member = trainer.live.member
+    resumed_at = trainer.engine.committed_step if trainer.engine is not None else -1
+    losses = []
+    dies = restarts == 0 and str(member) in a.die_members.split(",")
+
+    def on_step(r) -> None:
         losses.append([r.step, r.loss])
-        if restarts == 0 and step == a.die_after and str(live.member) in a.die_members.split(","):
+        if dies and r.step == a.die_after:
             os.kill(os.getpid(), signal.SIGKILL)
-        step += 1
-    m = live.member
-    torch.save({n: q.detach().clone() for n, q in engine.named_parameters()}, a.out / f"member{m}.pt")
-    (a.out / f"member{m}.json").write_text(json.dumps({
+
+    engine = trainer.run(a.steps, batch_for, on_step=on_step)
+    if engine is None:
+        return  # left the run (a spare at the end): nothing of its own to report
+    torch.save({n: q.detach().clone() for n, q in engine.named_parameters()}, a.out / f"member{member}.pt")
+    (a.out / f"member{member}.json").write_text(json.dumps({
         "pid": os.getpid(), "restarts": restarts, "resumed_at": resumed_at, "losses": losses,
-        "morphs": morphs, "P": engine.layout.P, "D": engine.layout.D}))
+        "morphs": [dataclasses.asdict(m) for m in trainer.morphs],
+        "P": engine.layout.P, "D": engine.layout.D}))
     engine.close()
 
 

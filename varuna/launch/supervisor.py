@@ -320,7 +320,7 @@ class Supervisor:
         rank = worker.spec.env.rank
         for thread in self._readers_of.get(rank, []):  # its last line (the reason) relayed first
             thread.join(timeout=LAST_WORDS_TIMEOUT_S)
-        note = self._last_note.get(rank, "").removeprefix("varuna: ")
+        note = self._last_note.get(rank, "").removeprefix("varuna: ").removeprefix("live morph impossible: ")
         self.restart_reason = note or f"{_where(worker)} exited with code {PEER_LOST_EXIT_CODE}"
         self._cause = ("restart", self.restart_reason)
         self._kill_at = time.monotonic() + self._stop_timeout_s
