@@ -192,7 +192,8 @@ def one_morph(path: str, size: ModelSize, a: argparse.Namespace, tmp: Path) -> d
     out.mkdir(parents=True)
     ckpt = str(tmp / "ckpt") if path == "restart" else ""
     argv = [*size.args(), "--out", str(out), "--steps", str(a.kill_after + 1),
-            "--kill-after", str(a.kill_after), "--kill-member", "3", "--checkpoint-every", str(a.checkpoint_every), "--ckpt", ckpt]
+            "--kill-after", str(a.kill_after), "--kill-member", "3",
+            "--checkpoint-every", str(a.checkpoint_every), "--ckpt", ckpt]
     world = World(4, 2, argv, out, "first")
     try:
         world.wait(3)  # the kill
