@@ -103,11 +103,12 @@ def worker(a: argparse.Namespace) -> None:
         try:
             engine.train_step(batch(step))
         except RuntimeError:  # a peer died inside the step
-            report["t_failed"] = time.time()
+            report["t_failed"], before = time.time(), dict(phases)
             engine = recover(engine, build(), live)
             if engine is None:
                 raise SystemExit("spare in the new layout: nothing to measure") from None
-            report["morph"], report["phases"] = vars(live.last_morph), dict(phases)
+            report["morph"] = vars(live.last_morph)
+            report["phases"] = {k: v - before.get(k, 0.0) for k, v in phases.items()}
             step, first = engine.step_count + 1, True
             continue
         if a.ckpt and step % a.checkpoint_every == 0 and step <= a.kill_after:
@@ -220,8 +221,9 @@ def one_morph(path: str, size: ModelSize, a: argparse.Namespace, tmp: Path) -> d
     finally:
         world.kill_all()
     kill = json.loads((out / "kill.json").read_text())
+    phases = {k: max(r.get("phases", {}).get(k, 0.0) for r in reports) for k in reports[0].get("phases", {})}
     return {"latency_s": max(r["t_first_step"] for r in reports) - kill["t_kill"],
-            "redone": kill["step"] - resumed}
+            "redone": kill["step"] - resumed, "phases": phases}
 
 
 def parameter_count(size: ModelSize) -> int:
@@ -261,6 +263,11 @@ def table(results: dict, a: argparse.Namespace) -> str:
         redone = sorted({r["redone"] for r in rows})
         lines.append(f"| {name} | {rows[0]['params'] / 1e6:.2f} M | {path} | {statistics.median(lat):.2f} s "
                      f"({min(lat):.2f}–{max(lat):.2f}) | {'/'.join(map(str, redone))} | {speed} |")
+    for (name, path), rows in results.items():
+        if path == "live":
+            parts = {k: statistics.median(r["phases"].get(k, 0.0) for r in rows) for k in rows[0]["phases"]}
+            lines.append(f"\n{name} live, slowest rank per phase (median s): "
+                         + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
     lines.append(f"\n{a.morphs} morph(s) per row; kill after step {a.kill_after}, restart path checkpoints "
                  f"every {a.checkpoint_every} step(s).")
     return "\n".join(lines)
