@@ -156,6 +156,8 @@ class World:
     def __init__(self, n: int, P: int, argv: list[str], out: Path, tag: str) -> None:
         import torch.distributed as dist
 
+        from varuna.launch.procs import pdeathsig_preexec
+
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=WAIT_S))
         self.out = out
@@ -167,7 +169,8 @@ class World:
                    "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
             log = open(out / f"{tag}-rank{r}.log", "w")  # noqa: SIM115 (the child keeps its copy)
             self.procs.append(subprocess.Popen([sys.executable, __file__, "--worker", *argv], env=env,
-                                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+                                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                               preexec_fn=pdeathsig_preexec()))  # no orphans
             log.close()
 
     def wait(self, rank: int) -> int:
@@ -239,17 +242,19 @@ def parameter_count(size: ModelSize) -> int:
 
 
 def run(a: argparse.Namespace) -> dict:
-    results: dict = {}
-    for name in a.models:
-        params = parameter_count(MODELS[name])
-        for path in ("live", "restart"):
-            rows = []
-            for i in range(a.morphs):
-                with tempfile.TemporaryDirectory(prefix="bench-live-") as tmp:
-                    rows.append({**one_morph(path, MODELS[name], a, Path(tmp)), "params": params})
-                print(f"{name} {path} {i + 1}/{a.morphs}: {rows[-1]['latency_s']:.2f} s, "
-                      f"{rows[-1]['redone']} step(s) redone", file=sys.stderr, flush=True)
-            results[(name, path)] = rows
+    """Every (model, path) row gets ``a.morphs`` morphs, taken round-robin (a drifting machine load
+    spreads over all rows); with ``--json-out`` the numbers so far are written after each morph."""
+    params = {name: parameter_count(MODELS[name]) for name in a.models}
+    results: dict = {(name, path): [] for name in a.models for path in ("live", "restart")}
+    for i in range(a.morphs):
+        for (name, path), rows in results.items():
+            with tempfile.TemporaryDirectory(prefix="bench-live-") as tmp:
+                rows.append({**one_morph(path, MODELS[name], a, Path(tmp)), "params": params[name]})
+            print(f"{name} {path} {i + 1}/{a.morphs}: {rows[-1]['latency_s']:.2f} s, "
+                  f"{rows[-1]['redone']} step(s) redone", file=sys.stderr, flush=True)
+            if a.json_out:
+                a.json_out.parent.mkdir(parents=True, exist_ok=True)
+                a.json_out.write_text(json.dumps({f"{m} {p}": r for (m, p), r in results.items()}, indent=1))
     return results
 
 
@@ -279,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--kill-after", type=int, default=3, help="the worker dies after this step (default 3)")
     p.add_argument("--checkpoint-every", type=int, default=2, help="restart path's checkpoint interval (2)")
-    p.add_argument("--json-out", type=Path, help="write every morph's numbers here")
+    p.add_argument("--json-out", type=Path, help="write every morph's numbers here (after each morph)")
+    p.add_argument("--table-from", type=Path, help="print the table of an earlier --json-out and exit")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for k, v in vars(MODELS["example"]).items():  # the worker's model (set by the harness)
         p.add_argument(f"--{k.replace('_', '-')}", type=int, default=v, help=argparse.SUPPRESS)
@@ -294,12 +300,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.morphs < 1 or a.kill_after < 1 or a.checkpoint_every < 1:
         p.error("--morphs, --kill-after and --checkpoint-every must be >= 1")
     t0 = time.monotonic()
-    results = run(a)
+    if a.table_from:
+        raw = json.loads(a.table_from.read_text())
+        results = {tuple(k.split()): rows for k, rows in raw.items() if rows}
+        a.morphs = min(len(r) for r in results.values())
+    else:
+        results = run(a)
     print(table(results, a))
     print(f"total {time.monotonic() - t0:.0f} s; load: {os.getloadavg()[0]:.2f} (1-min average at the end)")
-    if a.json_out:
-        a.json_out.parent.mkdir(parents=True, exist_ok=True)
-        a.json_out.write_text(json.dumps({f"{m} {p}": rows for (m, p), rows in results.items()}, indent=1))
     return 0
 
 
