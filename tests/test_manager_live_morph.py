@@ -77,7 +77,8 @@ def test_the_decision_reaches_the_live_store() -> None:
     dist = pytest.importorskip("torch.distributed")
     from varuna.runtime.live_morph import ROOT
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=10))
     vms = ["v0", "v1", "v2", "v3"]
     d = live_morph.decide(simulator_plan(), pipeline_depth=2, data_parallel=2, slots=dict.fromkeys(vms, 1),
                           vm_ids=vms, lost_vm_ids=["v3"])
