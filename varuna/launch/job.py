@@ -94,6 +94,10 @@ class _ForwardedSignals:
         while self.pending:
             supervisor.notify_signal(self.pending.popleft())
 
+    def take_back(self) -> None:
+        """Queue the signals again (the supervisor is done; a relaunch may follow)."""
+        self._sink = self.pending.append
+
 
 def launch(
     config: LaunchConfig,
@@ -160,6 +164,7 @@ def _run_once(
             write_launch_json(config, specs, supervisor, Path(config.log_dir) / "launch.json")
         return supervisor.wait(), supervisor.restart_reason
     finally:
+        signals.take_back()
         supervisor.close()
 
 
@@ -185,6 +190,11 @@ def _run_live(
             )
         if code != EXIT_RESTART:
             return code
+        if signals.stop_requested():  # a stop asked while the workers exited: no relaunch
+            signum = signals.pending[0]
+            _say(stderr, f"live morph impossible ({reason}); received {signal.Signals(signum).name}: not"
+                         " restarting")
+            return EXIT_OK if signum == signal.SIGUSR1 else 128 + signum
         if restarts == config.max_restarts:
             _say(stderr, f"job failed: live morph impossible ({reason}) and no restart left"
                          f" (--max-restarts {config.max_restarts})")
