@@ -392,14 +392,14 @@ def _form(live: LiveWorld, gen: int, closed: dict, held: Engine | None, build: C
     _check_stages(recs, holders)
     staying = sorted((m for m in holders if not recs[m]["leaving"]), key=lambda m: (recs[m]["rank"], m))
     newcomers = sorted(m for m in arrived if not recs[m]["holds"] and not recs[m]["leaving"])
-    newcomers += [j for j in closed["joiners"] if j not in newcomers]
+    newcomers += sorted(j for j in closed["joiners"] if j not in newcomers)
     leavers = sorted(m for m in arrived if recs[m]["leaving"])
     ref = recs[holders[0]]
     hint = tuple(closed["plan"]) if closed["plan"] else None
     P, D, n = plan_generation(old_P=ref["P"], holders=len(staying), newcomers=len(newcomers),
                               max_stages=ref["max_stages"], max_replicas=ref["max_replicas"], hint=hint)
     order = staying + newcomers
-    lost = [m for m in live.expected if m not in arrived]
+    lost = [m for m in live.members + live.spares if m not in arrived]  # leavers are not lost
     live.generation, live.members, live.spares = gen, order[:n], order[n:]
     live.expected = order + leavers
     live.joins_consumed = max(live.joins_consumed, closed["joins_consumed"])
