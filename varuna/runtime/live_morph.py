@@ -348,6 +348,19 @@ def _close(live: LiveWorld, gen: int, window_s: float | None,
     return gen, closed
 
 
+def _wait_for(live: LiveWorld, keys: list[str], writers: list[int]) -> None:
+    """Wait (bounded) for ``keys``, which ``writers`` set; fail at once when one of them is
+    declared dead (a member lost during the regroup: the caller goes to the next generation)."""
+    store, t0 = live.store, time.monotonic()
+    while not store.check(keys):
+        dead = _dead(store, writers)
+        if dead:
+            raise RuntimeError(f"members {sorted(dead)} died during the regroup")
+        if time.monotonic() - t0 > live.timeout_s:
+            raise RuntimeError(f"waited {live.timeout_s:.0f}s for {keys[0]} (and {len(keys) - 1} more keys)")
+        time.sleep(_POLL_S)  # a poll of the store, bounded above
+
+
 def _snapshot(live: LiveWorld) -> dict:
     """The joiners registered so far and the manager's layout request, frozen for a generation."""
     store = live.store
@@ -471,7 +484,7 @@ def _hand_over(live: LiveWorld, gen: int, xfer: list[int], recs: dict, held_engi
     if new is not None:
         store.set(f"{pre}needs/{live.member}", json.dumps(sorted(new.stage_params)))
     keys = [f"{pre}needs/{m}" for m in xfer[:working]]
-    store.wait(keys, timedelta(seconds=live.timeout_s))
+    _wait_for(live, keys, xfer[:working])
     needs = [json.loads(v) for v in store.multi_get(keys)] + [[] for _ in xfer[working:]]
     held = [recs[m]["names"] if recs.get(m, {}).get("holds") else [] for m in xfer]
     kept = {n for h in held[:working] for n in h}
@@ -514,7 +527,7 @@ def _exchange(live: LiveWorld, pre: str, pg: dist.ProcessGroup, xfer: list[int],
     metas, bufs = {}, {}
     for src in recvs:
         key = f"{pre}xfer/{xfer[src]}-{live.member}"
-        live.store.wait([key], timeout)
+        _wait_for(live, [key], [xfer[src]])
         m = json.loads(live.store.get(key))
         metas[src], bufs[src] = m["meta"], torch.empty(m["nbytes"], dtype=torch.uint8)
         works.append(pg.recv([bufs[src]], src, 0))
