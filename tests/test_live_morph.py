@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -64,12 +65,13 @@ def test_transfer_plan_sends_only_what_is_missing_from_a_holder():
 
 def test_generation_plan_takes_the_managers_layout_when_it_fits():
     # 1x2 plus two joiners: the rule alone would keep P=1 (1x4); the manager asked for 2x2
-    assert plan_generation(old_P=1, holders=2, newcomers=2, max_stages=3, max_replicas=4) == (1, 4, 4)
-    assert plan_generation(old_P=1, holders=2, newcomers=2, max_stages=3, max_replicas=4, hint=(2, 2)) == (2, 2, 4)
+    limits = {"max_stages": 3, "max_replicas": 4}
+    assert plan_generation(old_P=1, holders=2, newcomers=2, **limits) == (1, 4, 4)
+    assert plan_generation(old_P=1, holders=2, newcomers=2, hint=(2, 2), **limits) == (2, 2, 4)
     # a hint that does not fit (too many stages, too few members) falls back to the rule
-    assert plan_generation(old_P=2, holders=3, newcomers=0, max_stages=3, max_replicas=4, hint=(2, 2)) == (1, 3, 3)
+    assert plan_generation(old_P=2, holders=3, newcomers=0, hint=(2, 2), **limits) == (1, 3, 3)
     # five members, the hint uses four: the fifth is a spare
-    assert plan_generation(old_P=2, holders=4, newcomers=1, max_stages=3, max_replicas=4, hint=(2, 2)) == (2, 2, 4)
+    assert plan_generation(old_P=2, holders=4, newcomers=1, hint=(2, 2), **limits) == (2, 2, 4)
 
 
 def test_flat_transfer_round_trips_adamw_state_exactly():
@@ -83,7 +85,8 @@ def test_flat_transfer_round_trips_adamw_state_exactly():
     from varuna.runtime.optimizer_state import optimizer_state_by_name
 
     names = {"w": w, "b": b, "h": h}
-    state = {"params": {n: p.detach() for n, p in names.items()}, "optimizer": optimizer_state_by_name(opt, names)}
+    state = {"params": {n: p.detach() for n, p in names.items()},
+             "optimizer": optimizer_state_by_name(opt, names)}
     meta, buf = pack_state(state)
     assert buf.dtype == torch.uint8 and buf.dim() == 1
     back = unpack_state(meta, buf)
@@ -136,8 +139,15 @@ def run_live_world(out: Path, ckpt: Path, *, world: int = 4, P: int = 2, args: t
     try:
         for m in range(world):
             start(m, False)
-        if joiners:
-            store.wait(["test/joiners"], timedelta(seconds=timeout_s))
+        if joiners:  # bounded waits while the world lives: a world that ended early fails fast
+            deadline = time.monotonic() + timeout_s
+            while not store.check(["test/joiners"]):
+                assert time.monotonic() < deadline and any(p.poll() is None for p in procs.values()), \
+                    ("member 0 never asked for the joiners", logs_of(out))
+                try:
+                    store.wait(["test/joiners"], timedelta(seconds=1))
+                except dist.DistStoreError:
+                    pass
             for j in joiners:
                 start(j, True)
         for t in threads:
@@ -202,7 +212,7 @@ def test_kill_one_of_2x2_survivors_go_on_in_process_bit_identical(tmp_path, refe
         assert (report["P"], report["D"]) == (1, 3)
         [morph] = report["morphs"]
         assert morph["lost"] == [3] and morph["old"] == [2, 2] and morph["new"] == [1, 3]
-        assert morph["resumed_after"] == 2 and report["failed_steps"] == [3], "only the step in flight is redone"
+        assert morph["resumed_after"] == 2 and report["failed_steps"] == [3], "only the step in flight redone"
         assert morph["received_bytes"] > 0, "each survivor lacked half the model and got it from a peer"
         assert [s for s, _ in report["losses"]] == list(range(1, STEPS + 1))
     assert not ckpt.exists()

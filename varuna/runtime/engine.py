@@ -117,8 +117,7 @@ class Engine:
         self.executed_orders: list[list[Task]] = []
         #: set by a stop signal on this rank; agreed by all ranks at the end of the next step
         self.stop_requested = False
-        #: live morph (live_trainer.py): asked before each step's agreement whether this rank
-        #: requests a step-boundary regroup; with a hook, an agreed stop only sets ``agreed_stop``
+        #: live morph (live_trainer.py): asks to regroup at a step boundary; agreed -> agreed_stop
         self.boundary_hook: Callable[[], bool] | None = None
         self.agreed_stop = False
         _on_stop_signals(config.stop_signals, self._signal_stop)

@@ -348,6 +348,19 @@ def _close(live: LiveWorld, gen: int, window_s: float | None,
     return gen, closed
 
 
+def _wait_for(live: LiveWorld, keys: list[str], writers: list[int]) -> None:
+    """Wait (bounded) for ``keys``, which ``writers`` set; fail at once when one of them is
+    declared dead (a member lost during the regroup: the caller goes to the next generation)."""
+    store, t0 = live.store, time.monotonic()
+    while not store.check(keys):
+        dead = _dead(store, writers)
+        if dead:
+            raise RuntimeError(f"members {sorted(dead)} died during the regroup")
+        if time.monotonic() - t0 > live.timeout_s:
+            raise RuntimeError(f"waited {live.timeout_s:.0f}s for {keys[0]} (and {len(keys) - 1} more keys)")
+        time.sleep(_POLL_S)  # a poll of the store, bounded above
+
+
 def _snapshot(live: LiveWorld) -> dict:
     """The joiners registered so far and the manager's layout request, frozen for a generation."""
     store = live.store
@@ -392,14 +405,14 @@ def _form(live: LiveWorld, gen: int, closed: dict, held: Engine | None, build: C
     _check_stages(recs, holders)
     staying = sorted((m for m in holders if not recs[m]["leaving"]), key=lambda m: (recs[m]["rank"], m))
     newcomers = sorted(m for m in arrived if not recs[m]["holds"] and not recs[m]["leaving"])
-    newcomers += [j for j in closed["joiners"] if j not in newcomers]
+    newcomers += sorted(j for j in closed["joiners"] if j not in newcomers)
     leavers = sorted(m for m in arrived if recs[m]["leaving"])
     ref = recs[holders[0]]
     hint = tuple(closed["plan"]) if closed["plan"] else None
     P, D, n = plan_generation(old_P=ref["P"], holders=len(staying), newcomers=len(newcomers),
                               max_stages=ref["max_stages"], max_replicas=ref["max_replicas"], hint=hint)
     order = staying + newcomers
-    lost = [m for m in live.expected if m not in arrived]
+    lost = [m for m in live.members + live.spares if m not in arrived]  # leavers are not lost
     live.generation, live.members, live.spares = gen, order[:n], order[n:]
     live.expected = order + leavers
     live.joins_consumed = max(live.joins_consumed, closed["joins_consumed"])
@@ -471,7 +484,7 @@ def _hand_over(live: LiveWorld, gen: int, xfer: list[int], recs: dict, held_engi
     if new is not None:
         store.set(f"{pre}needs/{live.member}", json.dumps(sorted(new.stage_params)))
     keys = [f"{pre}needs/{m}" for m in xfer[:working]]
-    store.wait(keys, timedelta(seconds=live.timeout_s))
+    _wait_for(live, keys, xfer[:working])
     needs = [json.loads(v) for v in store.multi_get(keys)] + [[] for _ in xfer[working:]]
     held = [recs[m]["names"] if recs.get(m, {}).get("holds") else [] for m in xfer]
     kept = {n for h in held[:working] for n in h}
@@ -514,7 +527,7 @@ def _exchange(live: LiveWorld, pre: str, pg: dist.ProcessGroup, xfer: list[int],
     metas, bufs = {}, {}
     for src in recvs:
         key = f"{pre}xfer/{xfer[src]}-{live.member}"
-        live.store.wait([key], timeout)
+        _wait_for(live, [key], [xfer[src]])
         m = json.loads(live.store.get(key))
         metas[src], bufs[src] = m["meta"], torch.empty(m["nbytes"], dtype=torch.uint8)
         works.append(pg.recv([bufs[src]], src, 0))

@@ -67,6 +67,9 @@ class LiveTrainer:
         wait_s: float = 3600.0, on_phase: Phase | None = None, backend: str = "gloo",
     ) -> None:
         self.live = live or LiveWorld.join(backend=backend)
+        # the notice signals are this trainer's: no engine may take them for a graceful stop
+        config = dataclasses.replace(config, stop_signals=tuple(s for s in config.stop_signals
+                                                                 if s not in notice_signals))
         self._build_model, self.config = build_model, config
         self._engine_args = {"example_batch": example_batch, "optimizer": optimizer, "loss_fn": loss_fn,
                              "param_init": param_init}
