@@ -437,7 +437,8 @@ def _form(live: LiveWorld, gen: int, closed: dict, held: Engine | None, build: C
         raise
     live.last_morph = MorphReport(generation=gen, lost=lost, old=None, new=(P, D), resumed_after=step,
                                   received_bytes=received["bytes"], seconds=0.0,
-                                  joined=[j for j in closed["joiners"] if j in live.members], left=leavers)
+                                  joined=sorted(j for j in closed["joiners"] if j in live.members),
+                                  left=leavers)
     return new
 
 
