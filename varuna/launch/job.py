@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import errno
 import functools
 import json
@@ -38,7 +39,14 @@ from varuna.launch.local import LocalHost
 from varuna.launch.procs import find_free_port
 from varuna.launch.spec import Host, LaunchConfig, WorkerSpec, check_procs_per_host, plan_workers
 from varuna.launch.ssh import SshOptions
-from varuna.launch.supervisor import EXIT_OK, EXIT_WORKER_FAILED, FORWARDED_SIGNALS, PROG, Supervisor
+from varuna.launch.supervisor import (
+    EXIT_OK,
+    EXIT_RESTART,
+    EXIT_WORKER_FAILED,
+    FORWARDED_SIGNALS,
+    PROG,
+    Supervisor,
+)
 
 __all__ = [
     "check_hosts_capacity",
@@ -86,6 +94,10 @@ class _ForwardedSignals:
         while self.pending:
             supervisor.notify_signal(self.pending.popleft())
 
+    def take_back(self) -> None:
+        """Queue the signals again (the supervisor is done; a relaunch may follow)."""
+        self._sink = self.pending.append
+
 
 def launch(
     config: LaunchConfig,
@@ -115,9 +127,26 @@ def launch(
         check_procs_per_host(config.world_size, "this machine", config.max_procs_per_host)
         check_master_port_free(config)
     prepare_log_dir(config)
+    stderr = stderr if stderr is not None else sys.stderr
+    with _ForwardedSignals() as signals:
+        if not config.live_morph:
+            return _run_once(config, hosts, signals, stdout, stderr, progress)[0]
+        return _run_live(config, hosts, signals, stdout, stderr, progress)
+
+
+def _run_once(
+    config: LaunchConfig,
+    hosts: Sequence[Host],
+    signals: _ForwardedSignals,
+    stdout: TextIO | None,
+    stderr: TextIO,
+    progress: bool | None,
+    on_lost: Callable[[int], None] | None = None,
+) -> tuple[int, str]:
+    """One launch of every worker, supervised to the end: the supervisor's code, and why a live
+    morph was impossible when that code is EXIT_RESTART."""
     port = config.master_port or find_free_port()
     specs = plan_workers(config, hosts, master_port=port, cwd=os.getcwd())
-    stderr = stderr if stderr is not None else sys.stderr
     supervisor = Supervisor(
         specs,
         hosts,
@@ -126,16 +155,59 @@ def launch(
         stderr=stderr,
         log_dir=config.log_dir,
         progress=progress,
+        on_lost=on_lost,
     )
-    with _ForwardedSignals() as signals:
-        signals.hand_to(supervisor)
-        try:
-            supervisor.start()
-            if config.log_dir is not None:
-                write_launch_json(config, specs, supervisor, Path(config.log_dir) / "launch.json")
-            return supervisor.wait()
-        finally:
-            supervisor.close()
+    signals.hand_to(supervisor)
+    try:
+        supervisor.start()
+        if config.log_dir is not None:
+            write_launch_json(config, specs, supervisor, Path(config.log_dir) / "launch.json")
+        return supervisor.wait(), supervisor.restart_reason
+    finally:
+        signals.take_back()
+        supervisor.close()
+
+
+def _run_live(
+    config: LaunchConfig,
+    hosts: Sequence[Host],
+    signals: _ForwardedSignals,
+    stdout: TextIO | None,
+    stderr: TextIO,
+    progress: bool | None,
+) -> int:
+    """Live morph (Note [Live morph supervision]): each launch gets a fresh rendezvous store the
+    launcher hosts; a launch that ends in EXIT_RESTART is relaunched whole, resuming from the newest
+    checkpoint, at most ``config.max_restarts`` times."""
+    from varuna.launch.live_store import LIVE_STORE_ENV, RESTARTS_ENV, LiveStore
+
+    for restarts in range(config.max_restarts + 1):
+        with LiveStore() as store:
+            env = {**config.worker_env, LIVE_STORE_ENV: store.address, RESTARTS_ENV: str(restarts)}
+            code, reason = _run_once(
+                dataclasses.replace(config, worker_env=env), hosts, signals, stdout, stderr, progress,
+                on_lost=store.declare_dead,
+            )
+        if code != EXIT_RESTART:
+            return code
+        if signals.stop_requested():  # a stop asked while the workers exited: no relaunch
+            signum = signals.pending[0]
+            _say(stderr, f"live morph impossible ({reason}); received {signal.Signals(signum).name}: not"
+                         " restarting")
+            return EXIT_OK if signum == signal.SIGUSR1 else 128 + signum
+        if restarts == config.max_restarts:
+            _say(stderr, f"job failed: live morph impossible ({reason}) and no restart left"
+                         f" (--max-restarts {config.max_restarts})")
+            return EXIT_WORKER_FAILED
+        _say(stderr, f"live morph impossible ({reason}); fallback: restarting all {config.world_size}"
+                     f" workers from the newest checkpoint (restart {restarts + 1} of {config.max_restarts})")
+    raise AssertionError("unreachable")  # the loop returns on its last round
+
+
+def _say(stderr: TextIO, text: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        stderr.write(f"{PROG}: {text}\n")
+        stderr.flush()
 
 
 def check_hosts_capacity(entries: Sequence[HostEntry], limit: int | None) -> None:

@@ -188,6 +188,20 @@ def _add_job_args(parser: argparse.ArgumentParser) -> None:
         " afresh",
     )
     parser.add_argument(
+        "--live-morph",
+        action="store_true",
+        help="a lost worker does not stop the job: the survivors regroup in their processes and go on"
+        " (docs/live_morph.md; the script must use varuna.runtime.live_morph); when a stage lost every"
+        " replica, the job restarts from its newest checkpoint. Needs --checkpoint-dir and --procs",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        metavar="N",
+        help="with --live-morph: restarts from a checkpoint allowed before the job fails (default 3)",
+    )
+    parser.add_argument(
         "--tensorboard-dir",
         default=None,
         metavar="DIR",
@@ -289,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             stop_timeout_s=args.stop_timeout,
             worker_env=_worker_env_from_args(args),
             max_procs_per_host=args.max_procs_per_host,
+            live_morph=args.live_morph,
+            max_restarts=args.max_restarts,
         )
         if args.procs is not None:
             # Before auto-config too: planning for 100000 slots would take as long as forking them.
@@ -315,6 +331,11 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
         return LAYOUT_REQUIRED
     if args.script is None:
         return "no SCRIPT given; pass the training script (or -m MODULE) to run"
+    if args.live_morph and args.hosts is not None:
+        return "--live-morph runs with --procs N (this machine) for now; several hosts: use varuna-manager"
+    if args.live_morph and args.checkpoint_dir is None:
+        return ("--live-morph needs --checkpoint-dir DIR: when a stage loses every replica the job restarts"
+                " from its newest checkpoint there")
     return None
 
 

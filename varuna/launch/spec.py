@@ -119,6 +119,11 @@ class LaunchConfig:
     rank_hosts: Sequence[int] | None = None
     """Index of the host each rank runs on (mixed VM types: :func:`varuna.launch.mixed.place_ranks`);
     None: hosts get contiguous rank ranges in order."""
+    live_morph: bool = False
+    """A lost worker does not stop the job: the survivors regroup in their processes
+    (docs/live_morph.md); when that is impossible the job restarts from its newest checkpoint."""
+    max_restarts: int = 3
+    """With ``live_morph``: how many times the job may restart from a checkpoint."""
 
     def __post_init__(self) -> None:
         if not self.script:
@@ -136,6 +141,8 @@ class LaunchConfig:
             raise ValueError(
                 f"--max-procs-per-host must be 1..{MAX_PROCS_PER_HOST_CEILING}, got {self.max_procs_per_host}"
             )
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         bad = sorted(set(self.worker_env) & set(CONTRACT_VARS))
         if bad:
             raise ValueError(

@@ -9,9 +9,19 @@ complete checkpoint; SIGINT/SIGTERM are forwarded with a SIGKILL deadline (``--s
 and the launcher exits 128+N. Any second signal (SIGUSR1, SIGINT, SIGTERM) while stopping kills
 every worker at once.
 
-Exit codes: 0 all workers exited 0; 1 a worker failed (the message names its rank and exit
-code) or could not be started, an agent failed, or the job does not fit the reachable hosts; 2
-bad usage; 128+N the launcher was stopped by signal N (130 for SIGINT, 143 for SIGTERM).
+Note [Live morph supervision]: with ``on_lost`` (``varuna-launch --live-morph``) a worker that
+dies is not a reason to stop the others: the supervisor declares it dead (``on_lost(rank)``, the
+rendezvous store's word that survivors need not wait for it) and lets the survivors regroup in
+their processes (docs/live_morph.md). A worker exiting with :data:`PEER_LOST_EXIT_CODE` says a
+live morph is impossible (a stage lost every replica): the others get ``stop_timeout_s`` to exit
+on their own, and :meth:`Supervisor.wait` returns :data:`EXIT_RESTART` so that the caller takes
+the restart path (relaunch, resume from the newest checkpoint). The job succeeds when the
+workers still standing exit 0.
+
+Exit codes: 0 all workers exited 0 (with live morph: every worker not lost); 1 a worker failed
+(the message names its rank and exit code) or could not be started, an agent failed, or the job
+does not fit the reachable hosts; 2 bad usage; 128+N the launcher was stopped by signal N (130
+for SIGINT, 143 for SIGTERM).
 
 Example::
 
@@ -37,7 +47,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, TextIO
 
@@ -47,9 +57,11 @@ from varuna.launch.spec import Host, WorkerHandle, WorkerSpec
 
 __all__ = [
     "EXIT_OK",
+    "EXIT_RESTART",
     "EXIT_USAGE",
     "EXIT_WORKER_FAILED",
     "FORWARDED_SIGNALS",
+    "PEER_LOST_EXIT_CODE",
     "PROG",
     "Supervisor",
 ]
@@ -59,6 +71,15 @@ PROG = "varuna-launch"
 EXIT_OK = 0
 EXIT_WORKER_FAILED = 1
 EXIT_USAGE = 2
+#: :meth:`Supervisor.wait` with live morph: the job must restart from its newest checkpoint (never
+#: the launcher's own exit code; :func:`varuna.launch.job.launch` relaunches or fails).
+EXIT_RESTART = 75
+#: A worker's exit code when it cannot go on without a restart. The same number as
+#: ``varuna.runtime.peer_watch.PEER_LOST_EXIT_CODE`` (a test keeps them equal): the launcher does
+#: not import the runtime, which would load torch.
+PEER_LOST_EXIT_CODE = 75
+#: How long the supervisor waits for a lost worker's last output lines (its reason) to be relayed.
+LAST_WORDS_TIMEOUT_S = 2.0
 
 #: How often the supervisor polls worker exits. Signals wake it at once (self-pipe), so this
 #: only bounds how late a worker exit is noticed.
@@ -109,8 +130,16 @@ class Supervisor:
         log_dir: str | None = None,
         out_lock: threading.Lock | None = None,
         progress: bool | None = False,
+        on_lost: Callable[[int], None] | None = None,
     ) -> None:
         self._specs = list(specs)
+        self._on_lost = on_lost  # live morph (Note [Live morph supervision])
+        #: ranks lost to a live morph, in the order their exits were seen
+        self.lost: list[int] = []
+        #: why a live morph was impossible (set when :meth:`wait` returns EXIT_RESTART)
+        self.restart_reason = ""
+        self._last_note: dict[int, str] = {}  # rank -> its last "varuna: ..." output line
+        self._readers_of: dict[int, list[threading.Thread]] = {}
         self._progress = progress  # a bar while the workers start (varuna.core.progress)
         self._hosts = list(hosts)
         self._stop_timeout_s = stop_timeout_s
@@ -173,6 +202,7 @@ class Supervisor:
                 )
                 thread.start()
                 self._readers.append(thread)
+                self._readers_of.setdefault(worker.spec.env.rank, []).append(thread)
 
     def _spawn_all(self, bar: Progress) -> None:
         for host_id, group in itertools.groupby(self._specs, key=lambda s: s.env.host_id):
@@ -263,7 +293,37 @@ class Supervisor:
         # Non-zero codes after we began stopping are our own doing (SIGTERM/SIGKILL), not failures.
         if code != 0 and self._cause is None:
             detail = getattr(worker, "exit_detail", None) or _describe_exit(code)
-            self._fail(f"{_where(worker)} {detail}")
+            if self._on_lost is None:
+                self._fail(f"{_where(worker)} {detail}")
+            elif code == PEER_LOST_EXIT_CODE:
+                self._live_morph_impossible(worker)
+            else:
+                self._live_lost(worker, detail)
+
+    def _live_lost(self, worker: WorkerHandle, detail: str) -> None:
+        """A worker died under live morph: declare it dead, let the survivors regroup."""
+        rank = worker.spec.env.rank
+        self.lost.append(rank)
+        try:
+            assert self._on_lost is not None
+            self._on_lost(rank)
+        except (OSError, RuntimeError) as exc:  # the store is ours; failing it ends the live run
+            self._fail(f"{_where(worker)} {detail}; cannot tell the survivors ({exc})")
+            return
+        others = len(self._running())
+        if others:
+            self._message(f"{_where(worker)} {detail}; live morph: the {others} other worker(s) regroup"
+                          " without a restart")
+
+    def _live_morph_impossible(self, worker: WorkerHandle) -> None:
+        """A survivor said the run cannot go on live: the others exit the same way, bounded."""
+        rank = worker.spec.env.rank
+        for thread in self._readers_of.get(rank, []):  # its last line (the reason) relayed first
+            thread.join(timeout=LAST_WORDS_TIMEOUT_S)
+        note = self._last_note.get(rank, "").removeprefix("varuna: ").removeprefix("live morph impossible: ")
+        self.restart_reason = note or f"{_where(worker)} exited with code {PEER_LOST_EXIT_CODE}"
+        self._cause = ("restart", self.restart_reason)
+        self._kill_at = time.monotonic() + self._stop_timeout_s
 
     def _fail(self, what: str) -> None:
         self._cause = ("failed", what)  # before `what` gets the "stopping ..." suffix
@@ -326,13 +386,24 @@ class Supervisor:
     def _finish(self) -> int:
         """The exit code; names the failed rank once more as the last line."""
         if self._cause is None:
-            return EXIT_OK
+            return self._finish_live() if self.lost else EXIT_OK
         kind, detail = self._cause
+        if kind == "restart":
+            return EXIT_RESTART
         if kind == "signal":
             assert isinstance(detail, int)
             return 128 + detail
         self._message(f"job failed: {detail}")
         return EXIT_WORKER_FAILED
+
+    def _finish_live(self) -> int:
+        """Workers were lost to live morphs: ok when the ones still standing finished."""
+        if not [r for r, c in self._exit_codes.items() if c == 0 and r not in self.lost]:
+            self._message(f"job failed: every worker was lost (ranks {self.lost})")
+            return EXIT_WORKER_FAILED
+        self._message(f"job finished live: rank(s) {', '.join(map(str, self.lost))} lost, the survivors"
+                      " went on without a restart")
+        return EXIT_OK
 
     def _relay(self, worker: WorkerHandle, stream: IO[bytes], sink: TextIO) -> None:
         """Copy one worker stream to ``sink`` line by line, prefixed; runs in a reader thread."""
@@ -343,6 +414,8 @@ class Supervisor:
                 text = raw.decode("utf-8", errors="replace")
                 if not text.endswith("\n"):
                     text += "\n"  # a last line without newline must not glue onto the next prefix
+                if text.startswith("varuna: "):
+                    self._last_note[rank] = text.strip()
                 with self._out_lock:
                     self._write(sink, prefix + text)
                     log = self._log_files.get(rank)

@@ -108,13 +108,20 @@ class Engine:
         self._step_callbacks: list[Callable[[StepResult], None]] = []
         self._stop_callbacks: list[Callable[[Engine], None]] = []
         self.model = model
+        #: what a live morph needs to build this engine again on a fresh model (live_morph.py)
+        self.rebuild_args = {"example_batch": example_batch, "optimizer": optimizer, "loss_fn": loss_fn,
+                             "param_init": param_init}
         self._build_stage(model, example_batch, param_init)
         self._build_training(optimizer)
         self._build_comm()
         self.step_count = 0
+        self._uncommitted = False  # inside a step whose optimizer step has not run yet
         self.executed_orders: list[list[Task]] = []
         #: set by a stop signal on this rank; agreed by all ranks at the end of the next step
         self.stop_requested = False
+        #: live morph (live_trainer.py): asks to regroup at a step boundary; agreed -> agreed_stop
+        self.boundary_hook: Callable[[], bool] | None = None
+        self.agreed_stop = False
         _on_stop_signals(config.stop_signals, self._signal_stop)
         self.checkpointer = Checkpointer(self)  # save on stop, periodic saves, resume
         self.checkpointer.attach()  # a collective when resuming: every rank loads the same step
@@ -247,6 +254,11 @@ class Engine:
         return self.layout.P
 
     @property
+    def committed_step(self) -> int:
+        """The last step whose optimizer step ran here: a live morph's commit point (docs/live_morph.md)."""
+        return self.step_count - int(self._uncommitted)
+
+    @property
     def is_last_stage(self) -> bool:
         return self.stage == self.layout.P - 1
 
@@ -256,21 +268,13 @@ class Engine:
         """Call ``fn(result)`` on this rank after every ``train_step`` (also the one that agreed to
         stop), with the step's :class:`StepResult` (step, loss, grad_norm, samples/s, wall time,
         and ``timings``: this rank's mean F/B/R seconds per micro-batch and end-of-step time).
-
-        Example::
-
-            engine.add_step_callback(lambda r: print(r.step, r.loss, r.timings.fwd_s))
-        """
+        Example: ``engine.add_step_callback(lambda r: print(r.step, r.loss, r.timings.fwd_s))``."""
         self._step_callbacks.append(fn)
 
     def add_stop_callback(self, fn: Callable[[Engine], None]) -> None:
         """Call ``fn(engine)`` on every rank after the step all ranks agreed to stop at (a stop
         signal arrived), before the engine closes and exits 0; e.g. to write a checkpoint.
-
-        Example::
-
-            engine.add_stop_callback(lambda eng: print("stopping after step", eng.step_count))
-        """
+        Example: ``engine.add_stop_callback(lambda eng: print("stopping after", eng.step_count))``."""
         self._stop_callbacks.append(fn)
 
     # ------------------------------------------------------------------ public API
@@ -301,6 +305,7 @@ class Engine:
         t_start = time.perf_counter()
         _check_batch(batch, self.config.global_batch_size)
         self.step_count += 1
+        self._uncommitted = True
         with watching(self._watch, self.step_count):  # Note [Peer watch]
             return self._train_step(batch, t_start)
 
@@ -313,10 +318,13 @@ class Engine:
             run = self._executor.run(batch, mbs, step=self.step_count, scale=self.scaler.scale, train=True)
         self.executed_orders.append(run.executed)
         t_sync = time.perf_counter()
+        hook = self.boundary_hook
         outcome = self._sync.finish(
-            run.loss_sum, stop_requested=self.stop_requested, micro_plan=self.micro_plan
+            run.loss_sum, stop_requested=self.stop_requested or (hook is not None and hook()),
+            micro_plan=self.micro_plan,
         )
         sync_s = time.perf_counter() - t_sync
+        self._uncommitted = False
         self.checkpointer.after_step()  # periodic checkpoint at this mini-batch boundary, if configured
         wall = time.perf_counter() - t_start
         result = StepResult(
@@ -336,7 +344,9 @@ class Engine:
         if line is not None:  # every rank saw the same agreed loss: every rank stops here
             self.close()
             raise NonFiniteLossStop(line)
-        if outcome.stop:
+        if outcome.stop and hook is not None:
+            self.agreed_stop = True  # the live trainer decides: regroup, or stop (Engine._stop)
+        elif outcome.stop:
             self._stop()
         return result
 

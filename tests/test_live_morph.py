@@ -1,0 +1,324 @@
+"""Live morph (docs/live_morph.md): the layout rules, the flat state transfer, and live worlds of
+local processes around a store this test hosts (the supervisor's role): kill -9 (shrink), growth,
+preemption notice, a second failure inside the regroup, spares, the lost-stage fallback. Every
+run in deterministic mode ends bit-identical to one undisturbed single-process run (the reference)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import varuna
+from varuna.core.live_layout import NoLiveReplica, plan_generation, plan_survivor_layout, transfer_plan
+from varuna.runtime.live_transfer import pack_state, unpack_state
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "tests" / "workers" / "live_worker.py"
+
+
+STEPS = 9
+# ---------------------------------------------------------------------------------- pure rules
+
+
+def test_layout_keeps_every_survivor_working_and_prefers_the_old_depth():
+    plan = plan_survivor_layout(old_P=2, old_D=3, survivors=[0, 1, 2, 4], max_stages=4, max_replicas=8)
+    assert (plan.P, plan.D, plan.spares) == (2, 2, [])
+    assert plan.new_rank == {0: 0, 1: 1, 2: 2, 4: 3}
+    # 3 survivors cannot keep P=2: P=1 and P=3 are equally far, the shorter pipeline wins
+    plan = plan_survivor_layout(old_P=2, old_D=2, survivors=[0, 1, 2], max_stages=3, max_replicas=4)
+    assert (plan.P, plan.D) == (1, 3)
+
+
+def test_layout_leaves_spares_when_no_split_fits():
+    # 5 survivors, at most 2 stages and 2 replicas: 4 work, the highest old rank waits
+    plan = plan_survivor_layout(old_P=2, old_D=3, survivors=[0, 1, 2, 3, 5], max_stages=2, max_replicas=2)
+    assert (plan.P, plan.D, plan.spares) == (2, 2, [5])
+
+
+def test_layout_refuses_a_stage_without_live_replica():
+    with pytest.raises(NoLiveReplica, match="stage 1 has no live replica"):
+        plan_survivor_layout(old_P=2, old_D=2, survivors=[0, 2], max_stages=2, max_replicas=4)
+
+
+def test_transfer_plan_sends_only_what_is_missing_from_a_holder():
+    held = [["e", "h0"], ["h1", "o"], ["e", "h0"]]
+    needs = [["e", "h0", "h1", "o"]] * 3
+    plan = transfer_plan(held, needs)
+    for (src, dst), names in plan.items():
+        assert src != dst and all(n in held[src] and n not in held[dst] for n in names)
+    for dst in range(3):  # every receiver ends with its whole stage
+        got = set(held[dst]) | {n for (_, d), ns in plan.items() if d == dst for n in ns}
+        assert got == set(needs[dst])
+    with pytest.raises(ValueError, match="no survivor holds parameter 'x'"):
+        transfer_plan(held, [["x"]] * 3)
+
+
+def test_generation_plan_takes_the_managers_layout_when_it_fits():
+    # 1x2 plus two joiners: the rule alone would keep P=1 (1x4); the manager asked for 2x2
+    limits = {"max_stages": 3, "max_replicas": 4}
+    assert plan_generation(old_P=1, holders=2, newcomers=2, **limits) == (1, 4, 4)
+    assert plan_generation(old_P=1, holders=2, newcomers=2, hint=(2, 2), **limits) == (2, 2, 4)
+    # a hint that does not fit (too many stages, too few members) falls back to the rule
+    assert plan_generation(old_P=2, holders=3, newcomers=0, hint=(2, 2), **limits) == (1, 3, 3)
+    # five members, the hint uses four: the fifth is a spare
+    assert plan_generation(old_P=2, holders=4, newcomers=1, hint=(2, 2), **limits) == (2, 2, 4)
+
+
+def test_flat_transfer_round_trips_adamw_state_exactly():
+    torch.manual_seed(0)
+    w, b = torch.nn.Parameter(torch.randn(3, 5)), torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
+    h = torch.nn.Parameter(torch.randn(7).to(torch.bfloat16))
+    opt = torch.optim.AdamW([w, b, h], lr=0.1, betas=(0.8, 0.95))
+    for p in (w, b, h):
+        p.grad = torch.randn_like(p)
+    opt.step()
+    from varuna.runtime.optimizer_state import optimizer_state_by_name
+
+    names = {"w": w, "b": b, "h": h}
+    state = {"params": {n: p.detach() for n, p in names.items()},
+             "optimizer": optimizer_state_by_name(opt, names)}
+    meta, buf = pack_state(state)
+    assert buf.dtype == torch.uint8 and buf.dim() == 1
+    back = unpack_state(meta, buf)
+    for n, p in names.items():
+        assert back["params"][n].dtype == p.dtype and torch.equal(back["params"][n], p.detach())
+        for k, v in state["optimizer"]["state"][n].items():
+            assert torch.equal(back["optimizer"]["state"][n][k], v), (n, k)
+    assert back["optimizer"]["param_groups"][0]["betas"] == (0.8, 0.95)
+    assert back["optimizer"]["param_groups"][0]["params"] == ["w", "b", "h"]
+
+
+# ---------------------------------------------------------------------------------- processes
+
+
+def run_live_world(out: Path, ckpt: Path, *, world: int = 4, P: int = 2, args: tuple[str, ...] = (),
+                   joiners: tuple[int, ...] = (), plan: tuple[int, int] | None = None,
+                   timeout_s: float = 240.0) -> tuple[dict[int, int], dict[int, int | None]]:
+    """``world`` workers at P×(world/P) around a store this process hosts (the supervisor's role):
+    a thread per worker waits for its exit and declares it dead; ``joiners`` start (with
+    $VARUNA_LIVE_JOIN) once member 0 set ``test/joiners``. Returns pids and exit codes by member."""
+    from varuna.runtime.live_morph import declare_dead, request_layout
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    if plan:
+        request_layout(store, *plan)
+    cmd = [sys.executable, str(WORKER), "--out", str(out), "--ckpt-dir", str(ckpt), "--steps", str(STEPS),
+           "--timeout", "60", *args]
+    out.mkdir(parents=True)
+    procs: dict[int, subprocess.Popen] = {}
+    logs, threads = [], []
+
+    def supervise(m: int) -> None:
+        try:
+            procs[m].wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return
+        declare_dead(dist.TCPStore("127.0.0.1", store.port, is_master=False), m)
+
+    def start(m: int, joining: bool) -> None:
+        env = {**os.environ, "VARUNA_LIVE_STORE": f"127.0.0.1:{store.port}", "RANK": str(m),
+               "WORLD_SIZE": str(world), "LOCAL_RANK": str(m), "VARUNA_PIPELINE_DEPTH": str(P),
+               "VARUNA_LIVE_JOIN": "1" if joining else "0", "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        logs.append(open(out / f"member{m}.log", "w"))  # noqa: SIM115 (closed below)
+        procs[m] = subprocess.Popen(cmd, env=env, stdout=logs[-1], stderr=subprocess.STDOUT)
+        threads.append(threading.Thread(target=supervise, args=(m,), daemon=True))
+        threads[-1].start()
+
+    try:
+        for m in range(world):
+            start(m, False)
+        if joiners:  # bounded waits while the world lives: a world that ended early fails fast
+            deadline = time.monotonic() + timeout_s
+            while not store.check(["test/joiners"]):
+                assert time.monotonic() < deadline and any(p.poll() is None for p in procs.values()), \
+                    ("member 0 never asked for the joiners", logs_of(out))
+                try:
+                    store.wait(["test/joiners"], timedelta(seconds=1))
+                except dist.DistStoreError:
+                    pass
+            for j in joiners:
+                start(j, True)
+        for t in threads:
+            t.join(timeout_s)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        for f in logs:
+            f.close()
+    return {m: p.pid for m, p in procs.items()}, {m: p.returncode for m, p in procs.items()}
+
+
+def read_member(out: Path, m: int) -> tuple[dict, dict | None]:
+    pt = out / f"member{m}.pt"
+    return json.loads((out / f"member{m}.json").read_text()), torch.load(pt) if pt.exists() else None
+
+
+def logs_of(out: Path) -> dict[str, str]:
+    return {f.name: f.read_text()[-2500:] for f in sorted(out.glob("member*.log"))}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[dict, list]:
+    """One undisturbed single-process run (deterministic mode makes every P×D equal to it; a
+    2×2 run gave the same bits, and costs four processes): every parameter after STEPS steps,
+    and the losses."""
+    out = tmp_path_factory.mktemp("live") / "ref"
+    _, codes = run_live_world(out, out.parent / "ckpt", world=1, P=1)
+    assert codes == {0: 0}, logs_of(out)
+    report, params = read_member(out, 0)
+    return params, report["losses"]
+
+
+def check_bit_identical(out: Path, members: list[int], reference: tuple[dict, list]) -> dict[int, dict]:
+    """Working members at the end: together the whole model, each parameter equal to the
+    reference's; every loss they ran equal to the reference's; no checkpoint opened."""
+    ref_params, ref_losses = reference
+    reports, params = {}, {}
+    for m in members:
+        report, p = read_member(out, m)
+        reports[m] = report
+        assert report["opened"] == [], "a live morph reads no checkpoint"
+        for step, loss in report["losses"]:
+            assert loss == ref_losses[step - 1][1], (m, step)
+        assert p is not None, f"member {m} ended without a stage"
+        assert [n for n in p if not torch.equal(p[n], ref_params[n])] == [], m
+        params.update(p)
+    assert params.keys() == ref_params.keys()
+    return reports
+
+
+@pytest.mark.slow
+def test_kill_one_of_2x2_survivors_go_on_in_process_bit_identical(tmp_path, reference):
+    out, ckpt = tmp_path / "live", tmp_path / "ckpt"
+    pids, codes = run_live_world(out, ckpt, args=("--die", "3:2"))
+    assert codes == {0: 0, 1: 0, 2: 0, 3: -signal.SIGKILL}, logs_of(out)
+    reports = check_bit_identical(out, [0, 1, 2], reference)
+    for m, report in reports.items():
+        assert report["pid"] == pids[m], "the survivor is the process started at 2x2 (no restart)"
+        assert (report["P"], report["D"]) == (1, 3)
+        [morph] = report["morphs"]
+        assert morph["lost"] == [3] and morph["old"] == [2, 2] and morph["new"] == [1, 3]
+        assert morph["resumed_after"] == 2 and report["failed_steps"] == [3], "only the step in flight redone"
+        assert morph["received_bytes"] > 0, "each survivor lacked half the model and got it from a peer"
+        assert [s for s, _ in report["losses"]] == list(range(1, STEPS + 1))
+    assert not ckpt.exists()
+
+
+@pytest.mark.slow
+def test_growth_1x2_to_2x2_joiners_get_their_state_from_peers_and_a_spare_waits(tmp_path, reference):
+    """Two workers at 1×2; three join: the manager's 2×2 is used, the fifth waits as a spare and
+    leaves (exit 0) when the job ends. Nobody redoes a step; the joiners never read a checkpoint."""
+    out = tmp_path / "grow"
+    pids, codes = run_live_world(out, tmp_path / "ckpt", world=2, P=1, args=("--joiners-after", "2:3"),
+                                 joiners=(2, 3, 4), plan=(2, 2))
+    assert codes == {m: 0 for m in range(5)}, logs_of(out)
+    reports = check_bit_identical(out, [0, 1, 2, 3], reference)
+    boundary = reports[0]["morphs"][0]["resumed_after"]
+    assert boundary in (3, 4), "admitted at the boundary after they registered"
+    for m, report in reports.items():
+        assert report["failed_steps"] == [] and (report["P"], report["D"]) == (2, 2)
+        [morph] = report["morphs"]
+        assert morph["joined"] == [2, 3] and morph["new"] == [2, 2] and morph["resumed_after"] == boundary
+        first = report["losses"][0][0]
+        assert first == (1 if m < 2 else boundary + 1)
+        assert [s for s, _ in report["losses"]] == list(range(first, STEPS + 1))
+    for m in (0, 1):
+        assert reports[m]["pid"] == pids[m] and reports[m]["morphs"][0]["old"] == [1, 2]
+    for m in (2, 3):
+        assert reports[m]["morphs"][0]["received_bytes"] > 0, "a joiner's whole stage came from a peer"
+    spare, _ = read_member(out, 4)
+    assert spare["losses"] == [] and spare["finished"], "the spare waited for the end of the job"
+
+
+@pytest.mark.slow
+def test_notice_hands_state_over_and_nothing_is_redone(tmp_path, reference):
+    """Both replicas of stage 1 get a notice after step 2: they finish step 3, hand stage 1 to the
+    survivors (its only holders) and exit 0; the survivors go on at 2×1 without redoing a step."""
+    out = tmp_path / "notice"
+    pids, codes = run_live_world(out, tmp_path / "ckpt", args=("--notice", "1:2,3:2"))
+    assert codes == {m: 0 for m in range(4)}, logs_of(out)
+    reports = check_bit_identical(out, [0, 2], reference)
+    for m, report in reports.items():
+        assert report["pid"] == pids[m] and report["failed_steps"] == []
+        [morph] = report["morphs"]
+        assert morph["left"] == [1, 3] and morph["lost"] == [] and morph["resumed_after"] == 3
+        assert (report["P"], report["D"]) == (2, 1)
+        assert [s for s, _ in report["losses"]] == list(range(1, STEPS + 1)), "0 steps redone"
+    assert reports[2]["morphs"][0]["received_bytes"] > 0, "stage 1 came from the leavers"
+    for m in (1, 3):
+        leaver, params = read_member(out, m)
+        assert params is None and leaver["role"] == "gone" and leaver["failed_steps"] == []
+        assert [s for s, _ in leaver["losses"]] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_a_second_failure_inside_the_regroup_retries_into_the_next_generation(tmp_path, reference):
+    """Member 3 dies after step 2; member 2 dies as generation 1's state transfer starts. The two
+    left retry into generation 2 (2×1) and end bit-identical: no hang, no mixed-step model."""
+    out = tmp_path / "second"
+    pids, codes = run_live_world(out, tmp_path / "ckpt", args=("--die", "3:2", "--die-in-transfer", "2:1"))
+    assert codes == {0: 0, 1: 0, 2: -signal.SIGKILL, 3: -signal.SIGKILL}, logs_of(out)
+    reports = check_bit_identical(out, [0, 1], reference)
+    for m, report in reports.items():
+        assert report["pid"] == pids[m] and report["failed_steps"] == [3]
+        [morph] = report["morphs"]
+        assert morph["generation"] == 2 and morph["attempts"] == 2 and morph["resumed_after"] == 2
+        assert (report["P"], report["D"]) == (2, 1)
+
+
+@pytest.mark.slow
+def test_several_live_morphs_in_one_run_stay_bit_identical(tmp_path, reference):
+    """2×2 -> kill 3 -> 1×3 -> notice to 2 -> 1×2 -> three join -> 2×2 + a spare -> kill 5 ->
+    the spare takes its place (2×2): four live morphs, same pids throughout, bit-identical."""
+    out = tmp_path / "many"
+    args = ("--die", "3:2,5:8", "--notice", "2:4", "--joiners-after", "5:3")
+    pids, codes = run_live_world(out, tmp_path / "ckpt", args=args, joiners=(4, 5, 6), plan=(2, 2))
+    assert codes == {0: 0, 1: 0, 2: 0, 3: -signal.SIGKILL, 4: 0, 5: -signal.SIGKILL, 6: 0}, logs_of(out)
+    reports = check_bit_identical(out, [0, 1, 4, 6], reference)
+    kinds = [(m["lost"], m["left"], m["joined"]) for m in reports[0]["morphs"]]
+    assert kinds == [([3], [], []), ([], [2], []), ([], [], [4, 5]), ([5], [], [])], kinds
+    assert reports[0]["failed_steps"] == [3, 9] and reports[0]["pid"] == pids[0]
+    assert reports[6]["morphs"][-1]["received_bytes"] > 0, "the spare got its stage from peers"
+    assert (reports[6]["P"], reports[6]["D"]) == (2, 2)
+
+
+@pytest.mark.slow
+def test_a_lost_stage_falls_back_to_the_restart_path(tmp_path):
+    """Both replicas of stage 1 die: no live copy of its state, so the survivors say so and exit
+    with the peer-lost code (the supervisor restarts from a checkpoint) instead of hanging."""
+    from varuna.runtime.peer_watch import PEER_LOST_EXIT_CODE
+
+    out = tmp_path / "lost"
+    _, codes = run_live_world(out, tmp_path / "ckpt", args=("--die", "1:1,3:1"), timeout_s=120)
+    assert codes == {0: PEER_LOST_EXIT_CODE, 1: -signal.SIGKILL, 2: PEER_LOST_EXIT_CODE, 3: -signal.SIGKILL}
+    for m in (0, 2):
+        assert "live morph impossible: stage 1 has no live replica" in (out / f"member{m}.log").read_text()
+
+
+@pytest.mark.parametrize("overrides, needle", [({"schedule": "2bw"}, "second weight version"),
+                                               ({"schedule": "interleaved", "chunks": 2}, "chunks=2")])
+def test_live_trainer_refuses_state_it_cannot_carry_in_one_line(overrides: dict, needle: str) -> None:
+    """2bw's previous weight version and interleaved chunks are not in the transfer: refused before
+    any rendezvous (no store, no process group is touched)."""
+    from varuna.runtime.live_trainer import LiveTrainer
+
+    config = varuna.VarunaConfig(global_batch_size=4, micro_batch_size=1, **overrides)
+    with pytest.raises(ValueError, match=needle) as err:
+        LiveTrainer(lambda: torch.nn.Linear(2, 2), config, example_batch=torch.zeros(4, 2),
+                    optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    assert "\n" not in str(err.value)

@@ -1,0 +1,63 @@
+"""The rendezvous store of a live-morph job (``varuna-launch --live-morph``), hosted by the
+launcher so that it outlives every worker (docs/live_morph.md, Protocol): workers join it as
+clients (``$VARUNA_LIVE_STORE``), and the supervisor writes there that a worker is dead when it
+sees the exit, so the survivors stop waiting for it at once.
+
+Example::
+
+    >>> with LiveStore() as store:  # doctest: +SKIP
+    ...     env = {"VARUNA_LIVE_STORE": store.address}
+    ...     store.declare_dead(3)
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from types import TracebackType
+
+__all__ = ["LIVE_STORE_ENV", "RESTARTS_ENV", "LiveStore"]
+
+#: Where workers find the store (``varuna.runtime.live_morph.LIVE_STORE_ENV``).
+LIVE_STORE_ENV = "VARUNA_LIVE_STORE"
+#: How many times the launcher restarted the job from a checkpoint (0 on the first launch).
+RESTARTS_ENV = "VARUNA_RESTARTS"
+
+
+class LiveStore:
+    """A ``torch.distributed.TCPStore`` server on ``host`` (a free port), for one launch of the job.
+
+    Example::
+
+        >>> store = LiveStore(); store.address.startswith("127.0.0.1:")  # doctest: +SKIP
+        True
+        >>> store.close()  # doctest: +SKIP
+    """
+
+    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 60.0) -> None:
+        # torch only for live-morph jobs: the plain launcher starts without loading it.
+        import torch.distributed as dist
+
+        self._store: dist.TCPStore | None = dist.TCPStore(
+            host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+        )
+        self.address = f"{host}:{self._store.port}"
+
+    def declare_dead(self, rank: int) -> None:
+        """Tell the survivors that worker ``rank`` (its live-morph member id) is gone."""
+        from varuna.runtime.live_morph import declare_dead
+
+        if self._store is None:
+            raise RuntimeError("the live store is closed")
+        declare_dead(self._store, rank)
+
+    def close(self) -> None:
+        """Stop serving (the server thread ends with the last handle)."""
+        self._store = None
+
+    def __enter__(self) -> LiveStore:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
