@@ -23,9 +23,16 @@ _STYLE = {  # (colour, marker) per schedule family
     "ours varuna": ("#d62728", "o"),
     "ours gpipe": ("#ff9896", "s"),
     "ours 1f1b": ("#e377c2", "^"),
+    "ours zb-h1": ("#8c564b", "v"),
+    "ours varuna-zb": ("#ff7f0e", "*"),
+    "ours interleaved(v=2)": ("#bcbd22", "P"),
+    "ours varuna-interleaved(v=2)": ("#9467bd", "X"),
     "torch GPipe": ("#1f77b4", "s"),
     "torch 1F1B": ("#17becf", "^"),
     "torch Interleaved1F1B(v=2)": ("#2ca02c", "D"),
+    "torch InterleavedZeroBubble(v=2)": ("#98df8a", "d"),
+    "torch ZBVZeroBubble(v=2)": ("#aec7e8", "h"),
+    "torch DualPipeV(v=2)": ("#393b79", "p"),
 }
 
 
@@ -54,7 +61,7 @@ def plot_throughput(rows: Sequence[dict], path: str | Path, *, stages: Sequence[
         for label, rs in by_label.items():
             rs = sorted(rs, key=lambda r: _LEVEL_X[r["level"]])
             colour, marker = _STYLE.get(_family(label), ("#7f7f7f", "x"))
-            rc = rs[0]["recompute"] or rs[0]["schedule"] == "varuna"
+            rc = rs[0]["recompute"] or rs[0]["schedule"].startswith("varuna")
             ax.plot([_LEVEL_X[r["level"]] for r in rs], [r["samples_per_s"] for r in rs], marker=marker,
                     color=colour, linestyle="-" if rc else "--",
                     linewidth=2.2 if label == "ours varuna" else 1.2, label=label)
