@@ -425,7 +425,8 @@ class _Search:
                     continue
                 rec = self.kind.recomputes(P, k, recompute=self.recompute)
                 stash = self.kind.stash_peak(P, k, n)
-                if stage_memory(self.cal, [(a, b)], self.m, stash, rec) > cap:
+                if stage_memory(self.cal, [(a, b)], self.m, stash, rec,
+                                weight_versions=self.kind.weight_versions) > cap:
                     return False
         return True
 

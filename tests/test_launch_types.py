@@ -166,6 +166,11 @@ def test_plan_workers_follows_rank_hosts() -> None:
         plan_workers(bad, [LocalHost(slots=1), LocalHost(slots=1)], master_port=1)
     with pytest.raises(ValueError, match="for each of the 4 ranks"):
         LaunchConfig(script="t.py", pipeline_depth=2, data_parallel=2, rank_hosts=(0, 1))
+    # Not an integer index, or rank 0 (the rendezvous) away from host 0: one line each.
+    for hosts in [(0, 1.5, 0, 1), (0, "a", 0, 1), (1, 0, 1, 0), (0, True, 0, 1)]:
+        with pytest.raises(ValueError, match="integer host index >= 0 .* rank 0 on host 0") as err:
+            LaunchConfig(script="t.py", pipeline_depth=2, data_parallel=2, rank_hosts=hosts)
+        assert "\n" not in str(err.value)
 
 
 # -- the launcher ----------------------------------------------------------------------------------

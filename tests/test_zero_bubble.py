@@ -238,3 +238,18 @@ def test_deterministic_mode_is_bit_identical_to_one_process(tmp_path, kind, P, D
         n for n in ref_digests if digests.get(n) != ref_digests[n]
     )
 
+
+
+def test_gathered_timeline_keeps_w_tasks() -> None:
+    """A zero-bubble run's timeline (W intervals) goes through the engine's gather unchanged."""
+    from varuna.core.timeline import Timeline
+    from varuna.runtime.layout import Layout
+    from varuna.runtime.timeline_gather import gather_timeline
+
+    tl = Timeline(metadata={})
+    for k, op in enumerate(["F", "B", "W", "AR", "OPT"]):
+        tl.add(0, 0, op, 0 if op in "FBW" else None, 1.0 + k, 1.5 + k)
+    got = gather_timeline(tl, Layout(world=1, rank=0, P=1, D=1), {"kind": "zb-h1"})
+    assert [(e.op, e.microbatch, e.start_s) for e in got.events] == [
+        (e.op, e.microbatch, e.start_s - 1.0) for e in tl.events
+    ]

@@ -122,6 +122,11 @@ def launch(
     """
     if hosts is None:
         hosts = [LocalHost(slots=config.world_size)]
+    if config.live_morph and not all(isinstance(h, LocalHost) for h in hosts):
+        raise ValueError(
+            "live morph runs on this machine's workers only (--procs) for now: its store listens "
+            "here; drop --live-morph for --hosts (the restart path)"
+        )
     if all(isinstance(h, LocalHost) for h in hosts):
         check_local_script(config)
         check_procs_per_host(config.world_size, "this machine", config.max_procs_per_host)

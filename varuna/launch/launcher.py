@@ -517,7 +517,7 @@ def _type_speeds(args: argparse.Namespace, entries: list[HostEntry]) -> dict[str
         return None
     types = sorted({e.vm_type for e in entries if e.vm_type is not None})
     if args.type_speeds is None:
-        if len(types) > 1 and args.calibration and args.data_parallel is None:
+        if len(types) > 1 and args.calibration and args.data_parallel is None and args.global_batch_size:
             return {}  # the calibration's 'types' give each type's costs (varuna.launch.mixed)
         if len(types) > 1:
             raise ValueError(

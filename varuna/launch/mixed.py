@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from varuna.core.batching import proportional_shares
 from varuna.core.calibration import Calibration, VmType
+from varuna.core.schedule import schedule_kind
 
 __all__ = [
     "TYPE_NAME_RE",
@@ -282,13 +283,18 @@ def plan_cluster(
         if pipeline_depth is None or data_parallel is None:
             raise ValueError("a mixed plan without a calibration needs P and D")
         m = micro_batch_size
-        return plan_types(
+        plan = plan_types(
             slot_types,
             speeds,
             pipeline_depth=pipeline_depth,
             data_parallel=data_parallel,
             num_microbatches=-(-global_batch_size // m) if m and global_batch_size else None,
         )
+        kind = schedule_kind(schedule)
+        if plan.replica_shares and any(kind.unsupported(pipeline_depth, n) for n in plan.replica_shares):
+            # e.g. 2bw needs >= P micro-batches per replica: an even split, or the runtime's own error
+            plan = dataclasses.replace(plan, replica_shares=None)
+        return plan
     try:
         from simulator.mixed_plan import plan_mixed
     except ImportError as exc:

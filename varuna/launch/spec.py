@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -151,12 +152,14 @@ class LaunchConfig:
         self.script_args = tuple(self.script_args)
         self.worker_env = dict(self.worker_env)
         if self.rank_hosts is not None:
-            self.rank_hosts = tuple(int(h) for h in self.rank_hosts)
-            if len(self.rank_hosts) != self.world_size or min(self.rank_hosts) < 0:
+            hosts = tuple(self.rank_hosts)
+            bad = [h for h in hosts if not isinstance(h, numbers.Integral) or isinstance(h, bool) or h < 0]
+            if len(hosts) != self.world_size or bad or hosts[0] != 0:
                 raise ValueError(
-                    f"rank_hosts {self.rank_hosts} must give a host index >= 0 for each of the"
-                    f" {self.world_size} ranks"
+                    f"rank_hosts {hosts} must give an integer host index >= 0 for each of the"
+                    f" {self.world_size} ranks, rank 0 on host 0 (the rendezvous address)"
                 )
+            self.rank_hosts = tuple(int(h) for h in hosts)
 
     @property
     def world_size(self) -> int:

@@ -205,7 +205,10 @@ class Supervisor:
                 self._readers_of.setdefault(worker.spec.env.rank, []).append(thread)
 
     def _spawn_all(self, bar: Progress) -> None:
-        for host_id, group in itertools.groupby(self._specs, key=lambda s: s.env.host_id):
+        # One batch per host, also when a mixed-type placement interleaves hosts across ranks: an
+        # agent forks its whole batch before any output thread starts (agent.py).
+        by_host = sorted(self._specs, key=lambda s: s.env.host_id)
+        for host_id, group in itertools.groupby(by_host, key=lambda s: s.env.host_id):
             if self._cause is not None:
                 break
             host = self._hosts[host_id]

@@ -256,8 +256,10 @@ def morph(live: LiveWorld, held: Engine | None, build: Callable[[int, int], Engi
             new = _form(live, gen, closed, held, build, leaving, backend, on_phase)
         except LiveMorphFailed:
             raise
-        except (RuntimeError, ValueError) as e:  # a member lost during the regroup: next generation
-            failures.append(f"generation {gen}: {str(e)[:160]}")
+        except ValueError as e:  # the new layout cannot be built (a configuration error): retrying won't help
+            raise LiveMorphFailed(f"generation {gen}: {' '.join(str(e).split())[:300]}") from None
+        except RuntimeError as e:  # a member lost during the regroup: next generation
+            failures.append(f"generation {gen}: {' '.join(str(e).split())[:160]}")
             _drop_default_group()
             live.joining = False  # a joiner admitted once is a member without state from now on
             record = _record(held, leaving)
@@ -367,7 +369,10 @@ def _snapshot(live: LiveWorld) -> dict:
     count = store.add(f"{ROOT}joins", 0)
     keys = [f"{ROOT}join/{i}" for i in range(live.joins_consumed + 1, count + 1)]
     if keys:  # a joiner sets its key right after taking its number
-        store.wait(keys, timedelta(seconds=live.timeout_s))
+        try:
+            store.wait(keys, timedelta(seconds=live.timeout_s))
+        except RuntimeError:  # a joiner died between taking its number and registering: skip it
+            keys = [k for k in keys if store.check([k])]
     joiners = [int(v) for v in store.multi_get(keys)] if keys else []
     dead = _dead(store, joiners)
     plan = store.get(f"{ROOT}plan").decode().split() if store.check([f"{ROOT}plan"]) else None

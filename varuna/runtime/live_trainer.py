@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import signal
 import sys
 import threading
@@ -77,8 +78,11 @@ class LiveTrainer:
         gc.freeze()
         self.live = live or LiveWorld.join(backend=backend)
         # the notice signals are this trainer's: no engine may take them for a graceful stop
+        # The peer watch's answer to a silent peer is exit 75 (the restart path); here a lost or
+        # frozen peer surfaces as a failed or timed-out step instead, which regroups live.
         config = dataclasses.replace(config, stop_signals=tuple(s for s in config.stop_signals
-                                                                 if s not in notice_signals))
+                                                                 if s not in notice_signals),
+                                     peer_timeout_s=0)
         self._build_model, self.config = build_model, config
         self._engine_args = {"example_batch": example_batch, "optimizer": optimizer, "loss_fn": loss_fn,
                              "param_init": param_init}
@@ -91,8 +95,10 @@ class LiveTrainer:
         self._leaving = False
         self._last_failure: int | None = None
         self.engine: Engine | None = None
+        self._planned: tuple[int, int] | None = None  # the P×D the environment's run plan fits
         if not self.live.joining:
             self.engine = self._attach(Engine(build_model(), config, **self._engine_args))
+            self._planned = (self.engine.layout.P, self.engine.layout.D)
         if threading.current_thread() is threading.main_thread():
             for name in notice_signals:
                 signal.signal(getattr(signal, name), self._on_notice)
@@ -115,8 +121,9 @@ class LiveTrainer:
             step = self.engine.committed_step + 1
             try:
                 result = self.engine.train_step(batch_for(step))
-            except RuntimeError as e:  # a peer lost inside the step; redone at the new layout
-                failure = str(e)  # leave the except block first: its traceback's frames hold group handles
+            except (RuntimeError, TimeoutError) as e:  # a peer lost inside the step; redone at the new layout
+                # One line; and leave the except block first: its traceback's frames hold group handles.
+                failure = " ".join(str(e).split())
             else:
                 failure = None
             if failure is not None:
@@ -156,6 +163,14 @@ class LiveTrainer:
 
     def _build(self, P: int, D: int) -> Engine:
         cfg = dataclasses.replace(self.config, pipeline_depth=P, data_parallel=D, resume=False)
+        if (P, D) != self._planned:
+            # The run plan's stage ranges, shares and speeds were sized for the launch layout
+            # (Note [Run plan]); a new P×D balances its own split. The engine reads the plan from
+            # the environment, so this process drops those variables too.
+            cfg = dataclasses.replace(cfg, stage_ranges=None, replica_shares=None, stage_speeds=None)
+            for name in _LAYOUT_PLAN_ENV:
+                os.environ.pop(name, None)
+            self._planned = (P, D)
         return self._attach(Engine(self._build_model(), cfg, **self._engine_args))
 
     def _boundary_hook(self) -> bool:
@@ -209,7 +224,7 @@ class LiveTrainer:
             self.left = True
             return
         except LiveMorphFailed as e:
-            print(f"varuna: live morph impossible: {e}", file=sys.stderr, flush=True)
+            print(f"varuna: live morph impossible: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
             raise SystemExit(PEER_LOST_EXIT_CODE) from None
         finally:
             del held
@@ -217,6 +232,10 @@ class LiveTrainer:
             self.morphs.append(self.live.last_morph)
         self.engine = new
         self.left = self.live.finished or self.live.role == "gone"
+
+
+#: Run-plan variables sized for one P×D (varuna/core/env.py, ``RunPlan``).
+_LAYOUT_PLAN_ENV = ("VARUNA_STAGE_RANGES", "VARUNA_REPLICA_SHARES", "VARUNA_STAGE_SPEEDS")
 
 
 def _live_unsupported(config: VarunaConfig) -> str | None:

@@ -64,11 +64,18 @@ def unpack_state(meta: str, buf: torch.Tensor) -> dict:
     m = json.loads(meta)
     tensors = []
     for off, dtype, shape in m["entries"]:
-        dt = getattr(torch, dtype)
+        # The description comes through the store: accept only a real dtype and an extent inside
+        # the buffer (a bad one is an error, never an arbitrary attribute or an out-of-range view).
+        dt = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+        if not isinstance(dt, torch.dtype) or not all(isinstance(x, int) and x >= 0 for x in [off, *shape]):
+            raise ValueError(f"live transfer: bad tensor entry {off!r}, {dtype!r}, {shape!r}")
         n = 1
         for s in shape:
             n *= s
         nbytes = n * torch.empty((), dtype=dt).element_size()
+        if off + nbytes > buf.numel():
+            raise ValueError(f"live transfer: entry at {off} of {nbytes} bytes overruns the "
+                             f"{buf.numel()}-byte buffer")
         tensors.append(buf[off:off + nbytes].view(dt).reshape(shape))
 
     def get(v):

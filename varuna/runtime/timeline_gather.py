@@ -15,13 +15,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from varuna.core.timeline import Timeline
+from varuna.core.timeline import OPS, Timeline
 from varuna.runtime.layout import Layout
 
 __all__ = ["gather_timeline"]
-
-_OPS = ["F", "R", "B", "AR", "OPT"]
-
 
 def gather_timeline(timeline: Timeline, layout: Layout, metadata: dict) -> Timeline | None:
     """Every rank's events merged on rank 0 (a collective; other ranks get None), origin shifted
@@ -30,7 +27,7 @@ def gather_timeline(timeline: Timeline, layout: Layout, metadata: dict) -> Timel
         [
             e.stage,
             e.replica,
-            _OPS.index(e.op),
+            OPS.index(e.op),
             -1 if e.microbatch is None else e.microbatch,
             e.start_s,
             e.end_s,
@@ -53,5 +50,5 @@ def gather_timeline(timeline: Timeline, layout: Layout, metadata: dict) -> Timel
     t0 = float(local[:, 4].min()) if local.numel() else 0.0
     tl = Timeline(metadata=metadata)
     for st, rep, op, mb, a, b in local.tolist():
-        tl.add(int(st), int(rep), _OPS[int(op)], None if mb < 0 else int(mb), a - t0, b - t0)
+        tl.add(int(st), int(rep), OPS[int(op)], None if mb < 0 else int(mb), a - t0, b - t0)
     return tl
