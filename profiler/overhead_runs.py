@@ -108,6 +108,7 @@ def emulated_engine(num_stages: int, num_replicas: int, schedule: str, num_micro
                     recompute: bool, netem: str | None, timeout_s: float, *, blocks_per_stage: int,
                     block_fwd_s: float, stage_blocks: Sequence[int] | None = None,
                     replica_shares: Sequence[int] | None = None, speed: float = 1.0,
+                    chunks: int = 1, weight_frac: float = 0.5,
                     ) -> Iterator[tuple[Any, Any]]:
     """An engine over ``varuna.testing.emulated_model`` with ``blocks_per_stage · num_stages``
     blocks, one stage per ``blocks_per_stage`` blocks, under the network emulation ``netem``
@@ -118,6 +119,11 @@ def emulated_engine(num_stages: int, num_replicas: int, schedule: str, num_micro
     ``blocks_per_stage``; ``replica_shares`` gives each replica its micro-batch count (the global
     batch is then m·Σshares, ``num_microbatches`` unused); ``speed`` is this rank's emulated
     device speed (``emulated_model(speed=...)``).
+
+    Issue 18: ``chunks`` = v model chunks per process (the interleaved kinds): P·v virtual
+    stages of ``blocks_per_stage`` blocks each (``stage_blocks``, if given, lists all P·v);
+    ``weight_frac``: the blocks' share of the backward spent on weight gradients (a zero-bubble
+    W; ``EmulatedBlock.weight_frac``).
 
     Example (every rank)::
 
@@ -131,9 +137,10 @@ def emulated_engine(num_stages: int, num_replicas: int, schedule: str, num_micro
         M = MICRO_BATCH_SIZE * num_microbatches * num_replicas
     batch = _batch(M)
     torch.manual_seed(0)
-    per_stage = list(stage_blocks) if stage_blocks is not None else [blocks_per_stage] * num_stages
-    model = emulated_model(sum(per_stage), block_fwd_s, EMULATED_WIDTH, speed=speed)
-    starts = [sum(per_stage[:k]) for k in range(num_stages)]
+    V = num_stages * chunks
+    per_stage = list(stage_blocks) if stage_blocks is not None else [blocks_per_stage] * V
+    model = emulated_model(sum(per_stage), block_fwd_s, EMULATED_WIDTH, speed=speed, weight_frac=weight_frac)
+    starts = [sum(per_stage[:k]) for k in range(V)]
     ranges = [(a, a + n - 1) for a, n in zip(starts, per_stage)]
     if netem:
         os.environ[NETEM_ENV_VAR] = netem  # the engine reads it at construction
@@ -147,6 +154,7 @@ def emulated_engine(num_stages: int, num_replicas: int, schedule: str, num_micro
                 varuna.VarunaConfig(
                     global_batch_size=M, micro_batch_size=MICRO_BATCH_SIZE, pipeline_depth=num_stages,
                     data_parallel=num_replicas, schedule=schedule, recompute=recompute, stage_ranges=ranges,
+                    chunks=chunks,
                     replica_shares=None if replica_shares is None else tuple(replica_shares),
                     record_timeline=True, comm_timeout_s=timeout_s, stop_signals=(),
                 ),

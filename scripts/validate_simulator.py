@@ -27,9 +27,8 @@ cited below live there):
 - *gradient all-reduce*: a stage's gradient buffer all-reduced by concurrent 2-rank rings →
   the calibration's all-reduce latency.
 
-The workers run with SCHED_RR priority after start-up (``--priority``, see ``_prioritize``):
-on a shared, loaded 2-core host that is what makes the emulated devices behave like dedicated
-ones. Every engine's process groups are destroyed after its run (``profiler.overhead_runs.owned_groups``).
+Workers run at SCHED_RR priority after start-up (``--priority``, ``_prioritize``): on a shared
+2-core host that makes the emulated devices behave like dedicated ones.
 
 Usage::
 
@@ -81,6 +80,8 @@ from profiler.overheads import (  # noqa: E402  (after the sys.path set-up)
 BLOCK_FWD_S = 0.010
 #: Blocks (= segments) per pipeline stage: stage F = 2 · BLOCK_FWD_S.
 BLOCKS_PER_STAGE = 2
+#: Zero-bubble W's share of each block's backward, in ``EmulatedBlock`` and ``SimConfig`` alike.
+WEIGHT_FRAC = 0.5
 # The blocks' width and the micro-batch size are the calibration runs' (profiler.overheads).
 
 #: Network levels: name -> (latency s, mean exponential jitter s); None = no emulation.
@@ -137,6 +138,8 @@ class ValConfig:
     """Micro-batches per replica (``VarunaConfig.replica_shares``; then Nm is unused)."""
     stage_blocks: tuple[int, ...] | None = None
     """Blocks (segments) per stage, uneven; None: BLOCKS_PER_STAGE each."""
+    chunks: int = 1
+    """v: model chunks per process (the interleaved kinds; then P·v virtual stages)."""
 
     def __post_init__(self) -> None:  # JSON gives lists back: keep labels and equality stable
         if self.speeds is not None:
@@ -151,7 +154,7 @@ class ValConfig:
 
     @property
     def blocks(self) -> tuple[int, ...]:
-        return self.stage_blocks or (BLOCKS_PER_STAGE,) * self.num_stages
+        return self.stage_blocks or (BLOCKS_PER_STAGE,) * (self.num_stages * self.chunks)
 
     def speed_of(self, rank: int) -> float:
         return 1.0 if self.speeds is None else self.speeds[rank // self.num_stages][rank % self.num_stages]
@@ -160,6 +163,7 @@ class ValConfig:
     def label(self) -> str:
         """E.g. ``4x2 varuna Nm=8 heavy``, ``2x2 varuna shares=5/3 speeds=1.6-1.6/1-1 none``."""
         kind = self.schedule + ("" if self.recompute or self.schedule == "varuna" else "-noR")
+        kind += f"(v={self.chunks})" if self.chunks > 1 else ""
         nm = f"Nm={self.num_microbatches}"
         if self.shares is not None:
             nm = "shares=" + "/".join(map(str, self.shares))
@@ -173,7 +177,7 @@ class ValConfig:
     def ideal_s(self) -> float:
         """Rough mini-batch time (compute only), for budgeting runs."""
         f = max(self.blocks) * BLOCK_FWD_S / min(min(r) for r in (self.speeds or ((1.0,),)))
-        return max(self.shares or (self.num_microbatches,)) * 4 * f + (self.num_stages - 1) * 3 * f
+        return (max(self.shares or (self.num_microbatches,)) * 4 * self.chunks + 3 * self.num_stages - 3) * f
 
 
 def default_configs() -> list[ValConfig]:
@@ -339,13 +343,14 @@ def sim_config(c: ValConfig, rc: RuntimeConstants, seed: int = 0):
     from simulator.engine import SimConfig
 
     P = c.num_stages
-    starts = [sum(c.blocks[:k]) for k in range(P)]
+    starts = [sum(c.blocks[:k]) for k in range(len(c.blocks))]
     return SimConfig(
         num_stages=P,
         num_replicas=c.num_replicas,
         micro_batch_size=MICRO_BATCH_SIZE,
         num_microbatches=c.num_microbatches if c.shares is None else c.shares,
         stage_segments=tuple((a, a + n - 1) for a, n in zip(starts, c.blocks)),
+        chunks=c.chunks, weight_grad_fraction=WEIGHT_FRAC,
         device_types=None if c.speeds is None else tuple(tuple(speed_type(v) for v in r) for r in c.speeds),
         schedule=c.schedule,
         recompute=c.recompute,
@@ -431,7 +436,7 @@ def _run_config(spec: WorldSpec, cdict: dict, rank: int, bench_rounds: list[int]
     with emulated_engine(c.num_stages, c.num_replicas, c.schedule, c.num_microbatches, c.recompute,
                          netem_string(c.level), spec.comm_timeout_s, blocks_per_stage=BLOCKS_PER_STAGE,
                          block_fwd_s=BLOCK_FWD_S, stage_blocks=c.stage_blocks, replica_shares=c.shares,
-                         speed=c.speed_of(rank)) as (engine, batch):
+                         speed=c.speed_of(rank), chunks=c.chunks, weight_frac=WEIGHT_FRAC) as (engine, batch):
         build_s = time.perf_counter() - t
         warm: list[dict] = []
         steps = timed_steps(engine, batch, spec.warmup, spec.steps, warm)
@@ -515,11 +520,11 @@ class Row:
     """Simulated with the known costs only (all runtime constants zero), for comparison."""
     real_steps_s: list[float]
     constants: RuntimeConstants
+    """What the simulation used: the micro-benchmark rounds just before and after the run."""
     real_median_s: float = 0.0
     """Median of the same steps (Note [Means, not medians]: reported, not the headline)."""
     sim_median_s: float = 0.0
     """Median over the same jitter seeds."""
-    """What the simulation used: the micro-benchmark rounds just before and after the run."""
     task_overhead_ms: float
     """Mean per-task overhead seen in this run (diagnostic; the simulator does not use it)."""
     model_task_overhead_ms: float
@@ -555,8 +560,10 @@ MIN_CLEAN_STEPS = 3
 
 def _nominal(c: ValConfig, events: Sequence[Sequence]) -> list:
     """Events with each F/R/B's known sleep swapped for a BLOCKS_PER_STAGE stage at speed 1, so
-    the homogeneous checks (``disturbed``, ``task_overheads``) apply to uneven stages and mixed
-    device speeds; identity for homogeneous configurations."""
+    the homogeneous checks (``disturbed``, ``task_overheads``) apply to uneven stages, mixed
+    device speeds and split backwards; identity for homogeneous unsplit configurations."""
+    from varuna.core.schedule import schedule_kind
+
     nominal = BLOCKS_PER_STAGE * BLOCK_FWD_S
     out = []
     for e in events:
@@ -564,6 +571,8 @@ def _nominal(c: ValConfig, events: Sequence[Sequence]) -> list:
         if op in ("F", "R", "B") and (c.speeds is not None or c.stage_blocks is not None):
             own = c.blocks[stage] * BLOCK_FWD_S / c.speed_of(replica * c.num_stages + stage)
             end = end - (own - nominal) * (2.0 if op == "B" else 1.0)
+        if op == "B" and schedule_kind(c.schedule).splits_backward:  # input gradient only: count it whole
+            end = end + 2 * nominal * (1.0 if stage == 0 else WEIGHT_FRAC)
         out.append([*e[:5], end, *e[6:]])
     return out
 

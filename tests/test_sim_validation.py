@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "validate_simulator.py"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("validate_simulator", SCRIPT)
+def _load(script: Path = SCRIPT):
+    spec = importlib.util.spec_from_file_location(script.stem, script)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
     spec.loader.exec_module(module)
@@ -47,6 +47,43 @@ def test_default_configs_cover_every_factor_pair_within_budget():
         assert seen == set(itertools.product(levels[a], levels[b])), (a, b)
     # ~10 minutes at most: compute alone, 6 steps per configuration.
     assert sum(c.ideal_s() for c in configs) * 6 < 300
+
+
+def test_new_kind_configs_cover_the_issue18_kinds_and_simulate():
+    v = _load()
+    k = _load(ROOT / "scripts" / "validate_kinds.py")
+    configs = k.new_kind_configs()
+    assert len({c.label for c in configs}) == len(configs)
+    for kind in k.NEW_KINDS:
+        mine = [c for c in configs if c.schedule == kind]
+        assert {c.num_stages for c in mine} == {2, 4}, kind
+        assert {c.num_replicas for c in mine} == {1, 2}, kind
+        assert {c.level for c in mine} == {"none", "moderate"}, kind
+    assert not set(v.default_configs()) & set(configs)
+    f = v.BLOCKS_PER_STAGE * v.BLOCK_FWD_S
+    for c in configs:
+        cfg = v.sim_config(c, v.known_costs_only())
+        v_ = k.CHUNKS if "interleaved" in c.schedule else 1
+        assert (c.chunks, cfg.chunks) == (v_, v_) and len(cfg.stage_segments) == c.num_stages * v_
+        assert cfg.weight_grad_fraction == v.WEIGHT_FRAC
+        # Known costs only: no faster than a stage's F + B per micro-batch and chunk, no slower
+        # than F + R + B each plus a (P−1)(F + B) bubble.
+        t = v.simulate_config(c, v.known_costs_only(), seeds=2)
+        work = c.num_microbatches * v_ * f
+        assert 3 * work <= t <= 4 * work + (c.num_stages - 1) * 3 * f + 0.02 * c.num_stages, c.label
+    assert [c.label for c in configs if c.chunks > 1][0] == "2x1 interleaved(v=2) Nm=4 none"
+
+
+def test_simulated_split_backward_matches_the_runtimes_first_stage():
+    # The runtime's first stage has no input gradient (its input is data), so its B is empty and
+    # its W the whole backward (measured in the validation runs: B 0.1 ms, W 41 ms of 40 ms);
+    # other stages split B = 40 ms by weight_grad_fraction.
+    cal = Calibration.synthetic(0.01, num_segments=4, micro_batch_sizes=(1,))
+    cfg = SimConfig(num_stages=2, micro_batch_size=1, num_microbatches=4, schedule="zb-h1", recompute=False,
+                    weight_grad_fraction=0.25, task_overhead_s=0.0, placeholder_s=0.0, jitter_scale=0)
+    events = simulate(cal, cfg, record=True).timeline.events
+    durations = {(e.stage, e.op): e.duration_s for e in events if e.op in ("B", "W")}
+    assert durations == pytest.approx({(0, "B"): 0.0, (0, "W"): 0.04, (1, "B"): 0.03, (1, "W"): 0.01})
 
 
 def test_fit_task_costs_recovers_terms_and_drops_negative_ones():

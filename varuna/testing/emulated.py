@@ -228,6 +228,7 @@ class EmulatedModel(nn.Module):
 def emulated_model(
     num_blocks: int, fwd_s: float | Sequence[float], width: int, *, bwd_factor: float = 2.0,
     device: torch.device | str | None = None, dtype: torch.dtype | None = None, speed: float = 1.0,
+    weight_frac: float = 0.5,
 ) -> EmulatedModel:
     """A trainable model of ``num_blocks`` emulated blocks with a ``varuna.CutPoint`` between
     consecutive blocks: ``num_blocks - 1`` cut-points, so ``num_blocks`` segments of one block
@@ -237,7 +238,8 @@ def emulated_model(
     Inputs and targets have shape ``(batch, width)`` (or any ``(..., width)``). ``speed``: the
     emulated device's relative speed (mixed VM types, issue #19): every block takes
     ``fwd_s / speed`` (and its backward ``bwd_factor`` times that), so a process built with
-    ``speed=1.6`` is a device 1.6× faster; the weights do not depend on it.
+    ``speed=1.6`` is a device 1.6× faster; the weights do not depend on it. ``weight_frac``: each
+    block's share of the backward spent on weight gradients (``EmulatedBlock``).
 
     Example::
 
@@ -260,7 +262,9 @@ def emulated_model(
             raise ValueError(f"fwd_s has {len(times)} entries for {num_blocks} blocks; give one "
                              f"number or one per block")
     blocks = [
-        EmulatedBlock(t / speed, width, bwd_factor=bwd_factor, device=device, dtype=dtype) for t in times
+        EmulatedBlock(t / speed, width, bwd_factor=bwd_factor, device=device, dtype=dtype,
+                      weight_frac=weight_frac)
+        for t in times
     ]
     return EmulatedModel(blocks, [CutPoint() for _ in range(num_blocks - 1)])
 

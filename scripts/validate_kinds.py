@@ -1,0 +1,84 @@
+#!/usr/bin/env python
+"""Validate the simulator on the schedule kinds of issue 18: interleaved stages (``interleaved``,
+``varuna-interleaved``, v = 2 model chunks per process) and zero-bubble (``zb-h1``,
+``varuna-zb``: the backward split into B and a deferrable W), real engine vs
+``simulator.engine.simulate``.
+
+The machinery is ``scripts/validate_simulator.py``'s (same workers, micro-benchmarked runtime
+constants, disturbed-step handling, table). The interleaved configurations build P·v virtual
+stages of ``BLOCKS_PER_STAGE`` emulated blocks each (2·P·v blocks; ``VarunaConfig.chunks`` and
+``SimConfig.chunks`` = v); the zero-bubble ones split each block's backward with the same
+``WEIGHT_FRAC`` in the emulated blocks (``weight_frac``) and in the simulator
+(``weight_grad_fraction``). ``2bw`` is not validated: the engine flushes every step, the
+simulator prices its no-flush steady state (docs/schedules.md).
+
+Usage::
+
+    python scripts/validate_kinds.py                    # the table (8 configurations, ~3.5 min)
+    python scripts/validate_kinds.py --only "zb-h1" --json runs/kinds.json
+
+Goal (the issue): every configuration within 5%. Results: docs/simulator.md, Validation, "New
+schedule kinds".
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+for p in (str(HERE.parent), str(HERE)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import validate_mixed as vm  # noqa: E402  (after the sys.path set-up)
+import validate_simulator as vs  # noqa: E402
+
+#: The kinds validated here.
+NEW_KINDS: tuple[str, ...] = ("interleaved", "varuna-interleaved", "zb-h1", "varuna-zb")
+#: v of the interleaved kinds: model chunks per process.
+CHUNKS = 2
+
+
+def new_kind_configs() -> list[vs.ValConfig]:
+    """Each of NEW_KINDS at P = 2 and P = 4, D = 1 and 2, with no and moderate network jitter: 8
+    configurations, every kind on both depths, both D and both levels; all with recompute, Nm a
+    multiple of P (as the interleaved kinds need).
+
+    >>> [c.label for c in new_kind_configs()][:2]
+    ['2x1 interleaved(v=2) Nm=4 none', '4x2 interleaved(v=2) Nm=8 moderate']
+    """
+    rows = [
+        ("interleaved", 2, 1, 4, "none"), ("interleaved", 4, 2, 8, "moderate"),
+        ("varuna-interleaved", 2, 2, 4, "moderate"), ("varuna-interleaved", 4, 1, 8, "none"),
+        ("zb-h1", 2, 2, 8, "none"), ("zb-h1", 4, 1, 8, "moderate"),
+        ("varuna-zb", 2, 1, 8, "moderate"), ("varuna-zb", 4, 2, 8, "none"),
+    ]
+    return [vs.ValConfig(num_stages=P, num_replicas=D, schedule=kind, num_microbatches=nm, level=level,
+                         chunks=CHUNKS if "interleaved" in kind else 1)
+            for kind, P, D, nm, level in rows]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = vm.parser()
+    p.description = __doc__
+    a = p.parse_args(argv)
+    configs = new_kind_configs()
+    if a.only:
+        parts = [x.strip() for x in a.only.split(",") if x.strip()]
+        configs = [c for c in configs if all(x in c.label for x in parts)]
+    if not configs:
+        print("no configuration matches --only", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    print(f"{len(configs)} configurations of the issue-18 kinds, {a.warmup} warm-up + {a.steps} timed steps "
+          f"each; {vm.load()}", flush=True)
+    vm.run(configs, a)
+    print(f"wall time {time.perf_counter() - t0:.0f} s; {vm.load()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
