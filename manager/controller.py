@@ -36,6 +36,8 @@ provider says it is gone   last periodic checkpoint are redone)
 a worker exits non-zero    kill the generation; relaunch once every other VM of it proved
                            alive after the failure (or was declared gone)
 eviction notice on a VM    graceful stop (the agent already sent SIGUSR1); relaunch without it
+VM lost, ``live_morph``    the survivors regroup in place when every stage kept a replica
+job                        (manager/live_runs.py); else the kill + relaunch above
 fail-stutter slow worker   graceful stop; relaunch without its VM
 new VMs and ≥ X % gain     graceful stop; relaunch on more VMs (grow)
 cancel                     graceful stop; delete the VMs

@@ -90,6 +90,9 @@ def test_a_killed_vm_is_a_live_morph_and_the_losses_stay_bit_identical(tmp_path)
         if job is not None and mp.proc is not None and mp.proc.poll() is None:
             for e in events(mp, job):
                 print("EVENT", e.kind, e.message[:300])
+        for log in sorted(tmp_path.glob("**/gen*-rank*.log")):  # what the workers said
+            lines = [x for x in log.read_text(errors="replace").splitlines() if x.startswith("varuna")]
+            print(f"== {log.name}", *lines[-4:], sep="\n")
         raise
     finally:
         mp.stop()

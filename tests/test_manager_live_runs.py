@@ -5,6 +5,7 @@ duration, and the fallbacks (a stage lost whole, a worker exiting 75) to kill + 
 
 from __future__ import annotations
 
+import socket
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -57,8 +58,12 @@ def test_every_worker_gets_the_generations_store(tmp_path):
     c = client(address)  # a real TCPStore serves there
     c.set("probe", "1")
     assert c.get("probe") == b"1"
+    del c
     w.mgr.stop()
     assert w.mgr.ctx.live.open_count == 0
+    host, port = address.rsplit(":", 1)
+    with pytest.raises(ConnectionRefusedError):  # the server is gone with its port
+        socket.create_connection((host, int(port)), timeout=10).close()
 
 
 def test_a_job_without_live_morph_gets_no_store(tmp_path):
