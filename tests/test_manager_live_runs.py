@@ -5,6 +5,7 @@ duration, and the fallbacks (a stage lost whole, a worker exiting 75) to kill + 
 
 from __future__ import annotations
 
+import signal
 import socket
 import sys
 from datetime import timedelta
@@ -150,3 +151,38 @@ def test_live_morph_spec_errors(extra, needle):
     with pytest.raises(ValueError) as err:
         JobSpec(**spec)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_closed_engine_is_not_kept_alive_by_its_heartbeat_reporter():
+    """After a live morph the old engine (model, optimizer state) must be freed: the manager's
+    reporter, pinned by atexit until the process ends, must not hold it."""
+    import gc
+    import weakref
+
+    import torch
+    from models import build_model
+
+    import varuna
+    from manager.client import ClientConfig, ManagerClient, WorkerReporter
+    from varuna.launch.procs import find_free_port
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    idx = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
+    batch = (idx[:, :-1].contiguous(), idx[:, 1:].contiguous())
+    engine = varuna.Engine(build_model("gpt"), varuna.VarunaConfig(global_batch_size=8, micro_batch_size=2),
+                           example_batch=batch, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    client = ManagerClient(ClientConfig(address=f"127.0.0.1:{find_free_port('127.0.0.1')}", token="x" * 32,
+                                        timeout_s=1.0))  # nobody listens: heartbeats are dropped
+    reporter = WorkerReporter(engine, client, job_id="j", vm_id="v", generation=1)
+    engine.add_step_callback(reporter.on_step)
+    engine.train_step(batch)
+    ref = weakref.ref(engine)
+    engine.close()
+    for sig, handler in handlers.items():  # the engine's stop handlers go, as the next engine's replace them
+        signal.signal(sig, handler)
+    del engine
+    gc.collect()
+    try:
+        assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]
+    finally:
+        reporter.close()
