@@ -186,3 +186,12 @@ def test_a_closed_engine_is_not_kept_alive_by_its_heartbeat_reporter():
         assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]
     finally:
         reporter.close()
+
+
+def test_live_morph_crosses_the_wire():
+    from manager.jobspec import spec_from_pb, spec_to_pb
+
+    spec = JobSpec(script="t.py", global_batch_size=8, checkpoint_dir="c", max_vms=2, target_steps=3,
+                   live_morph=True)
+    assert spec_from_pb(spec_to_pb(spec)).live_morph is True
+    assert spec_from_pb(spec_to_pb(JobSpec(**{**spec.to_dict(), "live_morph": False}))).live_morph is False
