@@ -196,7 +196,6 @@ class WorkerReporter:
     def __init__(
         self, engine: Any, client: ManagerClient, *, job_id: str, vm_id: str, generation: int
     ) -> None:
-        self._engine = engine
         self._client = client
         self._job_id, self._vm_id, self._generation = job_id, vm_id, generation
         layout = engine.layout
@@ -210,6 +209,10 @@ class WorkerReporter:
         self._m = int(info.get("m") or 0)
         self._last_step = self._resumed_from
         self._uses_timeline = not hasattr(engine, "add_step_callback")
+        # Only an engine without step callbacks is read later (its timeline). A varuna Engine held
+        # here would stay alive through atexit until the process ends: every engine a live morph
+        # replaces (its model and optimizer state) would leak.
+        self._engine = engine if self._uses_timeline else None
         self._owns_timeline = self._uses_timeline and not engine.config.record_timeline
         self._seen = 0
         if self._uses_timeline:

@@ -140,6 +140,8 @@ class ManagerContext:
         self._jobs: dict[str, JobCache] = {}
         #: The shared pool (manager.pool_rounds.PoolRounds) when serving with --pool, else None.
         self.pool: Any = None
+        #: Live morph's stores and decisions (manager.live_runs.LiveRuns), set by the Manager.
+        self.live: Any = None
         self.provider_context = ProviderContext(
             manager_address=config.advertise_address,
             token_file=config.token_file,
@@ -195,6 +197,10 @@ class ManagerContext:
         if job.message != message:
             self.store.update_job(job.job_id, message=message)
 
+    def live_morph_job(self, job: JobRecord) -> bool:
+        """Whether ``job`` morphs without a restart when it can (``live_morph = true``)."""
+        return self.live is not None and bool(self.cache(job).spec.live_morph)
+
     def live_generation(self, job: JobRecord) -> GenerationRecord | None:
         """The job's current generation if it is running, stopping or killing."""
         if job.generation <= 0:
@@ -236,6 +242,8 @@ class ManagerContext:
         self.store.update_job(job.job_id, state=state, message=message)
         fresh = self.store.job(job.job_id) or job
         self.event(job.job_id, state, message, data={"step": fresh.step})
+        if self.live is not None:
+            self.live.close(job.job_id)
         # Delete every VM (their agents get SHUTDOWN meanwhile, should they heartbeat).
         provider = self.provider(job)
         for vm in self.store.vms(job.job_id, states=["requested", "up", "gone"]):

@@ -36,6 +36,8 @@ provider says it is gone   last periodic checkpoint are redone)
 a worker exits non-zero    kill the generation; relaunch once every other VM of it proved
                            alive after the failure (or was declared gone)
 eviction notice on a VM    graceful stop (the agent already sent SIGUSR1); relaunch without it
+VM lost, ``live_morph``    the survivors regroup in place when every stage kept a replica
+job                        (manager/live_runs.py); else the kill + relaunch above
 fail-stutter slow worker   graceful stop; relaunch without its VM
 new VMs and ≥ X % gain     graceful stop; relaunch on more VMs (grow)
 cancel                     graceful stop; delete the VMs
@@ -74,6 +76,7 @@ from manager.calibration_orders import CalibrationOrders
 from manager.context import ManagerConfig, ManagerContext
 from manager.generations import JobController
 from manager.job_requests import JobRequests
+from manager.live_runs import LiveRuns
 from manager.morph_planner import MorphPlanner
 from manager.pool_config import PoolConfig
 from manager.pool_rounds import PoolRounds
@@ -116,6 +119,7 @@ class Manager:
             self.ctx.pool = PoolRounds(self.ctx, pool)
         self.calibration = CalibrationOrders(self.ctx)
         self.planner = MorphPlanner(self.ctx)
+        self.ctx.live = LiveRuns(self.ctx, self.planner)
         self.controller = JobController(self.ctx, self.calibration, self.planner)
         self.vms = VMBook(self.ctx, self.controller, self.calibration, self.planner)
         self.workers = WorkerReports(self.ctx)
@@ -160,6 +164,8 @@ class Manager:
             self._thread.join(timeout_s)
         self.ctx.store.flush()  # a stopped manager leaves nothing only in memory
         self.ctx.close_providers()
+        with self.ctx.lock:
+            self.ctx.live.close_all()
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -93,6 +93,8 @@ class JobController:
         all_clean_exit: bool,
         now: float,
     ) -> None:
+        if failed and self.ctx.live_morph_job(job) and self.ctx.live.on_failure(job, gen, failed, now):
+            return  # the survivors go on in their processes (manager/live_runs.py)
         if failed:
             what = ", ".join(
                 f"{vm.vm_id} ({'gone' if vm.state != 'up' else 'worker failed'})" for vm in failed
@@ -206,6 +208,8 @@ class JobController:
             job.job_id, gen.generation, state="ended", ended=now, graceful=int(graceful)
         )
         ctx.detector.forget(lambda k: k[0] == job.job_id and k[1] == gen.generation)
+        if ctx.live is not None:
+            ctx.live.close(job.job_id, gen.generation)
         cache = ctx.cache(job)
         cache.compute.pop(gen.generation, None)
         cache.launches.pop(gen.generation, None)
@@ -325,6 +329,8 @@ class JobController:
             predicted_samples_per_s=plan.predicted_samples_per_s,
             mixed_json=json.dumps(placement.mixed) if placement.mixed else "",
         )
+        if ctx.live_morph_job(job):
+            ctx.live.open_store(job, generation)  # before its launches name it
         ctx.store.add_generation(gen)
         ctx.store.update_job(job.job_id, message="")
         why = job.detection_reason or "initial launch"

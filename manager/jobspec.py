@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from manager.vm_types import VMTypeSpec, check_type_options, parse_vm_types
-from varuna.core.schedule import SCHEDULE_KINDS
+from varuna.core.schedule import SCHEDULE_KINDS, schedule_kind
 from varuna.launch.spec import default_max_procs_per_host
 
 __all__ = [
@@ -248,6 +248,11 @@ class JobSpec:
     vm_types: list[dict[str, Any]] = field(default_factory=list)
     """``[[vm_types]]``: a pool of several VM types for this job (:mod:`manager.vm_types`); empty:
     one type. ``max_vms`` is then the sum of the types' ``max_vms``."""
+    live_morph: bool = False
+    """Morph without a restart (docs/manager.md, Live morph): when a VM is lost and every stage
+    keeps a replica, the survivors regroup in their processes (the script uses
+    ``varuna.runtime.live_trainer.LiveTrainer`` when ``$VARUNA_LIVE_STORE`` is set); otherwise
+    the usual relaunch from the newest checkpoint."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -287,6 +292,22 @@ class JobSpec:
         if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or not self.weight > 0:
             raise ValueError(f"jobspec: 'weight' must be a number > 0, got {self.weight!r}")
         self._check_vm_types()
+        self._check_live_morph()
+
+    def _check_live_morph(self) -> None:
+        if not isinstance(self.live_morph, bool):
+            raise ValueError(f"jobspec: 'live_morph' must be true or false, got {self.live_morph!r}")
+        if not self.live_morph:
+            return
+        if self.pool:
+            raise ValueError("jobspec: live_morph is not supported for pool jobs (pool = true) yet; "
+                             "drop one of them")
+        if self.vm_types:
+            raise ValueError("jobspec: live_morph is not supported with several VM types ([[vm_types]]) "
+                             "yet; drop one of them")
+        if schedule_kind(self.schedule or script_schedule(self.args) or "varuna").weight_versions > 1:
+            raise ValueError(f"jobspec: live_morph does not carry the {self.schedule} schedule's second "
+                             "weight version; use a synchronous schedule or drop live_morph")
 
     def _check_vm_types(self) -> None:
         if not self.vm_types and isinstance(self.vm_types, list):
@@ -526,6 +547,7 @@ def spec_to_pb(spec: JobSpec, calibration_json: str = "") -> Any:
         pool=spec.pool,
         weight=spec.weight,
         vm_types_json=json.dumps(spec.vm_types, sort_keys=True) if spec.vm_types else "",
+        live_morph=spec.live_morph,
     )
 
 
@@ -568,4 +590,5 @@ def spec_from_pb(msg: Any) -> JobSpec:
         pool=msg.pool,
         weight=msg.weight or 1.0,
         vm_types=vm_types,
+        live_morph=msg.live_morph,
     )

@@ -23,6 +23,7 @@ from manager.store import GenerationRecord, JobRecord, VMRecord
 from manager.vm_types import vm_type_of
 from varuna.core.calibration import Calibration
 from varuna.core.env import RunPlan
+from varuna.launch.live_store import LIVE_STORE_ENV
 from varuna.launch.mixed import place_ranks, plan_cluster
 
 __all__ = ["MorphPlanner", "Placement"]
@@ -256,6 +257,9 @@ class MorphPlanner:
         )
         if spec.checkpoint_every:
             env["VARUNA_CHECKPOINT_EVERY"] = str(spec.checkpoint_every)
+        address = self.ctx.live.address(job, gen.generation) if self.ctx.live_morph_job(job) else None
+        if address is not None:
+            env[LIVE_STORE_ENV] = address  # docs/live_morph.md, API for the launcher
         env.update(self.run_plan(job, gen).to_env())
         config = LaunchConfig(
             script=spec.script,

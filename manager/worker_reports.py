@@ -55,6 +55,8 @@ class WorkerReports:
                 return True
             self._record_step(job, gen, req, now)
             self._advance(job, gen, req.step)
+            if ctx.live is not None:
+                ctx.live.step_reported(job, gen.generation, req.step, now)
             if gen.first_step_time is None and gen.state == "running":
                 self._training_resumed(job, gen, req, now)
             self._check_stutter(job, gen, req)

@@ -2,11 +2,16 @@
 
 varuna-launch --procs 4 --pipeline-depth 2 examples/gpt2/train.py --steps 20
 python examples/gpt2/train.py --steps 20        # one process (P = D = 1)
+
+With ``$VARUNA_LIVE_STORE`` set (``varuna-launch --live-morph``, or a ``live_morph = true`` job of
+``varuna-manager``) the steps run through ``varuna.runtime.live_trainer.LiveTrainer``: a lost
+peer makes the survivors regroup in their processes (docs/live_morph.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -75,8 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_engine(args: argparse.Namespace, data: ByteBatches) -> varuna.Engine:
-    """The GPT model and its varuna engine, configured from the command line."""
+def build_model(args: argparse.Namespace) -> GPT:
+    """The GPT model of the command line, initialised from ``--seed``."""
     cfg = GPTConfig(
         block_size=args.block_size,
         n_layer=args.n_layer,
@@ -85,10 +90,12 @@ def build_engine(args: argparse.Namespace, data: ByteBatches) -> varuna.Engine:
         dropout=args.dropout,
     )
     torch.manual_seed(args.seed)
-    model = GPT(cfg)
-    return varuna.Engine(
-        model,
-        varuna.VarunaConfig(
+    return GPT(cfg)
+
+
+def build_config(args: argparse.Namespace) -> varuna.VarunaConfig:
+    """The engine's configuration from the command line."""
+    return varuna.VarunaConfig(
             global_batch_size=args.global_batch_size,
             micro_batch_size=args.micro_batch_size,
             schedule=args.schedule,
@@ -103,10 +110,55 @@ def build_engine(args: argparse.Namespace, data: ByteBatches) -> varuna.Engine:
             keep_checkpoints=args.keep_checkpoints,
             resume=args.resume,
             tensorboard_dir=args.tensorboard_dir,
-        ),
+        )
+
+
+def build_engine(args: argparse.Namespace, data: ByteBatches) -> varuna.Engine:
+    """The GPT model and its varuna engine, configured from the command line."""
+    return varuna.Engine(
+        build_model(args),
+        build_config(args),
         example_batch=data.get("train", 0, args.global_batch_size),
         optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0),
     )
+
+
+def run_live(args: argparse.Namespace, data: ByteBatches) -> int:
+    """Train through ``LiveTrainer`` (``$VARUNA_LIVE_STORE`` set): survivors of a lost peer go on in
+    this process at a new layout; rank 0 of the current layout writes the metrics."""
+    from varuna.runtime.live_trainer import LiveTrainer
+
+    # The peer watch would take a peer that closed its engine to regroup for a lost one and end
+    # this worker (exit 75) before it regroups; frozen peers are not handled live yet
+    # (docs/live_morph.md, STATUS 2), so it is off here as in the live tests.
+    config = dataclasses.replace(build_config(args), peer_timeout_s=0)
+    trainer = LiveTrainer(
+        lambda: build_model(args),
+        config,
+        example_batch=data.get("train", 0, args.global_batch_size),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0),
+        # SIGUSR1 stays what it is without live morph, the graceful stop of the whole job (the
+        # manager's STOP order, an eviction notice): no per-worker notice signal here.
+        notice_signals=(),
+    )
+
+    def on_step(r: varuna.StepResult) -> None:
+        engine = trainer.engine
+        if engine is None or engine.layout.rank != 0:
+            return
+        print(f"step {r.step:5d}/{args.steps} loss {r.loss:.4f} |g| {r.grad_norm:.3f} "
+              f"{r.samples_per_s:8.1f} samples/s (P={engine.layout.P} D={engine.layout.D})", flush=True)
+        if args.metrics_out:
+            with open(args.metrics_out, "a") as out:
+                out.write(json.dumps({"step": r.step, "loss": r.loss, "samples_per_s": r.samples_per_s,
+                                      "P": engine.layout.P, "D": engine.layout.D, "wall_time": r.wall_time,
+                                      "step_s": r.step_s, "grad_norm": r.grad_norm, "skipped": r.skipped,
+                                      "pid": os.getpid()}) + "\n")
+
+    engine = trainer.run(args.steps, lambda step: data.get("train", step, args.global_batch_size), on_step)
+    if engine is not None:  # None: this worker left (a spare at the end)
+        engine.close()
+    return 0
 
 
 def write_trace(engine: varuna.Engine, path: Path, info: dict) -> None:
@@ -127,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     data = ByteBatches(args.block_size, seed=args.seed)
+    if os.environ.get("VARUNA_LIVE_STORE"):
+        return run_live(args, data)
     engine = build_engine(args, data)
     info = engine.describe()
     leader = engine.layout.rank == 0

@@ -12,8 +12,10 @@ Example::
 
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 from types import TracebackType
+from typing import Any
 
 __all__ = ["LIVE_STORE_ENV", "RESTARTS_ENV", "LiveStore"]
 
@@ -26,6 +28,9 @@ RESTARTS_ENV = "VARUNA_RESTARTS"
 class LiveStore:
     """A ``torch.distributed.TCPStore`` server on ``host`` (a free port), for one launch of the job.
 
+    The listening socket is bound to ``host`` only (not every interface, as a TCPStore given just a
+    port would): the store is unauthenticated, like torchrun's c10d store.
+
     Example::
 
         >>> store = LiveStore(); store.address.startswith("127.0.0.1:")  # doctest: +SKIP
@@ -37,10 +42,28 @@ class LiveStore:
         # torch only for live-morph jobs: the plain launcher starts without loading it.
         import torch.distributed as dist
 
-        self._store: dist.TCPStore | None = dist.TCPStore(
-            host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
-        )
-        self.address = f"{host}:{self._store.port}"
+        family, kind, proto, _, where = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.bind(where)
+            sock.listen(128)
+            port = sock.getsockname()[1]
+            self._store: dist.TCPStore | None = dist.TCPStore(
+                host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
+                master_listen_fd=sock.fileno(),
+            )
+        except BaseException:
+            sock.close()
+            raise
+        sock.detach()  # the store owns the descriptor now and closes it with its last handle
+        self.address = f"{host}:{port}"
+
+    @property
+    def store(self) -> Any:
+        """The server's own client (a ``torch.distributed.Store``)."""
+        if self._store is None:
+            raise RuntimeError("the live store is closed")
+        return self._store
 
     def declare_dead(self, rank: int) -> None:
         """Tell the survivors that worker ``rank`` (its live-morph member id) is gone."""

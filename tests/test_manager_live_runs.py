@@ -1,0 +1,197 @@
+"""Live morph in the manager's control loop (manager/live_runs.py), on simulated VMs and a fake
+clock (tests/test_manager_controller.py's World): the store each live-morph generation gets, a
+lost VM handled in place (no kill, no relaunch) at the simulator's P×D, the event with its
+duration, and the fallbacks (a stage lost whole, a worker exiting 75) to kill + relaunch."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from test_manager_controller import FakeProvider, World  # noqa: E402
+
+from manager.jobspec import JobSpec  # noqa: E402
+from manager.policy import choose_layout  # noqa: E402
+from varuna.launch.supervisor import PEER_LOST_EXIT_CODE  # noqa: E402
+
+dist = pytest.importorskip("torch.distributed")
+from varuna.runtime.live_morph import ROOT  # noqa: E402
+
+
+def start(tmp_path, **spec):
+    """A 2×2 live-morph job on four one-slot simulated VMs, five steps done."""
+    w = World(tmp_path, provider=FakeProvider(capacity=4))
+    job = w.submit(max_vms=4, pipeline_depth=2, live_morph=True, **spec)
+    w.tick()
+    w.tick(0.1)
+    gen = w.gen(job)
+    assert (gen.pipeline_depth, gen.data_parallel) == (2, 2)
+    w.steps(job, 1, 5)
+    return w, job
+
+
+def client(address: str):
+    host, port = address.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+
+
+def kill_vms(w: World, job: str, *indices: int):
+    victims = [w.running(job)[i] for i in indices]
+    for v in victims:
+        v.alive = False  # kill -9: no heartbeat ever again
+    return victims
+
+
+def test_every_worker_gets_the_generations_store(tmp_path):
+    w, job = start(tmp_path)
+    envs = [vm.launches[r].env for vm in w.running(job) for r in vm.launches]
+    addresses = {e["VARUNA_LIVE_STORE"] for e in envs}
+    assert len(addresses) == 1 and w.mgr.ctx.live.open_count == 1
+    [address] = addresses
+    assert address.startswith("127.0.0.1:")  # the advertise host, nothing wider
+    c = client(address)  # a real TCPStore serves there
+    c.set("probe", "1")
+    assert c.get("probe") == b"1"
+    del c
+    w.mgr.stop()
+    assert w.mgr.ctx.live.open_count == 0
+    host, port = address.rsplit(":", 1)
+    with pytest.raises(ConnectionRefusedError):  # the server is gone with its port
+        socket.create_connection((host, int(port)), timeout=10).close()
+
+
+def test_a_job_without_live_morph_gets_no_store(tmp_path):
+    w = World(tmp_path, provider=FakeProvider(capacity=2))
+    job = w.submit(max_vms=2)
+    w.tick()
+    w.tick(0.1)
+    envs = [vm.launches[r].env for vm in w.running(job) for r in vm.launches]
+    assert envs and not any("VARUNA_LIVE_STORE" in e for e in envs)
+    assert w.mgr.ctx.live.open_count == 0
+
+
+def test_a_lost_vm_is_a_live_morph_in_place(tmp_path):
+    w, job = start(tmp_path)
+    address = w.running(job)[0].launches[0].env["VARUNA_LIVE_STORE"]
+    [victim] = kill_vms(w, job, 3)
+    w.until(lambda: victim.vm_id not in w.gen(job).vm_ids)
+    detected = w.clock.now
+    gen = w.gen(job)
+    # The simulator's (here: the fallback rule's, P forced to 2) layout for three one-slot VMs.
+    ref = choose_layout(slots=[1, 1, 1], global_batch_size=24, calibration=None, micro_batch_size=2,
+                        pipeline_depth=2, num_segments=4)
+    assert gen.generation == 1 and gen.state == "running", "no kill, no relaunch"
+    assert (gen.pipeline_depth, gen.data_parallel) == (ref.pipeline_depth, ref.data_parallel)
+    assert gen.vm_ids == [vm.vm_id for vm in w.running(job)] and len(gen.vm_ids) == 3
+    c = client(address)
+    assert c.check([f"{ROOT}dead/3"]) and not c.check([f"{ROOT}dead/2"])
+    assert c.get(f"{ROOT}plan").decode() == f"{ref.pipeline_depth} {ref.data_parallel}"
+    assert not {"killing", "stopping", "live-morph-fallback"} & set(w.kinds(job))
+    assert w.event(job, "live-morph") == [], "recorded once the survivors step past the one in flight"
+    w.clock.advance(1.5)
+    w.steps(job, 5, 5)  # the step in flight, redone: not yet past it
+    assert w.event(job, "live-morph") == []
+    w.steps(job, 6, 6)
+    [ev] = w.event(job, "live-morph")
+    assert ev.data["lost_ranks"] == [3] and ev.data["old"] == [2, 2]
+    assert (ev.data["pipeline_depth"], ev.data["data_parallel"]) == (ref.pipeline_depth, ref.data_parallel)
+    assert ev.data["duration_s"] == pytest.approx(w.clock.now - detected, abs=1e-3)
+    assert w.store.job(job).detection_time is None  # a later relaunch measures its own latency
+    for _ in range(3):
+        w.tick(0.5)
+    assert w.store.job(job).generation == 1 and w.gen(job).state == "running"
+    w.steps(job, 50, 50)
+    for vm in w.running(job):  # the job ends: its store is closed
+        vm.finish(0)
+    w.until(lambda: w.store.job(job).state == "finished")
+    assert w.mgr.ctx.live.open_count == 0
+
+
+def test_a_stage_lost_whole_falls_back_to_the_restart_path(tmp_path):
+    w, job = start(tmp_path)
+    first = w.running(job)[0].launches[0].env["VARUNA_LIVE_STORE"]
+    kill_vms(w, job, 1, 3)  # ranks 1 and 3: both replicas of stage 1
+    w.until(lambda: w.store.job(job).generation == 2)
+    [fb] = w.event(job, "live-morph-fallback")
+    assert "stage 1 has no live replica" in fb.message and fb.data["lost_ranks"] == [1, 3]
+    assert w.store.generation(job, 1).graceful == 0 and "killing" in w.kinds(job)
+    assert w.event(job, "live-morph") == []
+    second = w.running(job)[0].launches[0].env["VARUNA_LIVE_STORE"]
+    assert second != first and w.mgr.ctx.live.open_count == 1, "a fresh store per generation"
+
+
+def test_a_worker_exiting_75_falls_back(tmp_path):
+    w, job = start(tmp_path)
+    w.running(job)[2].finish(code=PEER_LOST_EXIT_CODE)
+    w.tick(0.1)
+    [fb] = w.event(job, "live-morph-fallback")
+    assert f"exited with {PEER_LOST_EXIT_CODE}" in fb.data["reason"]
+    assert w.store.generation(job, 1).state in ("killing", "ended")
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ({"pool": True}, "live_morph is not supported for pool jobs"),
+        ({"live_morph": "yes"}, "'live_morph' must be true or false"),
+        ({"schedule": "2bw"}, "live_morph does not carry the 2bw schedule"),
+    ],
+)
+def test_live_morph_spec_errors(extra, needle):
+    spec = dict(script="t.py", global_batch_size=8, checkpoint_dir="c", max_vms=2, target_steps=3,
+                live_morph=True)
+    spec.update(extra)
+    with pytest.raises(ValueError) as err:
+        JobSpec(**spec)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_closed_engine_is_not_kept_alive_by_its_heartbeat_reporter():
+    """After a live morph the old engine (model, optimizer state) must be freed: the manager's
+    reporter, pinned by atexit until the process ends, must not hold it."""
+    import gc
+    import weakref
+
+    import torch
+    from models import build_model
+
+    import varuna
+    from manager.client import ClientConfig, ManagerClient, WorkerReporter
+    from varuna.launch.procs import find_free_port
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    idx = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
+    batch = (idx[:, :-1].contiguous(), idx[:, 1:].contiguous())
+    engine = varuna.Engine(build_model("gpt"), varuna.VarunaConfig(global_batch_size=8, micro_batch_size=2),
+                           example_batch=batch, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    client = ManagerClient(ClientConfig(address=f"127.0.0.1:{find_free_port('127.0.0.1')}", token="x" * 32,
+                                        timeout_s=1.0))  # nobody listens: heartbeats are dropped
+    reporter = WorkerReporter(engine, client, job_id="j", vm_id="v", generation=1)
+    engine.add_step_callback(reporter.on_step)
+    engine.train_step(batch)
+    ref = weakref.ref(engine)
+    engine.close()
+    for sig, handler in handlers.items():  # the engine's stop handlers go, as the next engine's replace them
+        signal.signal(sig, handler)
+    del engine
+    gc.collect()
+    try:
+        assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]
+    finally:
+        reporter.close()
+
+
+def test_live_morph_crosses_the_wire():
+    from manager.jobspec import spec_from_pb, spec_to_pb
+
+    spec = JobSpec(script="t.py", global_batch_size=8, checkpoint_dir="c", max_vms=2, target_steps=3,
+                   live_morph=True)
+    assert spec_from_pb(spec_to_pb(spec)).live_morph is True
+    assert spec_from_pb(spec_to_pb(JobSpec(**{**spec.to_dict(), "live_morph": False}))).live_morph is False
