@@ -137,8 +137,14 @@ def check_dashboard(mp: ManagerProcess, dashboard: str, job: str, tmp_path: Path
     token = mp.token.read_text().strip()
     with chromium() as driver:
         seen = load_dashboard(driver, f"http://{dashboard}/", token, job, screenshot=shot)
-    assert seen["pxd"].startswith(f"{st.pipeline_depth}×{st.data_parallel} "), (seen["pxd"], st)
-    assert len(seen["morph_labels"]) == morphs >= 3, seen["morph_labels"]
+    # The job runs on while the page loads: a relaunch in between (e.g. workers a killed manager
+    # had asked to stop, relaunched by its successor) adds a marker and may change P×D.
+    st_after = status(mp, job)
+    morphs_after = kinds(mp, job).count("launched") - 1
+    shown = {f"{x.pipeline_depth}×{x.data_parallel} " for x in (st, st_after)}
+    assert any(seen["pxd"].startswith(p) for p in shown), (seen["pxd"], st, st_after)
+    labels = seen["morph_labels"]
+    assert 3 <= morphs <= len(labels) <= morphs_after, (labels, morphs, morphs_after)
     assert all(label.startswith("morph ") for label in seen["morph_labels"]), seen["morph_labels"]
     assert seen["points"]["throughput-chart"] > 0 and seen["gantt_bars"] > 0, seen
     assert "vm-gone" in seen["event_kinds"] and not seen["console_errors"], seen
