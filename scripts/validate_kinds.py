@@ -24,7 +24,6 @@ schedule kinds".
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -64,20 +63,7 @@ def new_kind_configs() -> list[vs.ValConfig]:
 def main(argv: Sequence[str] | None = None) -> int:
     p = vm.parser()
     p.description = __doc__
-    a = p.parse_args(argv)
-    configs = new_kind_configs()
-    if a.only:
-        parts = [x.strip() for x in a.only.split(",") if x.strip()]
-        configs = [c for c in configs if all(x in c.label for x in parts)]
-    if not configs:
-        print("no configuration matches --only", file=sys.stderr)
-        return 2
-    t0 = time.perf_counter()
-    print(f"{len(configs)} configurations of the issue-18 kinds, {a.warmup} warm-up + {a.steps} timed steps "
-          f"each; {vm.load()}", flush=True)
-    vm.run(configs, a)
-    print(f"wall time {time.perf_counter() - t0:.0f} s; {vm.load()}")
-    return 0
+    return vm.run_selected(new_kind_configs(), p.parse_args(argv), "configurations of the issue-18 kinds")
 
 
 if __name__ == "__main__":

@@ -87,9 +87,9 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    a = parser().parse_args(argv)
-    configs = mixed_configs()
+def run_selected(configs: list, a, what: str) -> int:
+    """Run the configurations ``--only`` keeps (all labels' parts must match) and print the
+    table with the machine's load before and after; 2 when none matches."""
     if a.only:
         parts = [x.strip() for x in a.only.split(",") if x.strip()]
         configs = [c for c in configs if all(x in c.label for x in parts)]
@@ -97,11 +97,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("no configuration matches --only", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    print(f"{len(configs)} mixed configurations, {a.warmup} warm-up + {a.steps} timed steps each; "
-          f"{load()}", flush=True)
+    print(f"{len(configs)} {what}, {a.warmup} warm-up + {a.steps} timed steps each; {load()}", flush=True)
     run(configs, a)
     print(f"wall time {time.perf_counter() - t0:.0f} s; {load()}")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_selected(mixed_configs(), parser().parse_args(argv), "mixed configurations")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ __all__ = [
     "Task",
     "format_tasks",
     "parse_tasks",
+    "task_positions",
     "validate_stage_tasks",
     "peak_stashed",
     "recomputed",
@@ -81,6 +82,23 @@ def recomputed(tasks: Sequence[Task]) -> frozenset[int]:
     return frozenset(t.microbatch for t in tasks if t.op == RECOMPUTE)
 
 
+def task_positions(tasks: Sequence[Task], num_microbatches: int) -> dict[Task, int]:
+    """Each task's position in ``tasks``; ValueError (one line) for a micro-batch outside
+    0..num_microbatches-1 or a task listed twice. The common part of the list checks.
+
+    >>> task_positions(parse_tasks("F0 B0"), 1)[Task.parse("B0")]
+    1
+    """
+    seen: dict[Task, int] = {}
+    for pos, t in enumerate(tasks):
+        if not 0 <= t.microbatch < num_microbatches:
+            raise ValueError(f"task {t} at position {pos} is outside 0..{num_microbatches - 1}")
+        if t in seen:
+            raise ValueError(f"task {t} appears twice (positions {seen[t]} and {pos})")
+        seen[t] = pos
+    return seen
+
+
 def validate_stage_tasks(
     tasks: Sequence[Task], num_microbatches: int, *, forbid_recompute: bool = False
 ) -> None:
@@ -90,13 +108,7 @@ def validate_stage_tasks(
     and (rule 2) an R is immediately followed by its own B. ``forbid_recompute``: no R at all
     (varuna's last stage).
     """
-    seen: dict[Task, int] = {}
-    for pos, t in enumerate(tasks):
-        if not 0 <= t.microbatch < num_microbatches:
-            raise ValueError(f"task {t} at position {pos} is outside 0..{num_microbatches - 1}")
-        if t in seen:
-            raise ValueError(f"task {t} appears twice (positions {seen[t]} and {pos})")
-        seen[t] = pos
+    seen = task_positions(tasks, num_microbatches)
     for i in range(num_microbatches):
         f, b, r = Task(FORWARD, i), Task(BACKWARD, i), Task(RECOMPUTE, i)
         if f not in seen or b not in seen:

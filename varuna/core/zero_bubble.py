@@ -40,7 +40,16 @@ from typing import ClassVar
 
 from varuna.core.policy import DEFAULT_STASH_HEADROOM
 from varuna.core.schedule_kind import ScheduleKind
-from varuna.core.tasks import BACKWARD, FORWARD, RECOMPUTE, WEIGHT, Task, peak_stashed, recomputed
+from varuna.core.tasks import (
+    BACKWARD,
+    FORWARD,
+    RECOMPUTE,
+    WEIGHT,
+    Task,
+    peak_stashed,
+    recomputed,
+    task_positions,
+)
 
 __all__ = [
     "zb_h1_order",
@@ -99,13 +108,7 @@ def peak_in_flight(tasks: Sequence[Task]) -> int:
 def validate_split_tasks(tasks: Sequence[Task], num_microbatches: int) -> None:
     """Raise ValueError unless every micro-batch has one F, one B and one W, in that order, and at
     most one R, directly before its B."""
-    seen: dict[Task, int] = {}
-    for pos, t in enumerate(tasks):
-        if not 0 <= t.microbatch < num_microbatches:
-            raise ValueError(f"task {t} at position {pos} is outside 0..{num_microbatches - 1}")
-        if t in seen:
-            raise ValueError(f"task {t} appears twice (positions {seen[t]} and {pos})")
-        seen[t] = pos
+    seen = task_positions(tasks, num_microbatches)
     for i in range(num_microbatches):
         f, b, w = (seen.get(Task(op, i), -1) for op in (FORWARD, BACKWARD, WEIGHT))
         if min(f, b, w) < 0 or not f < b < w:
