@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from varuna.testing.emulated import EmulatedBlock, EmulatedModel, emulated_model
+
+ROOT = Path(__file__).resolve().parent.parent
 
 FWD_S = 0.05  # long enough that sleep granularity and scheduler noise stay well under 20%
 
@@ -144,3 +151,51 @@ def test_emulated_model_trains():
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < 0.1 * losses[0]
+
+
+_SLEEPER = """import os, sys, threading
+from pathlib import Path
+Path(sys.argv[1], f"{os.environ['RANK']}.pid").write_text(str(os.getpid()))
+threading.Event().wait(120)
+"""
+
+_PARENT = """import sys
+from varuna.testing.emulated import run_local_world
+run_local_world(sys.argv[1], [sys.argv[2]], 2, sys.argv[2], 120, what="sleeper")
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\\nState:\\tZ" not in state
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_local_world_ranks_die_with_the_process_that_started_them(tmp_path):
+    """A benchmark killed (SIGKILL: no finally runs) must not leave its ranks running the rest of
+    their configurations. Fails without the parent-death request in ``run_local_world``."""
+    script = tmp_path / "sleeper.py"
+    script.write_text(_SLEEPER)
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(script), str(tmp_path)],
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids) < 2:
+            assert parent.poll() is None and time.monotonic() < deadline, "the ranks never started"
+            pids = [int(p.read_text()) for p in tmp_path.glob("*.pid") if p.read_text()]
+            time.sleep(0.05)  # polling for the pid files, not synchronisation by delay
+        parent.kill()
+        parent.wait(30)
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids), "ranks outlived their killed parent"
+    finally:
+        parent.kill()
+        for p in pids:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)

@@ -269,13 +269,26 @@ def emulated_model(
     return EmulatedModel(blocks, [CutPoint() for _ in range(num_blocks - 1)])
 
 
+#: Runs ``script`` as ``python script args`` would, after asking the kernel to SIGKILL the worker
+#: when the launching process dies (varuna.core.process): a benchmark stopped with SIGTERM or
+#: SIGKILL leaves no rank running its remaining configurations.
+_CHILD_BOOT = (
+    "import os, runpy, sys\n"
+    "from varuna.core.process import die_with_parent\n"
+    "die_with_parent(int(sys.argv[1]))\n"
+    "sys.argv = sys.argv[2:]\n"
+    "sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+
+
 def run_local_world(
     script: str, args: Sequence[str], world: int, out_dir: str | os.PathLike, timeout_s: float, *, what: str
 ) -> list[dict]:
     """Run ``script args`` as ``world`` gloo ranks on 127.0.0.1; return each rank's
     ``out_dir/rank{r}.json``. Benchmark/validation helper: ranks > 0 log to ``rank{r}.log``,
-    every process is killed on timeout or failure, and ``$VARUNA_NETEM`` is not inherited
-    (the worker sets up its own emulation)."""
+    every process is killed on timeout or failure or when this process dies, and ``$VARUNA_NETEM``
+    is not inherited (the worker sets up its own emulation)."""
     import json
     import socket
     import subprocess
@@ -295,7 +308,8 @@ def run_local_world(
         env.pop("VARUNA_NETEM", None)
         log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 (closed below)
         sink = None if rank == 0 else log
-        procs.append((subprocess.Popen([sys.executable, script, *args], env=env, stdout=sink,
+        procs.append((subprocess.Popen([sys.executable, "-c", _CHILD_BOOT, str(os.getpid()), script, *args],
+                                       env=env, stdout=sink,
                                        stderr=subprocess.STDOUT if sink else None), log))
     deadline = time.monotonic() + timeout_s
     try:
