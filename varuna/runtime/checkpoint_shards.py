@@ -56,10 +56,10 @@ def plan_shards(
     stages and virtual stage j runs on process j % P, so a process's files are those of all its
     (non-contiguous) segments and :attr:`Shard.stage` is the process, not the virtual stage.
 
-    >>> plan = plan_shards(param_segments={"a": (0,), "b": (1,), "c": (2,)}, param_bytes={},
-    ...                    stage_ranges=[(0, 0), (1, 1), (2, 2)], data_parallel=1, pipeline_depth=2)
+    >>> plan = plan_shards(param_segments={"a": (0,), "b": (1,), "c": (2,), "d": (3,)}, param_bytes={},
+    ...                    stage_ranges=[(0, 0), (1, 1), (2, 2), (3, 3)], data_parallel=1, pipeline_depth=2)
     >>> [(s.name, s.stage) for s in plan]
-    [('seg000-00.pt', 0), ('seg002-00.pt', 0), ('seg001-00.pt', 1)]
+    [('seg000-00.pt', 0), ('seg002-00.pt', 0), ('seg001-00.pt', 1), ('seg003-00.pt', 1)]
 
     >>> plan = plan_shards(param_segments={"a": (0,), "b": (0,), "c": (1,)},
     ...                    param_bytes={"a": 8, "b": 8, "c": 4}, stage_ranges=[(0, 1)], data_parallel=2)
