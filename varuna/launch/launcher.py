@@ -356,6 +356,9 @@ def _chunks_problem(args: argparse.Namespace, pipeline_depth: int | None = None)
     and ``--auto-cutpoints`` (the most cut-points the model will have), or None."""
     if args.chunks is None and not schedule_kind(args.schedule or "varuna").chunked:
         return None
+    if args.live_morph and (args.chunks or 1) > 1:
+        return (f"--live-morph does not carry interleaved stages (--chunks {args.chunks}) yet; drop "
+                "--live-morph (a lost worker then restarts the job from its checkpoint) or --chunks")
     return chunks_problem(
         args.schedule or "varuna",
         args.chunks if args.chunks is not None else 1,
