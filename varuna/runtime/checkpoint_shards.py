@@ -88,14 +88,7 @@ def plan_shards(
             for names in (private.get(s), shared.get(s)):
                 if names:
                     groups.append((s, names))
-        while len(groups) < D:
-            splittable = [i for i, (_, names) in enumerate(groups) if len(names) > 1]
-            if not splittable:
-                break  # fewer parameters than replicas: some replicas write nothing
-            i = max(splittable, key=lambda i: (size(groups[i][1]), -i))
-            s, names = groups[i]
-            cut = _balanced_cut([param_bytes.get(n, 0) for n in names])
-            groups[i : i + 1] = [(s, names[:cut]), (s, names[cut:])]
+        _split_for_replicas(groups, D, param_bytes)
         loads = [(0, 0)] * D
         owner: dict[int, int] = {}
         for i in sorted(range(len(groups)), key=lambda i: (-size(groups[i][1]), i)):
@@ -117,6 +110,19 @@ def plan_shards(
                 )
             )
     return shards
+
+
+def _split_for_replicas(groups: list[tuple[int, list[str]]], D: int, param_bytes: Mapping[str, int]) -> None:
+    """While a stage has fewer files than replicas, cut its largest multi-parameter file in two
+    (by bytes), in place."""
+    while len(groups) < D:
+        splittable = [i for i, (_, names) in enumerate(groups) if len(names) > 1]
+        if not splittable:
+            break  # fewer parameters than replicas: some replicas write nothing
+        i = max(splittable, key=lambda i: (sum(param_bytes.get(n, 0) for n in groups[i][1]), -i))
+        s, names = groups[i]
+        cut = _balanced_cut([param_bytes.get(n, 0) for n in names])
+        groups[i : i + 1] = [(s, names[:cut]), (s, names[cut:])]
 
 
 def _balanced_cut(sizes: list[int]) -> int:
