@@ -74,6 +74,8 @@ def test_chunks_reach_the_workers_run_plan(script: str, launched: list[LaunchCon
         (["--schedule", "interleaved", "--chunks", "2", "--auto-cutpoints", "2"],
          "needs 4 virtual stages, i.e. >= 3 cut-points, but --auto-cutpoints allows at most 2"),
         (["--chunks", "two"], "--chunks: invalid int value"),
+        (["--live-morph", "--checkpoint-dir", "c", "--schedule", "interleaved", "--chunks", "2"],
+         "--live-morph does not carry interleaved stages (--chunks 2) yet"),
     ],
 )
 def test_bad_chunk_settings_are_one_usage_line(
