@@ -19,6 +19,7 @@ directory) receives absolute paths. Example (TOML)::
     procs_per_vm = 1
     target_steps = 40
     schedule = "varuna"                  # optional: default the script's --schedule, else varuna
+    chunks = 1                           # optional: model chunks per process (interleaved kinds: >= 2)
     calibration = "calibration.json"     # optional: the simulator picks P×D from it
 
     # ... or, instead of a calibration file: calibrate once on the job's first VM
@@ -47,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from manager.vm_types import VMTypeSpec, check_type_options, parse_vm_types
-from varuna.core.schedule import SCHEDULE_KINDS, schedule_kind
+from varuna.core.schedule import SCHEDULE_KINDS, chunks_problem, schedule_kind
 from varuna.launch.spec import default_max_procs_per_host
 
 __all__ = [
@@ -240,6 +241,10 @@ class JobSpec:
     ``varuna.core.schedule.SCHEDULE_KINDS``): auto-config plans P×D for it and the workers get it
     in their run plan (``VARUNA_SCHEDULE``). Default: the script's own ``--schedule X`` argument
     when ``args`` has one, else ``varuna``."""
+    chunks: int = 0
+    """Model chunks per process for the interleaved kinds (>= 2 there, docs/interleaved.md):
+    auto-config plans for it and the workers' engines run with it (``VARUNA_CHUNKS``, as
+    ``varuna-launch --chunks``). 0: not set (one chunk; the workers get nothing)."""
     pool: bool = False
     """Run on the manager's shared pool (``serve --pool``, docs/pool.md): the pool's rounds decide
     the VM type and count (at most ``max_vms``), not the job itself."""
@@ -287,6 +292,7 @@ class JobSpec:
                 " slots of max_vms × procs_per_vm; raise max_vms or lower pipeline_depth"
             )
         self._check_schedule()
+        self._check_chunks()
         if not isinstance(self.pool, bool):
             raise ValueError(f"jobspec: 'pool' must be true or false, got {self.pool!r}")
         if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or not self.weight > 0:
@@ -308,6 +314,9 @@ class JobSpec:
         if schedule_kind(self.schedule or script_schedule(self.args) or "varuna").weight_versions > 1:
             raise ValueError(f"jobspec: live_morph does not carry the {self.schedule} schedule's second "
                              "weight version; use a synchronous schedule or drop live_morph")
+        if self.chunks > 1:
+            raise ValueError(f"jobspec: live_morph does not carry interleaved stages (chunks = "
+                             f"{self.chunks}) yet; drop live_morph or use a one-chunk schedule")
 
     def _check_vm_types(self) -> None:
         if not self.vm_types and isinstance(self.vm_types, list):
@@ -329,7 +338,7 @@ class JobSpec:
         for name in ("global_batch_size", "max_vms", "target_steps"):
             if _int(self, name) < 1:
                 raise ValueError(f"jobspec: '{name}' must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("micro_batch_size", "checkpoint_every", "pipeline_depth", "num_segments"):
+        for name in ("micro_batch_size", "checkpoint_every", "pipeline_depth", "num_segments", "chunks"):
             if _int(self, name) < 0:
                 raise ValueError(f"jobspec: '{name}' must be an integer >= 0, got {getattr(self, name)!r}")
         for name in ("min_vms", "procs_per_vm"):
@@ -399,6 +408,31 @@ class JobSpec:
                 f"jobspec: schedule {self.schedule!r} differs from the script's --schedule {in_args!r}; "
                 "make them agree (or leave 'schedule' out)"
             )
+
+    def _check_chunks(self) -> None:
+        """``chunks`` against the schedule, a forced pipeline depth and the model's segments
+        (:func:`varuna.core.schedule.chunks_problem`); an interleaved job also needs some way to
+        get P >= 2 (the fallback rule without segments would run P = 1)."""
+        schedule = self.schedule or script_schedule(self.args) or "varuna"
+        chunks = 1 if self.chunks == 0 else self.chunks
+        problem = chunks_problem(
+            schedule,
+            chunks,
+            pipeline_depth=self.pipeline_depth or None,
+            max_cutpoints=self.num_segments - 1 if self.num_segments else None,
+            cut_source=f"num_segments = {self.num_segments}",
+            flags={"schedule": "schedule = {}", "chunks": "chunks = {}", "depth": "pipeline_depth = {}"},
+        )
+        if problem is not None:
+            raise ValueError(f"jobspec: {problem}")
+        if chunks > 1 and not (self.pipeline_depth or self.num_segments or self.calibration or self.profile):
+            raise ValueError(
+                f"jobspec: schedule = {schedule} with chunks = {chunks} needs pipeline_depth (>= 2), "
+                "num_segments, a calibration or [profile] to choose P; set pipeline_depth"
+            )
+        if chunks > 1 and (self.pool or self.vm_types):
+            raise ValueError("jobspec: pool jobs and several VM types ([[vm_types]]) plan one chunk per "
+                             "process for now; drop chunks, or pool / vm_types")
 
     # -- conversions ---------------------------------------------------------------------------
 
@@ -548,6 +582,7 @@ def spec_to_pb(spec: JobSpec, calibration_json: str = "") -> Any:
         weight=spec.weight,
         vm_types_json=json.dumps(spec.vm_types, sort_keys=True) if spec.vm_types else "",
         live_morph=spec.live_morph,
+        chunks=spec.chunks,
     )
 
 
@@ -591,4 +626,5 @@ def spec_from_pb(msg: Any) -> JobSpec:
         weight=msg.weight or 1.0,
         vm_types=vm_types,
         live_morph=msg.live_morph,
+        chunks=int(msg.chunks),
     )

@@ -71,6 +71,7 @@ class MorphPlanner:
                     num_segments=spec.num_segments,
                     gpu_memory_bytes=int(spec.gpu_memory_gib * 2**30),
                     schedule=spec.schedule,
+                    chunks=spec.chunks or 1,
                 )
             except ValueError as exc:
                 cache.plans[key] = str(exc)
@@ -217,7 +218,7 @@ class MorphPlanner:
 
     def run_plan(self, job: JobRecord, gen: GenerationRecord) -> RunPlan:
         """What the manager planned ``gen`` for, as the workers' ``VARUNA_*`` run plan: the job's
-        global batch and schedule, m when auto-config chose it (the spec did not fix it), and with
+        global batch, schedule and chunks, m when auto-config chose it (the spec did not fix it), and with
         mixed VM types each replica's share and each stage's speed."""
         spec = self.ctx.cache(job).spec
         planned_m = gen.micro_batch_size if gen.micro_batch_size and not spec.micro_batch_size else None
@@ -228,6 +229,7 @@ class MorphPlanner:
             global_batch_size=spec.global_batch_size,
             micro_batch_size=planned_m,
             schedule=spec.schedule,
+            chunks=spec.chunks or None,
             stage_ranges=tuple(tuple(r) for r in ranges) if ranges else None,
             replica_shares=tuple(shares) if shares else None,
             stage_speeds=tuple(speeds) if speeds else None,

@@ -63,9 +63,11 @@ def fallback_layout(
     pipeline_depth: int = 0,
     micro_batch_size: int = 0,
     note: str = "",
+    chunks: int = 1,
 ) -> LayoutPlan:
     """The largest P×D that fits ``sum(slots)`` with P dividing ``num_segments`` (any P ≤ it when
-    0 is not known: P = 1), or with P forced. D never exceeds the micro-batches available.
+    0 is not known: P = 1), or with P forced. D never exceeds the micro-batches available. With
+    ``chunks`` > 1 (interleaved kinds) P is at least 2 and P·chunks at most ``num_segments``.
 
     >>> fallback_layout(slots=[1] * 5, global_batch_size=24, num_segments=4).world_size
     5
@@ -86,6 +88,9 @@ def fallback_layout(
         depths = [p for p in range(1, min(num_segments, total) + 1) if num_segments % p == 0]
     else:
         depths = [1]
+    if chunks > 1 and not pipeline_depth:
+        depths = [p for p in range(2, total + 1) if not num_segments or (
+            p * chunks <= num_segments and num_segments % p == 0)]
     if total < 1:
         raise ValueError("no usable slots")
     best: tuple[int, int] | None = None
@@ -97,6 +102,9 @@ def fallback_layout(
         if best is None or p * d > best[0] * best[1]:
             best = (p, d)
     if best is None:
+        if chunks > 1:
+            raise ValueError(f"no pipeline depth >= 2 with {chunks} chunks per process fits {total} slots"
+                             + (f" and {num_segments} segments" if num_segments else ""))
         raise ValueError(f"no pipeline depth dividing {num_segments} segments fits {total} slots")
     p, d = best
     why = "fallback" + (f" ({note})" if note else "")
@@ -119,11 +127,12 @@ def choose_layout(
     num_segments: int = 0,
     gpu_memory_bytes: int = 0,
     schedule: str = "varuna",
+    chunks: int = 1,
 ) -> LayoutPlan:
     """P×D for VMs with ``slots`` workers each (Note [Choosing P×D] in the module docstring),
     for a job running the ``schedule`` kind (``varuna.core.schedule.SCHEDULE_KINDS``): the
-    simulator ranks the layouts by that schedule's speed. ``ValueError`` (one line) when nothing
-    fits."""
+    simulator ranks the layouts by that schedule's speed (with ``chunks`` model chunks per process
+    for the interleaved kinds). ``ValueError`` (one line) when nothing fits."""
     if not slots or sum(slots) < 1:
         raise ValueError("no usable slots")
     segments = num_segments or (calibration.num_segments if calibration is not None else 0)
@@ -135,6 +144,7 @@ def choose_layout(
             pipeline_depth=pipeline_depth,
             micro_batch_size=micro_batch_size,
             note="P forced by the job" if pipeline_depth else "no calibration",
+            chunks=chunks,
         )
     try:
         from simulator.autoconfig import autoconfigure
@@ -154,6 +164,7 @@ def choose_layout(
         micro_batch_size=micro_batch_size or None,
         host_slots=max(slots),
         schedule=schedule,
+        chunks=chunks,
     )
     best = result.best
     return LayoutPlan(

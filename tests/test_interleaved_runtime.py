@@ -214,17 +214,3 @@ def test_autoconfig_picks_the_fastest_kind_and_chunk_count():
     fastest = max(c.result.examples_per_s for c in each if c.result is not None)
     assert picked.best.result.examples_per_s == fastest
     assert picked.best.num_stages >= 2 and picked.best.config.schedule in KINDS + ("varuna",)
-
-
-def test_checkpoints_of_an_interleaved_run_are_refused_with_one_line():
-    from types import SimpleNamespace
-
-    from varuna.runtime.checkpoint import _refuse_interleaved
-    from varuna.runtime.layout import Layout
-
-    layout = Layout(world=2, rank=0, P=2, D=1)
-    _refuse_interleaved(SimpleNamespace(stage_ranges=[(0, 1), (2, 3)], layout=layout))  # one chunk: fine
-    interleaved = SimpleNamespace(stage_ranges=[(0, 0), (1, 1), (2, 2), (3, 3)], layout=layout)
-    _refuse_interleaved(interleaved, False)  # no checkpoint asked for
-    with pytest.raises(ValueError, match="interleaved run .chunks > 1. are not supported"):
-        _refuse_interleaved(interleaved)

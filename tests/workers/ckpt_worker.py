@@ -68,6 +68,8 @@ def main() -> None:
     p.add_argument("--chunk-bytes", type=int, default=0)
     p.add_argument("--eps", type=float, default=1e-6, help="AdamW eps")
     p.add_argument("--deterministic", action="store_true", help="docs/determinism.md")
+    p.add_argument("--schedule", default="varuna")
+    p.add_argument("--chunks", type=int, default=1, help="model chunks per process (interleaved kinds)")
     a = p.parse_args()
     torch.set_num_threads(1)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -77,7 +79,8 @@ def main() -> None:
         varuna.VarunaConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH,
                             pipeline_depth=a.pipeline_depth, seed=7, comm_timeout_s=a.timeout,
                             checkpoint_dir=str(a.ckpt_dir), checkpoint_every=a.every, keep_checkpoints=a.keep,
-                            resume=a.resume, deterministic=a.deterministic),
+                            resume=a.resume, deterministic=a.deterministic, schedule=a.schedule,
+                            chunks=a.chunks),
         example_batch=batch_for(1),
         # eps=1e-6, not 1e-8: attention's key bias has a mathematically zero gradient (softmax is
         # shift-invariant), so its gradient is rounding noise (~1e-10) that differs with the
@@ -108,7 +111,7 @@ def main() -> None:
     torch.save({n: q.detach().clone() for n, q in engine.named_parameters()}, a.out / f"rank{rank}.pt")
     (a.out / f"rank{rank}.json").write_text(json.dumps({
         "first_step": first_step, "losses": losses, "stage": engine.stage, "replica": engine.replica,
-        "P": engine.layout.P, "D": engine.layout.D, "last_ok": ckpt.last_ok,
+        "P": engine.layout.P, "D": engine.layout.D, "last_ok": ckpt.last_ok, "chunks": engine.chunks,
     }))
     engine.close()
 

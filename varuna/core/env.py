@@ -87,6 +87,7 @@ PLAN_VARS = (
     "VARUNA_GLOBAL_BATCH_SIZE",
     "VARUNA_MICRO_BATCH_SIZE",
     "VARUNA_SCHEDULE",
+    "VARUNA_CHUNKS",
     "VARUNA_STAGE_RANGES",
     "VARUNA_REPLICA_SHARES",
     "VARUNA_STAGE_SPEEDS",
@@ -327,6 +328,9 @@ class RunPlan:
     """Micro-batch size chosen by auto-config (``VARUNA_MICRO_BATCH_SIZE``)."""
     schedule: str | None = None
     """Schedule kind the job was planned for (``VARUNA_SCHEDULE``)."""
+    chunks: int | None = None
+    """Model chunks per process for the interleaved kinds (``VARUNA_CHUNKS``, ``varuna-launch
+    --chunks``); the engine adopts it. With it, ``stage_ranges`` lists P·chunks virtual stages."""
     stage_ranges: tuple[tuple[int, int], ...] | None = None
     """Inclusive segment range of each stage chosen by auto-config (``VARUNA_STAGE_RANGES``,
     ``"0-3,4-7"``)."""
@@ -337,7 +341,7 @@ class RunPlan:
     """Relative speed of each stage's VM, for the stage split (``VARUNA_STAGE_SPEEDS``, ``"1,1.6"``)."""
 
     def __post_init__(self) -> None:
-        for name in ("global_batch_size", "micro_batch_size"):
+        for name in ("global_batch_size", "micro_batch_size", "chunks"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"RunPlan: {name} must be >= 1, got {value}")
@@ -357,6 +361,8 @@ class RunPlan:
             out["VARUNA_MICRO_BATCH_SIZE"] = str(self.micro_batch_size)
         if self.schedule is not None:
             out["VARUNA_SCHEDULE"] = self.schedule
+        if self.chunks is not None:
+            out["VARUNA_CHUNKS"] = str(self.chunks)
         if self.stage_ranges is not None:
             out["VARUNA_STAGE_RANGES"] = ",".join(f"{a}-{b}" for a, b in self.stage_ranges)
         if self.replica_shares is not None:
@@ -393,6 +399,7 @@ class RunPlan:
             global_batch_size=get_int("VARUNA_GLOBAL_BATCH_SIZE"),
             micro_batch_size=get_int("VARUNA_MICRO_BATCH_SIZE"),
             schedule=environ.get("VARUNA_SCHEDULE") or None,
+            chunks=get_int("VARUNA_CHUNKS"),
             stage_ranges=ranges,
             replica_shares=_parse_list(environ, "VARUNA_REPLICA_SHARES", int, "3,1"),
             stage_speeds=_parse_list(environ, "VARUNA_STAGE_SPEEDS", float, "1,1.6"),

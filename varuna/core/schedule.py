@@ -77,6 +77,8 @@ __all__ = [
     "ListScheduleKind",
     "TwoBWKind",
     "schedule_kind",
+    "CHUNK_FLAGS",
+    "chunks_problem",
     "build_schedule",
     "get_schedule",
 ]
@@ -285,6 +287,61 @@ def schedule_kind(name: str) -> ScheduleKind:
     if kind is None:
         raise ValueError(f"unknown schedule kind {name!r}; choose one of {', '.join(ALL_SCHEDULE_KINDS)}")
     return kind
+
+
+#: How :func:`chunks_problem` names the settings by default: ``varuna-launch``'s flags.
+CHUNK_FLAGS: Mapping[str, str] = MappingProxyType(
+    {"schedule": "--schedule {}", "chunks": "--chunks {}", "depth": "--pipeline-depth {}"}
+)
+
+
+def chunks_problem(
+    schedule: str,
+    chunks: object,
+    *,
+    pipeline_depth: int | None = None,
+    max_cutpoints: int | None = None,
+    cut_source: str = "--auto-cutpoints",
+    flags: Mapping[str, str] = CHUNK_FLAGS,
+) -> str | None:
+    """What is wrong with running ``chunks`` model chunks per process under ``schedule`` (one line
+    naming the setting and the fix), or None. Checked before any worker starts (``varuna-launch
+    --chunks``, the manager's job spec); the engine checks the same again with the model at hand.
+
+    ``pipeline_depth`` and ``max_cutpoints`` (the most cut-points the model can have, e.g.
+    ``--auto-cutpoints N``, named by ``cut_source``) are checked when known. ``flags`` spells each
+    setting with its value (``{}``), e.g. ``{"chunks": "chunks = {}", ...}`` for a job spec.
+
+    >>> chunks_problem("varuna-interleaved", 2, pipeline_depth=2) is None
+    True
+    >>> chunks_problem("varuna", 2)  # doctest: +ELLIPSIS
+    '--chunks 2 needs an interleaved schedule, not --schedule varuna; add ... or drop --chunks'
+    """
+    f = {k: flags[k].format for k in ("schedule", "chunks", "depth")}
+    bare = {k: flags[k].format("").strip(" =") for k in f}
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        return f"{bare['chunks']} must be an integer >= 1 (model chunks per pipeline process), got {chunks!r}"
+    kind = schedule_kind(schedule)
+    interleaved = [n for n, k in _KINDS.items() if k.chunked]
+    if not kind.chunked:
+        if chunks == 1:
+            return None
+        return (f"{f['chunks'](chunks)} needs an interleaved schedule, not {f['schedule'](schedule)}; "
+                f"add {f['schedule'](interleaved[-1])} (or {' or '.join(interleaved[:-1])}), "
+                f"or drop {bare['chunks']}")
+    if chunks < 2:
+        return (f"{f['schedule'](schedule)} needs {f['chunks']('V')} with V >= 2 model chunks per process "
+                f"(got {chunks}); add {f['chunks'](2)}, or use a one-chunk schedule such as varuna")
+    P = pipeline_depth
+    if P is not None and P < 2:
+        return (f"{f['schedule'](schedule)} spreads each replica's {chunks} chunks over >= 2 pipeline "
+                f"processes, but the job runs at {f['depth'](P)}; raise {bare['depth']}, "
+                "or use a one-chunk schedule")
+    if P is not None and max_cutpoints is not None and P * chunks - 1 > max_cutpoints:
+        return (f"{f['depth'](P)} × {f['chunks'](chunks)} needs {P * chunks} virtual stages, i.e. >= "
+                f"{P * chunks - 1} cut-points, but {cut_source} allows at most {max_cutpoints}; lower "
+                f"{bare['chunks']} or {bare['depth']}, or give the model more cut-points")
+    return None
 
 
 def _check_sizes(num_stages: int, num_microbatches: int) -> None:

@@ -34,7 +34,7 @@ import sys
 
 from varuna.core.batching import microbatch_counts
 from varuna.core.cli import OneLineParser
-from varuna.core.schedule import SCHEDULE_KINDS
+from varuna.core.schedule import SCHEDULE_KINDS, chunks_problem, schedule_kind
 from varuna.launch.hosts import HostEntry, assign_slots, check_types, parse_hosts_arg, select_hosts
 from varuna.launch.job import check_hosts_capacity, check_local_script, launch, launch_on_hosts
 from varuna.launch.layout import LAYOUT_REQUIRED, Layout, resolve_layout
@@ -146,6 +146,15 @@ def _add_layout_args(parser: argparse.ArgumentParser) -> None:
         choices=SCHEDULE_KINDS,
         help="pipeline schedule auto-config plans for (default varuna); when given, or when auto-config"
         " planned for it, every worker's script must use it (VARUNA_SCHEDULE)",
+    )
+    layout.add_argument(
+        "--chunks",
+        type=int,
+        default=None,
+        metavar="V",
+        help="model chunks per process for the interleaved schedules (--schedule interleaved or"
+        " varuna-interleaved; V >= 2, the model then needs P·V - 1 cut-points): every worker's engine"
+        " runs with it (VARUNA_CHUNKS); docs/interleaved.md",
     )
     layout.add_argument(
         "--gpu-memory-gib", type=float, default=None, metavar="GIB", help="accelerator memory for auto-config"
@@ -331,12 +340,31 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
         return LAYOUT_REQUIRED
     if args.script is None:
         return "no SCRIPT given; pass the training script (or -m MODULE) to run"
+    problem = _chunks_problem(args)
+    if problem is not None:
+        return problem
     if args.live_morph and args.hosts is not None:
         return "--live-morph runs with --procs N (this machine) for now; several hosts: use varuna-manager"
     if args.live_morph and args.checkpoint_dir is None:
         return ("--live-morph needs --checkpoint-dir DIR: when a stage loses every replica the job restarts"
                 " from its newest checkpoint there")
     return None
+
+
+def _chunks_problem(args: argparse.Namespace, pipeline_depth: int | None = None) -> str | None:
+    """``--chunks`` against ``--schedule``, the pipeline depth (given, or chosen by auto-config)
+    and ``--auto-cutpoints`` (the most cut-points the model will have), or None."""
+    if args.chunks is None and not schedule_kind(args.schedule or "varuna").chunked:
+        return None
+    if args.live_morph and (args.chunks or 1) > 1:
+        return (f"--live-morph does not carry interleaved stages (--chunks {args.chunks}) yet; drop "
+                "--live-morph (a lost worker then restarts the job from its checkpoint) or --chunks")
+    return chunks_problem(
+        args.schedule or "varuna",
+        args.chunks if args.chunks is not None else 1,
+        pipeline_depth=pipeline_depth if pipeline_depth is not None else args.pipeline_depth,
+        max_cutpoints=args.auto_cutpoints,
+    )
 
 
 def _usage_error(text: str) -> int:
@@ -400,6 +428,7 @@ def _local_layout(args: argparse.Namespace) -> Layout:
         gpu_memory_bytes=_gpu_memory_bytes(args),
         schedule=args.schedule or "varuna",
         progress=_progress(args),
+        chunks=args.chunks or 1,
     )
 
 
@@ -413,7 +442,12 @@ def _with_layout(config: LaunchConfig, layout: Layout, args: argparse.Namespace)
     every worker's environment."""
     if layout.note:
         print(f"{PROG}: {layout.note}", file=sys.stderr, flush=True)
-    plan = layout.run_plan(global_batch_size=args.global_batch_size, schedule=args.schedule)
+    plan = layout.run_plan(
+        global_batch_size=args.global_batch_size, schedule=args.schedule, chunks=args.chunks
+    )
+    problem = _chunks_problem(args, layout.pipeline_depth)  # P chosen by auto-config is known now
+    if problem is not None:
+        raise ValueError(problem)
     if args.global_batch_size is not None:
         # What every rank's engine would refuse (one traceback per rank), said once before spawning.
         try:
@@ -474,6 +508,7 @@ def _main_hosts(args: argparse.Namespace, config: LaunchConfig) -> int:
             gpu_memory_bytes=_gpu_memory_bytes(args),
             schedule=args.schedule or "varuna",
             progress=_progress(args),
+            chunks=args.chunks or 1,
         )
     except ValueError as exc:
         _say(f"cannot launch: {exc}{left_out}")
@@ -545,6 +580,9 @@ def _place_by_type(
     its shares and speeds, the hosts used (rank 0's first) and the config with each rank's host."""
     calibration = None
     if layout is None:
+        if (args.chunks or 1) > 1:
+            raise ValueError("auto-config for hosts of several VM types plans one chunk per process; with "
+                             "--chunks give --pipeline-depth P (and --data-parallel D)")
         from varuna.core.calibration import Calibration
 
         try:

@@ -58,10 +58,13 @@ class Layout:
     note: str = ""
     """How auto-config chose it, for the launcher's log."""
 
-    def run_plan(self, *, global_batch_size: int | None = None, schedule: str | None = None) -> RunPlan:
-        """The plan every worker gets: ``global_batch_size`` and ``schedule`` as the user gave
-        them (the schedule auto-config planned for when none is given), m and the stage ranges
-        when auto-config chose them; ``None`` fields are not exported.
+    def run_plan(
+        self, *, global_batch_size: int | None = None, schedule: str | None = None, chunks: int | None = None
+    ) -> RunPlan:
+        """The plan every worker gets: ``global_batch_size``, ``schedule`` and ``chunks`` (model
+        chunks per process, interleaved kinds) as the user gave them (the schedule auto-config
+        planned for when none is given), m and the stage ranges when auto-config chose them;
+        ``None`` fields are not exported.
 
         Example::
 
@@ -73,6 +76,7 @@ class Layout:
             global_batch_size=global_batch_size,
             micro_batch_size=self.micro_batch_size,
             schedule=schedule if schedule is not None else self.schedule,
+            chunks=chunks,
             stage_ranges=self.stage_ranges,
             replica_shares=self.replica_shares,
             stage_speeds=self.stage_speeds,
@@ -88,9 +92,12 @@ def auto_configure(
     gpu_memory_bytes: int | None = None,
     schedule: str = "varuna",
     progress: bool | None = False,
+    chunks: int = 1,
 ) -> Layout:
     """The simulator's fastest P×D (and m) for ``gpus`` accelerators running ``schedule``
-    (``simulator.autoconfig``); ``progress``: its progress bar (``varuna.core.progress``).
+    (``simulator.autoconfig``; ``chunks`` model chunks per process for the interleaved kinds, whose
+    stage ranges are then P·chunks virtual stages); ``progress``: its progress bar
+    (``varuna.core.progress``).
 
     The simulator is imported here, not at module load: the launcher must work on hosts where
     only the runtime is installed, as long as P is given explicitly. ``ValueError`` carries
@@ -116,6 +123,7 @@ def auto_configure(
         gpu_memory_bytes=gpu_memory_bytes,
         host_slots=tuple(host_slots),
         schedule=schedule,
+        chunks=chunks,
         progress=progress,
     )
     best = result.best
@@ -141,10 +149,11 @@ def resolve_layout(
     gpu_memory_bytes: int | None = None,
     schedule: str = "varuna",
     progress: bool | None = False,
+    chunks: int = 1,
 ) -> Layout:
     """P×D for the available ``slots`` (one count per host): P and D as given; P given, D the
     most replicas that fit; or neither, from auto-config on ``calibration`` planning for
-    ``schedule`` (``progress``: its bar, see :func:`auto_configure`). ``ValueError`` says why
+    ``schedule`` with ``chunks`` (``progress``: its bar, see :func:`auto_configure`). ``ValueError`` says why
     nothing fits.
 
     Example::
@@ -187,4 +196,5 @@ def resolve_layout(
         gpu_memory_bytes=gpu_memory_bytes,
         schedule=schedule,
         progress=progress,
+        chunks=chunks,
     )

@@ -177,14 +177,6 @@ class CheckpointState(Protocol):
     def add_stop_callback(self, fn: Callable[[Any], None]) -> None: ...
 
 
-def _refuse_interleaved(state, wanted: bool = True) -> None:
-    """Checkpoints of an interleaved run are refused (one line): the shard plan maps a stage index
-    to a rank, and P·v virtual stages would lose the shards of chunks >= 1."""
-    if wanted and len(state.stage_ranges) > state.layout.P:
-        raise ValueError("checkpoints of an interleaved run (chunks > 1) are not supported yet; run "
-                         "without a checkpoint directory or resume, or use a schedule with one chunk")
-
-
 class Checkpointer:
     """Saves and loads the checkpoints of one training state (an :class:`~varuna.runtime.engine.Engine`,
     or anything providing :class:`CheckpointState`).
@@ -265,7 +257,6 @@ class Checkpointer:
 
     def attach(self) -> None:
         """Register the save-on-stop callback and resume when asked (a collective then)."""
-        _refuse_interleaved(self.state, self.directory is not None or self.resume_mode != "never")
         if self.directory is not None:
             self.state.add_stop_callback(lambda _state: self.save_on_stop())
         if self.resume_mode != "never":
@@ -303,7 +294,6 @@ class Checkpointer:
         the same mini-batch boundary). Returns the step directory, or None when skipped because
         the previous save is still being copied. ``wait``: block until this rank's files are in
         the global store (rank 0: until the manifest is written)."""
-        _refuse_interleaved(self.state)
         root = Path(directory) if directory is not None else self.directory
         if root is None:
             raise ValueError(
@@ -367,6 +357,7 @@ class Checkpointer:
             param_bytes=st.profile.param_bytes,
             stage_ranges=st.stage_ranges,
             data_parallel=L.D,
+            pipeline_depth=L.P,  # interleaved: P·v virtual stages, virtual stage j on process j % P
         )
         mine = [s for s in plan if (s.stage, s.replica) == (L.stage, L.replica)]
         opt = optimizer_state_by_name(st.optimizer, dict(st.named_parameters())) if mine else None
@@ -414,6 +405,7 @@ class Checkpointer:
                 "Nm": info["Nm"],
                 "schedule": cfg.schedule,
                 "stage_ranges": [list(r) for r in st.stage_ranges],
+                "chunks": len(st.stage_ranges) // st.layout.P,
                 "precision": cfg.precision,
                 "seed": cfg.seed,
             },
@@ -493,7 +485,6 @@ class Checkpointer:
         Returns the step loaded (the next ``train_step`` is step + 1), or None when nothing was
         found and ``required`` is false.
         """
-        _refuse_interleaved(self.state)
         root = Path(directory) if directory is not None else self.directory
         if root is None:
             raise ValueError(

@@ -25,6 +25,7 @@ class Shard:
     """File name inside the step directory, e.g. ``seg003-00.pt``."""
     segment: int
     stage: int
+    """The pipeline stage (process) holding the segment; with interleaving, not the virtual stage."""
     replica: int
     """Which of the stage's D replicas writes it (all replicas hold identical state)."""
     params: tuple[str, ...]
@@ -39,6 +40,7 @@ def plan_shards(
     param_bytes: Mapping[str, int],
     stage_ranges: Sequence[tuple[int, int]],
     data_parallel: int,
+    pipeline_depth: int | None = None,
 ) -> list[Shard]:
     """Split a checkpoint into files and assign each to one replica of one stage.
 
@@ -49,6 +51,15 @@ def plan_shards(
     then files go to replicas largest first, each to the least loaded one — so every replica
     writes a disjoint, non-empty part whenever the stage has at least D files. Pure function:
     every rank computes the same plan.
+
+    Interleaved runs (``pipeline_depth`` P < ``len(stage_ranges)``): the ranges are virtual
+    stages and virtual stage j runs on process j % P, so a process's files are those of all its
+    (non-contiguous) segments and :attr:`Shard.stage` is the process, not the virtual stage.
+
+    >>> plan = plan_shards(param_segments={"a": (0,), "b": (1,), "c": (2,), "d": (3,)}, param_bytes={},
+    ...                    stage_ranges=[(0, 0), (1, 1), (2, 2), (3, 3)], data_parallel=1, pipeline_depth=2)
+    >>> [(s.name, s.stage) for s in plan]
+    [('seg000-00.pt', 0), ('seg002-00.pt', 0), ('seg001-00.pt', 1), ('seg003-00.pt', 1)]
 
     >>> plan = plan_shards(param_segments={"a": (0,), "b": (0,), "c": (1,)},
     ...                    param_bytes={"a": 8, "b": 8, "c": 4}, stage_ranges=[(0, 1)], data_parallel=2)
@@ -67,21 +78,17 @@ def plan_shards(
     def size(names: Sequence[str]) -> int:
         return sum(param_bytes.get(n, 0) for n in names)
 
+    P = len(stage_ranges) if pipeline_depth is None else pipeline_depth
+    if P < 1 or len(stage_ranges) % P:
+        raise ValueError(f"{len(stage_ranges)} stage ranges are not chunks of pipeline depth {P}")
     shards: list[Shard] = []
-    for stage, (first, last) in enumerate(stage_ranges):
+    for stage in range(P):
         groups: list[tuple[int, list[str]]] = []
-        for s in range(first, last + 1):
+        for s in (s for first, last in stage_ranges[stage::P] for s in range(first, last + 1)):
             for names in (private.get(s), shared.get(s)):
                 if names:
                     groups.append((s, names))
-        while len(groups) < D:
-            splittable = [i for i, (_, names) in enumerate(groups) if len(names) > 1]
-            if not splittable:
-                break  # fewer parameters than replicas: some replicas write nothing
-            i = max(splittable, key=lambda i: (size(groups[i][1]), -i))
-            s, names = groups[i]
-            cut = _balanced_cut([param_bytes.get(n, 0) for n in names])
-            groups[i : i + 1] = [(s, names[:cut]), (s, names[cut:])]
+        _split_for_replicas(groups, D, param_bytes)
         loads = [(0, 0)] * D
         owner: dict[int, int] = {}
         for i in sorted(range(len(groups)), key=lambda i: (-size(groups[i][1]), i)):
@@ -103,6 +110,19 @@ def plan_shards(
                 )
             )
     return shards
+
+
+def _split_for_replicas(groups: list[tuple[int, list[str]]], D: int, param_bytes: Mapping[str, int]) -> None:
+    """While a stage has fewer files than replicas, cut its largest multi-parameter file in two
+    (by bytes), in place."""
+    while len(groups) < D:
+        splittable = [i for i, (_, names) in enumerate(groups) if len(names) > 1]
+        if not splittable:
+            break  # fewer parameters than replicas: some replicas write nothing
+        i = max(splittable, key=lambda i: (sum(param_bytes.get(n, 0) for n in groups[i][1]), -i))
+        s, names = groups[i]
+        cut = _balanced_cut([param_bytes.get(n, 0) for n in names])
+        groups[i : i + 1] = [(s, names[:cut]), (s, names[cut:])]
 
 
 def _balanced_cut(sizes: list[int]) -> int:

@@ -240,8 +240,9 @@ def adopt_plan(config: VarunaConfig, plan: RunPlan) -> str | None:
 
     The plan's global batch and schedule must be the script's (else ``ValueError``, one line
     naming both values and the fix); its micro-batch size and stage ranges are adopted (the
-    simulator chose them for this cluster). Returns the line to print (on rank 0) when the planned
-    micro-batch size overrides the script's, else None.
+    simulator chose them for this cluster), and its model chunks per process (``--chunks``) unless
+    the script set other chunks than 1 itself (``ValueError``). Returns the line to print (on
+    rank 0) when the planned micro-batch size overrides the script's, else None.
 
     Example::
 
@@ -261,6 +262,14 @@ def adopt_plan(config: VarunaConfig, plan: RunPlan) -> str | None:
             f"{config.schedule}: pass the same --schedule to varuna-launch and the script"
         )
     note = None
+    if plan.chunks is not None:
+        if config.chunks not in (1, plan.chunks):
+            raise ValueError(
+                f"the launcher planned chunks={plan.chunks} (VARUNA_CHUNKS, --chunks) but the script asks "
+                f"for chunks={config.chunks}: pass the same --chunks to varuna-launch, or leave chunks "
+                "out of the script"
+            )
+        config.chunks = plan.chunks
     if plan.micro_batch_size is not None:
         if plan.micro_batch_size != config.micro_batch_size:
             note = (
