@@ -55,6 +55,7 @@ from varuna.runtime.grad_sync import GradientSync, allreduce_scalars
 from varuna.runtime.groups import ProcessGroups, StageLinks, build_groups
 from varuna.runtime.layout import Layout, init_distributed, pick_device
 from varuna.runtime.loss_scale import DynamicLossScale, NonFiniteLosses, NonFiniteLossStop
+from varuna.runtime.no_flush import WindowFeed, no_flush_unsupported
 from varuna.runtime.peer_watch import PeerWatch, watching
 from varuna.runtime.plugins import run_plugins
 from varuna.runtime.stages import assign_stages, chunks_per_process, planning_profile
@@ -338,17 +339,80 @@ class Engine:
             timings=dataclasses.replace(run.timings, sync_s=sync_s),
             step_s=wall,
         )
+        self._report(result)
+        self._after_stop(outcome.stop, hook)
+        return result
+
+    def _report(self, result: StepResult) -> None:
+        """Step callbacks, then the NaN/Inf loss policy."""
         for fn in self._step_callbacks:
             fn(result)
-        line = self._nonfinite.observe(result.step, result.loss)  # the NaN/Inf loss policy
+        line = self._nonfinite.observe(result.step, result.loss)
         if line is not None:  # every rank saw the same agreed loss: every rank stops here
             self.close()
             raise NonFiniteLossStop(line)
-        if outcome.stop and hook is not None:
+
+    def _after_stop(self, stop: bool, hook) -> None:
+        if stop and hook is not None:
             self.agreed_stop = True  # the live trainer decides: regroup, or stop (Engine._stop)
-        elif outcome.stop:
+        elif stop:
             self._stop()
-        return result
+
+    def train_steps(self, batches: Iterable) -> list[StepResult]:
+        """Train one step per mini-batch of ``batches`` (each M_total examples); their results.
+
+        With ``schedule="2bw"`` the mini-batches run back to back without a pipeline flush
+        between them: mini-batch t+1's forwards start while t's backwards drain, and each stage
+        updates right after its own last backward of t (Note [No-flush window] in
+        varuna/runtime/no_flush.py). The pipeline drains at the end (and at every periodic
+        checkpoint step), which is then a step boundary as after ``train_step``: the weights are
+        those ``train_step`` would have made, step for step. Other kinds: ``train_step`` on each.
+
+        Example::
+
+            results = engine.train_steps(batch_of(t) for t in range(1, 9))
+            print(results[-1].step, results[-1].loss)
+        """
+        batches = list(batches)
+        for b in batches:
+            _check_batch(b, self.config.global_batch_size)
+        if self.weight_versions is None:
+            return [self.train_step(b) for b in batches]
+        reason = no_flush_unsupported(self.config, self.layout.P)
+        if reason is not None:
+            raise ValueError(reason)
+        every = self.checkpointer.every if self.checkpointer.directory is not None else 0
+        out: list[StepResult] = []
+        while batches:
+            n = len(batches) if not every else min(len(batches), every - self.step_count % every)
+            out += self._train_window(batches[:n])
+            batches = batches[n:]
+        return out
+
+    def _train_window(self, batches: list) -> list[StepResult]:
+        """One no-flush window (Note [No-flush window]), drained at its end."""
+        t_start = time.perf_counter()
+        first = self.step_count + 1
+        self._uncommitted = True
+        self.optimizer.zero_grad(set_to_none=True)
+        mbs = self.micro_plan[self.replica]
+        if self._det is not None:
+            self._det.begin_step(mbs, sum(len(p) for p in self.micro_plan))
+        feed = WindowFeed(self, batches, first)
+        assert self.weight_versions is not None
+        try:
+            with watching(self._watch, first):
+                run = self._executor.run_window(feed, len(mbs), len(batches), scale=self.scaler.scale)
+        finally:
+            self.weight_versions.select(stale=False)  # the newest version in the parameters
+        self.executed_orders.append(run.executed)
+        results, stop = feed.results(run, t_start)
+        self._uncommitted = False
+        self.checkpointer.after_step()  # periodic checkpoint: windows end at its steps
+        for result in results:
+            self._report(result)
+        self._after_stop(stop, self.boundary_hook)
+        return results
 
     def _signal_stop(self, signum, frame) -> None:
         # Only a flag: the step in flight finishes, then all ranks agree (Note [Step]).
