@@ -339,8 +339,8 @@ def test_no_flush_at_px1_overlaps_mini_batches_and_equals_the_reference(tmp_path
     the executed order (the engine's timeline, an emulated model whose last stage is 3x the first)
     shows stage 0 starting mini-batch t+1 before the last stage finishes t. Negative control: the
     same through ``train_step`` (a flush per step) never does."""
-    check_ok(run_world(WORKER, P, ["--out", str(tmp_path), "--no-flush"], env={"VARUNA_PIPELINE_DEPTH": str(P)},
-                       timeout_s=600))
+    env = {"VARUNA_PIPELINE_DEPTH": str(P)}
+    check_ok(run_world(WORKER, P, ["--out", str(tmp_path), "--no-flush"], env=env, timeout_s=600))
     check_no_flush(tmp_path, P)
     if P != 2:
         return
@@ -378,8 +378,9 @@ def test_pipeline_and_data_parallel_equal_a_single_process_2bw(tmp_path):
     check_no_flush(tmp_path, 4)
 
 
-def gpt_in_one_process(steps, m_total: int = 8, **cfg) -> dict:
-    """The tiny GPT under a 1×1 engine with 2bw, as the worker trains it; weights per step."""
+def gpt_in_one_process(steps, m_total: int = 8, window: bool = False, **cfg) -> dict:
+    """The tiny GPT under a 1×1 engine with 2bw, as the worker trains it; weights per step
+    (``window``: all steps through one ``train_steps``, weights at its end)."""
     data = make_batch("gpt", 4 * m_total)
 
     def batch_of(t):
@@ -390,6 +391,9 @@ def gpt_in_one_process(steps, m_total: int = 8, **cfg) -> dict:
     out = {}
     with varuna.Engine(build_model("gpt", dropout=0.1), config, example_batch=batch_of(1),
                        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)) as eng:
+        if window:
+            eng.train_steps([batch_of(t) for t in steps])
+            return {eng.step_count: weights(eng)}
         for t in steps:
             if t > eng.step_count:
                 eng.train_step(batch_of(t))
@@ -410,6 +414,14 @@ def test_deterministic_mode_with_a_tied_weight():
     for t in (1, 2, 3):
         for n, w in got[t].items():
             assert torch.allclose(w, ref[t][n], atol=2e-5, rtol=0), (t, n)
+
+
+def test_deterministic_train_steps_equal_train_step_bit_for_bit():
+    """Deterministic mode's per-step canonical sums restart inside the window at each update."""
+    got = gpt_in_one_process((1, 2, 3), deterministic=True, window=True)
+    assert sorted(got) == [3]
+    flushed = gpt_in_one_process((1, 2, 3), deterministic=True)
+    assert all(torch.equal(w, flushed[3][n]) for n, w in got[3].items())
 
 
 def reference(*, stale: bool, steps: int = 4, m_total: int = 8, micro: int = 2, lr: float = 0.1):
