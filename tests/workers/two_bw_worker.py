@@ -1,13 +1,14 @@
 """Worker: the tiny GPT trained with ``schedule="2bw"`` under the engine at P×D.
 
 Engine A trains ``--steps`` steps with 2bw (``train_step``: a flush after each), saving a
-checkpoint after ``--save-at``; engine B resumes from it and trains the same remaining steps.
-Each dumps its weights after every step: ``<out>/<name>/rank<r>.pt``. ``--no-flush``: then the
-same steps through ``Engine.train_steps`` (Note [No-flush window] in varuna/runtime/no_flush.py):
-one window of every step ("window"); windows ending at ``--save-at``, with a checkpoint there
-("window_ckpt"), and their resume ("window_resumed"); weights dumped at each window's end. At
-P=2, D=1 it also records which tasks ran when (``overlap.json``) for an emulated model with a slow
-last stage, through ``train_steps`` and through ``train_step``.
+checkpoint after ``--save-at``; engine B resumes from it and trains the same remaining steps
+(``--lean``: no checkpoint, no B). Each dumps its weights after every step:
+``<out>/<name>/rank<r>.pt``. ``--no-flush``: then the same steps through ``Engine.train_steps``
+(Note [No-flush window] in varuna/runtime/no_flush.py): one window of every step ("window");
+unless ``--lean``, windows ending at ``--save-at``, with a checkpoint there ("window_ckpt"), and
+their resume ("window_resumed"); weights dumped at each window's end. At P=2, D=1 it also records
+which tasks ran when (``overlap.json``) for an emulated model with a slow last stage, through
+``train_steps`` and through ``train_step``.
 """
 
 from __future__ import annotations
@@ -150,6 +151,7 @@ def main() -> None:
     p.add_argument("--save-at", type=int, default=2)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--no-flush", action="store_true", help="also train through Engine.train_steps")
+    p.add_argument("--lean", action="store_true", help="no checkpoint runs: '2bw' and 'window' only")
     a = p.parse_args()
     torch.set_num_threads(1)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -157,10 +159,12 @@ def main() -> None:
     base = build_model("gpt", dropout=0.1)
     batches = make_batch("gpt", a.steps * a.global_batch_size)
     steps = range(1, a.steps + 1)
-    train("2bw", base, a, batches, schedule="2bw", steps=steps, save_at=a.save_at)
-    train("resumed", base, a, batches, schedule="2bw", steps=steps, resume="1")
+    train("2bw", base, a, batches, schedule="2bw", steps=steps, save_at=0 if a.lean else a.save_at)
+    if not a.lean:
+        train("resumed", base, a, batches, schedule="2bw", steps=steps, resume="1")
     if a.no_flush:
         window("window", base, a, batches, parts=[steps])
+    if a.no_flush and not a.lean:
         parts = [range(1, a.save_at + 1), range(a.save_at + 1, a.steps + 1)]
         window("window_ckpt", base, a, batches, parts=parts, save_at=a.save_at)
         window("window_resumed", base, a, batches, parts=parts, resume="1")
