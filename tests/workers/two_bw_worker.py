@@ -2,8 +2,8 @@
 
 Engine A trains ``--steps`` steps with 2bw (``train_step``: a flush after each), saving a
 checkpoint after ``--save-at``; engine B resumes from it and trains the same remaining steps
-(``--lean``: no checkpoint, no B). Each dumps its weights after every step:
-``<out>/<name>/rank<r>.pt``. ``--no-flush``: then the same steps through ``Engine.train_steps``
+(``--lean``: no checkpoint, no B; ``--deterministic``: in deterministic mode). Each dumps its
+weights after every step: ``<out>/<name>/rank<r>.pt``. ``--no-flush``: then the same steps through ``Engine.train_steps``
 (Note [No-flush window] in varuna/runtime/no_flush.py): one window of every step ("window");
 unless ``--lean``, windows ending at ``--save-at``, with a checkpoint there ("window_ckpt"), and
 their resume ("window_resumed"); weights dumped at each window's end. At P=2, D=1 it also records
@@ -48,6 +48,7 @@ def make_engine(base, a, batches, *, schedule, resume, ckpt="ckpt"):
             stop_signals=(),
             checkpoint_dir=str(a.out / ckpt),
             resume=resume,
+            deterministic=a.deterministic,
         ),
         example_batch=batch_of(batches, 1, a.global_batch_size),
         optimizer=lambda ps: torch.optim.SGD(ps, lr=a.lr, momentum=0.9),
@@ -152,6 +153,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--no-flush", action="store_true", help="also train through Engine.train_steps")
     p.add_argument("--lean", action="store_true", help="no checkpoint runs: '2bw' and 'window' only")
+    p.add_argument("--deterministic", action="store_true", help="VarunaConfig(deterministic=True)")
     a = p.parse_args()
     torch.set_num_threads(1)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
