@@ -3,8 +3,9 @@
 Engine A trains ``--steps`` steps with 2bw (``train_step``: a flush after each), saving a
 checkpoint after ``--save-at``; engine B resumes from it and trains the same remaining steps
 (``--lean``: no checkpoint, no B; ``--deterministic``: in deterministic mode). Each dumps its
-weights after every step: ``<out>/<name>/rank<r>.pt``. ``--no-flush``: then the same steps through ``Engine.train_steps``
-(Note [No-flush window] in varuna/runtime/no_flush.py): one window of every step ("window");
+weights after every step: ``<out>/<name>/rank<r>.pt``. ``--no-flush``: then the same steps
+through ``Engine.train_steps`` (Note [No-flush window] in varuna/runtime/no_flush.py): one
+window of every step ("window");
 unless ``--lean``, windows ending at ``--save-at``, with a checkpoint there ("window_ckpt"), and
 their resume ("window_resumed"); weights dumped at each window's end. At P=2, D=1 it also records
 which tasks ran when (``overlap.json``) for an emulated model with a slow last stage, through
