@@ -340,7 +340,7 @@ def boundary_gaps(rows: list) -> list[float]:
 def test_no_flush_at_px1_overlaps_mini_batches_and_equals_the_reference(tmp_path, P):
     """P × D=1: ``train_steps`` against the single-process rule and the flushing engine (P=3:
     in deterministic mode). At P=2
-    the executed order (the engine's timeline, an emulated model whose last stage is 3x the first)
+    the executed order (the engine's timeline, an emulated model whose last stage is 4x the first)
     shows stage 0 starting mini-batch t+1 before the last stage finishes t. Negative control: the
     same through ``train_step`` (a flush per step) never does."""
     env = {"VARUNA_PIPELINE_DEPTH": str(P)}
@@ -353,7 +353,7 @@ def test_no_flush_at_px1_overlaps_mini_batches_and_equals_the_reference(tmp_path
         return
     found = json.loads((tmp_path / "overlap.json").read_text())
     # By the list, stage 0 starts t+1 after its backward of t's micro-batch Nm-P (here: its
-    # third), while the last stage still has F+B of one micro-batch (90 ms) to run: ~60 ms ahead.
+    # third), while the last stage still has F+B of one micro-batch (120 ms) to run: ~90 ms ahead.
     assert all(gap < 0 for gap in boundary_gaps(found["train_steps"])), found["train_steps"]
     # A flush: stage 0's next forward waits for the end of step agreement, after every backward.
     assert all(gap > 0 for gap in boundary_gaps(found["train_step"])), found["train_step"]

@@ -5,11 +5,10 @@ checkpoint after ``--save-at``; engine B resumes from it and trains the same rem
 (``--lean``: no checkpoint, no B; ``--deterministic``: in deterministic mode). Each dumps its
 weights after every step: ``<out>/<name>/rank<r>.pt``. ``--no-flush``: then the same steps
 through ``Engine.train_steps`` (Note [No-flush window] in varuna/runtime/no_flush.py): one
-window of every step ("window");
-unless ``--lean``, windows ending at ``--save-at``, with a checkpoint there ("window_ckpt"), and
-their resume ("window_resumed"); weights dumped at each window's end. At P=2, D=1 it also records
-which tasks ran when (``overlap.json``) for an emulated model with a slow last stage, through
-``train_steps`` and through ``train_step``.
+window of every step ("window"); unless ``--lean``, windows ending at ``--save-at``, with a
+checkpoint there ("window_ckpt"), and their resume ("window_resumed"); weights dumped at each
+window's end. At P=2, D=1 it also records which tasks ran when (``overlap.json``) for an
+emulated model with a slow last stage, through ``train_steps`` and through ``train_step``.
 """
 
 from __future__ import annotations
@@ -109,13 +108,13 @@ def window(name, base, a, batches, *, parts, resume="0", save_at=0):
 
 def overlap(a) -> None:
     """Task events (stage, op, mini-batch, start, end) of 3 mini-batches of an emulated model whose
-    last stage is 3x the first (blocks sleep: F 10 ms, B 20 ms per block), through ``train_steps``
+    last stage is 4x the first (blocks sleep: F 10 ms, B 20 ms per block), through ``train_steps``
     and through ``train_step``, gathered on rank 0 into ``overlap.json``."""
     from profiler.overhead_runs import emulated_engine
 
     found = {}
     with emulated_engine(2, 1, "2bw", 4, True, None, 120.0, blocks_per_stage=1, block_fwd_s=0.01,
-                         stage_blocks=(1, 3)) as (engine, batch):
+                         stage_blocks=(1, 4)) as (engine, batch):
         total = sum(len(p) for p in engine.micro_plan)
         engine.train_step(batch)  # warm-up: buffers, threads
         for mode in ("train_steps", "train_step"):

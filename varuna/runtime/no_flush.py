@@ -29,15 +29,17 @@ Example (every rank)::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from varuna.core.schedule import BACKWARD, Task
-from varuna.runtime.config import StepResult, StepTimings, VarunaConfig
+from varuna.runtime.config import StepResult, VarunaConfig
 from varuna.runtime.executor import Feed, StageRun
 
 __all__ = ["StepEnd", "WindowFeed", "no_flush_unsupported"]
@@ -69,7 +71,6 @@ class StepEnd:
     step: int
     slots: torch.Tensor
     handle: object | None
-    local_skip: bool
     end_s: float
     sync_s: float
 
@@ -128,14 +129,15 @@ class WindowFeed(Feed):
         self.oldest = s + 1
         if e._det is not None and s + 1 < len(self.batches):
             e._det.begin_step(self.mbs, self.total)
-        self.ends.append(StepEnd(self.first_step + s, slots, handle, nonfinite > 0, end, end - t0))
+        self.ends.append(StepEnd(self.first_step + s, slots, handle, end, end - t0))
 
     def agreed(self) -> list[tuple[float, bool, float, bool]]:
         """Per mini-batch, (sum of squared gradients, overflow, loss, stop) agreed by every rank."""
         out = []
+        timeout = timedelta(seconds=self.e.config.comm_timeout_s)
         for end in self.ends:
             if end.handle is not None:
-                end.handle.wait()
+                end.handle.wait(timeout)
             out.append(self.e._sync.read_agreement(end.slots.tolist(), self.e.micro_plan))
         return out
 
@@ -146,10 +148,10 @@ class WindowFeed(Feed):
         M = self.e.config.global_batch_size
         for end, (total_sq, overflow, loss, stop_s) in zip(self.ends, self.agreed()):
             stop = stop or stop_s
-            skipped = overflow or not math.isfinite(loss) or end.local_skip
+            skipped = overflow or not math.isfinite(loss)  # overflow: some stage skipped its update
             wall = end.end_s - prev
             prev = end.end_s
-            timings = StepTimings(**{**run.timings.__dict__, "sync_s": end.sync_s})
+            timings = dataclasses.replace(run.timings, sync_s=end.sync_s)
             out.append(StepResult(
                 step=end.step, loss=loss, grad_norm=math.inf if skipped else math.sqrt(total_sq),
                 skipped=skipped, loss_scale=1.0, samples_per_s=M / wall if wall > 0 else math.inf,
