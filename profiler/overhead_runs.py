@@ -40,7 +40,7 @@ from profiler.overheads import (
     MICRO_BATCH_SIZE,
     PROBE_LATENCY_S,
 )
-from varuna.core.schedule import FORWARD
+from varuna.core.schedule import FORWARD, schedule_kind
 from varuna.runtime.comm import LinkReceiver, LinkSender
 from varuna.testing.emulated import emulated_model
 from varuna.testing.netem import NETEM_ENV_VAR, emulate_network
@@ -173,7 +173,10 @@ def emulated_engine(num_stages: int, num_replicas: int, schedule: str, num_micro
 
 def timed_steps(engine, batch, warmup: int, steps: int, warmup_out: list | None = None) -> list[dict]:
     """Warm-up, then timed steps, each started after a barrier: per timed step (t0, t1, this
-    rank's events). ``warmup_out`` collects the same for the warm-up steps."""
+    rank's events). ``warmup_out`` collects the same for the warm-up steps. 2bw: one no-flush
+    window of them all (:func:`timed_window`)."""
+    if schedule_kind(engine.config.schedule).weight_versions > 1:
+        return timed_window(engine, batch, warmup, steps, warmup_out)
     out = []
     for s in range(warmup + steps):
         n0 = len(engine.timeline.events)
@@ -191,6 +194,40 @@ def timed_steps(engine, batch, warmup: int, steps: int, warmup_out: list | None 
     # group destruction: CPU-heavy) while another is still in it: on a loaded 2-core host that
     # stretched the last timed step by up to 0.3 s (scripts/validate_mixed.py, docs/mixed_types.md).
     dist.barrier()
+    return out
+
+
+def timed_window(engine, batch, warmup: int, steps: int, warmup_out: list | None = None) -> list[dict]:
+    """:func:`timed_steps` of 2bw without a flush: ``warmup + steps`` mini-batches in one
+    ``Engine.train_steps`` window after a barrier. A step's t1 is its end on this rank (its
+    update, after the stage's last backward of it), its t0 the previous step's end (the first:
+    the window's start), so on a stage-0 rank t1 - t0 is the steady-state period; its events are
+    the tasks of its micro-batches (the window tags them step·micro-batches + index) and the
+    update."""
+    n0 = len(engine.timeline.events)
+    dist.barrier()
+    t_start = time.perf_counter()
+    results = engine.train_steps([batch] * (warmup + steps))
+    total = sum(len(p) for p in engine.micro_plan)
+    ends, t = [], t_start
+    for r in results:
+        t += r.step_s
+        ends.append(t)
+    per_step: list[list] = [[] for _ in results]
+    for e in engine.timeline.events[n0:]:
+        if e.microbatch is not None:
+            s = e.microbatch // total
+        else:  # the update: the step that ends at or after it
+            s = next((i for i, end in enumerate(ends) if e.end_s <= end + 1e-6), len(ends) - 1)
+        per_step[s].append([e.stage, e.replica, e.op, e.microbatch, e.start_s, e.end_s])
+    out = []
+    for s, events in enumerate(per_step):
+        rec = {"t0": ends[s - 1] if s else t_start, "t1": ends[s], "events": events}
+        if s >= warmup:
+            out.append(rec)
+        elif warmup_out is not None:
+            warmup_out.append(rec)
+    dist.barrier()  # as timed_steps: no rank tears down while another still runs
     return out
 
 

@@ -79,10 +79,12 @@ def simulate(cal: Calibration, config: SimConfig, *, record: bool = False) -> Si
 def _steady_state(cal: Calibration, c: SimConfig, *, record: bool) -> SimResult:
     """Note [2BW] in varuna/core/schedule.py: mini-batches run back to back, so one costs what a
     window of two costs beyond a window of one: T(2) - T(1), each window ending with the last
-    mini-batch's all-reduce and optimizer step (the earlier all-reduce overlaps the next
-    mini-batch's compute; its use of the links is not modelled). Busy times likewise; the
-    executed orders are the second mini-batch's tasks (micro-batch Nm + i is its i-th) in the
-    order they ran; peaks and the timeline are the two-step window's."""
+    mini-batch's all-reduce and optimizer step; an earlier mini-batch's are run by each stage
+    right after its own last backward of it, before its next task (the engine's no-flush window,
+    Note [No-flush window] in varuna/runtime/no_flush.py; their use of the links is not
+    modelled). Busy times likewise; the executed orders are the second mini-batch's tasks
+    (micro-batch Nm + i is its i-th) in the order they ran; peaks and the timeline are the
+    two-step window's."""
     kind = schedule_kind(c.schedule)
     for d in range(c.num_replicas):
         reason = kind.unsupported(c.num_stages, c.microbatches_of(d))
@@ -142,6 +144,7 @@ def _simulate(cal: Calibration, config: SimConfig, *, record: bool, steps: int =
         policies.extend(pipe.policy(k, stash_headroom=c.stash_headroom) for k in range(c.num_stages))
         pipelines[nm] = pipe
     tl = Timeline(metadata={"config": c.label(), "source": "simulator"}) if record else None
+    holds = _step_ends(cal, c, ranges, sim_replicas, steps) if steps > 1 else None
     tallies = run_events(
         rank_tables(c, v, host, sim_replicas, costs, links, rank_costs),
         policies,
@@ -152,12 +155,30 @@ def _simulate(cal: Calibration, config: SimConfig, *, record: bool, steps: int =
         seed=c.seed,
         timeline=tl,
         split_backward=kind.splits_backward,
+        step_ends=holds,
     )
     # What the stage's list recomputes decides its memory (replica 0's micro-batch count).
     pipe = pipelines[c.microbatches_of(sim_replicas[0])]
     recomputes = [pipe.recomputes(k) for k in range(c.num_stages)]
     res = _result(cal, c, ranges, sim_replicas, tallies, recomputes, policies, step_overhead_s, tl)
     return dataclasses.replace(res, config=config) if steps > 1 else res
+
+
+def _step_ends(
+    cal: Calibration, c: SimConfig, ranges: Sequence[tuple[int, int]], sim_replicas: Sequence[int], steps: int
+) -> list[dict[int, float]]:
+    """Per simulated rank, the window's mini-batch ends but the last (window micro-batch of the
+    mini-batch's last B) -> the gradient all-reduce and optimizer step the stage then runs before
+    its next task, as the engine does (Note [No-flush window] in varuna/runtime/no_flush.py); the
+    last mini-batch's are priced after the window (:func:`_result`)."""
+    P = c.num_stages
+    per_stage = [[s for s in range(a, b + 1)] for a, b in ranges]
+    hold = [ar + opt for ar, opt in sync_costs(cal, c, per_stage)]
+    out = []
+    for d in sim_replicas:
+        nm = c.microbatches_of(d) // steps
+        out.extend({s * nm + nm - 1: hold[k] for s in range(steps - 1)} for k in range(P))
+    return out
 
 
 def _replicas_to_simulate(c: SimConfig, host: Sequence[int], random: bool) -> list[int]:

@@ -50,6 +50,8 @@ _EPS_S = 1e-9
 _DONE, _ACT, _GRAD = 0, 1, 2
 _ARRIVAL = (None, "F", "B")
 _SEND_OP = (None, "SEND_ACT", "SEND_GRAD")
+#: What a rank "runs" while it syncs and updates inside a no-flush window (``step_ends``).
+_SYNC = object()
 
 
 @dataclass(frozen=True)
@@ -217,6 +219,7 @@ def run_events(
     seed: int,
     timeline: Timeline | None,
     split_backward: bool = False,
+    step_ends: Sequence[dict[int, float]] | None = None,
 ) -> Tallies:
     """Run every rank's policy to the end of the mini-batch; raises RuntimeError on a deadlock.
 
@@ -224,7 +227,10 @@ def run_events(
     No sequence number: events within ``_EPS_S`` of each other are applied together before any
     stage picks its next task, so their order inside a batch does not matter.
     ``split_backward``: the lists have W tasks (a micro-batch is live until its W, and the last
-    W ends the stage's backward work).
+    W ends the stage's backward work). ``step_ends`` (a no-flush window of several mini-batches):
+    per rank, {micro-batch of a mini-batch's last B: seconds the stage then spends on that
+    mini-batch's gradient sync and update before its next task}, as the engine does (Note
+    [No-flush window] in varuna/runtime/no_flush.py).
     """
     tallies = Tallies(len(policies))
     loop = _Loop(ranks, policies, tallies, chunked, chunks, uniform=random.Random(seed).random)
@@ -254,6 +260,8 @@ def run_events(
                 continue
             task = running[idx]
             running[idx] = None
+            if task is _SYNC:
+                continue
             complete[idx](task)
             op = task.op
             if op == "B" or op == "W":
@@ -266,8 +274,21 @@ def run_events(
             elif op != "F":
                 continue
             send(idx, task, now, limit, dirty)
+            if step_ends is not None and op == "B":
+                _hold(loop, idx, step_ends[idx].get(task.microbatch, 0.0), now)
     _check_finished(policies, ranks)
     return tallies
+
+
+def _hold(loop: _Loop, idx: int, seconds: float, now: float) -> None:
+    """Keep rank ``idx`` busy for ``seconds`` (a mid-window gradient sync and update)."""
+    if seconds <= 0.0:
+        return
+    loop.running[idx] = _SYNC
+    heapq.heappush(loop.heap, (now + seconds, _DONE, idx, 0))
+    if loop.add is not None:
+        r = loop.ranks
+        loop.add(r.stage[idx], r.replica[idx], "SYNC", None, now, now + seconds)
 
 
 def _dispatcher(loop: _Loop, task_jitter: float) -> Callable[[list[int], float], None]:

@@ -1,11 +1,13 @@
 """PipeDream-2BW (``schedule="2bw"``, Note [2BW] in varuna/core/schedule.py): the weight-version
 rule against numbers computed by hand, the engine at P×D against a single-process
 implementation of the same rule, checkpoint resume, the synchronous schedule as a negative
-control, and the flush-free window the simulator prices."""
+control, and the flush-free window the simulator prices and ``Engine.train_steps`` runs (Note
+[No-flush window] in varuna/runtime/no_flush.py)."""
 
 from __future__ import annotations
 
 import copy
+import json
 import sys
 from pathlib import Path
 
@@ -17,9 +19,10 @@ from torch import nn
 
 import varuna
 from simulator.engine import SimConfig, simulate
-from varuna.core.calibration import Calibration
+from varuna.core.calibration import AllReduceModel, Calibration
 from varuna.core.schedule import get_schedule, schedule_kind
 from varuna.core.tasks import format_tasks, validate_stage_tasks
+from varuna.runtime.no_flush import no_flush_unsupported
 from varuna.runtime.weight_versions import PREVIOUS_KEY, WeightVersions, pop_previous
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,6 +139,43 @@ def test_weight_versions_match_the_hand_computed_rule():
         assert ws[1] == sync[1] and ws[2] != sync[2]
 
 
+def test_train_steps_without_a_flush_follow_the_hand_computed_rule():
+    ws, losses = hand_trajectory(4, stale=True)
+    with engine("2bw") as eng:
+        results = eng.train_steps([batch(t) for t in range(1, 5)])
+        assert [r.step for r in results] == [1, 2, 3, 4] and eng.step_count == 4
+        for r, want in zip(results, losses):
+            assert r.loss == pytest.approx(want, abs=1e-6) and not r.skipped
+        assert_matches(weights(eng), ws[4], "after the window")
+        assert_matches(eng.weight_versions.previous, ws[3], "the stash after the window")
+        assert len(eng.executed_orders) == 1  # one task list for the four mini-batches
+        assert format_tasks(eng.executed_orders[0]) == " ".join(f"F{i} B{i}" for i in range(8))
+
+
+def test_train_steps_end_a_window_at_every_periodic_checkpoint(tmp_path):
+    with engine("2bw", checkpoint_dir=str(tmp_path), checkpoint_every=2) as eng:
+        eng.train_steps([batch(t) for t in range(1, 4)])
+        assert [len(o) for o in eng.executed_orders] == [8, 4]  # steps 1-2, then 3
+        assert eng.checkpointer.wait(timeout_s=60)  # the save at step 2 copied in the background
+    assert (tmp_path / "step_00000002" / "manifest.json").is_file()
+    with engine("1f1b") as eng:  # a synchronous kind: train_step on each
+        eng.train_steps([batch(1), batch(2)])
+        assert len(eng.executed_orders) == 2
+
+
+def test_what_needs_a_barrier_per_step_is_refused():
+    def cfg(**kw):
+        return varuna.VarunaConfig(global_batch_size=4, micro_batch_size=1, schedule="2bw", **kw)
+
+    assert no_flush_unsupported(cfg(), 2) is None
+    assert "max_grad_norm" in no_flush_unsupported(cfg(max_grad_norm=1.0), 2)
+    assert "fp16" in no_flush_unsupported(cfg(precision="fp16"), 2)
+    assert "recompute=True" in no_flush_unsupported(cfg(recompute=False), 2)
+    assert no_flush_unsupported(cfg(recompute=False), 1) is None  # F directly precedes B
+    with engine("2bw", max_grad_norm=1.0) as eng, pytest.raises(ValueError, match="cannot clip"):
+        eng.train_steps([batch(1), batch(2)])
+
+
 def test_synchronous_schedule_is_the_negative_control():
     ws, _ = hand_trajectory(2, stale=True)
     sync, _ = hand_trajectory(2, stale=False)
@@ -237,25 +277,97 @@ def test_simulator_shows_no_flush_bubble_in_steady_state():
         assert all(t.microbatch >= nm for o in two.executed[0] for t in o)
         params = cal.segments[0].param_bytes
         assert two.stage_memory_bytes[0] == sync.stage_memory_bytes[0] + params  # the stashed version
+    # With D=2, each stage all-reduces its gradients right after its own last backward of a
+    # mini-batch, before its next task (what the engine's no-flush window does): once per step.
+    ar = AllReduceModel(bandwidth_bytes_per_s=1e12, latency_s=0.005, contention=0.0)
+    cal = Calibration.synthetic(F, num_segments=P, micro_batch_sizes=(1,), allreduce=ar)
+    for nm in (4, 8):
+        common = dict(num_stages=P, num_replicas=2, micro_batch_size=1, num_microbatches=nm, recompute=False,
+                      optimizer=False, task_overhead_s=0.0, placeholder_s=0.0, step_overhead_s=0.0)
+        sync = simulate(cal, SimConfig(schedule="1f1b", **common))
+        two = simulate(cal, SimConfig(schedule="2bw", **common), record=True)
+        hold = sync.stage_allreduce_s[0]
+        assert hold > 0.005 and two.minibatch_s == pytest.approx(nm * (F + B) + hold)
+        assert sum(e.op == "SYNC" for e in two.timeline.events) == P  # one per stage in the 2-step window
+
+
+def merged(out: Path, name: str, world: int) -> tuple[dict, dict]:
+    """Every rank's dumped weights (by step, by name) and losses of run ``name``."""
+    weights_by_step: dict = {}
+    losses: dict = {}
+    for r in range(world):
+        d = torch.load(out / name / f"rank{r}.pt")
+        for step, ws in d["weights"].items():
+            weights_by_step.setdefault(step, {}).update(ws)
+        losses.update(d["losses"])
+    return weights_by_step, losses
+
+
+def check_no_flush(out: Path, world: int, *, lean: bool = False) -> None:
+    """The ``--no-flush`` runs: at each window's end the weights of the single-process rule
+    (tolerance 2e-5) and, bit for bit, those of the engine flushing after every step (the same
+    tasks on the same versions, summed in the same order); the same losses, bit for bit; the
+    window resumed from its checkpoint equals the uninterrupted one."""
+    flush, flush_losses = merged(out, "2bw", world)
+    ref = reference(stale=True)
+    names = ("window",) if lean else ("window", "window_ckpt", "window_resumed")
+    runs = {name: merged(out, name, world) for name in names}
+    assert sorted(runs["window"][0]) == [4] and sorted(runs["window"][1]) == [1, 2, 3, 4]
+    if not lean:
+        assert sorted(runs["window_ckpt"][0]) == [2, 4]
+        assert sorted(runs["window_resumed"][0]) == [4] and sorted(runs["window_resumed"][1]) == [3, 4]
+    for name, (ws_by_step, losses) in runs.items():
+        for t, ws in ws_by_step.items():
+            assert set(ws) == set(flush[t])
+            for n, w in ws.items():
+                assert torch.allclose(w, ref[t][n], atol=2e-5, rtol=0), (name, t, n)
+                assert torch.equal(w, flush[t][n]), (name, t, n)
+        assert all(losses[t] == flush_losses[t] for t in losses), name
+
+
+def boundary_gaps(rows: list) -> list[float]:
+    """Per step boundary t|t+1: stage 0's first forward of t+1 starts this many seconds after the
+    last stage's last backward of t ends (negative: they overlap). ``rows``: (stage, op, step,
+    start, end) from the engine's gathered timeline."""
+    last = max(r[0] for r in rows)
+    steps = 1 + max(r[2] for r in rows)
+    return [min(r[3] for r in rows if r[0] == 0 and r[1] == "F" and r[2] == t + 1)
+            - max(r[4] for r in rows if r[0] == last and r[1] == "B" and r[2] == t) for t in range(steps - 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("P", [2, 3])
+def test_no_flush_at_px1_overlaps_mini_batches_and_equals_the_reference(tmp_path, P):
+    """P × D=1: ``train_steps`` against the single-process rule and the flushing engine (P=3:
+    in deterministic mode). At P=2
+    the executed order (the engine's timeline, an emulated model whose last stage is 4x the first)
+    shows stage 0 starting mini-batch t+1 before the last stage finishes t. Negative control: the
+    same through ``train_step`` (a flush per step) never does."""
+    env = {"VARUNA_PIPELINE_DEPTH": str(P)}
+    # At P=3 without checkpoints (those: 2x1, 2x2) and in deterministic mode (canonical sums
+    # restarted inside the window at each update).
+    lean = ["--lean", "--deterministic"] if P == 3 else []
+    check_ok(run_world(WORKER, P, ["--out", str(tmp_path), "--no-flush", *lean], env=env, timeout_s=600))
+    check_no_flush(tmp_path, P, lean=bool(lean))
+    if P != 2:
+        return
+    found = json.loads((tmp_path / "overlap.json").read_text())
+    # By the list, stage 0 starts t+1 after its backward of t's micro-batch Nm-P (here: its
+    # third), while the last stage still has F+B of one micro-batch (120 ms) to run: ~90 ms ahead.
+    assert all(gap < 0 for gap in boundary_gaps(found["train_steps"])), found["train_steps"]
+    # A flush: stage 0's next forward waits for the end of step agreement, after every backward.
+    assert all(gap > 0 for gap in boundary_gaps(found["train_step"])), found["train_step"]
 
 
 @pytest.mark.slow
 def test_pipeline_and_data_parallel_equal_a_single_process_2bw(tmp_path):
     """P=2 × D=2 processes against plain torch running the same rule: tolerance 2e-5 (fp32
     sums in another order); the resumed run must equal the uninterrupted one exactly. (The
-    synchronous engine as a negative control: the fast tests above.)"""
+    synchronous engine as a negative control: the fast tests above.) Then the same without a
+    flush (``train_steps``), in one window and in two around a checkpoint."""
     env = {"VARUNA_PIPELINE_DEPTH": "2"}
-    check_ok(run_world(WORKER, 4, ["--out", str(tmp_path)], env=env, timeout_s=600))
-
-    def merged(name):
-        out: dict = {}
-        for r in range(4):
-            d = torch.load(tmp_path / name / f"rank{r}.pt")
-            for step, ws in d["weights"].items():
-                out.setdefault(step, {}).update(ws)
-        return out
-
-    got, resumed = merged("2bw"), merged("resumed")
+    check_ok(run_world(WORKER, 4, ["--out", str(tmp_path), "--no-flush"], env=env, timeout_s=600))
+    got, resumed = merged(tmp_path, "2bw", 4)[0], merged(tmp_path, "resumed", 4)[0]
     ref2, ref_sync = reference(stale=True), reference(stale=False)
     for t in range(1, 5):
         for n, w in got[t].items():
@@ -270,10 +382,12 @@ def test_pipeline_and_data_parallel_equal_a_single_process_2bw(tmp_path):
     for t, ws in resume_in_one_process(tmp_path / "ckpt").items():
         for n, w in ws.items():
             assert torch.allclose(w, got[t][n], atol=2e-5, rtol=0), ("1x1 resume", t, n)
+    check_no_flush(tmp_path, 4)
 
 
-def gpt_in_one_process(steps, m_total: int = 8, **cfg) -> dict:
-    """The tiny GPT under a 1×1 engine with 2bw, as the worker trains it; weights per step."""
+def gpt_in_one_process(steps, m_total: int = 8, window: bool = False, **cfg) -> dict:
+    """The tiny GPT under a 1×1 engine with 2bw, as the worker trains it; weights per step
+    (``window``: all steps through one ``train_steps``, weights at its end)."""
     data = make_batch("gpt", 4 * m_total)
 
     def batch_of(t):
@@ -284,6 +398,9 @@ def gpt_in_one_process(steps, m_total: int = 8, **cfg) -> dict:
     out = {}
     with varuna.Engine(build_model("gpt", dropout=0.1), config, example_batch=batch_of(1),
                        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)) as eng:
+        if window:
+            eng.train_steps([batch_of(t) for t in steps])
+            return {eng.step_count: weights(eng)}
         for t in steps:
             if t > eng.step_count:
                 eng.train_step(batch_of(t))
@@ -304,6 +421,14 @@ def test_deterministic_mode_with_a_tied_weight():
     for t in (1, 2, 3):
         for n, w in got[t].items():
             assert torch.allclose(w, ref[t][n], atol=2e-5, rtol=0), (t, n)
+
+
+def test_deterministic_train_steps_equal_train_step_bit_for_bit():
+    """Deterministic mode's per-step canonical sums restart inside the window at each update."""
+    got = gpt_in_one_process((1, 2, 3), deterministic=True, window=True)
+    assert sorted(got) == [3]
+    flushed = gpt_in_one_process((1, 2, 3), deterministic=True)
+    assert all(torch.equal(w, flushed[3][n]) for n, w in got[3].items())
 
 
 def reference(*, stale: bool, steps: int = 4, m_total: int = 8, micro: int = 2, lr: float = 0.1):

@@ -58,7 +58,7 @@ def test_new_kind_configs_cover_the_issue18_kinds_and_simulate():
         mine = [c for c in configs if c.schedule == kind]
         assert {c.num_stages for c in mine} == {2, 4}, kind
         assert {c.num_replicas for c in mine} == {1, 2}, kind
-        assert {c.level for c in mine} == {"none", "moderate"}, kind
+        assert {"none", "moderate"} <= {c.level for c in mine} <= {"none", "moderate", "heavy"}, kind
     assert not set(v.default_configs()) & set(configs)
     f = v.BLOCKS_PER_STAGE * v.BLOCK_FWD_S
     for c in configs:

@@ -47,11 +47,12 @@ updates) while the update applies to the newest, W(t) = W(t-1) - lr * grad f_t(W
 optimizer's rule -- the update of step t is first used by step t+2. That lets mini-batch t+1's
 forwards start while mini-batch t's backwards drain: no pipeline flush, each micro-batch on one
 weight version on every stage. Its window (:meth:`TwoBWKind.window`) is therefore 1F1B over
-several mini-batches back to back (micro-batch s*Nm + i is micro-batch i of the s-th), what the
-simulator runs to price a step in steady state. The runtime keeps the version semantics exactly
-(``varuna/runtime/weight_versions.py``) but still runs each mini-batch's 1F1B list with a flush
-after it (docs/schedules.md says so). Training is NOT the same as on one device with the
-synchronous rule.
+several mini-batches back to back (micro-batch s*Nm + i is micro-batch i of the s-th): what
+``Engine.train_steps`` executes (each stage updating right after its own last backward of each
+mini-batch, Note [No-flush window] in ``varuna/runtime/no_flush.py``) and what the simulator runs
+to price a step in steady state. ``Engine.train_step`` runs one mini-batch's list (the window of
+one) with a flush after it, on the same weight versions (``varuna/runtime/weight_versions.py``).
+Training is NOT the same as on one device with the synchronous rule.
 """
 
 from __future__ import annotations

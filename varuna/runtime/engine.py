@@ -55,6 +55,7 @@ from varuna.runtime.grad_sync import GradientSync, allreduce_scalars
 from varuna.runtime.groups import ProcessGroups, StageLinks, build_groups
 from varuna.runtime.layout import Layout, init_distributed, pick_device
 from varuna.runtime.loss_scale import DynamicLossScale, NonFiniteLosses, NonFiniteLossStop
+from varuna.runtime.no_flush import WindowFeed, no_flush_unsupported
 from varuna.runtime.peer_watch import PeerWatch, watching
 from varuna.runtime.plugins import run_plugins
 from varuna.runtime.stages import assign_stages, chunks_per_process, planning_profile
@@ -326,29 +327,19 @@ class Engine:
         sync_s = time.perf_counter() - t_sync
         self._uncommitted = False
         self.checkpointer.after_step()  # periodic checkpoint at this mini-batch boundary, if configured
-        wall = time.perf_counter() - t_start
-        result = StepResult(
-            step=self.step_count,
-            loss=outcome.loss,
-            grad_norm=outcome.grad_norm,
-            skipped=outcome.skipped,
-            loss_scale=self.scaler.scale,
-            samples_per_s=self.config.global_batch_size / wall,
-            wall_time=time.time(),
-            timings=dataclasses.replace(run.timings, sync_s=sync_s),
-            step_s=wall,
-        )
-        for fn in self._step_callbacks:
-            fn(result)
-        line = self._nonfinite.observe(result.step, result.loss)  # the NaN/Inf loss policy
-        if line is not None:  # every rank saw the same agreed loss: every rank stops here
-            self.close()
-            raise NonFiniteLossStop(line)
-        if outcome.stop and hook is not None:
-            self.agreed_stop = True  # the live trainer decides: regroup, or stop (Engine._stop)
-        elif outcome.stop:
-            self._stop()
+        result = _step_result(self, outcome, run.timings, t_start, sync_s)
+        _report(self, result)
+        _after_stop(self, outcome.stop, hook)
         return result
+
+    def train_steps(self, batches: Iterable) -> list[StepResult]:
+        """Train one step per mini-batch of ``batches`` (each M_total examples); their results.
+        With ``schedule="2bw"`` they run back to back without a pipeline flush, each stage
+        updating right after its own last backward of each (Note [No-flush window] in
+        varuna/runtime/no_flush.py), drained at the end and at every periodic checkpoint step:
+        the weights ``train_step`` would make, sooner. Other kinds: ``train_step`` on each.
+        Example: ``results = engine.train_steps(batch_of(t) for t in range(1, 9))``."""
+        return _train_steps(self, list(batches))
 
     def _signal_stop(self, signum, frame) -> None:
         # Only a flag: the step in flight finishes, then all ranks agree (Note [Step]).
@@ -463,6 +454,83 @@ class Engine:
     def load_state_dict(self, state: dict) -> None:
         """Inverse of :meth:`state_dict`; ``state["params"]`` may hold the whole model's names."""
         load_engine_state_dict(self, state)
+
+
+def _step_result(engine: Engine, outcome, timings, t_start: float, sync_s: float) -> StepResult:
+    wall = time.perf_counter() - t_start
+    return StepResult(
+        step=engine.step_count,
+        loss=outcome.loss,
+        grad_norm=outcome.grad_norm,
+        skipped=outcome.skipped,
+        loss_scale=engine.scaler.scale,
+        samples_per_s=engine.config.global_batch_size / wall,
+        wall_time=time.time(),
+        timings=dataclasses.replace(timings, sync_s=sync_s),
+        step_s=wall,
+    )
+
+
+def _report(engine: Engine, result: StepResult) -> None:
+    """Step callbacks, then the NaN/Inf loss policy."""
+    for fn in engine._step_callbacks:
+        fn(result)
+    line = engine._nonfinite.observe(result.step, result.loss)
+    if line is not None:  # every rank saw the same agreed loss: every rank stops here
+        engine.close()
+        raise NonFiniteLossStop(line)
+
+
+def _after_stop(engine: Engine, stop: bool, hook) -> None:
+    if stop and hook is not None:
+        engine.agreed_stop = True  # the live trainer decides: regroup, or stop (Engine._stop)
+    elif stop:
+        engine._stop()
+
+
+def _train_steps(engine: Engine, batches: list) -> list[StepResult]:
+    """``Engine.train_steps``: windows ending at the periodic checkpoint steps (2bw)."""
+    for b in batches:
+        _check_batch(b, engine.config.global_batch_size)
+    if engine.weight_versions is None:
+        return [engine.train_step(b) for b in batches]
+    reason = no_flush_unsupported(engine.config, engine.layout.P)
+    if reason is not None:
+        raise ValueError(reason)
+    ckpt = engine.checkpointer
+    every = ckpt.every if ckpt.directory is not None else 0
+    out: list[StepResult] = []
+    while batches:
+        n = len(batches) if not every else min(len(batches), every - engine.step_count % every)
+        out += _train_window(engine, batches[:n])
+        batches = batches[n:]
+    return out
+
+
+def _train_window(e: Engine, batches: list) -> list[StepResult]:
+    """One no-flush window (Note [No-flush window]), drained at its end."""
+    t_start = time.perf_counter()
+    first = e.step_count + 1
+    e._uncommitted = True
+    e.optimizer.zero_grad(set_to_none=True)
+    mbs = e.micro_plan[e.replica]
+    if e._det is not None:
+        e._det.begin_step(mbs, sum(len(p) for p in e.micro_plan))
+    feed = WindowFeed(e, batches, first)
+    assert e.weight_versions is not None
+    try:
+        with watching(e._watch, first):
+            run = e._executor.run_window(feed, len(mbs), len(batches), scale=e.scaler.scale)
+    finally:
+        e.weight_versions.select(stale=False)  # the newest version in the parameters
+    e.executed_orders.append(run.executed)
+    results, stop = feed.results(run, t_start)
+    e._uncommitted = False
+    e.checkpointer.after_step()  # periodic checkpoint: windows end at its steps
+    for result in results:
+        _report(e, result)
+    _after_stop(e, stop, e.boundary_hook)
+    return results
 
 
 def _stage_model(engine: Engine) -> StageModel:

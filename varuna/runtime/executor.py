@@ -54,7 +54,7 @@ from varuna.runtime.determinism import DeterminismError, first_difference
 from varuna.runtime.groups import StageLinks
 from varuna.runtime.split_backward import WeightWork, backward_input, backward_weight
 
-__all__ = ["StageModel", "ScheduleExecutor", "StageRun", "leaf"]
+__all__ = ["Feed", "StageModel", "ScheduleExecutor", "StageRun", "leaf"]
 
 
 @dataclass(kw_only=True)
@@ -161,6 +161,26 @@ class _Work:
         )
 
 
+class Feed:
+    """Where task index i's data lives: one mini-batch here (``i`` is its micro-batch); a no-flush
+    window's feed (varuna/runtime/no_flush.py) maps the window's indices to several mini-batches
+    and steps, and hooks every task (weight version) and every backward (the per-step update)."""
+
+    def __init__(self, batch, mbs: list[MicroBatch], step: int) -> None:
+        self.batch, self.mbs, self.step = batch, mbs, step
+
+    def locate(self, i: int) -> tuple[object, MicroBatch, int, int]:
+        """(mini-batch, micro-batch, step, timeline tag) of task index ``i``."""
+        mb = self.mbs[i]
+        return self.batch, mb, self.step, mb.index
+
+    def before(self, task: Task) -> None:
+        """Called before ``task`` runs."""
+
+    def after_backward(self, task: Task, work: _Work) -> None:
+        """Called after a backward ran (and sent its gradient)."""
+
+
 def leaf(x: torch.Tensor) -> torch.Tensor:
     """A received activation as an autograd leaf that collects its gradient (floating point only)."""
     t = x.detach()
@@ -213,17 +233,34 @@ class ScheduleExecutor:
             policy = StagePolicy([Task(FORWARD, i) for i in range(n)], k, P, opportunistic=False)
             recomputed = frozenset((i, 0) for i in range(n))  # forward-only: never keep a graph
         self.links.begin_step(n, train=train)
-        # Dropout draws are keyed by work (Note [Step]); the user's RNG stream is restored after.
-        devices = [self.s.device] if self.s.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            work = self._execute(batch, mbs, policy, recomputed, train)
+        work = self._forked(Feed(batch, mbs, step), policy, recomputed, train)
         if train:
             self._verify = False  # one step's recomputes checked
         return StageRun(loss_sum=work.loss_sum, executed=list(policy.executed), timings=work.timings())
 
-    def _execute(
-        self, batch, mbs: list[MicroBatch], policy, recomputed: frozenset[tuple[int, int]], train: bool
-    ) -> _Work:
+    def run_window(self, feed: Feed, num_microbatches: int, steps: int, *, scale: float) -> StageRun:
+        """Train ``steps`` mini-batches of ``num_microbatches`` each back to back as one task list
+        (``schedule_kind(...).window``: 2bw without a flush, Note [2BW] in varuna/core/schedule.py);
+        ``feed`` maps the window's task indices to mini-batches and updates the weights."""
+        P, k = self.s.num_stages, self.s.stage
+        self._scale = scale
+        pipe = schedule_kind(self.config.schedule).window(
+            P, num_microbatches, steps, recompute=self.config.recompute
+        )
+        policy = pipe.policy(k, stash_headroom=self.config.stash_headroom)
+        recomputed = frozenset((i, 0) for i in pipe.recomputed(k))
+        self.links.begin_step(num_microbatches * steps, train=True)
+        work = self._forked(feed, policy, recomputed, True)
+        self._verify = False
+        return StageRun(loss_sum=work.loss_sum, executed=list(policy.executed), timings=work.timings())
+
+    def _forked(self, feed: Feed, policy, recomputed: frozenset[tuple[int, int]], train: bool) -> _Work:
+        # Dropout draws are keyed by work (Note [Step]); the user's RNG stream is restored after.
+        devices = [self.s.device] if self.s.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            return self._execute(feed, policy, recomputed, train)
+
+    def _execute(self, feed: Feed, policy, recomputed: frozenset[tuple[int, int]], train: bool) -> _Work:
         work = _Work()
         timeout = self.config.comm_timeout_s
         record = self.config.record_timeline
@@ -234,21 +271,16 @@ class ScheduleExecutor:
             if task is None:
                 self._drain(policy, work, block=True, timeout=timeout)
                 continue
+            feed.before(task)
             t0 = time.perf_counter()
             i, c = task.microbatch, getattr(task, "chunk", 0)
-            mb, key = mbs[i], (i, c)
+            batch, mb, self._step, tag = feed.locate(i)
+            key = (i, c)
             if task.op == FORWARD:
                 keep = train and key not in recomputed
                 self._run_forward(work, batch, mb, key, keep_graph=keep, train=train)
             elif task.op == RECOMPUTE:
-                inputs = work.stash.pop(key)
-                if inputs is not None:
-                    inputs = tuple(leaf(x) for x in inputs)
-                out = self._forward(batch, mb, inputs, with_grad=True, chunk=c)
-                sent = work.sent.pop(key, None)
-                if sent is not None:
-                    self._check_recompute(mb, sent, out, c)
-                work.graphs[key] = (inputs, out)
+                self._run_recompute(work, batch, mb, key)
             elif task.op == BACKWARD:
                 self._run_backward(work, mb, key, train=train)
             else:
@@ -260,8 +292,20 @@ class ScheduleExecutor:
             work.busy_s[task.op] += t1 - t0
             work.count[task.op] += 1
             if record:  # interleaved: the event's micro-batch is tagged index·v + chunk
-                self.timeline.add(self.s.stage, self.s.replica, task.op, mb.index * v + c, t0, t1)
+                self.timeline.add(self.s.stage, self.s.replica, task.op, tag * v + c, t0, t1)
+            if task.op == BACKWARD:
+                feed.after_backward(task, work)
         return work
+
+    def _run_recompute(self, work: _Work, batch, mb: MicroBatch, key: tuple[int, int]) -> None:
+        inputs = work.stash.pop(key)
+        if inputs is not None:
+            inputs = tuple(leaf(x) for x in inputs)
+        out = self._forward(batch, mb, inputs, with_grad=True, chunk=key[1])
+        sent = work.sent.pop(key, None)
+        if sent is not None:
+            self._check_recompute(mb, sent, out, key[1])
+        work.graphs[key] = (inputs, out)
 
     def _run_forward(
         self, work: _Work, batch, mb: MicroBatch, key: tuple[int, int], *, keep_graph: bool, train: bool

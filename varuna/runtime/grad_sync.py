@@ -148,30 +148,52 @@ class GradientSync:
         micro_plan: list[list[MicroBatch]],
     ) -> tuple[float, bool, float, bool]:
         """One all-reduce over the world: (sum of squared gradients, overflow, loss, stop)."""
-        world = self.layout.world
+        v = self.agreement_slots(sumsq, nonfinite, local_loss, stop_requested)
+        return self.read_agreement(allreduce_scalars(v, self.layout.world), micro_plan)
+
+    def agreement_slots(
+        self, sumsq: torch.Tensor, nonfinite: float, local_loss: float, stop_requested: bool
+    ) -> torch.Tensor:
+        """This rank's part of the end-of-step agreement, to SUM over the world (a no-flush
+        window all-reduces it without waiting: varuna/runtime/no_flush.py)."""
         if self.det is not None:
-            v = self.det.scalar_slots(nonfinite > 0, stop_requested, self.groups.norm_elsewhere)
-            sizes = [mb.size for plan in micro_plan for mb in plan]
-            return self.det.read_slots(allreduce_scalars(v, world), sizes, self.config.global_batch_size)
-        v = torch.tensor(
+            return self.det.scalar_slots(nonfinite > 0, stop_requested, self.groups.norm_elsewhere)
+        return torch.tensor(
             [float(sumsq) if nonfinite == 0 else 0.0, nonfinite, local_loss, float(stop_requested)],
             dtype=torch.float64,
         )
-        total_sq, overflow, loss, stop = allreduce_scalars(v, world)
+
+    def read_agreement(
+        self, summed: list[float], micro_plan: list[list[MicroBatch]]
+    ) -> tuple[float, bool, float, bool]:
+        """(sum of squared gradients, overflow, loss, stop) from the summed slots."""
+        if self.det is not None:
+            sizes = [mb.size for plan in micro_plan for mb in plan]
+            return self.det.read_slots(summed, sizes, self.config.global_batch_size)
+        total_sq, overflow, loss, stop = summed
         return total_sq, overflow > 0, loss, stop > 0
+
+    def reduce(self) -> None:
+        """Sum the gradients over each stage's replicas and over the copies of shared parameters
+        (canonical order in deterministic mode)."""
+        t0 = time.perf_counter()
+        if self.det is not None:
+            self.det.reduce()
+        else:
+            self._reduce_grads()
+        if self.config.record_timeline:
+            self.timeline.add(self.layout.stage, self.layout.replica, "AR", None, t0, time.perf_counter())
+
+    def local_norms(self) -> tuple[torch.Tensor, float]:
+        """This rank's counted sum of squared gradients, and 1.0 if any gradient is not finite."""
+        return self._local_norms()
 
     def finish(
         self, local_loss: float, *, stop_requested: bool, micro_plan: list[list[MicroBatch]]
     ) -> StepOutcome:
         """Sync gradients, agree with every rank, then step the optimizer or skip (overflow)."""
         cfg = self.config
-        t0 = time.perf_counter()
-        if self.det is not None:
-            self.det.reduce()
-        else:
-            self._reduce_grads()
-        if cfg.record_timeline:
-            self.timeline.add(self.layout.stage, self.layout.replica, "AR", None, t0, time.perf_counter())
+        self.reduce()
         sumsq, nonfinite = self._local_norms()
         t_ar = time.perf_counter()
         total_sq, skipped, loss, stop = self._agree(sumsq, nonfinite, local_loss, stop_requested, micro_plan)

@@ -63,6 +63,7 @@ class WeightVersions:
         self._params = dict(trainable)
         with torch.no_grad():
             self._previous = {n: p.detach().clone() for n, p in self._params.items()}
+        self._swapped = False  # whether the parameters hold the stashed version (select)
 
     @property
     def previous(self) -> dict[str, torch.Tensor]:
@@ -82,6 +83,27 @@ class WeightVersions:
             tmp = p.detach().clone()
             p.detach().copy_(prev)
             prev.copy_(tmp)
+
+    def select(self, stale: bool) -> None:
+        """Make the parameters hold the stashed version (``stale``) or the newest one: a no-flush
+        window (varuna/runtime/no_flush.py) computes two mini-batches on the two versions and
+        switches before each task. In place (contents swapped), so no autograd graph may hold the
+        parameters across a switch: the window recomputes, and a graph lives from its R (or F) to
+        the B right after it."""
+        if stale != self._swapped:
+            with torch.no_grad():
+                self._swap()
+            self._swapped = stale
+
+    def advance(self) -> None:
+        """The oldest mini-batch in flight, t, finished its last backward here: the parameters get
+        the newest version W(t-1) back and the stash takes a copy of it (what mini-batch t+1
+        computes on); the optimizer step that follows makes W(t) for mini-batch t+2."""
+        self.select(False)
+        with torch.no_grad():
+            prev = list(self._previous.values())
+            if prev:
+                torch._foreach_copy_(prev, [p.detach() for p in self._params.values()])
 
     @contextmanager
     def stale(self) -> Iterator[None]:
