@@ -27,6 +27,7 @@ from model import GPT, GPTConfig  # noqa: E402
 import varuna  # noqa: E402
 from varuna.core.extras import MissingExtra  # noqa: E402
 from varuna.core.schedule import SCHEDULE_KINDS  # noqa: E402
+from varuna.runtime.no_flush import no_flush_unsupported  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="0: no clipping")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--eval-every", type=int, default=10, help="steps between validation losses (0: never)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
@@ -101,7 +102,7 @@ def build_config(args: argparse.Namespace) -> varuna.VarunaConfig:
             schedule=args.schedule,
             seed=args.seed,
             precision=args.precision,
-            max_grad_norm=args.max_grad_norm,
+            max_grad_norm=args.max_grad_norm or None,
             deterministic=args.deterministic,
             record_timeline=args.trace is not None,
             deterministic_threads=args.threads,
@@ -175,6 +176,47 @@ def write_trace(engine: varuna.Engine, path: Path, info: dict) -> None:
         print(f"wrote {path} and {path.with_suffix('.png')}", flush=True)
 
 
+
+def _window_end(args: argparse.Namespace, overlap: bool, step: int) -> int:
+    """The last step of the window that starts at ``step``: with ``overlap`` (2bw) up to 8
+    mini-batches run back to back without a pipeline flush (``Engine.train_steps``), ending at the
+    next evaluation; otherwise one step at a time."""
+    if not overlap:
+        return step
+    last = min(args.steps, step + 7)
+    if args.eval_every:
+        last = min(last, -(-step // args.eval_every) * args.eval_every)
+    return last
+
+
+def _report(engine, args: argparse.Namespace, data, info: dict, r, out, leader: bool) -> None:
+    """Evaluate when due, print the step's line and append its metrics row (leader only)."""
+    row = {
+        "step": r.step,
+        "loss": r.loss,
+        "samples_per_s": r.samples_per_s,
+        "P": info["P"],
+        "D": info["D"],
+        "m": info["m"],
+        "Nm": sum(info["Nm"]),
+        "wall_time": r.wall_time,
+        "step_s": r.step_s,
+        "grad_norm": r.grad_norm,
+        "skipped": r.skipped,
+    }
+    if args.eval_every and (r.step % args.eval_every == 0 or r.step == args.steps):
+        row["val_loss"] = engine.evaluate(data.get("val", r.step, args.global_batch_size))
+    if leader:
+        extra = f" val {row['val_loss']:.4f}" if "val_loss" in row else ""
+        print(
+            f"step {r.step:5d}/{args.steps} loss {r.loss:.4f}{extra} |g| {r.grad_norm:.3f} "
+            f"{r.samples_per_s:8.1f} samples/s",
+            flush=True,
+        )
+        if out:
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -195,35 +237,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"varuna: resumed from the checkpoint of step {engine.step_count}", flush=True)
     out = open(args.metrics_out, "a") if (leader and args.metrics_out) else None
     try:
-        for step in range(engine.step_count + 1, args.steps + 1):
-            if args.trace is not None:
-                engine.timeline.events.clear()  # keep only the last step's events
-            r = engine.train_step(data.get("train", step, args.global_batch_size))
-            row = {
-                "step": r.step,
-                "loss": r.loss,
-                "samples_per_s": r.samples_per_s,
-                "P": info["P"],
-                "D": info["D"],
-                "m": info["m"],
-                "Nm": sum(info["Nm"]),
-                "wall_time": r.wall_time,
-                "step_s": r.step_s,
-                "grad_norm": r.grad_norm,
-                "skipped": r.skipped,
-            }
-            if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
-                row["val_loss"] = engine.evaluate(data.get("val", step, args.global_batch_size))
+        overlap = engine.config.schedule == "2bw"
+        why_not = no_flush_unsupported(engine.config, info["P"]) if overlap else None
+        if why_not is not None:
+            overlap = False
             if leader:
-                extra = f" val {row['val_loss']:.4f}" if "val_loss" in row else ""
-                print(
-                    f"step {r.step:5d}/{args.steps} loss {r.loss:.4f}{extra} |g| {r.grad_norm:.3f} "
-                    f"{r.samples_per_s:8.1f} samples/s",
-                    flush=True,
-                )
-                if out:
-                    out.write(json.dumps(row) + "\n")
-                    out.flush()
+                print(f"varuna: 2bw runs one step at a time here: {why_not}", flush=True)
+        step = engine.step_count + 1
+        while step <= args.steps:
+            if args.trace is not None:
+                engine.timeline.events.clear()  # keep only the last window's events
+            last = _window_end(args, overlap, step)
+            batches = [data.get("train", s, args.global_batch_size) for s in range(step, last + 1)]
+            results = engine.train_steps(batches) if overlap else [engine.train_step(batches[0])]
+            for r in results:
+                _report(engine, args, data, info, r, out if leader else None, leader)
+            step = last + 1
         if args.trace is not None:
             write_trace(engine, args.trace, info)
     finally:
