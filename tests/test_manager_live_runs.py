@@ -353,3 +353,63 @@ def test_a_restarted_manager_ends_a_grown_live_generation_through_the_fallback(t
     assert len(gen2.vm_ids) == 4 and not any("VARUNA_LIVE_JOIN" in e for e in envs)
     assert sorted(int(e["RANK"]) for e in envs) == list(range(4)), "a relaunch numbers from 0 again"
     assert w.mgr.ctx.live.open_count == 1
+
+
+NOTICE_WORKER = """
+import os, signal, sys, time
+out = sys.argv[1]
+def got(signum, frame):
+    with open(out, "a") as f:
+        f.write(signal.Signals(signum).name + "\\n")
+    os._exit(0)
+signal.signal(signal.SIGUSR1, got)
+signal.signal(signal.SIGUSR2, got)
+open(out + ".ready", "w").close()
+deadline = time.monotonic() + 60  # bounded: the agent's kill_all reaps it anyway
+while time.monotonic() < deadline:
+    signal.pause() if hasattr(signal, "pause") else time.sleep(0.1)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("word", ["leave", "none"])
+def test_the_agent_of_a_live_job_waits_for_the_leave_order(tmp_path, monkeypatch, word):
+    """A real agent and worker process: on a notice a live-morph job's worker gets nothing until the
+    manager's ``leave`` (then the notice signal, SIGUSR2), or SIGUSR1 once ``NOTICE_WAIT_S`` passed
+    without a word; never both."""
+    from test_manager_local import wait_for
+
+    from manager import varuna_manager_pb2 as pb
+    from manager import vm_agent
+    from manager.scheduled_events import Notice
+
+    token = tmp_path / "token"
+    token.write_text("x" * 32)
+    token.chmod(0o600)
+    script, out = tmp_path / "worker.py", tmp_path / "signals"
+    script.write_text(NOTICE_WORKER)
+    agent = vm_agent.VMAgent(vm_agent.AgentConfig(manager="127.0.0.1:1", token_file=str(token), vm_id="v",
+                                                  log_dir=str(tmp_path)))
+    try:
+        launch = pb.WorkerLaunch(rank=3, argv=[str(script), str(out)],
+                                 env={"VARUNA_LIVE_NOTICE_SIGNAL": "SIGUSR2", "VARUNA_LIVE_STORE": "h:1"})
+        agent._apply(pb.Orders(action=pb.Orders.RUN, generation=1, workers=[launch]))
+        assert agent._pool.notice_signal == signal.SIGUSR2
+        wait_for(lambda: Path(f"{out}.ready").exists(), 60, "the worker's handlers")
+        agent._notice = Notice(event_id="e", event_type="Preempt", not_before="")
+        agent._act_on_notice()
+        assert agent._pool.workers[0].stop_sent is None, "no signal before the manager's word"
+        if word == "leave":
+            agent._apply(pb.Orders(action=pb.Orders.RUN, generation=1, workers=[launch], leave=True))
+        else:
+            monkeypatch.setattr(vm_agent, "NOTICE_WAIT_S", 0.0)
+            agent._act_on_notice()
+        wait_for(lambda: out.exists() and out.read_text(), 60, "the worker's signal")
+        agent._act_on_notice()
+        agent._apply(pb.Orders(action=pb.Orders.RUN, generation=1, workers=[launch], leave=True))
+        wait_for(lambda: agent._pool.poll() or not agent._pool.any_running, 60, "the worker's exit")
+        assert out.read_text().split() == (["SIGUSR2"] if word == "leave" else ["SIGUSR1"])
+        assert agent._pool.workers[0].exit_code == 0
+    finally:
+        agent._pool.kill_all()
+        agent._client.close()
