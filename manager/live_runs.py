@@ -264,9 +264,14 @@ class LiveRuns:
         """Usable VMs ``extra`` outside the running ``gen`` (the grow rule said growing pays): their
         workers join the running generation as new members at the next step boundary and receive
         their stages from peers, at the simulator's P×D for all the VMs. False: the caller takes the
-        graceful stop and relaunch (no store after a manager restart, or no bigger layout fits)."""
+        graceful stop and relaunch (no store after a manager restart, or no bigger layout fits).
+        While VMs of a notice are still leaving it waits (True, nothing done)."""
         key = (job.job_id, gen.generation)
         members = self.members(gen)
+        if members.leaving:
+            # VMs still handing over after a notice: grow once they left (the layout for all the
+            # VMs must not count their workers). True: no restart either; the rule asks again.
+            return True
         old = (gen.pipeline_depth, gen.data_parallel)
         have = [(v, len(members.members.get(v, ()))) for v in gen.vm_ids]
         if key not in self._stores:

@@ -413,3 +413,31 @@ def test_the_agent_of_a_live_job_waits_for_the_leave_order(tmp_path, monkeypatch
     finally:
         agent._pool.kill_all()
         agent._client.close()
+
+
+def test_growth_waits_for_the_leavers_of_a_notice(tmp_path):
+    """Capacity comes back while a noticed VM still hands over: no restart, and the growth is
+    planned only once the leaver left (its worker is not counted among those that stay)."""
+    from manager import varuna_manager_pb2 as pb
+
+    provider = FakeProvider(capacity=3)
+    w = World(tmp_path, provider=provider, gather_timeout_s=0.0, create_retry_s=1.0)
+    job = w.submit(max_vms=4, min_vms=2, pipeline_depth=1, live_morph=True)
+    w.tick()
+    w.tick(0.1)
+    w.steps(job, 1, 2)
+    noticed = w.running(job)[2]
+    noticed.notice = pb.PreemptNotice(**NOTICE)
+    w.tick(0.1)
+    assert json.loads(w.gen(job).live_json)["leaving"] == [noticed.vm_id]
+    provider.capacity = 4  # one more VM comes back
+    for _ in range(14):
+        w.tick(0.5)
+    assert len(w.gen(job).vm_ids) == 3 and not json.loads(w.gen(job).live_json)["joiners"], "growth waits"
+    noticed.finish(0)
+    w.until(lambda: json.loads(w.gen(job).live_json)["joiners"])
+    gen = w.gen(job)
+    assert noticed.vm_id not in gen.vm_ids and len(gen.vm_ids) == 3
+    assert json.loads(gen.live_json)["joiners"] == {gen.vm_ids[2]: [3]}, "a fresh id; 2 is never reused"
+    assert gen.pipeline_depth * gen.data_parallel == 3
+    assert not {"stopping", "killing", "live-morph-fallback"} & set(w.kinds(job))
