@@ -1,5 +1,6 @@
 """Live morph in the control loop (docs/manager.md, Live morph): the rendezvous store of each
-generation of a ``live_morph = true`` job, and the reaction to a VM lost from a running one.
+generation of a ``live_morph = true`` job, and the reaction to a VM lost from a running one, to
+an eviction notice on one of its VMs, and to new VMs it can grow onto.
 
 The daemon hosts one :class:`varuna.launch.live_store.LiveStore` per generation (a fresh one per
 launch, as ``varuna-launch --live-morph`` does: member ids and ``dead/{id}`` keys must never be
@@ -9,13 +10,20 @@ when the job ends and when the manager stops (the store's server thread ends wit
 handle, and the listening socket is closed with it).
 
 When VMs of a running generation are lost (no heartbeat for T, or the provider says gone),
-:meth:`LiveRuns.on_lost` asks :func:`manager.live_morph.decide`. Live: the dead ranks and the
+:meth:`LiveRuns.on_failure` asks :func:`manager.live_morph.decide`. Live: the dead ranks and the
 simulator's P×D go into the store (``tell_workers``), the generation keeps running on the
 surviving VMs at the new P×D (updated in place: no kill, no relaunch), and the ``live-morph``
 event is written once a survivor reports a step past the one in flight (its ``duration_s``:
 detection → that heartbeat). Impossible (a stage lost every replica, no layout fits, a worker
 exited with 75, the store is gone with a manager restart): a ``live-morph-fallback`` event, and
 the caller takes today's kill + relaunch from the newest checkpoint.
+
+A notice (:meth:`LiveRuns.on_notice`): the P×D of the workers that stay goes into the store
+first, then the VM is marked ``leaving`` (its agent's RUN orders say ``leave``: the notice signal
+to its workers, which finish the step, hand over and exit 0); :meth:`LiveRuns.drop_leavers` takes
+it out of the generation once they exited 0. Growth (:meth:`LiveRuns.on_grow`): new VMs join the
+running generation, their workers started as joiners with fresh member ids. The generation's
+members (``manager.live_members.LiveMembers``) change in the same write as its VMs and P×D.
 
     >>> LiveRuns.bind_host("[::1]:7878"), LiveRuns.bind_host("10.0.0.4:7878")
     ('::1', '10.0.0.4')
