@@ -225,9 +225,17 @@ class LiveRuns:
             job.job_id, gen.generation, pipeline_depth=plan.pipeline_depth, data_parallel=plan.data_parallel,
             predicted_samples_per_s=plan.predicted_samples_per_s, live_json=members.leave(new).to_json(),
         )
+        detected, step = now, gen.last_step
+        earlier = self._pending.get(key)
+        if (earlier is not None and earlier.decision.kind == "notice"
+                and set(earlier.decision.lost_ranks) <= set(decision.lost_ranks)):
+            # Notices on several VMs (their agents report one by one): one hand-over, one event,
+            # timed from the first; this decision already covers the earlier leavers.
+            del self._pending[key]
+            old, detected, step = earlier.old, earlier.detected, earlier.step
         new_layout = (plan.pipeline_depth, plan.data_parallel)
         self._set_pending(job.job_id, gen.generation, PendingMorph(
-            decision, old, now, gen.last_step, expect=new_layout if new_layout != old else None,
+            decision, old, detected, step, expect=new_layout if new_layout != old else None,
             wait_leavers=new_layout == old))
         return True
 

@@ -256,6 +256,29 @@ def test_a_notice_hands_over_live_and_nothing_is_relaunched(tmp_path):
     assert w.store.job(job).generation == 1
 
 
+def test_notices_reported_one_by_one_are_one_hand_over(tmp_path):
+    """Both replicas of stage 1 get a notice; their agents report in turn: the leavers hand stage 1
+    over to those that stay, and the event is one, for both."""
+    from manager import varuna_manager_pb2 as pb
+
+    w, job = start(tmp_path)
+    first, second = w.running(job)[1], w.running(job)[3]
+    first.notice = pb.PreemptNotice(**NOTICE)
+    w.tick(0.1)
+    second.notice = pb.PreemptNotice(**NOTICE)
+    w.tick(0.1)
+    assert json.loads(w.gen(job).live_json)["leaving"] == [first.vm_id, second.vm_id]
+    first.finish(0)
+    second.finish(0)
+    w.tick(0.1)
+    gen = w.gen(job)
+    assert gen.vm_ids == [w.running(job)[0].vm_id, w.running(job)[1].vm_id] and len(gen.vm_ids) == 2
+    report(w, job, 7, (gen.pipeline_depth, gen.data_parallel))
+    [ev] = w.event(job, "live-morph")
+    assert ev.data["lost_ranks"] == [1, 3] and ev.data["old"] == [2, 2] and ev.data["duration_s"] > 0
+    assert not {"stopping", "killing", "live-morph-fallback"} & set(w.kinds(job))
+
+
 def test_a_notice_on_every_vm_falls_back_to_the_graceful_stop(tmp_path):
     from manager import varuna_manager_pb2 as pb
 
