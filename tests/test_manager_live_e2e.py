@@ -194,11 +194,14 @@ def dump(mp: ManagerProcess, job, tmp_path: Path) -> None:
         print(f"== {log.name}", *lines[-6:], sep="\n")
 
 
-def test_a_notice_hands_the_state_over_live_and_redoes_nothing(tmp_path):
+@pytest.mark.parametrize("leavers", [(3,), (1, 3)], ids=["one-vm", "a-whole-stage"])
+def test_a_notice_hands_the_state_over_live_and_redoes_nothing(tmp_path, leavers):
+    """``a-whole-stage``: both replicas of stage 1 are on noticed VMs; they hand it over to a worker
+    that stays (no checkpoint, no relaunch)."""
     metrics = tmp_path / "metrics.jsonl"
     md = MetadataServer()
     live_spec(tmp_path, metrics, pipeline_depth=2,
-                     provider_options={"max_created": 4, "metadata_url": md.url, "standby": False})
+              provider_options={"max_created": 4, "metadata_url": md.url, "standby": False})
     mp = manager(tmp_path)
     reference = reference_losses(tmp_path)
     mp.start()
@@ -210,25 +213,30 @@ def test_a_notice_hands_the_state_over_live_and_redoes_nothing(tmp_path):
         st = status(mp, job)
         assert (st.pipeline_depth, st.data_parallel) == (2, 2)
         pids = worker_pids(st)
-        noticed = next(v for v in st.vms if any(w.rank == 3 for w in v.workers))
+        noticed = [v for v in st.vms if any(w.rank in leavers for w in v.workers)]
         pause(pids.values())
-        md.preempt(noticed.vm_id)
-        # Its agent continues it with the notice signal once the manager said "leave".
-        wait_for(lambda: proc_state(pids[3]) not in ("T", "t"), 120, "the leave order to reach the worker")
-        pause([p for r, p in pids.items() if r != 3], signal.SIGCONT)
+        md.preempt(noticed[0].vm_id)
+        md.document["Events"][0]["Resources"] = [v.vm_id for v in noticed]
+        # Their agents continue them with the notice signal once the manager said "leave".
+        wait_for(lambda: all(proc_state(pids[r]) not in ("T", "t") for r in leavers), 120,
+                 "the leave orders to reach the workers")
+        pause([p for r, p in pids.items() if r not in leavers], signal.SIGCONT)
         wait_for(lambda: {"live-morph", "live-morph-fallback"} & set(kinds(mp, job)), 300, "the live morph")
         evs = events(mp, job)
         assert "live-morph-fallback" not in [e.kind for e in evs], [e.message for e in evs]
         [ev] = [json.loads(e.data_json) for e in evs if e.kind == "live-morph"]
-        assert ev["reason_kind"] == "notice" and ev["lost_ranks"] == [3] and ev["duration_s"] > 0
-        wait_for(lambda: "live-left" in kinds(mp, job), 120, "the leaver's exit 0")
-        os.killpg(noticed.agent_pid, signal.SIGKILL)  # the platform evicts it, after the hand-over
+        assert ev["reason_kind"] == "notice" and ev["lost_ranks"] == list(leavers) and ev["duration_s"] > 0
+        gone = {v.vm_id for v in noticed}
+        wait_for(lambda: not any(v.in_generation for v in status(mp, job).vms if v.vm_id in gone), 120,
+                 "the leavers' exit 0")
+        for v in noticed:
+            os.killpg(v.agent_pid, signal.SIGKILL)  # the platform evicts it, after the hand-over
         wait_for(lambda: status(mp, job).state == "finished", 600, "the job to finish")
         st = status(mp, job)
         assert st.step == STEPS and st.generation == 1, "one generation: no relaunch"
         assert kinds(mp, job).count("launched") == 1 and not {"killing", "stopping"} & set(kinds(mp, job))
-        survivors = {w.rank: w.pid for v in st.vms if v.vm_id != noticed.vm_id for w in v.workers}
-        assert survivors == {r: p for r, p in pids.items() if r != 3}, "the others kept their processes"
+        survivors = {w.rank: w.pid for v in st.vms if v.vm_id not in gone for w in v.workers}
+        assert survivors == {r: p for r, p in pids.items() if r not in leavers}, "the others kept their pids"
         assert redone_lines(tmp_path) == [], "with a notice no step is redone"
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
         assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "each step once"
