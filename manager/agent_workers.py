@@ -24,6 +24,7 @@ from typing import IO
 from manager import varuna_manager_pb2 as pb
 from manager.procs import kill_group, reap, restore_normal_priority
 from varuna.core.env import CONTRACT_VARS
+from varuna.launch.live_store import LIVE_NOTICE_ENV
 
 __all__ = ["REAP_TIMEOUT_S", "Worker", "WorkerPool"]
 
@@ -80,6 +81,9 @@ class WorkerPool:
         self._standby_delay_s = standby_delay_s
         self._standbys: list[subprocess.Popen] = []
         self._job_env: dict[str, str] | None = None  # the last generation's environment, sans rank
+        #: The notice signal of the current generation's workers (a live-morph job: hand over and
+        #: leave, ``$VARUNA_LIVE_NOTICE_SIGNAL``); None: a notice means SIGUSR1 (checkpoint, stop).
+        self.notice_signal: int | None = None
 
     @property
     def any_running(self) -> bool:
@@ -90,6 +94,8 @@ class WorkerPool:
         """Start ``generation``'s workers on this VM (a standby takes a rank when one is ready)."""
         self.workers = []
         self.stop_deadline = None
+        names = {launch.env.get(LIVE_NOTICE_ENV, "") for launch in launches}
+        self.notice_signal = _signal_number(names.pop()) if len(names) == 1 else None
         standby_ranks: list[int] = []
         for launch in launches:
             env = self._worker_env(dict(launch.env))
@@ -241,6 +247,12 @@ class WorkerPool:
                 self._say("workers did not stop in time; SIGKILL")
                 self.kill_all()
             self.stop_deadline = None
+
+
+def _signal_number(name: str) -> int | None:
+    """``signal.SIGUSR2`` for ``"SIGUSR2"``; None for '' or a name this platform lacks."""
+    sig = getattr(signal, name, None) if name.startswith("SIG") else None
+    return int(sig) if sig is not None else None
 
 
 class _FailedPopen:

@@ -12,11 +12,13 @@ control loop can be restarted at any point.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 from manager.calibration_orders import CalibrationOrders
 from manager.context import ManagerContext
+from manager.live_members import LiveMembers
 from manager.morph_planner import MorphPlanner, Placement
 from manager.store import GenerationRecord, JobRecord, VMRecord
 
@@ -62,6 +64,8 @@ class JobController:
     def supervise(self, job: JobRecord, gen: GenerationRecord, vms: list[VMRecord], now: float) -> None:
         """One step of a live generation: react to failures, completion and morph triggers."""
         by_id = {vm.vm_id: vm for vm in vms}
+        if gen.state == "running" and self.ctx.live_morph_job(job):
+            gen = self.ctx.live.drop_leavers(job, gen, by_id)  # handed over after a notice
         gen_vms = [by_id[v] for v in gen.vm_ids if v in by_id]
         progress = [vm_progress(vm, gen.generation) for vm in gen_vms]
         all_done = all(p[0] for p in progress)
@@ -161,15 +165,21 @@ class JobController:
     ) -> str | None:
         if job.cancel_requested:
             return "cancel requested"
-        noticed = [vm.vm_id for vm in gen_vms if vm.notice]
-        if noticed:
-            return f"eviction notice on {', '.join(noticed)}"
+        live = self.ctx.live_morph_job(job)
+        noticed = [vm for vm in gen_vms if vm.notice]
+        if noticed and not (live and self.ctx.live.on_notice(job, gen, noticed, now)):
+            return f"eviction notice on {', '.join(vm.vm_id for vm in noticed)}"
         slow = [vm.vm_id for vm in gen_vms if vm.slow]
         if slow:
             return f"fail-stutter slow VM {', '.join(slow)}"
         if self.ctx.pool_job(job):  # the pool's rounds decide its VMs, not the grow rule
             return self.ctx.pool.trigger(job, gen, vms, now)
-        return self.planner.grow_trigger(job, gen, vms, now)
+        grow = self.planner.grow_trigger(job, gen, vms, now)
+        if grow is not None and live:
+            extra = [vm for vm in vms if vm.vm_id not in gen.vm_set and self.ctx.usable(vm, now, since=0.0)]
+            if self.ctx.live.on_grow(job, gen, extra, now):
+                return None  # the new VMs' workers join the running generation
+        return grow
 
     # -- ending a generation -------------------------------------------------------------------
 
@@ -331,6 +341,9 @@ class JobController:
         )
         if ctx.live_morph_job(job):
             ctx.live.open_store(job, generation)  # before its launches name it
+            slots = {vm.vm_id: vm.slots for vm in chosen}
+            gen = dataclasses.replace(gen, live_json=LiveMembers.at_launch(
+                list(slots), slots, plan.pipeline_depth * plan.data_parallel).to_json())
         ctx.store.add_generation(gen)
         ctx.store.update_job(job.job_id, message="")
         why = job.detection_reason or "initial launch"

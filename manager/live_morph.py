@@ -29,18 +29,22 @@ from typing import Any
 from manager.policy import LayoutPlan
 from varuna.core.env import stage_and_replica
 
-__all__ = ["LiveMorphDecision", "decide", "ranks_by_vm", "record", "tell_workers"]
+__all__ = ["LiveMorphDecision", "decide", "decide_notice", "ranks_by_vm", "record", "tell_workers"]
 
 
 @dataclass(frozen=True)
 class LiveMorphDecision:
     """What the manager decided for the survivors: ``plan`` (None: take the restart path, ``reason``
-    says why), the ranks lost and the ranks that go on."""
+    says why), the ranks lost (or leaving, or joining) and the ranks that go on. ``kind``: what
+    triggered it — ``lost`` (VMs gone), ``notice`` (VMs with an eviction notice hand their state
+    over and leave) or ``growth`` (new VMs join; ``joined``: their member ids)."""
 
     plan: LayoutPlan | None
     reason: str
     lost_ranks: tuple[int, ...]
     survivor_ranks: tuple[int, ...]
+    kind: str = "lost"
+    joined: tuple[int, ...] = ()
 
     @property
     def live(self) -> bool:
@@ -70,17 +74,24 @@ def decide(
     slots: Mapping[str, int],
     vm_ids: Sequence[str],
     lost_vm_ids: Sequence[str],
+    members: Mapping[str, Sequence[int]] | None = None,
+    check_stages: bool = True,
 ) -> LiveMorphDecision:
     """Live or restart, for a generation at ``pipeline_depth`` × ``data_parallel`` on ``vm_ids``
     (``slots[vm]`` workers each) that lost ``lost_vm_ids``. ``plan(slots)``: the job's P×D for VMs
     with those workers (``MorphPlanner.plan`` bound to the job: the simulator); it sees the
-    surviving VMs, each with as many slots as it has survivors."""
-    placed = ranks_by_vm(vm_ids, slots, pipeline_depth * data_parallel)
+    surviving VMs, each with as many slots as it has survivors. ``members``: each VM's live member
+    ids when known (``manager.live_members``; default: the launch placement). ``check_stages``:
+    refuse here when a stage lost every replica; only right while member id = rank (no live morph
+    yet) — after one, the workers find that out themselves (exit 75, the restart path)."""
+    placed = members if members is not None else ranks_by_vm(vm_ids, slots, pipeline_depth * data_parallel)
     gone = set(lost_vm_ids)
-    lost = tuple(sorted(r for vm in vm_ids if vm in gone for r in placed[vm]))
-    alive = tuple(sorted(r for vm in vm_ids if vm not in gone for r in placed[vm]))
+    lost = tuple(sorted(r for vm in vm_ids if vm in gone for r in placed.get(vm, ())))
+    alive = tuple(sorted(r for vm in vm_ids if vm not in gone for r in placed.get(vm, ())))
+    if not alive:
+        return LiveMorphDecision(None, "no worker survived", lost, alive)
     held = {stage_and_replica(r, pipeline_depth)[0] for r in alive}
-    for stage in range(pipeline_depth):
+    for stage in range(pipeline_depth if check_stages else 0):
         if stage not in held:
             where = ", ".join(vm for vm in vm_ids if vm in gone)
             reason = (f"stage {stage} has no live replica (ranks "
@@ -88,10 +99,43 @@ def decide(
                       f"were on lost VMs {where}); restart from the newest checkpoint")
             return LiveMorphDecision(None, reason, lost, alive)
     try:
-        chosen = plan([len(placed[vm]) for vm in vm_ids if vm not in gone and placed[vm]])
+        chosen = plan([len(placed[vm]) for vm in vm_ids if vm not in gone and placed.get(vm)])
     except ValueError as exc:
         return LiveMorphDecision(None, f"no layout fits the {len(alive)} survivor(s): {exc}", lost, alive)
     return LiveMorphDecision(chosen, chosen.source, lost, alive)
+
+
+def decide_notice(
+    plan: Callable[[list[int]], LayoutPlan],
+    *,
+    members: Mapping[str, Sequence[int]],
+    vm_ids: Sequence[str],
+    leaving_vm_ids: Sequence[str],
+) -> LiveMorphDecision:
+    """Hand-over or restart, for VMs ``leaving_vm_ids`` with an eviction notice: their workers
+    finish their step, send what only they hold to the workers that stay and exit 0, so a stage
+    they held whole is not lost; it needs at least one worker that stays and a layout for those.
+
+    >>> from manager.policy import LayoutPlan
+    >>> plan = lambda slots: LayoutPlan(pipeline_depth=1, data_parallel=sum(slots), micro_batch_size=0,
+    ...                                 predicted_samples_per_s=1.0, source="fallback")
+    >>> d = decide_notice(plan, members={"a": [0], "b": [1]}, vm_ids=["a", "b"], leaving_vm_ids=["b"])
+    >>> d.live, d.kind, d.lost_ranks, d.plan.data_parallel
+    (True, 'notice', (1,), 1)
+    """
+    leaving = set(leaving_vm_ids)
+    gone = tuple(sorted(r for vm in vm_ids if vm in leaving for r in members.get(vm, ())))
+    stay = tuple(sorted(r for vm in vm_ids if vm not in leaving for r in members.get(vm, ())))
+    if not stay:
+        why = (f"every worker is on a VM with a notice ({', '.join(sorted(leaving))}): nobody stays to "
+               "receive their state; graceful stop (checkpoint) and relaunch")
+        return LiveMorphDecision(None, why, gone, stay, kind="notice")
+    try:
+        chosen = plan([len(members[vm]) for vm in vm_ids if vm not in leaving and members.get(vm)])
+    except ValueError as exc:
+        return LiveMorphDecision(None, f"no layout fits the {len(stay)} worker(s) that stay: {exc}", gone,
+                                 stay, kind="notice")
+    return LiveMorphDecision(chosen, chosen.source, gone, stay, kind="notice")
 
 
 def tell_workers(store: Any, decision: LiveMorphDecision) -> None:
@@ -100,8 +144,9 @@ def tell_workers(store: Any, decision: LiveMorphDecision) -> None:
     The workers use the requested P×D when it fits them, else their own rule (docs/live_morph.md)."""
     from varuna.runtime.live_morph import declare_dead, request_layout  # torch: only when live
 
-    for rank in decision.lost_ranks:
-        declare_dead(store, rank)
+    if decision.kind == "lost":  # leavers declare themselves dead once their state is handed over
+        for rank in decision.lost_ranks:
+            declare_dead(store, rank)
     if decision.plan is not None:
         request_layout(store, decision.plan.pipeline_depth, decision.plan.data_parallel)
 
@@ -113,9 +158,11 @@ def record(
     """The job's event for ``decision`` (``event`` is ``ManagerContext.event``): ``live-morph`` with
     the chosen layout (and its duration once the workers reported it), or ``live-morph-fallback``
     with the reason."""
-    data: dict[str, Any] = {"lost_ranks": list(decision.lost_ranks), "old": list(old)}
+    data: dict[str, Any] = {"lost_ranks": list(decision.lost_ranks), "old": list(old),
+                            "reason_kind": decision.kind, "joined_ranks": list(decision.joined)}
     if decision.plan is None:
-        event(job_id, "live-morph-fallback", f"generation {generation}: live morph impossible: "
+        event(job_id, "live-morph-fallback",
+              f"generation {generation}: live morph impossible ({decision.kind}): "
               f"{decision.reason}", generation=generation, data={**data, "reason": decision.reason})
         return
     p = decision.plan
@@ -125,6 +172,10 @@ def record(
     if duration_s is not None:
         data["duration_s"] = round(duration_s, 3)
         took = f" in {duration_s:.1f} s"
-    event(job_id, "live-morph", f"generation {generation}: ranks {list(decision.lost_ranks)} lost; "
-          f"{old[0]}×{old[1]} -> P={p.pipeline_depth} × D={p.data_parallel} ({p.source}) without a "
-          f"restart{took}", generation=generation, data=data)
+    what = {
+        "lost": f"ranks {list(decision.lost_ranks)} lost",
+        "notice": f"eviction notice: ranks {list(decision.lost_ranks)} handed their state over and left",
+        "growth": f"growth: ranks {list(decision.joined)} joined",
+    }[decision.kind]
+    event(job_id, "live-morph", f"generation {generation}: {what}; {old[0]}×{old[1]} -> P={p.pipeline_depth} "
+          f"× D={p.data_parallel} ({p.source}) without a restart{took}", generation=generation, data=data)

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from manager import varuna_manager_pb2 as pb
 from manager.calibration_orders import type_calibrations
 from manager.context import ManagerContext
+from manager.live_members import LiveMembers
 from manager.policy import LayoutPlan, choose_layout, grow_gain
 from manager.store import GenerationRecord, JobRecord, VMRecord
 from manager.vm_types import vm_type_of
 from varuna.core.calibration import Calibration
 from varuna.core.env import RunPlan
-from varuna.launch.live_store import LIVE_STORE_ENV
+from varuna.launch.live_store import LIVE_JOIN_ENV, LIVE_NOTICE_ENV, LIVE_STORE_ENV
 from varuna.launch.mixed import place_ranks, plan_cluster
 
 __all__ = ["MorphPlanner", "Placement"]
@@ -262,6 +263,7 @@ class MorphPlanner:
         address = self.ctx.live.address(job, gen.generation) if self.ctx.live_morph_job(job) else None
         if address is not None:
             env[LIVE_STORE_ENV] = address  # docs/live_morph.md, API for the launcher
+            env[LIVE_NOTICE_ENV] = MANAGER_NOTICE_SIGNAL
         env.update(self.run_plan(job, gen).to_env())
         config = LaunchConfig(
             script=spec.script,
@@ -284,8 +286,31 @@ class MorphPlanner:
             out.setdefault(vm_id, []).append(
                 pb.WorkerLaunch(rank=s.env.rank, argv=argv, env=dict(s.set_vars), cwd=s.cwd or "")
             )
+        if gen.live_json:
+            _as_joiners(out, LiveMembers.from_json(gen.live_json).joiners, live_store=address is not None)
         cache.launches[gen.generation] = out
         return out
+
+
+#: The notice signal of a live-morph job's workers (``$VARUNA_LIVE_NOTICE_SIGNAL``): SIGUSR1 is the
+#: manager's graceful stop of the whole job (STOP orders), so a per-worker hand-over needs another.
+MANAGER_NOTICE_SIGNAL = "SIGUSR2"
+
+
+def _as_joiners(
+    out: dict[str, list[pb.WorkerLaunch]], joiners: dict[str, list[int]], *, live_store: bool
+) -> None:
+    """The launches of VMs added to a running live-morph generation: one joiner per member id,
+    with it as ``RANK`` and ``VARUNA_LIVE_JOIN=1`` (docs/live_morph.md, API for the launcher), the
+    rest of the environment as every worker's. Without the generation's store (a restarted
+    manager: it died with the old process) they could not join, so they get no workers; the
+    generation falls back when its workers fail."""
+    template = next(launch for launches in out.values() for launch in launches)
+    for vm_id, ids in joiners.items():
+        out[vm_id] = []
+        for local, member in enumerate(ids if live_store else ()):
+            env = {**template.env, "RANK": str(member), "LOCAL_RANK": str(local), LIVE_JOIN_ENV: "1"}
+            out[vm_id].append(pb.WorkerLaunch(rank=member, argv=template.argv, env=env, cwd=template.cwd))
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,9 @@ class GenerationRecord:
     mixed_json: str = ""
     """Mixed VM types: the generation's plan (``rank_hosts``, ``replica_shares``,
     ``stage_speeds``, ``rank_types``) as JSON; '' for VMs of one type."""
+    live_json: str = ""
+    """A live-morph generation's members (``manager.live_members.LiveMembers`` as JSON: each VM's
+    member ids, the next unused id, joiners, leaving VMs); '' otherwise."""
 
     @cached_property
     def _vm_tuple(self) -> tuple[str, ...]:

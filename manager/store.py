@@ -64,7 +64,7 @@ __all__ = [
     "WorkerStatRecord",
 ]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 # Columns added after version 1 (a version-1 file gets them with ALTER TABLE on open).
 _ADDED_COLUMNS = {
@@ -81,6 +81,7 @@ _ADDED_COLUMNS = {
         ("jobs", "calibration_type", "TEXT NOT NULL DEFAULT ''"),
         ("generations", "mixed_json", "TEXT NOT NULL DEFAULT ''"),
     ],
+    5: [("generations", "live_json", "TEXT NOT NULL DEFAULT ''")],  # live morph: members, joiners, leavers
 }
 
 _SCHEMA = """
@@ -128,6 +129,7 @@ CREATE TABLE IF NOT EXISTS generations (
     graceful INTEGER NOT NULL DEFAULT 0,
     predicted_samples_per_s REAL NOT NULL DEFAULT 0,
     mixed_json TEXT NOT NULL DEFAULT '',
+    live_json TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (job_id, generation)
 );
 CREATE TABLE IF NOT EXISTS vms (

@@ -17,13 +17,18 @@ Eviction notices: with ``--metadata-url`` a thread polls Azure Scheduled Events
 (:mod:`manager.scheduled_events`). On a Preempt/Terminate notice for this VM the agent at once
 sends SIGUSR1 to its workers (every rank then finishes the mini-batch, writes a checkpoint and
 exits 0: the engine agrees on the stop across ranks), without waiting for a manager round trip,
-then reports the notice; with ``--approve-notices`` it approves the event once its workers are
+then reports the notice (a live-morph job's workers instead wait for the manager's ``leave``
+order: they hand their state over to the workers that stay; docs/manager.md, Live morph); with
+``--approve-notices`` it approves the event once its workers are
 done, so the platform need not wait until ``NotBefore``.
 
 Note [Orders]: each heartbeat reply is the full desired state (``action``, ``generation``, and
 for RUN this VM's workers), so a lost or repeated reply is harmless:
 
 - RUN g: if g is newer than anything run here, kill older workers and start g's (once);
+- RUN g with ``leave`` (a live-morph job, a notice here): the notice signal
+  (``$VARUNA_LIVE_NOTICE_SIGNAL``, SIGUSR2) to g's workers once: they finish the step, hand their
+  state over and exit 0; SIGKILL after ``stop_timeout_s``;
 - STOP g: SIGCONT + SIGUSR1 to g's workers once, SIGKILL after ``stop_timeout_s``;
 - KILL g: SIGKILL g's (and older) workers; IDLE: no worker should run, kill strays;
 - PROFILE n: calibrate the job here (once per attempt n, :class:`manager.calibrate.ProfileRun`):
@@ -61,6 +66,10 @@ __all__ = ["AgentConfig", "VMAgent", "main"]
 PROG = "varuna-vm-agent"
 #: How often the agent's loop looks at its workers; a worker exit is reported this fast.
 POLL_S = 0.05
+#: A notice on a live-morph job's VM waits this long for the manager's word (``leave``, or STOP
+#: when no hand-over is possible) before the agent stops its workers itself (SIGUSR1): the
+#: platform's notice is about 30 s.
+NOTICE_WAIT_S = 10.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,6 +125,7 @@ class VMAgent:
         self._notice_lock = threading.Lock()
         self._notice_acted = False
         self._notice_approved = False
+        self._notice_seen: float | None = None  # when a live job's notice began waiting for orders
         self._events = (
             ScheduledEventsClient(config.metadata_url, config.vm_name or config.vm_id)
             if config.metadata_url
@@ -278,6 +288,14 @@ class VMAgent:
             # A VM under notice should not get work; if it does, stop it again right away.
             if self._notice_acted:
                 pool.signal(signal.SIGUSR1)
+        notice_sig = pool.notice_signal
+        if orders.leave and g == self._generation and notice_sig is not None and not self._notice_acted:
+            # Live morph: the manager wrote the survivors' layout; now hand over and leave.
+            self._notice_acted = True
+            self._say(f"leave ordered (eviction notice, live morph): {signal.Signals(notice_sig).name} to "
+                      "the workers (finish the step, hand the state over, exit 0)")
+            pool.signal(notice_sig)
+            pool.stop_deadline = time.monotonic() + (orders.stop_timeout_s or 60.0)
 
     def _stop_order(self, orders: pb.Orders) -> None:
         """STOP g: SIGUSR1 to g's workers once; SIGKILL after the order's stop timeout."""
@@ -386,6 +404,8 @@ class VMAgent:
             notice = self._notice
         if notice is None:
             return
+        if not self._notice_acted and self._waits_for_leave(notice):
+            return
         if not self._notice_acted:
             self._notice_acted = True
             self._say(
@@ -406,6 +426,25 @@ class VMAgent:
             self._say(
                 f"approved event {notice.event_id}" if ok else f"could not approve event {notice.event_id}"
             )
+
+    def _waits_for_leave(self, notice: Notice) -> bool:
+        """A live-morph job's workers leave one by one, on the manager's word (``leave``, once it
+        wrote the layout of those that stay; Note [Orders]); without it for ``NOTICE_WAIT_S``
+        (no manager), they stop the old way. True while waiting."""
+        if self._pool.notice_signal is None or not self._pool.any_running:
+            return False
+        if any(w.stop_sent is not None for w in self._pool.workers):  # a STOP order came first
+            self._notice_acted = True
+            return True
+        now = time.monotonic()
+        if self._notice_seen is None:
+            self._notice_seen = now
+            self._say(f"eviction notice {notice.event_type} {notice.event_id}: live morph, waiting for the "
+                      "manager's word to hand over and leave")
+        if now - self._notice_seen < NOTICE_WAIT_S:
+            return True
+        self._say(f"no word from the manager in {NOTICE_WAIT_S:g} s after the notice")
+        return False
 
     # -- reports -------------------------------------------------------------------------------
 

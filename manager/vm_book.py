@@ -210,7 +210,9 @@ class VMBook:
                 job.job_id,
                 "preempt-notice",
                 f"{vm.vm_id}: {notice['event_type']} {notice['event_id']} not before "
-                f"{notice['not_before'] or '?'}; its agent sent SIGUSR1 (checkpoint and stop)",
+                f"{notice['not_before'] or '?'}; "
+                + ("its workers hand their state over and leave when the manager says so (live morph)"
+                   if self.ctx.live_morph_job(job) else "its agent sent SIGUSR1 (checkpoint and stop)"),
                 vm_id=vm.vm_id,
                 data=notice,
             )
@@ -230,6 +232,7 @@ class VMBook:
             orders.action = pb.Orders.RUN
             orders.workers.extend(self.planner.launches(job, gen).get(vm.vm_id, []))
             orders.training = gen.first_step_time is not None
+            orders.leave = vm.vm_id in self.ctx.live.leaving(gen) if self.ctx.live is not None else False
         elif gen.state == "stopping":
             orders.action = pb.Orders.STOP
         else:

@@ -56,7 +56,8 @@ class WorkerReports:
             self._record_step(job, gen, req, now)
             self._advance(job, gen, req.step)
             if ctx.live is not None:
-                ctx.live.step_reported(job, gen.generation, req.step, now)
+                layout = (req.pipeline_depth, req.data_parallel)
+                ctx.live.step_reported(job, gen.generation, req.step, now, layout)
             if gen.first_step_time is None and gen.state == "running":
                 self._training_resumed(job, gen, req, now)
             self._check_stutter(job, gen, req)

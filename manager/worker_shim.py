@@ -83,8 +83,14 @@ _EARLY_STOP = _EarlyStop()
 
 
 def _hold_early_stop() -> None:
-    """Note [Early stop]: remember a SIGUSR1 until :func:`release_early_stop` hands it on."""
+    """Note [Early stop]: remember a SIGUSR1 until :func:`release_early_stop` hands it on. A live
+    run's notice signal (``$VARUNA_LIVE_NOTICE_SIGNAL``, e.g. SIGUSR2, whose default action ends
+    the process) is ignored until the script's ``LiveTrainer`` takes it: the manager orders a
+    hand-over only once the generation trains, and a worker that never took it is just lost."""
     signal.signal(signal.SIGUSR1, _EARLY_STOP)
+    notice = os.environ.get("VARUNA_LIVE_NOTICE_SIGNAL", "")
+    if notice.startswith("SIG") and notice != "SIGUSR1" and hasattr(signal, notice):
+        signal.signal(getattr(signal, notice), signal.SIG_IGN)
 
 
 def release_early_stop(engine: Any) -> None:

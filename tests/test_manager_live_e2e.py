@@ -1,8 +1,16 @@
-"""End to end, live morph under the manager: the GPT example (``live_morph = true``) on four
-pretend VMs at 2×2; one VM's agent and worker are killed with SIGKILL; the manager records a
-``live-morph`` event (no relaunch), the surviving workers keep their processes (same pids), and
-the job finishes with losses bit-identical to an undisturbed single-process run in deterministic
-mode (docs/determinism.md: the numerics do not depend on P×D).
+"""End to end, live morph under the manager: the GPT example (``live_morph = true``) on pretend
+VMs. A VM killed with SIGKILL at 2×2; an eviction notice at 2×2 (the VM hands its state over and
+leaves: nothing redone); growth from two VMs to four when spot capacity comes back (the new
+workers join the running generation). Each time the manager records a ``live-morph`` event (no
+relaunch), the workers that stay keep their processes (same pids), and the job finishes with
+losses bit-identical to an undisturbed single-process run in deterministic mode
+(docs/determinism.md: the numerics do not depend on P×D).
+
+The notice and growth tests pause the training workers (SIGSTOP) while the trigger is set up and
+let them go once it is in place (the notified worker continued by its agent's signal; the joiners
+registered in the store): otherwise the 30 short steps could end before a VM's agent polled its
+notice or before the new VMs' workers had imported torch. Every wait is on an observable state,
+with a timeout.
 
 A known race (about 1 run in 5 on a busy 2-core machine): when the kill lands mid-step, one
 survivor can stay blocked on another survivor's torn-down group until the others give up on it
@@ -19,6 +27,7 @@ import os
 import signal
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -26,7 +35,15 @@ import pytest
 from manager.jobspec import load_jobspec, spec_to_pb
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_manager_local import ManagerProcess, events, kinds, processes_mentioning, status, wait_for  # noqa: E402
+from test_manager_local import (  # noqa: E402
+    ManagerProcess,
+    MetadataServer,
+    events,
+    kinds,
+    processes_mentioning,
+    status,
+    wait_for,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "gpt2" / "train.py"
@@ -37,6 +54,8 @@ MODEL_ARGS = ["--n-layer", "4", "--n-embd", "32", "--n-head", "2", "--block-size
               "--deterministic"]
 
 pytestmark = pytest.mark.slow
+dist = pytest.importorskip("torch.distributed")
+from varuna.runtime.live_morph import ROOT as LIVE_ROOT  # noqa: E402
 
 
 def reference_losses(tmp_path: Path) -> dict[int, float]:
@@ -109,6 +128,174 @@ def test_a_killed_vm_is_a_live_morph_and_the_losses_stay_bit_identical(tmp_path)
         for log in sorted(tmp_path.glob("**/gen*-rank*.log")):  # what the workers said
             lines = [x for x in log.read_text(errors="replace").splitlines() if x.startswith("varuna")]
             print(f"== {log.name}", *lines[-4:], sep="\n")
+        raise
+    finally:
+        mp.stop()
+        mp.kill_vms()
+
+
+# -- notice and growth ----------------------------------------------------------------------------
+
+
+def live_spec(tmp_path: Path, metrics: Path, **over) -> dict:
+    spec = {
+        "name": "gpt-live", "script": str(TRAIN),
+        "args": ["--steps", str(STEPS), *MODEL_ARGS, "--metrics-out", str(metrics)],
+        "global_batch_size": 8, "micro_batch_size": 2, "checkpoint_dir": str(tmp_path / "ckpt"),
+        "checkpoint_every": 0, "min_vms": 1, "max_vms": 4, "procs_per_vm": 1, "target_steps": STEPS,
+        "live_morph": True, "env": {"OMP_NUM_THREADS": "1"},
+    }
+    spec.update(over)
+    (tmp_path / "job.json").write_text(json.dumps(spec))
+    return spec
+
+
+def manager(tmp_path: Path) -> ManagerProcess:
+    return ManagerProcess(tmp_path, "--heartbeat-interval", "0.25", "--heartbeat-timeout", "3",
+                          "--stop-timeout", "60", "--orphan-timeout", "60", "--gather-timeout", "60",
+                          "--create-retry", "1", "--grow-cooldown", "1")
+
+
+def worker_pids(st) -> dict[int, int]:
+    return {w.rank: w.pid for v in st.vms if v.in_generation for w in v.workers if w.running}
+
+
+def pause(pids, sig=signal.SIGSTOP) -> None:
+    for pid in pids:  # each worker is its own process group (the agent starts it in a new session)
+        os.killpg(pid, sig)
+
+
+def proc_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def redone_lines(tmp_path: Path) -> list[str]:
+    """The LiveTrainer's line for a step that failed and is redone, in any worker's log."""
+    return [x for log in tmp_path.glob("**/gen*-rank*.log")
+            for x in log.read_text(errors="replace").splitlines() if "; regrouping" in x]
+
+
+def wait_joiners(address: str, n: int) -> None:
+    """Until ``n`` joiners registered in the live store at ``address`` (its joins counter)."""
+    host, port = address.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
+    wait_for(lambda: store.add(f"{LIVE_ROOT}joins", 0) >= n, 300, f"{n} joiners to register")
+
+
+def dump(mp: ManagerProcess, job, tmp_path: Path) -> None:
+    if job is not None and mp.proc is not None and mp.proc.poll() is None:
+        for e in events(mp, job):
+            print("EVENT", e.kind, e.message[:300])
+    for log in sorted(tmp_path.glob("**/gen*-rank*.log")):
+        lines = [x for x in log.read_text(errors="replace").splitlines() if x.startswith("varuna")]
+        print(f"== {log.name}", *lines[-6:], sep="\n")
+
+
+@pytest.mark.parametrize("leavers", [(3,), (1, 3)], ids=["one-vm", "a-whole-stage"])
+def test_a_notice_hands_the_state_over_live_and_redoes_nothing(tmp_path, leavers):
+    """``a-whole-stage``: both replicas of stage 1 are on noticed VMs; they hand it over to a worker
+    that stays (no checkpoint, no relaunch)."""
+    metrics = tmp_path / "metrics.jsonl"
+    md = MetadataServer()
+    live_spec(tmp_path, metrics, pipeline_depth=2,
+              provider_options={"max_created": 4, "metadata_url": md.url, "standby": False})
+    mp = manager(tmp_path)
+    reference = reference_losses(tmp_path)
+    mp.start()
+    job = None
+    try:
+        with mp.client() as c:
+            job = c.submit(spec_to_pb(load_jobspec(tmp_path / "job.json")))
+        wait_for(lambda: status(mp, job).step >= KILL_AT, 300, f"step {KILL_AT}")
+        st = status(mp, job)
+        assert (st.pipeline_depth, st.data_parallel) == (2, 2)
+        pids = worker_pids(st)
+        noticed = [v for v in st.vms if any(w.rank in leavers for w in v.workers)]
+        pause(pids.values())
+        md.preempt(noticed[0].vm_id)
+        md.document["Events"][0]["Resources"] = [v.vm_id for v in noticed]
+        # Their agents continue them with the notice signal once the manager said "leave".
+        wait_for(lambda: all(proc_state(pids[r]) not in ("T", "t") for r in leavers), 120,
+                 "the leave orders to reach the workers")
+        pause([p for r, p in pids.items() if r not in leavers], signal.SIGCONT)
+        wait_for(lambda: {"live-morph", "live-morph-fallback"} & set(kinds(mp, job)), 300, "the live morph")
+        evs = events(mp, job)
+        assert "live-morph-fallback" not in [e.kind for e in evs], [e.message for e in evs]
+        [ev] = [json.loads(e.data_json) for e in evs if e.kind == "live-morph"]
+        assert ev["reason_kind"] == "notice" and ev["lost_ranks"] == list(leavers) and ev["duration_s"] > 0
+        gone = {v.vm_id for v in noticed}
+        wait_for(lambda: not any(v.in_generation for v in status(mp, job).vms if v.vm_id in gone), 120,
+                 "the leavers' exit 0")
+        for v in noticed:
+            os.killpg(v.agent_pid, signal.SIGKILL)  # the platform evicts it, after the hand-over
+        wait_for(lambda: status(mp, job).state == "finished", 600, "the job to finish")
+        st = status(mp, job)
+        assert st.step == STEPS and st.generation == 1, "one generation: no relaunch"
+        assert kinds(mp, job).count("launched") == 1 and not {"killing", "stopping"} & set(kinds(mp, job))
+        survivors = {w.rank: w.pid for v in st.vms if v.vm_id not in gone for w in v.workers}
+        assert survivors == {r: p for r, p in pids.items() if r not in leavers}, "the others kept their pids"
+        assert redone_lines(tmp_path) == [], "with a notice no step is redone"
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "each step once"
+        assert {r["step"]: r["loss"] for r in rows} == reference
+        assert (rows[-1]["P"], rows[-1]["D"]) == (ev["pipeline_depth"], ev["data_parallel"]), "manager's P×D"
+        wait_for(lambda: not processes_mentioning(job), 60, "every agent and worker to exit")
+    except AssertionError:
+        dump(mp, job, tmp_path)
+        raise
+    finally:
+        mp.stop()
+        mp.kill_vms()
+        md.close()
+
+
+def test_new_vms_join_the_running_generation_live(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    capacity = tmp_path / "capacity"
+    capacity.write_text("2\n")
+    live_spec(tmp_path, metrics, min_vms=2,
+              provider_options={"capacity_file": str(capacity), "standby": False})
+    mp = manager(tmp_path)
+    reference = reference_losses(tmp_path)
+    mp.start()
+    job = None
+    try:
+        with mp.client() as c:
+            job = c.submit(spec_to_pb(load_jobspec(tmp_path / "job.json")))
+        wait_for(lambda: status(mp, job).step >= 2, 300, "step 2")
+        st = status(mp, job)
+        before = (st.pipeline_depth, st.data_parallel)
+        assert before[0] * before[1] == 2
+        pids = worker_pids(st)
+        address = next(x.split("=", 1)[1] for x in Path(f"/proc/{pids[0]}/environ").read_bytes().decode()
+                       .split("\0") if x.startswith("VARUNA_LIVE_STORE="))
+        pause(pids.values())
+        capacity.write_text("4\n")  # spot capacity comes back
+        wait_joiners(address, 2)  # started by the new VMs' agents as RANK 2, 3 with VARUNA_LIVE_JOIN=1
+        pause(pids.values(), signal.SIGCONT)
+        wait_for(lambda: {"live-morph", "live-morph-fallback"} & set(kinds(mp, job)), 300, "the growth")
+        evs = events(mp, job)
+        assert "live-morph-fallback" not in [e.kind for e in evs], [e.message for e in evs]
+        [ev] = [json.loads(e.data_json) for e in evs if e.kind == "live-morph"]
+        assert ev["reason_kind"] == "growth" and ev["joined_ranks"] == [2, 3] and ev["old"] == list(before)
+        grown = worker_pids(status(mp, job))
+        wait_for(lambda: status(mp, job).state == "finished", 600, "the job to finish")
+        st = status(mp, job)
+        assert st.step == STEPS and st.generation == 1, "one generation: no relaunch"
+        assert kinds(mp, job).count("launched") == 1 and not {"killing", "stopping"} & set(kinds(mp, job))
+        assert {r: p for r, p in grown.items() if r < 2} == pids, "the first workers kept their processes"
+        assert sorted(grown) == [0, 1, 2, 3]
+        assert redone_lines(tmp_path) == [], "growth redoes no step"
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "each step once"
+        assert {r["step"]: r["loss"] for r in rows} == reference
+        assert (rows[-1]["P"], rows[-1]["D"]) == (ev["pipeline_depth"], ev["data_parallel"]), "manager's P×D"
+        wait_for(lambda: not processes_mentioning(job), 60, "every agent and worker to exit")
+    except AssertionError:
+        dump(mp, job, tmp_path)
         raise
     finally:
         mp.stop()

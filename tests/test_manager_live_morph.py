@@ -85,3 +85,20 @@ def test_the_decision_reaches_the_live_store() -> None:
     live_morph.tell_workers(store, d)
     assert store.check([f"{ROOT}dead/3"]) and not store.check([f"{ROOT}dead/2"])
     assert store.get(f"{ROOT}plan").decode() == f"{d.plan.pipeline_depth} {d.plan.data_parallel}"
+
+
+def test_a_notice_is_live_while_someone_stays_to_receive() -> None:
+    """Leavers hand their state over (docs/live_morph.md, Protocol): a stage whose every replica is
+    on noticed VMs is not lost while some worker stays; with nobody staying it is the fallback."""
+    plan = simulator_plan()
+    vms = ["v0", "v1", "v2", "v3"]
+    members = {v: [i] for i, v in enumerate(vms)}
+    both = live_morph.decide_notice(plan, members=members, vm_ids=vms, leaving_vm_ids=["v1", "v3"])
+    assert both.live and both.kind == "notice" and both.lost_ranks == (1, 3) and both.survivor_ranks == (0, 2)
+    ref = plan([1, 1])
+    assert (both.plan.pipeline_depth, both.plan.data_parallel) == (ref.pipeline_depth, ref.data_parallel)
+    lost = live_morph.decide(plan, pipeline_depth=2, data_parallel=2, slots=dict.fromkeys(vms, 1), vm_ids=vms,
+                             lost_vm_ids=["v1", "v3"])
+    assert not lost.live, "the same VMs lost without notice: stage 1 is gone"
+    every = live_morph.decide_notice(plan, members=members, vm_ids=vms, leaving_vm_ids=vms)
+    assert not every.live and "nobody stays to receive their state" in every.reason

@@ -5,6 +5,7 @@ duration, and the fallbacks (a stage lost whole, a worker exiting 75) to kill + 
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import sys
@@ -195,3 +196,271 @@ def test_live_morph_crosses_the_wire():
                    live_morph=True)
     assert spec_from_pb(spec_to_pb(spec)).live_morph is True
     assert spec_from_pb(spec_to_pb(JobSpec(**{**spec.to_dict(), "live_morph": False}))).live_morph is False
+
+
+# -- notices and growth (live) ---------------------------------------------------------------------
+
+
+NOTICE = dict(event_id="e1", event_type="Preempt", not_before="soon")
+
+
+def report(w: World, job: str, step: int, layout: tuple[int, int]) -> None:
+    """Every running worker of the generation reports ``step`` at ``layout`` (P, D): what the live
+    workers say once they regrouped (SimVM.step would repeat the launch layout)."""
+    from manager import varuna_manager_pb2 as pb
+
+    gen = w.gen(job)
+    for vm in w.running(job):
+        for rank, state in vm.workers.items():
+            if state["running"]:
+                w.mgr.worker_heartbeat(pb.WorkerHeartbeatRequest(
+                    job_id=job, vm_id=vm.vm_id, generation=gen.generation, rank=rank,
+                    pipeline_depth=layout[0], data_parallel=layout[1], step=step, loss=1.0,
+                    samples_per_s=10.0, fwd_s=0.01, bwd_s=0.02, num_microbatches=2, micro_batch_size=2))
+
+
+def test_a_notice_hands_over_live_and_nothing_is_relaunched(tmp_path):
+    from manager import varuna_manager_pb2 as pb
+
+    w, job = start(tmp_path)
+    address = w.running(job)[0].launches[0].env["VARUNA_LIVE_STORE"]
+    assert w.running(job)[0].launches[0].env["VARUNA_LIVE_NOTICE_SIGNAL"] == "SIGUSR2"
+    noticed = w.running(job)[3]
+    noticed.notice = pb.PreemptNotice(**NOTICE)
+    w.tick(0.1)
+    orders = {vm.vm_id: vm.beat() for vm in w.running(job)}
+    assert [v for v, o in orders.items() if o.leave] == [noticed.vm_id], "only the noticed VM leaves"
+    assert all(o.action == pb.Orders.RUN for o in orders.values()), "nobody is stopped"
+    ref = choose_layout(slots=[1, 1, 1], global_batch_size=24, calibration=None, micro_batch_size=2,
+                        pipeline_depth=2, num_segments=4)
+    c = client(address)
+    assert c.get(f"{ROOT}plan").decode() == f"{ref.pipeline_depth} {ref.data_parallel}", "before the leave"
+    assert not c.check([f"{ROOT}dead/3"]), "a leaver is not dead before it handed over"
+    gen = w.gen(job)
+    assert (gen.pipeline_depth, gen.data_parallel) == (ref.pipeline_depth, ref.data_parallel)
+    assert noticed.vm_id in gen.vm_ids and json.loads(gen.live_json)["leaving"] == [noticed.vm_id]
+    report(w, job, 6, (2, 2))  # the leavers' last step, still at the old layout: not the end
+    assert w.event(job, "live-morph") == []
+    noticed.finish(0)  # handed over, exit 0
+    w.tick(0.1)
+    gen = w.gen(job)
+    assert noticed.vm_id not in gen.vm_ids and gen.generation == 1 and gen.state == "running"
+    assert c.check([f"{ROOT}dead/3"])
+    [left] = w.event(job, "live-left")
+    assert left.data["members"] == [3]
+    report(w, job, 7, (ref.pipeline_depth, ref.data_parallel))
+    [ev] = w.event(job, "live-morph")
+    assert ev.data["reason_kind"] == "notice" and ev.data["lost_ranks"] == [3] and ev.data["duration_s"] > 0
+    assert "handed their state over" in ev.message
+    assert not {"stopping", "killing", "live-morph-fallback"} & set(w.kinds(job))
+    assert w.store.job(job).generation == 1
+
+
+def test_notices_reported_one_by_one_are_one_hand_over(tmp_path):
+    """Both replicas of stage 1 get a notice; their agents report in turn: the leavers hand stage 1
+    over to those that stay, and the event is one, for both."""
+    from manager import varuna_manager_pb2 as pb
+
+    w, job = start(tmp_path)
+    first, second = w.running(job)[1], w.running(job)[3]
+    first.notice = pb.PreemptNotice(**NOTICE)
+    w.tick(0.1)
+    second.notice = pb.PreemptNotice(**NOTICE)
+    w.tick(0.1)
+    assert json.loads(w.gen(job).live_json)["leaving"] == [first.vm_id, second.vm_id]
+    first.finish(0)
+    second.finish(0)
+    w.tick(0.1)
+    gen = w.gen(job)
+    assert gen.vm_ids == [w.running(job)[0].vm_id, w.running(job)[1].vm_id] and len(gen.vm_ids) == 2
+    report(w, job, 7, (gen.pipeline_depth, gen.data_parallel))
+    [ev] = w.event(job, "live-morph")
+    assert ev.data["lost_ranks"] == [1, 3] and ev.data["old"] == [2, 2] and ev.data["duration_s"] > 0
+    assert not {"stopping", "killing", "live-morph-fallback"} & set(w.kinds(job))
+
+
+def test_a_notice_on_every_vm_falls_back_to_the_graceful_stop(tmp_path):
+    from manager import varuna_manager_pb2 as pb
+
+    w, job = start(tmp_path)
+    for vm in w.running(job):
+        vm.notice = pb.PreemptNotice(**NOTICE)
+    w.tick(0.1)
+    [fb] = w.event(job, "live-morph-fallback")
+    assert "nobody stays to receive their state" in fb.message and fb.data["reason_kind"] == "notice"
+    assert w.store.generation(job, 1).state in ("stopping", "ended") and "stopping" in w.kinds(job)
+
+
+def grown(tmp_path):
+    """A 1×2 live-morph job on two one-slot VMs (P forced to 1); two more come back and it grows."""
+    provider = FakeProvider(capacity=2)
+    w = World(tmp_path, provider=provider, gather_timeout_s=0.0, create_retry_s=1.0)
+    job = w.submit(max_vms=4, min_vms=2, pipeline_depth=1, live_morph=True)
+    w.tick()
+    w.tick(0.1)
+    assert (w.gen(job).pipeline_depth, w.gen(job).data_parallel) == (1, 2)
+    w.steps(job, 1, 2)
+    provider.capacity = 4  # spot capacity comes back
+    w.tick(1.5)
+    w.tick(0.1)
+    w.until(lambda: len(w.gen(job).vm_ids) == 4)
+    return w, job
+
+
+def test_new_vms_join_the_running_generation_live(tmp_path):
+    w, job = grown(tmp_path)
+    gen = w.gen(job)
+    ref = choose_layout(slots=[1, 1, 1, 1], global_batch_size=24, calibration=None, micro_batch_size=2,
+                        pipeline_depth=1, num_segments=4)
+    assert gen.generation == 1 and gen.state == "running", "no stop, no relaunch"
+    assert (gen.pipeline_depth, gen.data_parallel) == (ref.pipeline_depth, ref.data_parallel)
+    old, new = w.running(job)[:2], w.running(job)[2:]
+    for vm in old:  # an agent starts a generation once: the old VMs keep their workers
+        assert list(vm.launches) == [int(vm.launches[r].env["RANK"]) for r in vm.launches]
+    joiners = {r: vm.launches[r].env for vm in new for r in vm.launches}
+    assert sorted(joiners) == [2, 3], "fresh member ids"
+    for r, env in joiners.items():
+        assert env["RANK"] == str(r) and env["VARUNA_LIVE_JOIN"] == "1"
+        assert env["VARUNA_LIVE_STORE"] == old[0].launches[0].env["VARUNA_LIVE_STORE"], "the gen's store"
+    c = client(joiners[2]["VARUNA_LIVE_STORE"])
+    assert c.get(f"{ROOT}plan").decode() == f"{ref.pipeline_depth} {ref.data_parallel}"
+    assert json.loads(gen.live_json)["next_id"] == 4
+    report(w, job, 3, (1, 3))  # one joiner admitted first (the other still starting): not the plan yet
+    assert w.event(job, "live-morph") == []
+    report(w, job, 4, (ref.pipeline_depth, ref.data_parallel))
+    [ev] = w.event(job, "live-morph")
+    assert ev.data["reason_kind"] == "growth" and ev.data["joined_ranks"] == [2, 3] and "joined" in ev.message
+    assert not {"stopping", "killing", "live-morph-fallback"} & set(w.kinds(job))
+    assert w.store.job(job).generation == 1
+
+
+def test_member_ids_follow_the_morphs_and_are_never_reused(tmp_path):
+    """A VM lost after a growth: the manager declares dead the members that VM held (not the
+    ranks a launch placement would give it)."""
+    w, job = grown(tmp_path)
+    address = w.running(job)[0].launches[0].env["VARUNA_LIVE_STORE"]
+    report(w, job, 4, (w.gen(job).pipeline_depth, w.gen(job).data_parallel))
+    [victim] = kill_vms(w, job, 2)  # the first joiner's VM: member 2
+    w.until(lambda: victim.vm_id not in w.gen(job).vm_ids)
+    c = client(address)
+    assert c.check([f"{ROOT}dead/2"]) and not c.check([f"{ROOT}dead/3"])
+    members = json.loads(w.gen(job).live_json)
+    assert sorted(r for ids in members["members"].values() for r in ids) == [0, 1, 3]
+    assert members["next_id"] == 4 and members["morphed"] is True
+    assert w.store.job(job).generation == 1
+
+
+def test_a_restarted_manager_ends_a_grown_live_generation_through_the_fallback(tmp_path):
+    """kill -9 of the manager after a growth: the SQLite record holds the VMs, P×D and members of
+    one write; the store died with the process, so the joiners get no workers and the generation
+    ends through the restart path, relaunched on every VM from a fresh store."""
+    from manager.controller import Manager
+
+    w, job = grown(tmp_path)
+    config = w.mgr.ctx.config
+    w.mgr.ctx.live.close_all()  # what the kill does to the stores (their threads die with the process)
+    w.mgr = Manager(w.store, config, provider_factory=lambda *a: w.provider, clock=w.clock)
+    for vm in w.vms.values():
+        vm.mgr = w.mgr
+    gen = w.gen(job)
+    assert len(gen.vm_ids) == 4 and json.loads(gen.live_json)["joiners"]
+    launches = w.mgr.ctx.live is not None and w.mgr.planner.launches(w.store.job(job), gen)
+    assert all(not launches[v] for v in json.loads(gen.live_json)["joiners"]), "nobody to join"
+    for vm in w.running(job)[:2]:  # the old workers lose the store: they fail
+        vm.finish(1)
+    w.until(lambda: w.store.job(job).generation == 2)
+    [fb] = w.event(job, "live-morph-fallback")
+    assert "not a lost VM" in fb.data["reason"] or "store was lost" in fb.data["reason"]
+    gen2 = w.gen(job)
+    envs = [vm.launches[r].env for vm in w.running(job) for r in vm.launches]
+    assert len(gen2.vm_ids) == 4 and not any("VARUNA_LIVE_JOIN" in e for e in envs)
+    assert sorted(int(e["RANK"]) for e in envs) == list(range(4)), "a relaunch numbers from 0 again"
+    assert w.mgr.ctx.live.open_count == 1
+
+
+NOTICE_WORKER = """
+import os, signal, sys, time
+out = sys.argv[1]
+def got(signum, frame):
+    with open(out, "a") as f:
+        f.write(signal.Signals(signum).name + "\\n")
+    os._exit(0)
+signal.signal(signal.SIGUSR1, got)
+signal.signal(signal.SIGUSR2, got)
+open(out + ".ready", "w").close()
+deadline = time.monotonic() + 60  # bounded: the agent's kill_all reaps it anyway
+while time.monotonic() < deadline:
+    signal.pause() if hasattr(signal, "pause") else time.sleep(0.1)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("word", ["leave", "none"])
+def test_the_agent_of_a_live_job_waits_for_the_leave_order(tmp_path, monkeypatch, word):
+    """A real agent and worker process: on a notice a live-morph job's worker gets nothing until the
+    manager's ``leave`` (then the notice signal, SIGUSR2), or SIGUSR1 once ``NOTICE_WAIT_S`` passed
+    without a word; never both."""
+    from test_manager_local import wait_for
+
+    from manager import varuna_manager_pb2 as pb
+    from manager import vm_agent
+    from manager.scheduled_events import Notice
+
+    token = tmp_path / "token"
+    token.write_text("x" * 32)
+    token.chmod(0o600)
+    script, out = tmp_path / "worker.py", tmp_path / "signals"
+    script.write_text(NOTICE_WORKER)
+    agent = vm_agent.VMAgent(vm_agent.AgentConfig(manager="127.0.0.1:1", token_file=str(token), vm_id="v",
+                                                  log_dir=str(tmp_path)))
+    try:
+        launch = pb.WorkerLaunch(rank=3, argv=[str(script), str(out)],
+                                 env={"VARUNA_LIVE_NOTICE_SIGNAL": "SIGUSR2", "VARUNA_LIVE_STORE": "h:1"})
+        agent._apply(pb.Orders(action=pb.Orders.RUN, generation=1, workers=[launch]))
+        assert agent._pool.notice_signal == signal.SIGUSR2
+        wait_for(lambda: Path(f"{out}.ready").exists(), 60, "the worker's handlers")
+        agent._notice = Notice(event_id="e", event_type="Preempt", not_before="")
+        agent._act_on_notice()
+        assert agent._pool.workers[0].stop_sent is None, "no signal before the manager's word"
+        if word == "leave":
+            agent._apply(pb.Orders(action=pb.Orders.RUN, generation=1, workers=[launch], leave=True))
+        else:
+            monkeypatch.setattr(vm_agent, "NOTICE_WAIT_S", 0.0)
+            agent._act_on_notice()
+        wait_for(lambda: out.exists() and out.read_text(), 60, "the worker's signal")
+        agent._act_on_notice()
+        agent._apply(pb.Orders(action=pb.Orders.RUN, generation=1, workers=[launch], leave=True))
+        wait_for(lambda: agent._pool.poll() or not agent._pool.any_running, 60, "the worker's exit")
+        assert out.read_text().split() == (["SIGUSR2"] if word == "leave" else ["SIGUSR1"])
+        assert agent._pool.workers[0].exit_code == 0
+    finally:
+        agent._pool.kill_all()
+        agent._client.close()
+
+
+def test_growth_waits_for_the_leavers_of_a_notice(tmp_path):
+    """Capacity comes back while a noticed VM still hands over: no restart, and the growth is
+    planned only once the leaver left (its worker is not counted among those that stay)."""
+    from manager import varuna_manager_pb2 as pb
+
+    provider = FakeProvider(capacity=3)
+    w = World(tmp_path, provider=provider, gather_timeout_s=0.0, create_retry_s=1.0)
+    job = w.submit(max_vms=4, min_vms=2, pipeline_depth=1, live_morph=True)
+    w.tick()
+    w.tick(0.1)
+    w.steps(job, 1, 2)
+    noticed = w.running(job)[2]
+    noticed.notice = pb.PreemptNotice(**NOTICE)
+    w.tick(0.1)
+    assert json.loads(w.gen(job).live_json)["leaving"] == [noticed.vm_id]
+    provider.capacity = 4  # one more VM comes back
+    for _ in range(14):
+        w.tick(0.5)
+    assert len(w.gen(job).vm_ids) == 3 and not json.loads(w.gen(job).live_json)["joiners"], "growth waits"
+    noticed.finish(0)
+    w.until(lambda: json.loads(w.gen(job).live_json)["joiners"])
+    gen = w.gen(job)
+    assert noticed.vm_id not in gen.vm_ids and len(gen.vm_ids) == 3
+    assert json.loads(gen.live_json)["joiners"] == {gen.vm_ids[2]: [3]}, "a fresh id; 2 is never reused"
+    assert gen.pipeline_depth * gen.data_parallel == 3
+    assert not {"stopping", "killing", "live-morph-fallback"} & set(w.kinds(job))

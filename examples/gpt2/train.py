@@ -127,6 +127,7 @@ def build_engine(args: argparse.Namespace, data: ByteBatches) -> varuna.Engine:
 def run_live(args: argparse.Namespace, data: ByteBatches) -> int:
     """Train through ``LiveTrainer`` (``$VARUNA_LIVE_STORE`` set): survivors of a lost peer go on in
     this process at a new layout; rank 0 of the current layout writes the metrics."""
+    from varuna.launch.live_store import LIVE_NOTICE_ENV
     from varuna.runtime.live_trainer import LiveTrainer
 
     # The peer watch would take a peer that closed its engine to regroup for a lost one and end
@@ -139,8 +140,9 @@ def run_live(args: argparse.Namespace, data: ByteBatches) -> int:
         example_batch=data.get("train", 0, args.global_batch_size),
         optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0),
         # SIGUSR1 stays what it is without live morph, the graceful stop of the whole job (the
-        # manager's STOP order, an eviction notice): no per-worker notice signal here.
-        notice_signals=(),
+        # manager's STOP order); a per-worker eviction notice (hand over and leave) comes as the
+        # signal the supervisor names ($VARUNA_LIVE_NOTICE_SIGNAL: varuna-manager's SIGUSR2).
+        notice_signals=tuple(s for s in [os.environ.get(LIVE_NOTICE_ENV, "")] if s and s != "SIGUSR1"),
     )
 
     def on_step(r: varuna.StepResult) -> None:

@@ -17,10 +17,16 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any
 
-__all__ = ["LIVE_STORE_ENV", "RESTARTS_ENV", "LiveStore"]
+__all__ = ["LIVE_JOIN_ENV", "LIVE_NOTICE_ENV", "LIVE_STORE_ENV", "RESTARTS_ENV", "LiveStore"]
 
 #: Where workers find the store (``varuna.runtime.live_morph.LIVE_STORE_ENV``).
 LIVE_STORE_ENV = "VARUNA_LIVE_STORE"
+#: Set to ``1`` for a worker added to a running job (growth; ``varuna.runtime.live_morph.LIVE_JOIN_ENV``).
+LIVE_JOIN_ENV = "VARUNA_LIVE_JOIN"
+#: The signal (a name, e.g. ``SIGUSR2``) by which a supervisor tells one worker that its VM goes
+#: away soon: hand over and leave (``LiveTrainer(notice_signals=...)``). Set by ``varuna-manager``,
+#: whose SIGUSR1 stays the graceful stop of the whole job.
+LIVE_NOTICE_ENV = "VARUNA_LIVE_NOTICE_SIGNAL"
 #: How many times the launcher restarted the job from a checkpoint (0 on the first launch).
 RESTARTS_ENV = "VARUNA_RESTARTS"
 
