@@ -12,7 +12,9 @@ Same model, same conditions for both systems (see docs/benchmarks.md for the met
   message;
 - **schedules**: ours ``varuna`` / ``gpipe`` / ``1f1b`` / ``zb-h1`` / ``varuna-zb`` and the interleaved
   ``interleaved`` / ``varuna-interleaved`` (v = 2 chunks per rank of F/2 each, like torch's)
-  (``varuna.Engine``), torch's ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
+  (``varuna.Engine``), our asynchronous ``2bw`` (PipeDream-2BW, recompute, row ``ours 2bw (async)``:
+  one-step-stale gradients, so shown for information and never counted as our best kind),
+  torch's ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
   ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` (the last
   three with 2 chunks per rank, V-shaped placement for ZBV/DualPipeV; the emulated blocks split
   their backward B = 2F into input and weight halves of F each), each with activation checkpointing
@@ -21,14 +23,18 @@ Same model, same conditions for both systems (see docs/benchmarks.md for the met
   on its last stage).
 - **real compute**: the GPT of examples/gpt2 at P = 2 on both systems (same split, same init).
 
-Every timed step runs between two barriers, so its time is the whole mini-batch on every stage
-(the optimizer step included); throughput is M / median step time. Peak stashed activations are
-counted from the order in which each stage really ran its tasks (the engine's timeline for ours;
-for torch, ``PipelineStage.forward_one_chunk``/``backward_one_chunk`` and the checkpoint's recompute
-timed per micro-batch on each rank). Two numbers per stage: *inputs* (micro-batches whose stage
-input is held: forward started, backward not finished) and *graphs* (micro-batches whose full
-activations are held: a forward without recompute, or a recompute, started and its backward not
-finished), in units of one stage's activations (an interleaved chunk counts 1/2 of a graph).
+Every timed step runs between two barriers, so its time is the whole mini-batch on every stage (the
+optimizer step included); throughput is M / median step time. ``2bw`` runs without a flush: its
+warm-up + timed mini-batches are one ``Engine.train_steps`` window and a step's time is the span
+between two consecutive updates of stage 0 (the steady-state period); its peaks are counted over the
+whole window, and the bytes of its stashed weight version are reported per stage. Peak stashed
+activations are counted from the order in which each stage really ran its tasks (the engine's
+timeline for ours; for torch, ``PipelineStage.forward_one_chunk``/``backward_one_chunk`` and the
+checkpoint's recompute timed per micro-batch on each rank). Two numbers per stage: *inputs*
+(micro-batches whose stage input is held: forward started, backward not finished) and *graphs*
+(micro-batches whose full activations are held: a forward without recompute, or a recompute, started
+and its backward not finished), in units of one stage's activations (an interleaved chunk counts 1/2
+of a graph).
 
 Usage::
 
@@ -62,12 +68,14 @@ for _path in (ROOT, ROOT / "scripts"):  # the package, and this script's results
         sys.path.insert(0, str(_path))
 
 from bench_schedules_results import (  # noqa: E402  (after the sys.path set-up)
+    ASYNC_SCHEDULES,
     LEVELS,
     OUR_SCHEDULES,
     TORCH_SCHEDULES,
     RunSpec,
     WorldSpec,
     goal_rows,
+    peak_held,
     print_goals,
     print_tables,
     reprint,
@@ -165,9 +173,9 @@ def _worker_main(spec_path: str) -> int:
             run_spec = RunSpec(**run)
             fn = _run_ours if run_spec.system == "ours" else _run_torch
             t0 = time.perf_counter()
-            step_s, events = fn(spec, run_spec, rank)
+            step_s, events, extra = fn(spec, run_spec, rank)
             results.append({"run": run, "step_s": step_s, "events": events,
-                            "wall_s": time.perf_counter() - t0})
+                            "wall_s": time.perf_counter() - t0, **extra})
             if rank == 0:
                 med = statistics.median(step_s)
                 print(f"[bench] P={spec.num_stages} {run_spec.key:<48} median step {med * 1e3:7.1f} ms "
@@ -219,8 +227,9 @@ def _gpt_config(spec: WorldSpec) -> Any:
     return GPTConfig(**spec.gpt)
 
 
-def _run_ours(spec: WorldSpec, run: RunSpec, rank: int) -> tuple[list, list]:
-    """One configuration on varuna.Engine (one block, or the GPT's fixed split, per stage)."""
+def _run_ours(spec: WorldSpec, run: RunSpec, rank: int) -> tuple[list, list, dict]:
+    """One configuration on varuna.Engine (one block, or the GPT's fixed split, per stage); the
+    asynchronous kinds (2bw) as one no-flush window (:func:`_timed_window`)."""
     import torch
 
     import varuna
@@ -267,9 +276,30 @@ def _run_ours(spec: WorldSpec, run: RunSpec, rank: int) -> tuple[list, list]:
         def events() -> list:
             return [(e.stage, e.op, e.microbatch, e.start_s, e.end_s) for e in engine.timeline.events]
 
-        return _timed_steps(spec, lambda: engine.train_step(batch), events)
+        if run.schedule in ASYNC_SCHEDULES:
+            return _timed_window(spec, engine, batch)
+        return (*_timed_steps(spec, lambda: engine.train_step(batch), events), {})
     finally:
         engine.close()
+
+
+def _timed_window(spec: WorldSpec, engine: Any, batch: tuple) -> tuple[list, list, dict]:
+    """2bw without a flush: warm-up + timed mini-batches as one ``Engine.train_steps`` window
+    (profiler.overhead_runs.timed_window). A step's time is the span between this rank's
+    consecutive updates (on rank 0, whose time is reported: the steady-state period), so it
+    compares with a synchronous row's step. Also: the window's peaks (its steps overlap, so
+    they are counted over all of its events) and the bytes of the stashed weight version."""
+    from profiler.overhead_runs import timed_window
+
+    warm: list[dict] = []
+    timed = timed_window(engine, batch, spec.warmup, spec.steps, warm)
+
+    def five(events: list) -> list:  # [stage, replica, op, mb, start, end] -> the bench's form
+        return [[st, op, mb, t0, t1] for st, _replica, op, mb, t0, t1 in events]
+
+    window = [e for rec in warm + timed for e in five(rec["events"])]
+    return ([rec["t1"] - rec["t0"] for rec in timed], [five(rec["events"]) for rec in timed],
+            {"window_peak": list(peak_held(window)), "weight_stash_bytes": engine.weight_versions.nbytes()})
 
 
 def _checkpointed(inner: Any) -> Any:
@@ -331,7 +361,7 @@ def _gpt_pieces(spec: WorldSpec, num_pieces: int) -> list[Any]:
     return [Piece(i) for i in range(num_pieces)]
 
 
-def _run_torch(spec: WorldSpec, run: RunSpec, rank: int) -> tuple[list, list]:
+def _run_torch(spec: WorldSpec, run: RunSpec, rank: int) -> tuple[list, list, dict]:
     """One configuration on torch.distributed.pipelining, timed per micro-batch by _TorchRecorder."""
     import torch
     import torch.distributed as dist
@@ -401,7 +431,7 @@ def _run_torch(spec: WorldSpec, run: RunSpec, rank: int) -> tuple[list, list]:
                 dist.all_reduce(tied[0].grad, group=_TIED_GROUP[0])
             optimizer.step()
 
-        return _timed_steps(spec, step, lambda: recorder.events)
+        return (*_timed_steps(spec, step, lambda: recorder.events), {})
 
 
 #: torch schedules that take every stage of the rank (class names), and the V-shaped ones.

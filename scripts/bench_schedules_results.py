@@ -37,8 +37,11 @@ _TORCH_CLASS = {
     "dualpipev": "ScheduleDualPipeV",
 }
 #: The schedules compared: ours (``VarunaConfig.schedule``) and torch's (keys of _TORCH_CLASS).
-OUR_SCHEDULES = ("varuna", "gpipe", "1f1b", "zb-h1", "varuna-zb", "interleaved", "varuna-interleaved")
+OUR_SCHEDULES = ("varuna", "gpipe", "1f1b", "zb-h1", "varuna-zb", "interleaved", "varuna-interleaved", "2bw")
 TORCH_SCHEDULES = tuple(_TORCH_CLASS)
+#: Our asynchronous kinds (PipeDream-2BW: one-step-stale gradients, not the same training as the
+#: others): timed as one no-flush window, shown for information, never "our best" for the goals.
+ASYNC_SCHEDULES = ("2bw",)
 #: Mean delay of one message at each level (netem: latency + Exp(mean jitter); 0 without emulation).
 MEAN_HOP_S = {"none": 0.0, "moderate": 0.003, "heavy": 0.012}
 
@@ -62,6 +65,8 @@ class RunSpec:
 
     @property
     def label(self) -> str:
+        if self.system == "ours" and self.schedule in ASYNC_SCHEDULES:
+            return f"ours {self.schedule} (async)"  # always recomputes (required at P > 1)
         if self.system == "ours":
             name = f"ours {self.schedule}" + (f"(v={self.chunks})" if self.chunks > 1 else "")
             return name + ("+R" if self.recompute and not self.schedule.startswith("varuna") else "")
@@ -216,9 +221,13 @@ def summarize(spec: WorldSpec, ranks: list[dict]) -> list[dict]:
             row = by_key.setdefault(run.key, {"run": run, "step_s": [], "ranks": {}})
             if r == 0:
                 row["step_s"] += res["step_s"]
-            per = row["ranks"].setdefault(r, {"peaks": [], "busy": [], "events": [], "step_s": []})
+            per = row["ranks"].setdefault(r, {"peaks": [], "busy": [], "events": [], "step_s": [],
+                                              "stash": 0})
+            per["stash"] = max(per["stash"], res.get("weight_stash_bytes", 0))
             for evs, st in zip(res["events"], res["step_s"]):
-                per["peaks"].append(peak_held(evs, run.chunks))
+                # A no-flush window's steps overlap: its peaks are the whole window's (the worker's).
+                window = res.get("window_peak")
+                per["peaks"].append(tuple(window) if window else peak_held(evs, run.chunks))
                 per["busy"].append(busy_s(evs))
                 per["events"].append(evs)
                 per["step_s"].append(st)
@@ -249,6 +258,8 @@ def summarize(spec: WorldSpec, ranks: list[dict]) -> list[dict]:
             "efficiency": _efficiency(spec, tasks, med),
             "peak_inputs": [max(p[0] for p in row["ranks"][k]["peaks"]) for k in stages],
             "peak_graphs": [max(p[1] for p in row["ranks"][k]["peaks"]) for k in stages],
+            "weight_stash_bytes": [row["ranks"][k]["stash"] for k in stages],
+            "asynchronous": run.system == "ours" and run.schedule in ASYNC_SCHEDULES,
             "idle_frac": [
                 statistics.median(1 - b / t for b, t in zip(rk["busy"], rk["step_s"]))
                 for rk in (row["ranks"][k] for k in stages)
@@ -295,8 +306,18 @@ def _fmt_hops(h: dict) -> str:
     return "-" if h["p50"] is None else f"{h['p50']:.1f}/{h['p90']:.1f}"
 
 
+def _fmt_bytes(xs: Sequence[int]) -> str:
+    """Per-stage byte counts, "-" when every stage has none."""
+    if not any(xs):
+        return "-"
+    for unit, div in (("MB", 1 << 20), ("KB", 1 << 10)):
+        if max(xs) >= div:
+            return " ".join(f"{x / div:.1f}" for x in xs) + f" {unit}"
+    return " ".join(str(x) for x in xs) + " B"
+
+
 _COLUMNS = ("schedule", "step ms", "samples/s", "of ideal", "of LA ideal", "varuna/x", "eff", "max idle",
-            "hop p50/p90 ms", "F/R/B/W ms", "inputs held/stage", "graphs held/stage")
+            "hop p50/p90 ms", "F/R/B/W ms", "inputs held/stage", "graphs held/stage", "weights stashed/stage")
 
 
 def print_tables(rows: list[dict], spec: WorldSpec) -> None:
@@ -333,8 +354,13 @@ def print_tables(rows: list[dict], spec: WorldSpec) -> None:
                 "/".join(f"{t[op]:.1f}" if op in t else "-" for op in ("F", "R", "B", "W")),
                 _fmt_list(r["peak_inputs"]),
                 _fmt_list(r["peak_graphs"]),
+                _fmt_bytes(r.get("weight_stash_bytes", ())),
             ]
             print("| " + " | ".join(cells) + " |")
+        if any(r.get("asynchronous") for r in rs):
+            print("\n(async) = PipeDream-2BW, one-step-stale gradients: not the same training as the other "
+                  "rows, not comparable bit for bit; timed as one no-flush window (step = steady-state "
+                  "period on stage 0), its memory one extra copy of each stage's weights (last column)")
 
 
 def goal_rows(rows: list[dict]) -> list[dict]:
@@ -346,9 +372,11 @@ def goal_rows(rows: list[dict]) -> list[dict]:
         if r["model"] == "emulated":
             groups.setdefault((r["P"], r["level"]), []).append(r)
     for (P, level), rs in groups.items():
-        # Like for like: our kinds with recompute (the varuna family always recomputes).
-        ours = [r for r in rs
-                if r["system"] == "ours" and (r["recompute"] or r["schedule"].startswith("varuna"))]
+        # Like for like: our synchronous kinds with recompute (the varuna family always recomputes);
+        # the asynchronous ones train differently, so they are reported beside, never picked.
+        ours = [r for r in rs if r["system"] == "ours" and not _is_async(r)
+                and (r["recompute"] or r["schedule"].startswith("varuna"))]
+        asynchronous = [r for r in rs if r["system"] == "ours" and _is_async(r)]
         torch_rc = [r for r in rs if r["system"] == "torch" and r["recompute"]]
         if not ours or not torch_rc:
             continue
@@ -363,8 +391,19 @@ def goal_rows(rows: list[dict]) -> list[dict]:
             "goal_vs_torch": GOAL_VS_TORCH.get(level),
             "of_la_ideal": la if la is not None else mine["of_ideal"],
             "goal_of_ideal": GOAL_VS_IDEAL.get(level),
+            "async": [{
+                "label": a["label"], "samples_per_s": a["samples_per_s"],
+                "vs_torch": a["samples_per_s"] / best["samples_per_s"],
+                "of_la_ideal": a["of_la_ideal"] if a.get("of_la_ideal") is not None else a["of_ideal"],
+                "weight_stash_bytes": a.get("weight_stash_bytes", []),
+            } for a in asynchronous],
         })
     return out
+
+
+def _is_async(row: dict) -> bool:
+    """Whether ``row`` is one of our asynchronous kinds (older JSON files lack the flag)."""
+    return row.get("asynchronous", row["system"] == "ours" and row["schedule"] in ASYNC_SCHEDULES)
 
 
 def print_goals(goals: list[dict]) -> None:
@@ -383,6 +422,16 @@ def print_goals(goals: list[dict]) -> None:
               f"| {g['best_torch_samples_per_s']:.1f} | {g['vs_torch']:.3f} | {g['goal_vs_torch']:.2f} "
               f"| {met_torch} | {g.get('of_la_ideal', g.get('of_ideal', 0.0)):.3f} "
               f"| {g['goal_of_ideal']:.2f} | {met_ideal} |")
+    rows = [(g, a) for g in goals for a in g.get("async", [])]
+    if rows:
+        print("\nasynchronous kinds, for information only (one-step-stale gradients: not the same training, "
+              "not counted as ours above)\n")
+        print("| P | network | schedule | samples/s | best torch with recompute | ratio | of LA ideal "
+              "| weights stashed/stage |")
+        print("|---:|---|---|---:|---|---:|---:|---|")
+        for g, a in rows:
+            print(f"| {g['P']} | {g['level']} | {a['label']} | {a['samples_per_s']:.1f} | {g['best_torch']} "
+                  f"| {a['vs_torch']:.3f} | {a['of_la_ideal']:.3f} | {_fmt_bytes(a['weight_stash_bytes'])} |")
 
 
 def write_timelines(rows: list[dict], directory: Path) -> None:

@@ -6,7 +6,8 @@
 
 Throughput: one panel per pipeline depth P; x is the network level (mean extra delay per message:
 none 0 ms, moderate 1 + 2 ms, heavy 2 + 10 ms), one line per schedule; solid lines with recompute
-/ checkpointing, dashed without; the ideal with-recompute throughput as a dotted grey line.
+/ checkpointing, dashed without, dash-dot (black) for the asynchronous ``ours 2bw (async)``; the
+ideal with-recompute throughput as a dotted grey line.
 Gantt: the median timed step of one row (F red, R orange, B green; rows = stages).
 """
 
@@ -27,6 +28,7 @@ _STYLE = {  # (colour, marker) per schedule family
     "ours varuna-zb": ("#ff7f0e", "*"),
     "ours interleaved(v=2)": ("#bcbd22", "P"),
     "ours varuna-interleaved(v=2)": ("#9467bd", "X"),
+    "ours 2bw (async)": ("#000000", "o"),
     "torch GPipe": ("#1f77b4", "s"),
     "torch 1F1B": ("#17becf", "^"),
     "torch Interleaved1F1B(v=2)": ("#2ca02c", "D"),
@@ -62,8 +64,10 @@ def plot_throughput(rows: Sequence[dict], path: str | Path, *, stages: Sequence[
             rs = sorted(rs, key=lambda r: _LEVEL_X[r["level"]])
             colour, marker = _STYLE.get(_family(label), ("#7f7f7f", "x"))
             rc = rs[0]["recompute"] or rs[0]["schedule"].startswith("varuna")
+            # The asynchronous kind (2bw) trains differently: its own dash-dot style, marked in the label.
+            style = "-." if rs[0].get("asynchronous") else "-" if rc else "--"
             ax.plot([_LEVEL_X[r["level"]] for r in rs], [r["samples_per_s"] for r in rs], marker=marker,
-                    color=colour, linestyle="-" if rc else "--",
+                    color=colour, linestyle=style,
                     linewidth=2.2 if label == "ours varuna" else 1.2, label=label)
         ideal = [r for r in mine if r.get("ideal_step_s")]
         if ideal:
