@@ -53,7 +53,7 @@ from varuna.core.env import stage_and_replica
 from varuna.core.live_layout import plan_generation, transfer_plan
 from varuna.runtime.checkpoint import load_engine_state_dict
 from varuna.runtime.engine import Engine
-from varuna.runtime.live_transfer import pack_state, unpack_state
+from varuna.runtime.live_transfer import describe_state, receive_targets
 from varuna.runtime.optimizer_state import merge_optimizer_states, optimizer_state_by_name
 
 __all__ = ["LIVE_JOIN_ENV", "LIVE_STORE_ENV", "LiveMorphFailed", "LiveWorld", "MorphReport", "WaitExpired",
@@ -145,6 +145,10 @@ class LiveWorld:
         if not host or not port.isdigit():
             raise ValueError(f"live morph needs the rendezvous store as host:port (got {address!r}); "
                              f"set ${LIVE_STORE_ENV}")
+        # A morph collects the old groups' handles (engine.close); with the imports frozen out of
+        # the collector that walk covers only what the run made since (docs/live_morph.md,
+        # Benchmark: the full collections were most of the tear down).
+        gc.freeze()
         member = int(os.environ["RANK"]) if member is None else member
         joining = os.environ.get(LIVE_JOIN_ENV) == "1" if joining is None else joining
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
@@ -308,14 +312,21 @@ def _tear_down(engine: Engine) -> None:
     """Stop the engine's threads and drop every group, the default one too. Dropping the last
     handle closes the group's sockets, which fails any member still waiting on this one (gloo's
     abort() does not, torch 2.13: docs/live_morph.md). The parameters and optimizer stay."""
-    engine.close()  # watch, links, subgroups (every handle released, collected)
-    _drop_default_group()
+    # The live world made the default group and wants it gone too: the engine destroys it with
+    # its subgroups, so one collection frees every handle (each full collection costs).
+    engine._owns_pg = dist.is_initialized()
+    engine.close()  # watch, links, every group (every handle released, collected)
+    _drop_default_group(collect=False)
 
 
-def _drop_default_group() -> None:
+def _drop_default_group(*, collect: bool = True) -> None:
+    """Destroy the default group if there is one; ``collect``: also when there was none (after a
+    failed regroup, handles of what it built may sit in reference cycles)."""
     if dist.is_initialized():
         dist.destroy_process_group()
-    gc.collect()
+        collect = True
+    if collect:
+        gc.collect()
 
 
 def _dead(store: dist.Store, members: list[int]) -> set[int]:
@@ -435,7 +446,9 @@ def _form(live: LiveWorld, gen: int, closed: dict, held: Engine | None, build: C
         new._owns_pg = True  # the live world made this group; the engine destroys it on close
         new.live_generation = gen
         received = _hand_over(live, gen, xfer, recs, held, new, on_phase)
-        load_engine_state_dict(new, {"step": step, "loss_scale": ref["scale"], **received.pop("state")})
+        # copy=False: the optimizer adopts the received tensors and the held engine's (dropped now)
+        load_engine_state_dict(new, {"step": step, "loss_scale": ref["scale"], **received.pop("state")},
+                               copy=False)
     except BaseException:
         new.close()
         new = None  # no handle may keep the groups' sockets open (peers must fail, not hang)
@@ -505,10 +518,12 @@ def _hand_over(live: LiveWorld, gen: int, xfer: list[int], recs: dict, held_engi
         try:
             if on_phase:
                 on_phase("transfer", gen)
-            parts, nbytes = _exchange(live, pre, pg, xfer, me, sends, recvs, held_engine)
-        finally:
+            parts, nbytes = _exchange(live, pre, pg, xfer, me, sends, recvs, held_engine, new)
+        except BaseException:
             pg = None  # dropping the handle closes its sockets: peers fail instead of hanging
-            gc.collect()
+            gc.collect()  # the failure's frames may sit in cycles
+            raise
+        pg = None  # no cycle holds it on success: freed (sockets closed) right here
     elif on_phase:
         on_phase("transfer", gen)
     if new is None:
@@ -521,23 +536,30 @@ def _hand_over(live: LiveWorld, gen: int, xfer: list[int], recs: dict, held_engi
 
 
 def _exchange(live: LiveWorld, pre: str, pg: dist.ProcessGroup, xfer: list[int], me: int,
-              sends: dict[int, list[str]], recvs: list[int], engine: Engine | None) -> tuple[list[dict], int]:
+              sends: dict[int, list[str]], recvs: list[int], engine: Engine | None,
+              new: Engine | None) -> tuple[list[dict], int]:
     """Post every send and receive at once (no ordering deadlock), wait for each (bounded), then a
-    barrier: a leaver exits only once every receiver has its state. Metadata goes via the store."""
+    barrier: a leaver exits only once every receiver has its state. Metadata goes via the store.
+    Tensors go as they are: sent from the held engine's own tensors (the same ones to several
+    receivers), received straight into the new engine's parameters (live_transfer.py)."""
     timeout = timedelta(seconds=live.timeout_s)
-    works = []
+    works, keep = [], []  # every tensor stays referenced until its message completed
     for dst, names in sorted(sends.items()):
-        meta, buf = pack_state(_stage_state(engine, names))
-        live.store.set(f"{pre}xfer/{xfer[me]}-{xfer[dst]}", json.dumps({"meta": meta, "nbytes": buf.numel()}))
-        works.append(pg.send([buf], dst, 0))
-    metas, bufs = {}, {}
+        meta, tensors = describe_state(_stage_state(engine, names))
+        live.store.set(f"{pre}xfer/{xfer[me]}-{xfer[dst]}", meta)
+        keep += tensors
+        works += [pg.send([t], dst, tag) for tag, t in enumerate(tensors)]
+    into = new.stage_params if new is not None else {}
+    parts, nbytes = [], 0
     for src in recvs:
         key = f"{pre}xfer/{xfer[src]}-{live.member}"
         _wait_for(live, [key], [xfer[src]])
-        m = json.loads(live.store.get(key))
-        metas[src], bufs[src] = m["meta"], torch.empty(m["nbytes"], dtype=torch.uint8)
-        works.append(pg.recv([bufs[src]], src, 0))
+        state, targets = receive_targets(live.store.get(key).decode(), into)
+        parts.append(state)
+        keep += targets
+        nbytes += sum(t.numel() * t.element_size() for t in targets)
+        works += [pg.recv([t], src, tag) for tag, t in enumerate(targets)]
     for w in works:
         w.wait(timeout)
     pg.allreduce([torch.zeros(1)]).wait(timeout)
-    return [unpack_state(metas[s], bufs[s]) for s in recvs], sum(b.numel() for b in bufs.values())
+    return parts, nbytes
