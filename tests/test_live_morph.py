@@ -5,6 +5,7 @@ run in deterministic mode ends bit-identical to one undisturbed single-process r
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -105,6 +106,20 @@ def test_transfer_round_trips_adamw_state_exactly_and_in_place():
     assert back["optimizer"]["param_groups"][0]["params"] == ["w", "b", "h"]
     with pytest.raises(ValueError, match="bad tensor entry"):
         receive_targets(meta.replace('"float32"', '"Tensor"'), {})
+
+
+def test_tear_down_collects_only_when_a_group_handle_has_another_holder():
+    from varuna.runtime.live_morph import _held_elsewhere
+
+    handles = [object(), object()]
+    assert not _held_elsewhere(handles)  # only the list holds them: freed without a collection
+    cycle = {"frame-like": handles[1]}
+    cycle["self"] = cycle
+    assert _held_elsewhere(handles), "a cycle still holds one: the morph must collect"
+    del cycle
+    assert _held_elsewhere(handles), "only a collection frees a cycle"
+    gc.collect()
+    assert not _held_elsewhere(handles)
 
 
 # ---------------------------------------------------------------------------------- processes

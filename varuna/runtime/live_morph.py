@@ -40,6 +40,7 @@ import dataclasses
 import gc
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -114,6 +115,8 @@ class LiveWorld:
     """The job ended while this worker waited (spare or joiner)."""
     last_morph: MorphReport | None = None
     """What the latest :func:`morph` did, on this worker."""
+    collect_due: bool = False
+    """The torn-down groups still await their garbage collection (:func:`_collect_if_due`)."""
 
     @property
     def rank(self) -> int:
@@ -239,7 +242,7 @@ def morph(live: LiveWorld, held: Engine | None, build: Callable[[int, int], Engi
     t0 = time.monotonic()
     old = (held.layout.P, held.layout.D) if held is not None else None
     if held is not None:
-        _tear_down(held)
+        live.collect_due = _tear_down(held)
     record = _record(held, leaving)
     failures: list[str] = []
     for attempt in range(1, _MAX_ATTEMPTS + 1):
@@ -265,9 +268,11 @@ def morph(live: LiveWorld, held: Engine | None, build: Callable[[int, int], Engi
         except RuntimeError as e:  # a member lost during the regroup: next generation
             failures.append(f"generation {gen}: {' '.join(str(e).split())[:160]}")
             _drop_default_group()
+            live.collect_due = False  # just collected
             live.joining = False  # a joiner admitted once is a member without state from now on
             record = _record(held, leaving)
             continue
+        _collect_if_due(live)  # not overlapped with a wait this time: now
         if live.last_morph is not None and live.last_morph.generation == gen:
             live.last_morph = dataclasses.replace(live.last_morph, old=old, seconds=time.monotonic() - t0,
                                                   attempts=attempt)
@@ -308,15 +313,43 @@ def _init_group(live: LiveWorld, backend: str) -> None:
                             timeout=timedelta(seconds=live.timeout_s))
 
 
-def _tear_down(engine: Engine) -> None:
+def _tear_down(engine: Engine) -> bool:
     """Stop the engine's threads and drop every group, the default one too. Dropping the last
     handle closes the group's sockets, which fails any member still waiting on this one (gloo's
-    abort() does not, torch 2.13: docs/live_morph.md). The parameters and optimizer stay."""
+    abort() does not, torch 2.13: docs/live_morph.md). The parameters and optimizer stay. Returns
+    whether a garbage collection is still due (a subgroup handle outlived the tear down)."""
     # The live world made the default group and wants it gone too: the engine destroys it with
-    # its subgroups, so one collection frees every handle (each full collection costs).
+    # its subgroups. The collection for handles caught in reference cycles (each full one costs
+    # ~0.1-0.2 s here: docs/live_morph.md, Findings) waits for the first idle moment of the
+    # regroup (_collect_if_due); handles outside cycles close their sockets right now, which is
+    # what fails peers still waiting on this one.
+    handles = [g for g in engine._groups.created if isinstance(g, dist.ProcessGroup)]
     engine._owns_pg = dist.is_initialized()
-    engine.close()  # watch, links, every group (every handle released, collected)
+    engine.close(collect=False)  # watch, links, every group (every handle released)
     _drop_default_group(collect=False)
+    # Only a handle with another holder left can need the collection (a cycle, a frame). The
+    # default group is not checked: its handle keeps references that no collection frees
+    # (measured, torch 2.13), so checking it would make every morph pay for nothing.
+    return _held_elsewhere(handles)
+
+
+def _held_elsewhere(objs: list) -> bool:
+    """Whether any of ``objs`` has a reference besides ``objs`` itself (calibrated on an object
+    held the same way, so the interpreter's own counting does not matter)."""
+    base = max(_refcounts([object()]))
+    return any(n > base for n in _refcounts(objs))
+
+
+def _refcounts(objs: list) -> list[int]:
+    return [sys.getrefcount(o) for o in objs]
+
+
+def _collect_if_due(live: LiveWorld) -> None:
+    """The torn-down engine's collection, run once where this member would wait anyway (for the
+    membership, for transfers in flight) or at the end of the morph."""
+    if live.collect_due:
+        live.collect_due = False
+        gc.collect()
 
 
 def _drop_default_group(*, collect: bool = True) -> None:
@@ -353,6 +386,9 @@ def _close(live: LiveWorld, gen: int, window_s: float | None,
         if waited > wait_s:
             raise (WaitExpired if window_s is None else LiveMorphFailed)(
                 f"member {live.member} waited {wait_s:.0f}s for generation {gen} to form")
+        if live.collect_due:
+            _collect_if_due(live)  # instead of idling: the members not there yet are the critical path
+            continue
         time.sleep(_POLL_S)  # a poll of the store, bounded above
     closed = json.loads(store.get(closed_key))
     if live.member not in closed["arrived"]:
@@ -559,6 +595,7 @@ def _exchange(live: LiveWorld, pre: str, pg: dist.ProcessGroup, xfer: list[int],
         keep += targets
         nbytes += sum(t.numel() * t.element_size() for t in targets)
         works += [pg.recv([t], src, tag) for tag, t in enumerate(targets)]
+    _collect_if_due(live)  # while gloo's threads move the bytes
     for w in works:
         w.wait(timeout)
     pg.allreduce([torch.zeros(1)]).wait(timeout)
