@@ -102,11 +102,16 @@ def worker(a: argparse.Namespace) -> None:
             report["t_first_step"], first = time.time(), False
         try:
             engine.train_step(batch(step))
+            failed = False
         except RuntimeError:  # a peer died inside the step
+            failed = True
+        if failed:  # outside the except block, as LiveTrainer: its traceback's frames hold group handles
             report["t_failed"], before = time.time(), dict(phases)
-            engine = recover(engine, build(), live)
+            # the model factory, as LiveTrainer does: the fresh model is built after the tear down
+            # (which fails the peers still waiting on this rank) and the rendezvous, not before
+            engine = recover(engine, build, live)
             if engine is None:
-                raise SystemExit("spare in the new layout: nothing to measure") from None
+                raise SystemExit("spare in the new layout: nothing to measure")
             report["morph"] = vars(live.last_morph)
             report["phases"] = {k: v - before.get(k, 0.0) for k, v in phases.items()}
             step, first = engine.step_count + 1, True

@@ -5,6 +5,7 @@ run in deterministic mode ends bit-identical to one undisturbed single-process r
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 import varuna
 from varuna.core.live_layout import NoLiveReplica, plan_generation, plan_survivor_layout, transfer_plan
-from varuna.runtime.live_transfer import pack_state, unpack_state
+from varuna.runtime.live_transfer import describe_state, receive_targets
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "workers" / "live_worker.py"
@@ -75,7 +76,7 @@ def test_generation_plan_takes_the_managers_layout_when_it_fits():
     assert plan_generation(old_P=2, holders=4, newcomers=1, hint=(2, 2), **limits) == (2, 2, 4)
 
 
-def test_flat_transfer_round_trips_adamw_state_exactly():
+def test_transfer_round_trips_adamw_state_exactly_and_in_place():
     torch.manual_seed(0)
     w, b = torch.nn.Parameter(torch.randn(3, 5)), torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
     h = torch.nn.Parameter(torch.randn(7).to(torch.bfloat16))
@@ -88,15 +89,37 @@ def test_flat_transfer_round_trips_adamw_state_exactly():
     names = {"w": w, "b": b, "h": h}
     state = {"params": {n: p.detach() for n, p in names.items()},
              "optimizer": optimizer_state_by_name(opt, names)}
-    meta, buf = pack_state(state)
-    assert buf.dtype == torch.uint8 and buf.dim() == 1
-    back = unpack_state(meta, buf)
+    meta, sent = describe_state(state)
+    assert sent[0].data_ptr() == w.data_ptr()  # sent from the live tensor: no packing copy
+    # the receiver's new engine: w in place; b has another dtype there (received aside, loaded by copy)
+    into = {"w": torch.zeros(3, 5), "b": torch.zeros(5)}
+    back, targets = receive_targets(meta, into)
+    assert len(targets) == len(sent)
+    for src, dst in zip(sent, targets):  # what each send/recv pair does
+        dst.copy_(src)
+    assert back["params"]["w"] is into["w"] and back["params"]["b"] is not into["b"]
     for n, p in names.items():
         assert back["params"][n].dtype == p.dtype and torch.equal(back["params"][n], p.detach())
         for k, v in state["optimizer"]["state"][n].items():
             assert torch.equal(back["optimizer"]["state"][n][k], v), (n, k)
     assert back["optimizer"]["param_groups"][0]["betas"] == (0.8, 0.95)
     assert back["optimizer"]["param_groups"][0]["params"] == ["w", "b", "h"]
+    with pytest.raises(ValueError, match="bad tensor entry"):
+        receive_targets(meta.replace('"float32"', '"Tensor"'), {})
+
+
+def test_tear_down_collects_only_when_a_group_handle_has_another_holder():
+    from varuna.runtime.live_morph import _held_elsewhere
+
+    handles = [object(), object()]
+    assert not _held_elsewhere(handles)  # only the list holds them: freed without a collection
+    cycle = {"frame-like": handles[1]}
+    cycle["self"] = cycle
+    assert _held_elsewhere(handles), "a cycle still holds one: the morph must collect"
+    del cycle
+    assert _held_elsewhere(handles), "only a collection frees a cycle"
+    gc.collect()
+    assert not _held_elsewhere(handles)
 
 
 # ---------------------------------------------------------------------------------- processes
@@ -239,6 +262,8 @@ def test_growth_1x2_to_2x2_joiners_get_their_state_from_peers_and_a_spare_waits(
         assert [s for s, _ in report["losses"]] == list(range(first, STEPS + 1))
     for m in (0, 1):
         assert reports[m]["pid"] == pids[m] and reports[m]["morphs"][0]["old"] == [1, 2]
+        # each held the whole model: its new stage is a part of it, so nothing came over the wire
+        assert reports[m]["morphs"][0]["received_bytes"] == 0
     for m in (2, 3):
         assert reports[m]["morphs"][0]["received_bytes"] > 0, "a joiner's whole stage came from a peer"
     spare, _ = read_member(out, 4)

@@ -685,9 +685,10 @@ def _load_previous(engine: CheckpointState, previous: dict | None) -> None:
         versions.load(previous)
 
 
-def load_engine_state_dict(engine: CheckpointState, state: Mapping[str, Any]) -> None:
+def load_engine_state_dict(engine: CheckpointState, state: Mapping[str, Any], *, copy: bool = True) -> None:
     """Inverse of :func:`engine_state_dict`; ``state["params"]`` may hold more names (e.g. the
-    whole model's), but must hold every parameter of this stage."""
+    whole model's), but must hold every parameter of this stage. ``copy=False``: the optimizer
+    adopts the state's tensors (nobody else may update them, e.g. a live morph's received ones)."""
     params = state["params"]
     missing = [n for n in engine.stage_params if n not in params]
     if missing:
@@ -703,6 +704,6 @@ def load_engine_state_dict(engine: CheckpointState, state: Mapping[str, Any]) ->
     opt = dict(state["optimizer"])
     opt["state"] = {n: v for n, v in opt.get("state", {}).items() if n in trainable}
     _load_previous(engine, pop_previous(opt))
-    load_optimizer_state_by_name(engine.optimizer, trainable, opt)
+    load_optimizer_state_by_name(engine.optimizer, trainable, opt, copy=copy)
     engine.scaler.load_state_dict(state["loss_scale"])
     engine.step_count = int(state["step"])

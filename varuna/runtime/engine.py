@@ -386,8 +386,10 @@ class Engine:
         metadata = {"source": "runtime", "P": L.P, "D": L.D, "m": c.micro_batch_size, "schedule": c.schedule}
         return gather_timeline(self.timeline, self.layout, metadata)
 
-    def close(self) -> None:
-        """Stop the engine's threads and destroy its groups (the default one if it made it); at exit too."""
+    def close(self, *, collect: bool = True) -> None:
+        """Stop the engine's threads and destroy its groups (the default one if it made it); at exit too.
+        ``collect=False``: skip the garbage collection that frees handles caught in reference cycles
+        (the caller runs it soon, e.g. a live morph while it waits for its peers)."""
         atexit.unregister(self.close)
         if self._tb is not None:
             self._tb.close()
@@ -399,7 +401,7 @@ class Engine:
         if self._netem is not None:
             self._netem.__exit__(None, None, None)
             self._netem = None
-        _destroy_groups(self._groups, owns_default=self._owns_pg)
+        _destroy_groups(self._groups, owns_default=self._owns_pg, collect=collect)
         self._owns_pg = False
 
     def __enter__(self) -> Engine:
@@ -607,7 +609,7 @@ def _close_at_exit(engine: Engine) -> None:
     atexit.register(engine.close)  # Engine.close unregisters it
 
 
-def _destroy_groups(groups: ProcessGroups, *, owns_default: bool) -> None:
+def _destroy_groups(groups: ProcessGroups, *, owns_default: bool, collect: bool = True) -> None:
     """The engine's groups, and the default one when the engine made it. Note [Teardown at exit]:
     no handle may outlive this (the groups' worker threads are joined now, not at finalisation)."""
     if owns_default and dist.is_initialized():
@@ -616,7 +618,8 @@ def _destroy_groups(groups: ProcessGroups, *, owns_default: bool) -> None:
         # The caller owns the default group and may build more engines in this process.
         groups.destroy()
     groups.release()
-    gc.collect()
+    if collect:
+        gc.collect()
 
 
 def _place_cutpoints(

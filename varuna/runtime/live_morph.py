@@ -40,6 +40,7 @@ import dataclasses
 import gc
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,7 +54,7 @@ from varuna.core.env import stage_and_replica
 from varuna.core.live_layout import plan_generation, transfer_plan
 from varuna.runtime.checkpoint import load_engine_state_dict
 from varuna.runtime.engine import Engine
-from varuna.runtime.live_transfer import pack_state, unpack_state
+from varuna.runtime.live_transfer import describe_state, receive_targets
 from varuna.runtime.optimizer_state import merge_optimizer_states, optimizer_state_by_name
 
 __all__ = ["LIVE_JOIN_ENV", "LIVE_STORE_ENV", "LiveMorphFailed", "LiveWorld", "MorphReport", "WaitExpired",
@@ -114,6 +115,8 @@ class LiveWorld:
     """The job ended while this worker waited (spare or joiner)."""
     last_morph: MorphReport | None = None
     """What the latest :func:`morph` did, on this worker."""
+    collect_due: bool = False
+    """The torn-down groups still await their garbage collection (:func:`_collect_if_due`)."""
 
     @property
     def rank(self) -> int:
@@ -145,6 +148,10 @@ class LiveWorld:
         if not host or not port.isdigit():
             raise ValueError(f"live morph needs the rendezvous store as host:port (got {address!r}); "
                              f"set ${LIVE_STORE_ENV}")
+        # A morph collects the old groups' handles (engine.close); with the imports frozen out of
+        # the collector that walk covers only what the run made since (docs/live_morph.md,
+        # Benchmark: the full collections were most of the tear down).
+        gc.freeze()
         member = int(os.environ["RANK"]) if member is None else member
         joining = os.environ.get(LIVE_JOIN_ENV) == "1" if joining is None else joining
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
@@ -235,7 +242,7 @@ def morph(live: LiveWorld, held: Engine | None, build: Callable[[int, int], Engi
     t0 = time.monotonic()
     old = (held.layout.P, held.layout.D) if held is not None else None
     if held is not None:
-        _tear_down(held)
+        live.collect_due = _tear_down(held)
     record = _record(held, leaving)
     failures: list[str] = []
     for attempt in range(1, _MAX_ATTEMPTS + 1):
@@ -261,9 +268,11 @@ def morph(live: LiveWorld, held: Engine | None, build: Callable[[int, int], Engi
         except RuntimeError as e:  # a member lost during the regroup: next generation
             failures.append(f"generation {gen}: {' '.join(str(e).split())[:160]}")
             _drop_default_group()
+            live.collect_due = False  # just collected
             live.joining = False  # a joiner admitted once is a member without state from now on
             record = _record(held, leaving)
             continue
+        _collect_if_due(live)  # not overlapped with a wait this time: now
         if live.last_morph is not None and live.last_morph.generation == gen:
             live.last_morph = dataclasses.replace(live.last_morph, old=old, seconds=time.monotonic() - t0,
                                                   attempts=attempt)
@@ -304,18 +313,53 @@ def _init_group(live: LiveWorld, backend: str) -> None:
                             timeout=timedelta(seconds=live.timeout_s))
 
 
-def _tear_down(engine: Engine) -> None:
+def _tear_down(engine: Engine) -> bool:
     """Stop the engine's threads and drop every group, the default one too. Dropping the last
     handle closes the group's sockets, which fails any member still waiting on this one (gloo's
-    abort() does not, torch 2.13: docs/live_morph.md). The parameters and optimizer stay."""
-    engine.close()  # watch, links, subgroups (every handle released, collected)
-    _drop_default_group()
+    abort() does not, torch 2.13: docs/live_morph.md). The parameters and optimizer stay. Returns
+    whether a garbage collection is still due (a subgroup handle outlived the tear down)."""
+    # The live world made the default group and wants it gone too: the engine destroys it with
+    # its subgroups. The collection for handles caught in reference cycles (each full one costs
+    # ~0.1-0.2 s here: docs/live_morph.md, Findings) waits for the first idle moment of the
+    # regroup (_collect_if_due); handles outside cycles close their sockets right now, which is
+    # what fails peers still waiting on this one.
+    handles = [g for g in engine._groups.created if isinstance(g, dist.ProcessGroup)]
+    engine._owns_pg = dist.is_initialized()
+    engine.close(collect=False)  # watch, links, every group (every handle released)
+    _drop_default_group(collect=False)
+    # Only a handle with another holder left can need the collection (a cycle, a frame). The
+    # default group is not checked: its handle keeps references that no collection frees
+    # (measured, torch 2.13), so checking it would make every morph pay for nothing.
+    return _held_elsewhere(handles)
 
 
-def _drop_default_group() -> None:
+def _held_elsewhere(objs: list) -> bool:
+    """Whether any of ``objs`` has a reference besides ``objs`` itself (calibrated on an object
+    held the same way, so the interpreter's own counting does not matter)."""
+    base = max(_refcounts([object()]))
+    return any(n > base for n in _refcounts(objs))
+
+
+def _refcounts(objs: list) -> list[int]:
+    return [sys.getrefcount(o) for o in objs]
+
+
+def _collect_if_due(live: LiveWorld) -> None:
+    """The torn-down engine's collection, run once where this member would wait anyway (for the
+    membership, for transfers in flight) or at the end of the morph."""
+    if live.collect_due:
+        live.collect_due = False
+        gc.collect()
+
+
+def _drop_default_group(*, collect: bool = True) -> None:
+    """Destroy the default group if there is one; ``collect``: also when there was none (after a
+    failed regroup, handles of what it built may sit in reference cycles)."""
     if dist.is_initialized():
         dist.destroy_process_group()
-    gc.collect()
+        collect = True
+    if collect:
+        gc.collect()
 
 
 def _dead(store: dist.Store, members: list[int]) -> set[int]:
@@ -342,6 +386,9 @@ def _close(live: LiveWorld, gen: int, window_s: float | None,
         if waited > wait_s:
             raise (WaitExpired if window_s is None else LiveMorphFailed)(
                 f"member {live.member} waited {wait_s:.0f}s for generation {gen} to form")
+        if live.collect_due:
+            _collect_if_due(live)  # instead of idling: the members not there yet are the critical path
+            continue
         time.sleep(_POLL_S)  # a poll of the store, bounded above
     closed = json.loads(store.get(closed_key))
     if live.member not in closed["arrived"]:
@@ -435,7 +482,9 @@ def _form(live: LiveWorld, gen: int, closed: dict, held: Engine | None, build: C
         new._owns_pg = True  # the live world made this group; the engine destroys it on close
         new.live_generation = gen
         received = _hand_over(live, gen, xfer, recs, held, new, on_phase)
-        load_engine_state_dict(new, {"step": step, "loss_scale": ref["scale"], **received.pop("state")})
+        # copy=False: the optimizer adopts the received tensors and the held engine's (dropped now)
+        load_engine_state_dict(new, {"step": step, "loss_scale": ref["scale"], **received.pop("state")},
+                               copy=False)
     except BaseException:
         new.close()
         new = None  # no handle may keep the groups' sockets open (peers must fail, not hang)
@@ -505,10 +554,12 @@ def _hand_over(live: LiveWorld, gen: int, xfer: list[int], recs: dict, held_engi
         try:
             if on_phase:
                 on_phase("transfer", gen)
-            parts, nbytes = _exchange(live, pre, pg, xfer, me, sends, recvs, held_engine)
-        finally:
+            parts, nbytes = _exchange(live, pre, pg, xfer, me, sends, recvs, held_engine, new)
+        except BaseException:
             pg = None  # dropping the handle closes its sockets: peers fail instead of hanging
-            gc.collect()
+            gc.collect()  # the failure's frames may sit in cycles
+            raise
+        pg = None  # no cycle holds it on success: freed (sockets closed) right here
     elif on_phase:
         on_phase("transfer", gen)
     if new is None:
@@ -521,23 +572,31 @@ def _hand_over(live: LiveWorld, gen: int, xfer: list[int], recs: dict, held_engi
 
 
 def _exchange(live: LiveWorld, pre: str, pg: dist.ProcessGroup, xfer: list[int], me: int,
-              sends: dict[int, list[str]], recvs: list[int], engine: Engine | None) -> tuple[list[dict], int]:
+              sends: dict[int, list[str]], recvs: list[int], engine: Engine | None,
+              new: Engine | None) -> tuple[list[dict], int]:
     """Post every send and receive at once (no ordering deadlock), wait for each (bounded), then a
-    barrier: a leaver exits only once every receiver has its state. Metadata goes via the store."""
+    barrier: a leaver exits only once every receiver has its state. Metadata goes via the store.
+    Tensors go as they are: sent from the held engine's own tensors (the same ones to several
+    receivers), received straight into the new engine's parameters (live_transfer.py)."""
     timeout = timedelta(seconds=live.timeout_s)
-    works = []
+    works, keep = [], []  # every tensor stays referenced until its message completed
     for dst, names in sorted(sends.items()):
-        meta, buf = pack_state(_stage_state(engine, names))
-        live.store.set(f"{pre}xfer/{xfer[me]}-{xfer[dst]}", json.dumps({"meta": meta, "nbytes": buf.numel()}))
-        works.append(pg.send([buf], dst, 0))
-    metas, bufs = {}, {}
+        meta, tensors = describe_state(_stage_state(engine, names))
+        live.store.set(f"{pre}xfer/{xfer[me]}-{xfer[dst]}", meta)
+        keep += tensors
+        works += [pg.send([t], dst, tag) for tag, t in enumerate(tensors)]
+    into = new.stage_params if new is not None else {}
+    parts, nbytes = [], 0
     for src in recvs:
         key = f"{pre}xfer/{xfer[src]}-{live.member}"
         _wait_for(live, [key], [xfer[src]])
-        m = json.loads(live.store.get(key))
-        metas[src], bufs[src] = m["meta"], torch.empty(m["nbytes"], dtype=torch.uint8)
-        works.append(pg.recv([bufs[src]], src, 0))
+        state, targets = receive_targets(live.store.get(key).decode(), into)
+        parts.append(state)
+        keep += targets
+        nbytes += sum(t.numel() * t.element_size() for t in targets)
+        works += [pg.recv([t], src, tag) for tag, t in enumerate(targets)]
+    _collect_if_due(live)  # while gloo's threads move the bytes
     for w in works:
         w.wait(timeout)
     pg.allreduce([torch.zeros(1)]).wait(timeout)
-    return [unpack_state(metas[s], bufs[s]) for s in recvs], sum(b.numel() for b in bufs.values())
+    return parts, nbytes

@@ -72,9 +72,9 @@ class LiveTrainer:
         unsupported = _live_unsupported(config)
         if unsupported is not None:
             raise ValueError(unsupported)
-        # A morph must collect the old groups' handles (gc.collect in live_morph.py); with torch's
-        # import-time objects frozen out of the collector that walk is ~3x shorter (measured:
-        # docs/live_morph.md, Benchmark). Objects made so far stay freed by reference counting.
+        # A morph may have to collect the old groups' handles (gc.collect in live_morph.py); with
+        # torch's import-time objects frozen out of the collector that walk is ~3x shorter
+        # (docs/live_morph.md, Benchmark). Objects made so far stay freed by reference counting.
         gc.freeze()
         self.live = live or LiveWorld.join(backend=backend)
         # the notice signals are this trainer's: no engine may take them for a graceful stop

@@ -1,48 +1,45 @@
-"""Stage state sent peer to peer as one flat byte buffer per (sender, receiver) pair (live morph).
+"""Stage state sent peer to peer tensor by tensor, straight from and into the live tensors (live morph).
 
-A stage's state is parameters plus name-keyed optimizer state (``optimizer_state_by_name``). Its
-tensors travel as one contiguous uint8 buffer, each tensor's bytes at an 8-byte aligned offset;
-the small rest (names, dtypes, shapes, offsets, hyper-parameters) travels as JSON through the
-rendezvous store. No pickling and no ``torch.save``: packing is one copy, unpacking is views.
+A stage's state is parameters plus name-keyed optimizer state (``optimizer_state_by_name``). The
+sender posts each of its tensors as it is (no packing copy: the held engine no longer trains, so
+its tensors are stable); the receiver receives a parameter straight into the new engine's own
+parameter and optimizer state into fresh tensors that the optimizer then adopts without a copy.
+The small rest (names, dtypes, shapes, hyper-parameters) travels as JSON through the rendezvous
+store. No pickling and no ``torch.save``; tensor ``i`` of the description goes with message tag ``i``.
 
 Example::
 
-    >>> w = torch.arange(3.0)
-    >>> meta, buf = pack_state({"params": {"w": w}, "optimizer": {"class": "SGD", "state": {},
-    ...                         "param_groups": [{"lr": 0.1, "params": ["w"]}]}})
-    >>> unpack_state(meta, buf)["params"]["w"].tolist()
-    [0.0, 1.0, 2.0]
+    >>> w, into = torch.arange(3.0), torch.zeros(3)
+    >>> meta, out = describe_state({"params": {"w": w}, "optimizer": {"class": "SGD", "state": {},
+    ...                             "param_groups": [{"lr": 0.1, "params": ["w"]}]}})
+    >>> state, targets = receive_targets(meta, {"w": into})
+    >>> for src, dst in zip(out, targets):
+    ...     _ = dst.copy_(src)                     # what the send/recv pair does
+    >>> into.tolist(), state["params"]["w"] is into
+    ([0.0, 1.0, 2.0], True)
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["pack_state", "unpack_state"]
-
-_ALIGN = 8
+__all__ = ["describe_state", "receive_targets"]
 
 
-def pack_state(state: dict) -> tuple[str, torch.Tensor]:
-    """``(meta_json, buffer)`` for ``{"params": {name: tensor}, "optimizer": {...}}`` (CPU copy)."""
+def describe_state(state: dict) -> tuple[str, list[torch.Tensor]]:
+    """``(meta_json, tensors)`` for ``{"params": {name: tensor}, "optimizer": {...}}``: the tensors
+    to send in order (the live ones, CPU and contiguous: no copy unless they are not)."""
     entries: list[list[Any]] = []
-    chunks: list[torch.Tensor] = []
-    offset = 0
+    tensors: list[torch.Tensor] = []
 
     def put(t: torch.Tensor) -> dict:
-        nonlocal offset
-        raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        pad = -offset % _ALIGN
-        if pad:
-            chunks.append(torch.zeros(pad, dtype=torch.uint8))
-        offset += pad
         ref = {"@t": len(entries)}
-        entries.append([offset, str(t.dtype).removeprefix("torch."), list(t.shape)])
-        chunks.append(raw)
-        offset += raw.numel()
+        entries.append([str(t.dtype).removeprefix("torch."), list(t.shape)])
+        tensors.append(t.detach().to("cpu").contiguous())
         return ref
 
     opt = state["optimizer"]
@@ -55,35 +52,37 @@ def pack_state(state: dict) -> tuple[str, torch.Tensor]:
             "param_groups": opt.get("param_groups", []),
         },
     }
-    buf = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
-    return json.dumps({"entries": entries, "skeleton": skeleton}), buf
+    return json.dumps({"entries": entries, "skeleton": skeleton}), tensors
 
 
-def unpack_state(meta: str, buf: torch.Tensor) -> dict:
-    """Inverse of :func:`pack_state`; the tensors are views of ``buf``."""
+def receive_targets(meta: str, into: Mapping[str, torch.Tensor]) -> tuple[dict, list[torch.Tensor]]:
+    """The state :func:`describe_state` described, and the tensors to receive it into, in order: a
+    parameter named in ``into`` (the new engine's, contiguous, same dtype and shape) is received
+    in place; everything else into a fresh tensor. Raises ValueError on a bad description."""
     m = json.loads(meta)
-    tensors = []
-    for off, dtype, shape in m["entries"]:
-        # The description comes through the store: accept only a real dtype and an extent inside
-        # the buffer (a bad one is an error, never an arbitrary attribute or an out-of-range view).
+    sk = m["skeleton"]
+    param_of = {v["@t"]: n for n, v in sk["params"].items() if isinstance(v, dict) and "@t" in v}
+    targets = []
+    for i, entry in enumerate(m["entries"]):
+        # The description comes through the store: accept only a real dtype and a sane shape.
+        dtype, shape = entry if isinstance(entry, list) and len(entry) == 2 else (None, None)
         dt = getattr(torch, dtype, None) if isinstance(dtype, str) else None
-        if not isinstance(dt, torch.dtype) or not all(isinstance(x, int) and x >= 0 for x in [off, *shape]):
-            raise ValueError(f"live transfer: bad tensor entry {off!r}, {dtype!r}, {shape!r}")
-        n = 1
-        for s in shape:
-            n *= s
-        nbytes = n * torch.empty((), dtype=dt).element_size()
-        if off + nbytes > buf.numel():
-            raise ValueError(f"live transfer: entry at {off} of {nbytes} bytes overruns the "
-                             f"{buf.numel()}-byte buffer")
-        tensors.append(buf[off:off + nbytes].view(dt).reshape(shape))
+        if not isinstance(dt, torch.dtype) or not isinstance(shape, list) or \
+                not all(isinstance(x, int) and x >= 0 for x in shape):
+            raise ValueError(f"live transfer: bad tensor entry {entry!r}")
+        own = into.get(param_of.get(i, ""))
+        if own is not None and own.dtype == dt and list(own.shape) == shape and own.is_contiguous() \
+                and own.device.type == "cpu":
+            targets.append(own)
+        else:
+            targets.append(torch.empty(shape, dtype=dt))
 
     def get(v):
-        return tensors[v["@t"]] if isinstance(v, dict) and "@t" in v else v
+        return targets[v["@t"]] if isinstance(v, dict) and "@t" in v else v
 
-    sk = m["skeleton"]
     groups = [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()}
               for g in sk["optimizer"]["param_groups"]]  # JSON made tuples (AdamW's betas) lists
     state = {n: {k: get(v) for k, v in s.items()} for n, s in sk["optimizer"]["state"].items()}
-    return {"params": {n: get(v) for n, v in sk["params"].items()},
-            "optimizer": {"class": sk["optimizer"]["class"], "state": state, "param_groups": groups}}
+    return ({"params": {n: get(v) for n, v in sk["params"].items()},
+             "optimizer": {"class": sk["optimizer"]["class"], "state": state, "param_groups": groups}},
+            targets)
