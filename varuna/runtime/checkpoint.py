@@ -244,6 +244,9 @@ class Checkpointer:
         #: seconds training stood still in the latest save (waiting for the previous one, agreeing,
         #: snapshotting), and the part of it spent waiting for the previous save
         self.last_stall_s = self.last_wait_s = 0.0
+        #: ranks known gone (a live run sets it, docs/live_morph.md): a save in flight stops
+        #: waiting for their part at once and is abandoned (the previous checkpoint stays newest)
+        self.lost_writers: Callable[[], set[int]] | None = None
 
     def set_every(self, every: int) -> None:
         """Save every ``every`` steps from now on (0: only on a graceful stop or when asked).
@@ -394,6 +397,7 @@ class Checkpointer:
             timeout_s=self.timeout_s,
             chunk_bytes=self.copy_chunk_bytes,
             hook=self.progress_hook,
+            lost_writers=self.lost_writers,
         )
 
     def _manifest_base(self, step: int) -> dict:
