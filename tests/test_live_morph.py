@@ -99,6 +99,40 @@ def test_flat_transfer_round_trips_adamw_state_exactly():
     assert back["optimizer"]["param_groups"][0]["params"] == ["w", "b", "h"]
 
 
+def test_live_watch_declares_only_a_silent_member_dead_and_a_declared_one_learns_it():
+    """Member 1 beat once and went silent (frozen), member 2 beats from its own watch thread,
+    member 3 closed its world (beat "exit"): member 0's watch declares 1 dead, with the reason in
+    the store, and never 2 or 3. A member declared dead learns it at its next beat."""
+    from varuna.runtime.live_watch import LiveWatch, frozen_verdict
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    store.set("varuna/live/beat/1", "1 4242")
+    store.set("varuna/live/beat/3", "9 4343 exit")
+    verdicts: list[set[int]] = []
+    seen_dead, told = threading.Event(), threading.Event()
+
+    def on_dead(dead: set[int]) -> None:
+        verdicts.append(dead)
+        seen_dead.set()
+
+    two = LiveWatch.start(store, member=2, watched=lambda: [], freeze_s=0, on_dead=on_dead, beat_s=0.05)
+    two.on_self_dead = lambda member, why: told.set()
+    zero = LiveWatch.start(store, member=0, watched=lambda: [1, 2, 3], freeze_s=2.0, on_dead=on_dead)
+    try:
+        assert seen_dead.wait(60), "the silent member was never declared dead"
+        assert verdicts[0] == {1} and zero.dead == {1}
+        assert "no heartbeat for" in (frozen_verdict(store, 1) or "") and frozen_verdict(store, 2) is None
+        assert not told.is_set()
+        store.set("varuna/live/dead/2", "1")  # e.g. the others declared member 2 frozen meanwhile
+        assert told.wait(60), "a member declared dead did not learn it"
+    finally:
+        zero.close()
+        two.close()
+    assert not zero._thread.is_alive() and not two._thread.is_alive()
+    assert store.get("varuna/live/beat/0").decode().endswith(" exit")
+
+
 # ---------------------------------------------------------------------------------- processes
 
 

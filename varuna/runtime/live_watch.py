@@ -10,8 +10,8 @@ timeout, and so do waits on a survivor that is itself blocked on it. Two mechani
   and joined by ``LiveWorld.close``) writes ``varuna/live/beat/{member}`` every ``beat_s`` and
   reads every other member's beat. A value that has not changed for ``freeze_s``, measured on
   this process's own monotonic clock from when it last *saw* a change (no clocks of other hosts
-  are compared; a watcher that was itself starved sees the changed value when it wakes and blames
-  no one), makes this member declare it dead (``declare_dead``, with the reason in
+  are compared; a watcher whose own loop ran late, starved of CPU, restarts every clock instead
+  of judging), makes this member declare it dead (``declare_dead``, with the reason in
   ``dead_why/{member}``). A slow step is not a freeze: the beats come from a thread, which runs
   while the main thread computes or waits. A member that closed its world beats ``exit`` and is
   never declared frozen.
@@ -139,6 +139,7 @@ class LiveWatch:
     """Members seen dead so far (declared by anyone); read by other threads."""
     _seen: dict[int, _Seen] = field(default_factory=dict)
     _seq: int = 0
+    _last_look: float | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -203,11 +204,21 @@ class LiveWatch:
     def _look(self) -> set[int]:
         """Read the watched members' beats and dead keys; declare the frozen ones dead."""
         store, now = self.store, time.monotonic()
+        if self._last_look is not None and now - self._last_look > 2 * self.beat_s + 1.0:
+            # This thread itself got no CPU for a while (a starved host): the others may have been
+            # starved as well and not beaten yet. It cannot judge: everyone starts afresh.
+            for seen in self._seen.values():
+                seen.changed_at = now
+        self._last_look = now
         watched = [m for m in self.watched() if m != self.member]
         dead = {m for m in watched if store.check([f"{_KEYS}dead/{m}"])}
+        keys = [f"{_KEYS}beat/{m}" for m in watched]
+        if keys and store.check(keys):  # every member beats already: one round trip for all
+            values = dict(zip(watched, store.multi_get(keys)))
+        else:
+            values = {m: store.get(k) if store.check([k]) else b"" for m, k in zip(watched, keys)}
         for m in watched:
-            key = f"{_KEYS}beat/{m}"
-            value = store.get(key) if store.check([key]) else b""
+            value = values[m]
             seen = self._seen.get(m)
             if seen is None or seen.value != value:
                 self._seen[m] = _Seen(value, now)
