@@ -101,14 +101,15 @@ def test_flat_transfer_round_trips_adamw_state_exactly():
 
 def test_live_watch_declares_only_a_silent_member_dead_and_a_declared_one_learns_it():
     """Member 1 beat once and went silent (frozen), member 2 beats from its own watch thread,
-    member 3 closed its world (beat "exit"): member 0's watch declares 1 dead, with the reason in
-    the store, and never 2 or 3. A member declared dead learns it at its next beat."""
+    member 3 closed its world (beat "exit"), member 4 has not beaten yet (still starting): member
+    0's watch declares 1 dead, with the reason in the store, and never 2, 3 or 4. A member declared
+    dead learns it at its next beat."""
     from varuna.runtime.live_watch import LiveWatch, frozen_verdict
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=30))
     store.set("varuna/live/beat/1", "1 4242")
-    store.set("varuna/live/beat/3", "9 4343 exit")
+    store.set("varuna/live/beat/3", "9 4343 exit")  # member 4 never beat: still starting, not frozen
     verdicts: list[set[int]] = []
     seen_dead, told = threading.Event(), threading.Event()
 
@@ -118,7 +119,7 @@ def test_live_watch_declares_only_a_silent_member_dead_and_a_declared_one_learns
 
     two = LiveWatch.start(store, member=2, watched=lambda: [], freeze_s=0, on_dead=on_dead, beat_s=0.05)
     two.on_self_dead = lambda member, why: told.set()
-    zero = LiveWatch.start(store, member=0, watched=lambda: [1, 2, 3], freeze_s=2.0, on_dead=on_dead)
+    zero = LiveWatch.start(store, member=0, watched=lambda: [1, 2, 3, 4], freeze_s=2.0, on_dead=on_dead)
     try:
         assert seen_dead.wait(60), "the silent member was never declared dead"
         assert verdicts[0] == {1} and zero.dead == {1}
@@ -280,7 +281,7 @@ def test_a_frozen_member_is_declared_dead_and_the_survivors_go_on_live(tmp_path,
     from varuna.runtime.live_watch import DECLARED_DEAD_EXIT_CODE
 
     out, states = tmp_path / "frozen", {}
-    pids, codes = run_live_world(out, tmp_path / "ckpt", args=("--freeze", "3:2", "--freeze-s", "8"),
+    pids, codes = run_live_world(out, tmp_path / "ckpt", args=("--freeze", "3:2", "--freeze-s", "10"),
                                  frozen=(3,), states=states)
     assert codes == {0: 0, 1: 0, 2: 0, 3: DECLARED_DEAD_EXIT_CODE}, logs_of(out)
     assert states[3] == "T", "member 3 stayed frozen until the survivors had finished"

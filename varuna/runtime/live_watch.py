@@ -8,7 +8,8 @@ timeout, and so do waits on a survivor that is itself blocked on it. Two mechani
 
 - **Heartbeats.** Each member's :class:`LiveWatch` thread (started by ``LiveWorld.join``, owned
   and joined by ``LiveWorld.close``) writes ``varuna/live/beat/{member}`` every ``beat_s`` and
-  reads every other member's beat. A value that has not changed for ``freeze_s``, measured on
+  reads every other member's beat. A value (once there: a member still starting has none) that
+  has not changed for ``freeze_s``, measured on
   this process's own monotonic clock from when it last *saw* a change (no clocks of other hosts
   are compared; a watcher whose own loop ran late, starved of CPU, restarts every clock instead
   of judging), makes this member declare it dead (``declare_dead``, with the reason in
@@ -225,7 +226,11 @@ class LiveWatch:
         if self.freeze_s > 0:
             for m in watched:
                 seen = self._seen[m]
-                if m in dead or seen.value.endswith(b" exit") or now - seen.changed_at <= self.freeze_s:
+                # No beat yet: still starting (imports, a busy host) -- a process that never runs
+                # is the supervisor's to declare (its exit) or the rendezvous' to time out.
+                if m in dead or not seen.value or seen.value.endswith(b" exit"):
+                    continue
+                if now - seen.changed_at <= self.freeze_s:
                     continue
                 silent = now - seen.changed_at
                 why = f"no heartbeat for {silent:.0f}s, seen by member {self.member}: frozen or hung"
