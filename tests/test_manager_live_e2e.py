@@ -8,7 +8,7 @@ Until the third session a race (about 1 run in 5 on a busy 2-core machine) sent 
 the restart path: when the kill landed mid-step, one survivor stayed blocked on another
 survivor's torn-down group (10 s per blocked link thread) until the others closed the membership
 without it. A tear-down now severs its groups first (docs/live_morph.md, Frozen peers and the
-failure cascade): 7 runs in a row took the live path beside other test runs. The test still
+failure cascade): 10 runs in a row took the live path beside other test runs. The test still
 accepts the restart path (``live-morph-fallback``) and checks what the issue asks of it: the
 reason is recorded, the job still ends bit-identical, nothing is left running; it says which
 path it saw. The live path itself is checked without the manager,
@@ -57,8 +57,8 @@ def test_a_killed_vm_is_a_live_morph_and_the_losses_stay_bit_identical(tmp_path)
         "name": "gpt-live", "script": str(TRAIN),
         "args": ["--steps", str(STEPS), *MODEL_ARGS, "--metrics-out", str(metrics)],
         "global_batch_size": 8, "micro_batch_size": 2, "checkpoint_dir": str(tmp_path / "ckpt"),
-        # No periodic checkpoint: a save in flight when a peer dies waits for the dead rank's marker
-        # (300 s) before the worker may exit (docs/manager.md, Live morph: not yet).
+        # No periodic checkpoint (a save in flight when a peer dies used to wait 300 s for the dead
+        # rank's marker; now abandoned once the rank is known dead, tests/test_checkpoint_safety.py).
         "checkpoint_every": 0, "min_vms": 1, "max_vms": 4, "procs_per_vm": 1, "target_steps": STEPS,
         "pipeline_depth": 2, "live_morph": True, "env": {"OMP_NUM_THREADS": "1"},
         "provider_options": {"max_created": 4},
