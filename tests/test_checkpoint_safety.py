@@ -274,3 +274,40 @@ def test_steps_finished_before_a_save_commits_are_bounded(tmp_path):
     assert worst <= 2 * every - 1, trace
     for s in range(every, 3 * every, every):  # the save of s commits before step s + every is reported
         assert trace.index(("commit", s)) < trace.index(("step", s + every)), trace
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. A save in flight when a writer is lost (live morph, docs/live_morph.md)
+
+
+def test_a_save_waiting_for_a_lost_writer_is_abandoned_at_once_and_the_previous_stays(tmp_path):
+    """Rank 0 commits only once every writer's marker is there; a writer lost mid-save (a live
+    run learns it from the store) never writes one. The wait ends when the loss is known, not
+    after comm_timeout_s: no manifest (the checkpoint never exists), the previous one stays newest."""
+    from varuna.runtime.checkpoint_writer import run_save_job
+
+    ckpt = tmp_path / "ckpt"
+    eng = make_engine(ckpt, comm_timeout_s=3600.0)
+    lost: set[int] = set()
+    marker_written = threading.Event()
+    try:
+        eng.train_step(batch_for(1))
+        assert eng.save_checkpoint(wait=True) is not None and eng.checkpointer.last_ok
+        eng.train_step(batch_for(2))
+        eng.checkpointer.lost_writers = lambda: set(lost)
+        job = eng.checkpointer._save_job(ckpt, ckpt / step_dir_name(2), 2, nonce=7)
+        job.writers = [0, 1]  # rank 1 (another process in a real run) will never write its marker
+        job.hook = lambda event: marker_written.set() if event == "marker" else None
+        result: list[bool] = []
+        writer = threading.Thread(target=lambda: result.append(run_save_job(job)), name="writer-2")
+        writer.start()
+        assert marker_written.wait(GUARD_S), "rank 0's own part never got written"
+        lost.add(1)  # the live world learns that rank 1 is gone
+        writer.join(GUARD_S)
+        assert not writer.is_alive(), "the commit kept waiting for a writer known to be gone"
+        assert result == [False] and "writer rank(s) [1] are gone" in (job.error or ""), job.error
+        assert not (ckpt / step_dir_name(2) / MANIFEST).exists()
+        complete = [c.step for c in list_checkpoints(ckpt) if c.complete]
+        assert complete == [1], "the previous one stays the newest"
+    finally:
+        eng.close()

@@ -111,3 +111,34 @@ def test_a_stage_lost_whole_takes_the_restart_path(tmp_path: Path, undisturbed) 
         assert r["resumed_at"] <= 3, "resumed from a checkpoint at most at the failed step"
         assert r["losses"] == ref_losses[r["resumed_at"]:]
     assert same_params(params, ref_params) == []
+
+
+def test_a_worker_declared_frozen_is_killed_and_the_job_ends(tmp_path: Path) -> None:
+    """Rank 1 stops itself (SIGSTOP: sockets open, no exit); the others' verdict (``frozen``, the
+    store's ``dead_why`` key in a live run) makes the supervisor SIGKILL it, so the job ends
+    (exit 0: the worker still standing finished) instead of waiting for it for ever."""
+    import io
+    import threading
+
+    from varuna.launch.local import LocalHost
+    from varuna.launch.spec import LaunchConfig, plan_workers
+    from varuna.launch.supervisor import Supervisor
+
+    code = "import os, signal\nif os.environ['RANK'] == '1':\n    os.kill(os.getpid(), signal.SIGSTOP)\n"
+    cfg = LaunchConfig(script="-c", script_args=(code,), pipeline_depth=1, data_parallel=2)
+    hosts = [LocalHost(slots=2)]
+    lost: list[int] = []
+    err = io.StringIO()
+    sup = Supervisor(plan_workers(cfg, hosts, master_port=29500), hosts, stderr=err, stdout=io.StringIO(),
+                     on_lost=lost.append, frozen=lambda r: "no heartbeat for 31s" if r == 1 else None)
+    result: list[int] = []
+    try:
+        sup.start()
+        waiter = threading.Thread(target=lambda: result.append(sup.wait()), daemon=True)
+        waiter.start()
+        waiter.join(120)
+        assert not waiter.is_alive(), "the supervisor kept waiting for a frozen worker"
+    finally:
+        sup.close()  # kills whatever still runs
+    assert result == [0] and lost == [1], err.getvalue()
+    assert "was declared dead by the others (no heartbeat for 31s); killing it" in err.getvalue()

@@ -122,15 +122,53 @@ def test_tear_down_collects_only_when_a_group_handle_has_another_holder():
     assert not _held_elsewhere(handles)
 
 
+def test_live_watch_declares_only_a_silent_member_dead_and_a_declared_one_learns_it():
+    """Member 1 beat once and went silent (frozen), member 2 beats from its own watch thread,
+    member 3 closed its world (beat "exit"), member 4 has not beaten yet (still starting): member
+    0's watch declares 1 dead, with the reason in the store, and never 2, 3 or 4. A member declared
+    dead learns it at its next beat."""
+    from varuna.runtime.live_watch import LiveWatch, frozen_verdict
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    store.set("varuna/live/beat/1", "1 4242")
+    store.set("varuna/live/beat/3", "9 4343 exit")  # member 4 never beat: still starting, not frozen
+    verdicts: list[set[int]] = []
+    seen_dead, told = threading.Event(), threading.Event()
+
+    def on_dead(dead: set[int]) -> None:
+        verdicts.append(dead)
+        seen_dead.set()
+
+    two = LiveWatch.start(store, member=2, watched=lambda: [], freeze_s=0, on_dead=on_dead, beat_s=0.05)
+    two.on_self_dead = lambda member, why: told.set()
+    zero = LiveWatch.start(store, member=0, watched=lambda: [1, 2, 3, 4], freeze_s=2.0, on_dead=on_dead)
+    try:
+        assert seen_dead.wait(60), "the silent member was never declared dead"
+        assert verdicts[0] == {1} and zero.dead == {1}
+        assert "no heartbeat for" in (frozen_verdict(store, 1) or "") and frozen_verdict(store, 2) is None
+        assert not told.is_set()
+        store.set("varuna/live/dead/2", "1")  # e.g. the others declared member 2 frozen meanwhile
+        assert told.wait(60), "a member declared dead did not learn it"
+    finally:
+        zero.close()
+        two.close()
+    assert not zero._thread.is_alive() and not two._thread.is_alive()
+    assert store.get("varuna/live/beat/0").decode().endswith(" exit")
+
+
 # ---------------------------------------------------------------------------------- processes
 
 
 def run_live_world(out: Path, ckpt: Path, *, world: int = 4, P: int = 2, args: tuple[str, ...] = (),
                    joiners: tuple[int, ...] = (), plan: tuple[int, int] | None = None,
-                   timeout_s: float = 240.0) -> tuple[dict[int, int], dict[int, int | None]]:
+                   timeout_s: float = 240.0, frozen: tuple[int, ...] = (),
+                   states: dict[int, str] | None = None) -> tuple[dict[int, int], dict[int, int | None]]:
     """``world`` workers at P×(world/P) around a store this process hosts (the supervisor's role):
     a thread per worker waits for its exit and declares it dead; ``joiners`` start (with
-    $VARUNA_LIVE_JOIN) once member 0 set ``test/joiners``. Returns pids and exit codes by member."""
+    $VARUNA_LIVE_JOIN) once member 0 set ``test/joiners``; ``frozen`` members (they SIGSTOP
+    themselves) get SIGCONT once every other member exited, their process state just before it
+    goes to ``states``. Returns pids and exit codes by member."""
     from varuna.runtime.live_morph import declare_dead, request_layout
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
@@ -174,6 +212,13 @@ def run_live_world(out: Path, ckpt: Path, *, world: int = 4, P: int = 2, args: t
                     pass
             for j in joiners:
                 start(j, True)
+        for m, t in zip(list(procs), list(threads)):
+            if m not in frozen:
+                t.join(timeout_s)
+        for m in frozen:
+            if states is not None:
+                states[m] = process_state(procs[m].pid)
+            os.kill(procs[m].pid, signal.SIGCONT)
         for t in threads:
             t.join(timeout_s)
     finally:
@@ -184,6 +229,14 @@ def run_live_world(out: Path, ckpt: Path, *, world: int = 4, P: int = 2, args: t
         for f in logs:
             f.close()
     return {m: p.pid for m, p in procs.items()}, {m: p.returncode for m, p in procs.items()}
+
+
+def process_state(pid: int) -> str:
+    """The kernel's state letter of a process (T: stopped), or "gone"."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
 
 
 def read_member(out: Path, m: int) -> tuple[dict, dict | None]:
@@ -240,6 +293,60 @@ def test_kill_one_of_2x2_survivors_go_on_in_process_bit_identical(tmp_path, refe
         assert morph["received_bytes"] > 0, "each survivor lacked half the model and got it from a peer"
         assert [s for s, _ in report["losses"]] == list(range(1, STEPS + 1))
     assert not ckpt.exists()
+
+
+@pytest.mark.slow
+def test_a_frozen_member_is_declared_dead_and_the_survivors_go_on_live(tmp_path, reference):
+    """Member 3 SIGSTOPs itself after step 2 (sockets open, no exit for a supervisor to see): the
+    survivors' heartbeat watches declare it dead, sever the groups they were blocked in, and go on
+    at 1×3 in their processes, bit-identical, no checkpoint read. Resumed at the end (SIGCONT), the
+    frozen member finds itself declared dead and exits at once with its own code, no orphan."""
+    from varuna.runtime.live_watch import DECLARED_DEAD_EXIT_CODE
+
+    out, states = tmp_path / "frozen", {}
+    pids, codes = run_live_world(out, tmp_path / "ckpt", args=("--freeze", "3:2", "--freeze-s", "10"),
+                                 frozen=(3,), states=states)
+    assert codes == {0: 0, 1: 0, 2: 0, 3: DECLARED_DEAD_EXIT_CODE}, logs_of(out)
+    assert states[3] == "T", "member 3 stayed frozen until the survivors had finished"
+    reports = check_bit_identical(out, [0, 1, 2], reference)
+    for m, report in reports.items():
+        assert report["pid"] == pids[m] and (report["P"], report["D"]) == (1, 3)
+        [morph] = report["morphs"]
+        assert morph["lost"] == [3] and morph["resumed_after"] == 2 and report["failed_steps"] == [3]
+    log3 = (out / "member3.log").read_text()
+    assert "member 3 was declared dead (no heartbeat for" in log3, log3[-2000:]
+    assert not (out / "member3.json").exists(), "the stale member wrote nothing after it resumed"
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.slow
+def test_a_torn_down_survivor_releases_a_peer_blocked_on_it_at_once(tmp_path):
+    """The cascade (docs/live_morph.md): members 0 and 1 each have a receiver blocked on the other;
+    member 1 tears down as after a failed step. Severing its groups alone, before its engine closes
+    (no thread join, no group destroyed), frees member 0: its receiver fails, far below
+    comm_timeout_s (120 s)."""
+    worker = ROOT / "tests" / "workers" / "live_cascade_worker.py"
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    env = {**os.environ, "VARUNA_LIVE_STORE": f"127.0.0.1:{store.port}", "WORLD_SIZE": "2",
+           "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, str(worker), "--out", str(tmp_path), "--within", "30"],
+                              env={**env, "RANK": str(m), "LOCAL_RANK": str(m)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for m in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    assert [p.returncode for p in procs] == [0, 0], outs
+    seen = json.loads((tmp_path / "member0.json").read_text())
+    assert seen["released"], seen
+    # Before severing, only Engine.close freed member 0 (once its 10 s thread join had timed out):
+    # here close() waits for member 0's release, so the old tear-down ends with False.
+    assert json.loads((tmp_path / "member1.json").read_text()) == {"released_before_close": True}
 
 
 @pytest.mark.slow

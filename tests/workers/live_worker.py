@@ -1,7 +1,9 @@
 """Worker: the tiny GPT trained by a LiveTrainer (varuna/runtime/live_trainer.py) in a live world.
 
 Scenario options (member:step pairs, comma-separated): ``--die`` SIGKILLs the member after the
-step; ``--notice`` sends it SIGUSR1 after the step (it leaves at the next boundary);
+step; ``--freeze`` SIGSTOPs it after the step (the survivors' heartbeat watch must declare it
+dead; ``--freeze-s`` is their verdict time); ``--notice`` sends it SIGUSR1 after the step (it
+leaves at the next boundary);
 ``--die-in-transfer member:generation`` SIGKILLs it when that regroup starts its transfer;
 ``--joiners-after step:n``: member 0 sets ``test/joiners`` after the step (the harness starts n
 joiners) and, after the next step, waits (bounded) until they registered, so growth happens at
@@ -65,6 +67,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--die", default="")
     p.add_argument("--notice", default="")
+    p.add_argument("--freeze", default="")
+    p.add_argument("--freeze-s", type=float, default=30.0)
     p.add_argument("--die-in-transfer", default="")
     p.add_argument("--joiners-after", default="")
     p.add_argument("--timeout", type=float, default=60.0)
@@ -72,7 +76,7 @@ def main() -> None:
     torch.set_num_threads(1)
     opened: list[str] = []
     audit_opens(a.ckpt_dir, opened)
-    die, notice, die_xfer = pairs(a.die), pairs(a.notice), pairs(a.die_in_transfer)
+    die, notice, die_xfer, freeze = pairs(a.die), pairs(a.notice), pairs(a.die_in_transfer), pairs(a.freeze)
     join_step, n_joiners = (int(x) for x in a.joiners_after.split(":")) if a.joiners_after else (-9, 0)
     member = int(os.environ["RANK"])
 
@@ -88,7 +92,7 @@ def main() -> None:
                                  peer_timeout_s=0)
     trainer = LiveTrainer(lambda: build_model("gpt", dropout=0.1), config, example_batch=batch_for(1),
                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-8), on_phase=on_phase,
-                          live=LiveWorld.join(timeout_s=a.timeout), wait_s=120.0)
+                          live=LiveWorld.join(timeout_s=a.timeout, freeze_s=a.freeze_s), wait_s=120.0)
     losses = []
 
     def on_step(r) -> None:
@@ -100,6 +104,8 @@ def main() -> None:
             store.wait([f"{KEYS}join/{i}" for i in range(1, n_joiners + 1)], timedelta(seconds=a.timeout))
         if die.get(member) == r.step:
             os.kill(os.getpid(), signal.SIGKILL)
+        if freeze.get(member) == r.step:
+            os.kill(os.getpid(), signal.SIGSTOP)  # frozen, sockets open; SIGCONT from the harness at the end
         if notice.get(member) == r.step:
             os.kill(os.getpid(), signal.SIGUSR1)
 

@@ -147,6 +147,7 @@ def _run_once(
     stderr: TextIO,
     progress: bool | None,
     on_lost: Callable[[int], None] | None = None,
+    frozen: Callable[[int], str | None] | None = None,
 ) -> tuple[int, str]:
     """One launch of every worker, supervised to the end: the supervisor's code, and why a live
     morph was impossible when that code is EXIT_RESTART."""
@@ -161,6 +162,7 @@ def _run_once(
         log_dir=config.log_dir,
         progress=progress,
         on_lost=on_lost,
+        frozen=frozen,
     )
     signals.hand_to(supervisor)
     try:
@@ -191,7 +193,7 @@ def _run_live(
             env = {**config.worker_env, LIVE_STORE_ENV: store.address, RESTARTS_ENV: str(restarts)}
             code, reason = _run_once(
                 dataclasses.replace(config, worker_env=env), hosts, signals, stdout, stderr, progress,
-                on_lost=store.declare_dead,
+                on_lost=store.declare_dead, frozen=store.frozen,
             )
         if code != EXIT_RESTART:
             return code

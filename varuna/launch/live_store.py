@@ -79,6 +79,15 @@ class LiveStore:
             raise RuntimeError("the live store is closed")
         declare_dead(self._store, rank)
 
+    def frozen(self, rank: int) -> str | None:
+        """Why the workers declared ``rank`` dead while its process may still run (no heartbeat:
+        frozen or hung), else None (Note [Live watch] in varuna/runtime/live_watch.py)."""
+        from varuna.runtime.live_watch import frozen_verdict
+
+        if self._store is None:
+            return None
+        return frozen_verdict(self._store, rank)
+
     def close(self) -> None:
         """Stop serving (the server thread ends with the last handle)."""
         self._store = None

@@ -16,7 +16,9 @@ their processes (docs/live_morph.md). A worker exiting with :data:`PEER_LOST_EXI
 live morph is impossible (a stage lost every replica): the others get ``stop_timeout_s`` to exit
 on their own, and :meth:`Supervisor.wait` returns :data:`EXIT_RESTART` so that the caller takes
 the restart path (relaunch, resume from the newest checkpoint). The job succeeds when the
-workers still standing exit 0.
+workers still standing exit 0. A worker the others declared dead for lack of heartbeats
+(``frozen(rank)``: SIGSTOP, a hung host; Note [Live watch] in varuna/runtime/live_watch.py) is
+SIGKILLed: they went on without it, and stopped for good it would never exit.
 
 Exit codes: 0 all workers exited 0 (with live morph: every worker not lost); 1 a worker failed
 (the message names its rank and exit code) or could not be started, an agent failed, or the job
@@ -84,6 +86,7 @@ LAST_WORDS_TIMEOUT_S = 2.0
 #: How often the supervisor polls worker exits. Signals wake it at once (self-pipe), so this
 #: only bounds how late a worker exit is noticed.
 POLL_INTERVAL_S = 0.05
+FROZEN_CHECK_S = 0.5  # live morph: how often the store is asked about frozen workers
 #: After the last worker exits, how long to wait for its output to drain. Only a process that
 #: escaped the worker's group (its own setsid) and still holds the pipe makes this expire.
 OUTPUT_DRAIN_TIMEOUT_S = 5.0
@@ -131,9 +134,13 @@ class Supervisor:
         out_lock: threading.Lock | None = None,
         progress: bool | None = False,
         on_lost: Callable[[int], None] | None = None,
+        frozen: Callable[[int], str | None] | None = None,
     ) -> None:
         self._specs = list(specs)
         self._on_lost = on_lost  # live morph (Note [Live morph supervision])
+        self._frozen = frozen
+        self._frozen_checked = 0.0
+        self._frozen_killed: set[int] = set()
         #: ranks lost to a live morph, in the order their exits were seen
         self.lost: list[int] = []
         #: why a live morph was impossible (set when :meth:`wait` returns EXIT_RESTART)
@@ -248,6 +255,7 @@ class Supervisor:
                 unreaped = False
                 break
             now = time.monotonic()
+            self._kill_frozen(running, now)
             if self._killed_at is None and self._kill_at is not None and now >= self._kill_at:
                 ranks = ", ".join(str(w.spec.env.rank) for w in running)
                 self._message(
@@ -302,6 +310,25 @@ class Supervisor:
                 self._live_morph_impossible(worker)
             else:
                 self._live_lost(worker, detail)
+
+    def _kill_frozen(self, running: list[WorkerHandle], now: float) -> None:
+        """Live morph: SIGKILL workers the others declared dead for lack of heartbeats (checked
+        twice a second: one store read per running worker)."""
+        if self._frozen is None or self._cause is not None or now - self._frozen_checked < FROZEN_CHECK_S:
+            return
+        self._frozen_checked = now
+        for worker in running:
+            rank = worker.spec.env.rank
+            if rank in self._frozen_killed:
+                continue
+            try:
+                why = self._frozen(rank)
+            except (OSError, RuntimeError):  # the store is ours; a failed read is retried next time
+                return
+            if why is not None:
+                self._frozen_killed.add(rank)
+                self._message(f"{_where(worker)} was declared dead by the others ({why}); killing it")
+                worker.send_signal(signal.SIGKILL)
 
     def _live_lost(self, worker: WorkerHandle, detail: str) -> None:
         """A worker died under live morph: declare it dead, let the survivors regroup."""

@@ -236,6 +236,8 @@ class Checkpointer:
         #: seconds training stood still in the latest save (waiting for the previous one, agreeing,
         #: snapshotting), and the part of it spent waiting for the previous save
         self.last_stall_s = self.last_wait_s = 0.0
+        #: ranks known gone (set by a live run): a save in flight waiting for them is abandoned at once
+        self.lost_writers: Callable[[], set[int]] | None = None
 
     def set_every(self, every: int) -> None:
         """Save every ``every`` steps from now on (0: only on a graceful stop or when asked).
@@ -369,14 +371,8 @@ class Checkpointer:
             mine, st.stage_params, opt, step=step, rank=self.rank, copy=in_memory
         )
         return SaveJob(
-            root=root,
-            target=target,
-            local=self._local() / f"{step_dir_name(step)}-{nonce:016x}",
-            step=step,
-            nonce=nonce,
-            rank=self.rank,
-            files=files,
-            payloads=payloads,
+            root=root, target=target, local=self._local() / f"{step_dir_name(step)}-{nonce:016x}",
+            step=step, nonce=nonce, rank=self.rank, files=files, payloads=payloads,
             writers=sorted({L.rank_of(s.stage, s.replica) for s in plan}),
             expected_files=[s.name for s in plan],
             manifest_base=self._manifest_base(step) if self.rank == 0 else None,
@@ -385,6 +381,7 @@ class Checkpointer:
             timeout_s=self.timeout_s,
             chunk_bytes=self.copy_chunk_bytes,
             hook=self.progress_hook,
+            lost_writers=self.lost_writers,
         )
 
     def _manifest_base(self, step: int) -> dict:

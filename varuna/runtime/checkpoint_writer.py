@@ -92,6 +92,8 @@ class SaveJob:
     timeout_s: float
     chunk_bytes: int
     hook: Callable[[str], None] | None
+    lost_writers: Callable[[], set[int]] | None = None
+    """Ranks known gone (a live run): rank 0's commit stops waiting for their markers at once."""
     error: str | None = None
     """Set when the save failed: the step directory and the error (e.g. the OS error)."""
     committed: bool = False
@@ -375,6 +377,9 @@ def commit(job: SaveJob, hook: Callable[[str], None]) -> None:
                 files.extend(m["files"])
                 pending.discard(r)
         if pending:
+            lost = pending & job.lost_writers() if job.lost_writers is not None else set()
+            if lost:  # their part will never come: abandon now (no manifest: the previous stays)
+                raise CheckpointError(f"abandoned: writer rank(s) {sorted(lost)} are gone (a peer was lost)")
             if time.monotonic() > deadline:
                 raise CheckpointError(f"no marker from rank(s) {sorted(pending)} after {job.timeout_s:.0f}s")
             time.sleep(0.05)

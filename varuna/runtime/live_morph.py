@@ -41,7 +41,9 @@ import gc
 import json
 import os
 import sys
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -55,10 +57,12 @@ from varuna.core.live_layout import plan_generation, transfer_plan
 from varuna.runtime.checkpoint import load_engine_state_dict
 from varuna.runtime.engine import Engine
 from varuna.runtime.live_transfer import describe_state, receive_targets
+from varuna.runtime.live_watch import DECLARED_DEAD_EXIT_CODE, LiveWatch, sever
 from varuna.runtime.optimizer_state import merge_optimizer_states, optimizer_state_by_name
 
-__all__ = ["LIVE_JOIN_ENV", "LIVE_STORE_ENV", "LiveMorphFailed", "LiveWorld", "MorphReport", "WaitExpired",
-           "declare_dead", "end_job", "morph", "recover", "request_layout"]
+__all__ = ["DECLARED_DEAD_EXIT_CODE", "LIVE_JOIN_ENV", "LIVE_STORE_ENV", "DeclaredDead", "LiveMorphFailed",
+           "LiveWorld", "MorphReport", "WaitExpired", "declare_dead", "end_job", "morph", "recover",
+           "request_layout"]
 
 #: ``host:port`` of the rendezvous store the workers' supervisor hosts (outlives every worker).
 LIVE_STORE_ENV = "VARUNA_LIVE_STORE"
@@ -77,6 +81,11 @@ class LiveMorphFailed(RuntimeError):
 
 class WaitExpired(LiveMorphFailed):
     """A member without state (spare, joiner) waited its whole bound for work: it may just leave."""
+
+
+class DeclaredDead(LiveMorphFailed):
+    """This member was declared dead (it was frozen): the run went on without it; exit
+    :data:`DECLARED_DEAD_EXIT_CODE`, never the restart path."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +126,10 @@ class LiveWorld:
     """What the latest :func:`morph` did, on this worker."""
     collect_due: bool = False
     """The torn-down groups still await their garbage collection (:func:`_collect_if_due`)."""
+    watch: LiveWatch | None = None
+    """The heartbeat thread (Note [Live watch] in live_watch.py); None: no frozen-peer detection."""
+    _guards: dict = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def rank(self) -> int:
@@ -131,13 +144,71 @@ class LiveWorld:
             return "spare"
         return "joining" if self.joining else "gone"
 
+    def watched(self) -> list[int]:
+        """Every member this one may wait for (working, spare, expected); thread-safe."""
+        with self._lock:
+            return sorted({*self.members, *self.spares, *self.expected})
+
+    def alive(self, member: int) -> bool:
+        """Is ``member``'s heartbeat fresh (False without a watch)?"""
+        return self.watch is not None and self.watch.alive(member)
+
+    def known_dead(self) -> set[int]:
+        """Members this process has seen declared dead (by the supervisor or a watch)."""
+        return set(self.watch.dead) if self.watch is not None else set()
+
+    def declared_dead(self) -> bool:
+        """Was this member declared dead (frozen while the others went on)?"""
+        return bool(self.store.check([f"{ROOT}dead/{self.member}"]))
+
+    def guard(self, name: str, members: list[int], groups: list) -> None:
+        """Sever ``groups`` (weakly held) as soon as one of ``members`` is known dead (Note [Live
+        watch]); replaces an earlier guard of the same name."""
+        refs = [weakref.ref(g) for g in groups if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER]
+        with self._lock:
+            self._guards[name] = (frozenset(members), refs)
+
+    def unguard(self, name: str) -> None:
+        with self._lock:
+            self._guards.pop(name, None)
+
+    def sever_guarded(self, dead: set[int] | None = None) -> None:
+        """Sever the guarded groups spanning a member of ``dead`` (None: all of them), and forget
+        them. Under the lock: the main thread swaps groups only after unguarding the old ones."""
+        with self._lock:
+            hit = [n for n, (ms, _) in self._guards.items() if dead is None or ms & dead]
+            groups = [ref() for n in hit for ref in self._guards.pop(n)[1]]
+            sever(g for g in groups if g is not None)
+            del groups
+
+    def close(self) -> None:
+        """Stop and join the heartbeat thread (it beats ``exit``) and forget the guards.
+
+        Example::
+
+            live.close()
+        """
+        if self.watch is not None:
+            self.watch.close()
+        with self._lock:
+            self._guards.clear()
+
+    def start_watch(self, freeze_s: float) -> None:
+        """Start this member's heartbeat thread (``freeze_s`` > 0: declare a member whose beat
+        stood still that long dead and sever the groups that span it)."""
+        if self.watch is None:
+            self.watch = LiveWatch.start(self.store, member=self.member, watched=self.watched,
+                                         freeze_s=freeze_s, on_dead=self.sever_guarded)
+
     @classmethod
     def join(
         cls, address: str | None = None, *, member: int | None = None, world: int | None = None,
         timeout_s: float = 60.0, backend: str = "gloo", joining: bool | None = None,
+        freeze_s: float = 30.0,
     ) -> LiveWorld:
         """Connect to the supervisor's store; join generation 0's default group, or (a joiner)
-        register to be admitted at the next step boundary.
+        register to be admitted at the next step boundary. A heartbeat thread starts
+        (Note [Live watch]): a member silent for ``freeze_s`` (0: never) is declared dead.
 
         Example::
 
@@ -156,12 +227,15 @@ class LiveWorld:
         joining = os.environ.get(LIVE_JOIN_ENV) == "1" if joining is None else joining
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
         if joining:
+            live = cls(store=store, member=member, members=[], timeout_s=timeout_s, joining=True)
+            live.start_watch(freeze_s)  # beating before it registers: nobody takes it for frozen
             i = store.add(f"{ROOT}joins", 1)
             store.set(f"{ROOT}join/{i}", str(member))
-            return cls(store=store, member=member, members=[], timeout_s=timeout_s, joining=True)
+            return live
         world = int(os.environ["WORLD_SIZE"]) if world is None else world
         live = cls(store=store, member=member, members=list(range(world)), timeout_s=timeout_s,
                    expected=list(range(world)))
+        live.start_watch(freeze_s)
         _init_group(live, backend)
         return live
 
@@ -223,17 +297,18 @@ def recover(engine: Engine, model: nn.Module | Callable[[], nn.Module], live: Li
         cfg = dataclasses.replace(engine.config, pipeline_depth=P, data_parallel=D, resume=False)
         return Engine(fresh, cfg, **engine.rebuild_args)
 
-    return morph(live, engine, build, join_window_s=join_window_s, backend=backend)
+    return morph(live, engine, build, join_window_s=join_window_s, backend=backend, failed=True)
 
 
 def morph(live: LiveWorld, held: Engine | None, build: Callable[[int, int], Engine], *,
           leaving: bool = False, join_window_s: float = 30.0, wait_s: float | None = None,
-          backend: str = "gloo", on_phase: Phase | None = None) -> Engine | None:
+          backend: str = "gloo", on_phase: Phase | None = None, failed: bool = False) -> Engine | None:
     """Go to the next generation: tear ``held`` down (its state stays in memory), arrive, agree on
     the members, plan P'×D', join the new group, build the new engine with ``build(P, D)`` and
     receive the missing state from holders. ``held`` None: a spare or joiner (``wait_s`` bounds
     its wait for a generation; None = ``live.timeout_s``). ``leaving``: hand over and go (notice).
-    Retries into the next generation when members are lost during the regroup itself.
+    Retries into the next generation when members are lost during the regroup itself. ``failed``:
+    a step failed (a peer was lost): sever the old groups first (Note [Live watch]).
 
     Example::
 
@@ -242,10 +317,13 @@ def morph(live: LiveWorld, held: Engine | None, build: Callable[[int, int], Engi
     t0 = time.monotonic()
     old = (held.layout.P, held.layout.D) if held is not None else None
     if held is not None:
-        live.collect_due = _tear_down(held)
+        live.collect_due = _tear_down(live, held, failed)
     record = _record(held, leaving)
     failures: list[str] = []
     for attempt in range(1, _MAX_ATTEMPTS + 1):
+        if live.declared_dead():  # frozen while the others went on: never arrive with stale state
+            raise DeclaredDead(f"member {live.member} was declared dead while it could not run; the run "
+                               "went on without it")
         if live.joining and held is None:
             admitted = _await_admission(live, wait_s or live.timeout_s)
         else:
@@ -267,7 +345,8 @@ def morph(live: LiveWorld, held: Engine | None, build: Callable[[int, int], Engi
             raise LiveMorphFailed(f"generation {gen}: {' '.join(str(e).split())[:300]}") from None
         except RuntimeError as e:  # a member lost during the regroup: next generation
             failures.append(f"generation {gen}: {' '.join(str(e).split())[:160]}")
-            _drop_default_group()
+            live.sever_guarded()  # peers blocked on this member in the failed generation go at once
+            _drop_default_group(live)
             live.collect_due = False  # just collected
             live.joining = False  # a joiner admitted once is a member without state from now on
             record = _record(held, leaving)
@@ -311,22 +390,28 @@ def _init_group(live: LiveWorld, backend: str) -> None:
     prefix = dist.PrefixStore(f"{ROOT}gen{live.generation}/pg/", live.store)
     dist.init_process_group(backend, store=prefix, rank=live.rank, world_size=len(live.members),
                             timeout=timedelta(seconds=live.timeout_s))
+    live.guard("world", live.members, [dist.distributed_c10d._get_default_group()])
 
 
-def _tear_down(engine: Engine) -> bool:
-    """Stop the engine's threads and drop every group, the default one too. Dropping the last
-    handle closes the group's sockets, which fails any member still waiting on this one (gloo's
-    abort() does not, torch 2.13: docs/live_morph.md). The parameters and optimizer stay. Returns
-    whether a garbage collection is still due (a subgroup handle outlived the tear down)."""
+def _tear_down(live: LiveWorld, engine: Engine, failed: bool) -> bool:
+    """Stop the engine's threads and drop every group, the default one too. After a failed step
+    every group is severed first (Note [Live watch]): this process's threads blocked on a peer
+    fail at once, and so does every peer still waiting on this one, whatever handle may linger
+    (gloo's abort() does not do it, torch 2.13: docs/live_morph.md). The parameters and
+    optimizer stay. Returns whether a garbage collection is still due (a subgroup handle outlived
+    the tear down)."""
+    if failed:
+        live.sever_guarded()
+    live.unguard("engine")
+    live.unguard("world")  # before the groups go: the watch never severs a later generation's
     # The live world made the default group and wants it gone too: the engine destroys it with
     # its subgroups. The collection for handles caught in reference cycles (each full one costs
     # ~0.1-0.2 s here: docs/live_morph.md, Findings) waits for the first idle moment of the
-    # regroup (_collect_if_due); handles outside cycles close their sockets right now, which is
-    # what fails peers still waiting on this one.
+    # regroup (_collect_if_due).
     handles = [g for g in engine._groups.created if isinstance(g, dist.ProcessGroup)]
     engine._owns_pg = dist.is_initialized()
     engine.close(collect=False)  # watch, links, every group (every handle released)
-    _drop_default_group(collect=False)
+    _drop_default_group(live, collect=False)
     # Only a handle with another holder left can need the collection (a cycle, a frame). The
     # default group is not checked: its handle keeps references that no collection frees
     # (measured, torch 2.13), so checking it would make every morph pay for nothing.
@@ -352,9 +437,10 @@ def _collect_if_due(live: LiveWorld) -> None:
         gc.collect()
 
 
-def _drop_default_group(*, collect: bool = True) -> None:
+def _drop_default_group(live: LiveWorld, *, collect: bool = True) -> None:
     """Destroy the default group if there is one; ``collect``: also when there was none (after a
     failed regroup, handles of what it built may sit in reference cycles)."""
+    live.unguard("world")  # before the group goes: the watch never severs a later generation's
     if dist.is_initialized():
         dist.destroy_process_group()
         collect = True
@@ -378,8 +464,13 @@ def _close(live: LiveWorld, gen: int, window_s: float | None,
             return None
         dead = _dead(store, live.expected)
         arrived = [m for m in live.expected if m not in dead and store.check([f"{pre}member/{m}"])]
+        pending = set(live.expected) - set(arrived) - dead
         waited = time.monotonic() - t0
-        if set(arrived) | dead >= set(live.expected) or (window_s is not None and waited > window_s):
+        # The window is for members nobody hears from; one whose heartbeat is fresh is alive and
+        # still leaving the old generation (its tear-down), so it is waited for (up to wait_s).
+        # A frozen one is declared dead by a watch within freeze_s (Note [Live watch]).
+        late = window_s is not None and waited > window_s and not any(live.alive(m) for m in pending)
+        if not pending or late:
             store.compare_set(closed_key, "", json.dumps({"arrived": arrived, **_snapshot(live)}))
             store.set(f"{ROOT}generation", str(gen))
             break
@@ -474,6 +565,7 @@ def _form(live: LiveWorld, gen: int, closed: dict, held: Engine | None, build: C
     xfer = live.members + leavers
     if live.member in leavers:
         _hand_over(live, gen, xfer, recs, held, None, on_phase)
+        live.close()  # its watch stops first: it would take the word below for a freeze verdict
         declare_dead(store, live.member)  # gone: nobody waits for it in a later generation
         return None
     _init_group(live, backend)
@@ -551,14 +643,18 @@ def _hand_over(live: LiveWorld, gen: int, xfer: list[int], recs: dict, held_engi
     if plan:
         pg = dist.ProcessGroupGloo(dist.PrefixStore(f"{pre}xpg/", store), me, len(xfer),
                                    timedelta(seconds=live.timeout_s))
+        live.guard("xfer", xfer, [pg])  # a member frozen in the transfer: severed, not waited for
         try:
             if on_phase:
                 on_phase("transfer", gen)
             parts, nbytes = _exchange(live, pre, pg, xfer, me, sends, recvs, held_engine, new)
         except BaseException:
+            sever([pg])  # the others still waiting on this member fail now (Note [Live watch])
+            live.unguard("xfer")
             pg = None  # dropping the handle closes its sockets: peers fail instead of hanging
             gc.collect()  # the failure's frames may sit in cycles
             raise
+        live.unguard("xfer")
         pg = None  # no cycle holds it on success: freed (sockets closed) right here
     elif on_phase:
         on_phase("transfer", gen)

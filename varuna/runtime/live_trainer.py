@@ -36,7 +36,9 @@ from varuna.core.schedule import schedule_kind
 from varuna.runtime.config import StepResult, VarunaConfig
 from varuna.runtime.engine import Engine
 from varuna.runtime.live_morph import (
+    DECLARED_DEAD_EXIT_CODE,
     ROOT,
+    DeclaredDead,
     LiveMorphFailed,
     LiveWorld,
     MorphReport,
@@ -60,6 +62,8 @@ class LiveTrainer:
     ``notice_signals``: signals that mean "this worker's VM goes away soon". ``wait_s``: how long
     a spare or joiner waits for work. ``on_phase(phase, generation)``: called as a regroup goes
     ("arrived", "transfer"), e.g. for events. ``morphs``: this worker's :class:`MorphReport` list.
+    ``freeze_s``: a member whose heartbeat stood still that long is declared dead and the run
+    regroups without it (Note [Live watch]; 0: only the supervisor declares members dead).
     """
 
     def __init__(
@@ -68,6 +72,7 @@ class LiveTrainer:
         param_init: Callable | None = None, live: LiveWorld | None = None,
         notice_signals: tuple[str, ...] = ("SIGUSR1",), join_window_s: float = 30.0,
         wait_s: float = 3600.0, on_phase: Phase | None = None, backend: str = "gloo",
+        freeze_s: float = 30.0,
     ) -> None:
         unsupported = _live_unsupported(config)
         if unsupported is not None:
@@ -76,10 +81,11 @@ class LiveTrainer:
         # torch's import-time objects frozen out of the collector that walk is ~3x shorter
         # (docs/live_morph.md, Benchmark). Objects made so far stay freed by reference counting.
         gc.freeze()
-        self.live = live or LiveWorld.join(backend=backend)
+        self.live = live or LiveWorld.join(backend=backend, freeze_s=freeze_s)
         # the notice signals are this trainer's: no engine may take them for a graceful stop
-        # The peer watch's answer to a silent peer is exit 75 (the restart path); here a lost or
-        # frozen peer surfaces as a failed or timed-out step instead, which regroups live.
+        # The peer watch's answer to a silent peer is exit 75 (the restart path); here a lost peer
+        # surfaces as a failed step, and a frozen one is declared dead by the live world's
+        # heartbeat watch, which severs the groups so that the step fails (Note [Live watch]).
         config = dataclasses.replace(config, stop_signals=tuple(s for s in config.stop_signals
                                                                  if s not in notice_signals),
                                      peer_timeout_s=0)
@@ -149,6 +155,7 @@ class LiveTrainer:
                 on_step(r)
         if self.engine is not None and self.engine.layout.rank == 0:
             end_job(self.live.store)  # spares and waiting joiners leave
+        self.live.close()  # heartbeat thread joined (it beats "exit": nobody takes it for frozen)
         return self.engine
 
     # ------------------------------------------------------------------ internals
@@ -159,6 +166,14 @@ class LiveTrainer:
 
     def _attach(self, engine: Engine) -> Engine:
         engine.boundary_hook = self._boundary_hook
+        live, members = self.live, list(self.live.members)
+        # Note [Live watch]: a member of this generation declared dead severs its groups, so this
+        # process's main thread fails out of any wait on it (and peers blocked on this one too).
+        live.guard("engine", members, list(engine._groups.created))
+        # An in-flight checkpoint waiting for a dead writer's part gives up at once (the previous
+        # complete checkpoint stays the newest): old-layout ranks of members known dead.
+        engine.checkpointer.lost_writers = lambda: {r for r, m in enumerate(members)
+                                                    if m in live.known_dead()}
         return engine
 
     def _build(self, P: int, D: int) -> Engine:
@@ -205,33 +220,42 @@ class LiveTrainer:
             raise RuntimeError(error)
         self.failed_steps.append(step)
         self._last_failure = step
-        self._morph(leaving=self._leaving)
+        self._morph(leaving=self._leaving, failed=True)
 
     def _wait_for_work(self) -> None:
         if self._leaving:  # a spare or joiner with a notice just goes
+            self.live.close()  # before its own dead key, which its watch would take for a verdict
             declare_dead(self.live.store, self.live.member)
             self.left = True
             return
         self._morph(leaving=False)
 
-    def _morph(self, *, leaving: bool) -> None:
+    def _morph(self, *, leaving: bool, failed: bool = False) -> None:
         held, self.engine = self.engine, None
         try:
             new = morph(self.live, held, self._build, leaving=leaving,
-                        wait_s=self.wait_s if held is None else None, **self._opts)
-        except WaitExpired as e:
-            print(f"varuna: {e}; leaving", file=sys.stderr, flush=True)
-            self.left = True
-            return
+                        wait_s=self.wait_s if held is None else None, failed=failed, **self._opts)
         except LiveMorphFailed as e:
-            print(f"varuna: live morph impossible: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
-            raise SystemExit(PEER_LOST_EXIT_CODE) from None
+            if isinstance(e, DeclaredDead) or self.live.declared_dead():
+                # frozen while the others went on: not the restart path, just this process goes
+                print(f"varuna: {' '.join(str(e).split())}; exiting", file=sys.stderr, flush=True)
+                raise SystemExit(DECLARED_DEAD_EXIT_CODE) from None
+            self._morph_failed(e)
+            return
         finally:
             del held
         if new is not None and self.live.last_morph is not None:
             self.morphs.append(self.live.last_morph)
         self.engine = new
         self.left = self.live.finished or self.live.role == "gone"
+
+    def _morph_failed(self, e: LiveMorphFailed) -> None:
+        if isinstance(e, WaitExpired):
+            print(f"varuna: {e}; leaving", file=sys.stderr, flush=True)
+            self.left = True
+            return
+        print(f"varuna: live morph impossible: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        raise SystemExit(PEER_LOST_EXIT_CODE) from None
 
 
 #: Run-plan variables sized for one P×D (varuna/core/env.py, ``RunPlan``).
