@@ -53,13 +53,13 @@ def main() -> None:
     if member == 1:
         close = engine.close
 
-        def close_once_member_0_is_free() -> None:
+        def close_once_member_0_is_free(**kw) -> None:
             try:
                 live.store.wait([RELEASED], timedelta(seconds=a.within))
                 result["released_before_close"] = True
             except RuntimeError:  # the store's wait timed out: nothing but close() could free it
                 result["released_before_close"] = False
-            close()
+            close(**kw)
 
         engine.close = close_once_member_0_is_free
         _tear_down(live, engine, failed=True)
