@@ -324,7 +324,10 @@ class WorkerReporter:
         except queue.Full:
             pass
         self._thread.join(timeout_s)
+        # A heartbeat still in flight (a manager that is down: wait_for_ready holds it until its
+        # deadline) ends when the channel closes; the thread then sees _closed and returns.
         self._client.close()
+        self._thread.join(timeout_s)
 
     def _send_loop(self) -> None:
         while True:
@@ -338,7 +341,11 @@ class WorkerReporter:
                 return
             try:
                 self._client.worker_heartbeat(request, timeout_s=2.0)
+            except ValueError:  # grpc: "Cannot invoke RPC on closed channel" (close() gave up on it)
+                return
             except grpc.RpcError as exc:
+                if self._closed:  # cancelled by close(): what is left is dropped
+                    return
                 self._errors += 1
                 # One line for the first failure and then every 100th: a restarting manager must
                 # not flood the worker's log.

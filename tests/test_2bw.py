@@ -453,3 +453,18 @@ def reference(*, stale: bool, steps: int = 4, m_total: int = 8, micro: int = 2, 
                 p.copy_(newest[n])
         out[t] = {n: p.detach().clone() for n, p in cur.named_parameters()}
     return out
+
+
+@pytest.mark.slow
+def test_a_tied_weight_stays_one_when_only_one_of_its_stages_sees_a_non_finite_gradient(tmp_path):
+    """No flush, P=2, the embedding tied to the LM head (a copy on each stage): stage 0 alone gets
+    an Inf gradient (a private parameter's) at step 2. Both stages holding the tied weight must
+    skip that update, else its copies part for good; the step is reported skipped everywhere."""
+    worker = Path(__file__).parent / "workers" / "two_bw_tied_skip_worker.py"
+    env = {"VARUNA_PIPELINE_DEPTH": "2"}
+    check_ok(run_world(worker, 2, ["--out", str(tmp_path)], env=env, timeout_s=300))
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert r0["skipped"] == r1["skipped"] == [2]
+    assert set(r0["tied"]) == set(r1["tied"]) and r0["tied"]
+    for n in r0["tied"]:
+        assert torch.equal(r0["tied"][n], r1["tied"][n]), n

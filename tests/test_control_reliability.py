@@ -205,3 +205,24 @@ def test_generation_stopping_past_the_target_finishes_the_job(tmp_path):
     assert w.store.job(job).state == "finished"
     assert w.store.job(job).generation == 1, "a generation was launched after the target step"
     assert "launched" not in w.kinds(job)[w.kinds(job).index("generation-ended") :]
+
+
+def test_reporter_close_owns_its_thread_when_the_manager_is_down(monkeypatch):
+    """close() while a heartbeat is in flight to a manager that is down (wait_for_ready: the RPC
+    waits out its 2 s deadline) and another is queued: the sender thread ends inside close(), and
+    never calls into the closed channel (grpc's ValueError killed the thread with a traceback)."""
+    import threading
+
+    from manager.client import ClientConfig, ManagerClient
+    from varuna.launch.procs import find_free_port
+
+    crashed: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: crashed.append(args.exc_value))
+    client = ManagerClient(ClientConfig(address=f"127.0.0.1:{find_free_port('127.0.0.1')}", token="x" * 32))
+    engine = _Engine(_Layout(rank=0, stage=0, replica=0, P=1, D=1), [(0, NUM_SEGMENTS - 1)])
+    reporter = WorkerReporter(engine, client, job_id="j", vm_id="v", generation=1)  # heartbeat 1 in flight
+    times = StepTimings(fwd_s=0.01, bwd_s=0.02, recompute_s=0.0, num_forwards=M)
+    reporter.on_step(StepResult(1, 1.0, 1.0, False, 1.0, 10.0, 1.0, times))  # heartbeat 2 queued
+    reporter.close(timeout_s=0.2)
+    assert not reporter._thread.is_alive(), "close() returned with the sender thread still running"
+    assert crashed == []

@@ -188,6 +188,22 @@ class GradientSync:
         """This rank's counted sum of squared gradients, and 1.0 if any gradient is not finite."""
         return self._local_norms()
 
+    def shared_nonfinite(self, nonfinite: float) -> float:
+        """1.0 if this rank or a stage holding a copy of one of its shared parameters (a tied
+        weight) saw a non-finite gradient, else ``nonfinite``: a no-flush window skips updates per
+        stage (varuna/runtime/no_flush.py), and a tied weight's copies must skip together or they
+        part for good. One tiny all-reduce per shared group, where those stages already meet to
+        sum the tied gradients. (Groups are taken once, in order: a stage reached only through a
+        second tied weight of another stage is not told; no model here ties that way.)"""
+        if not self.groups.shared:
+            return nonfinite
+        device = next((p.device for p in self.trainable.values()), torch.device("cpu"))
+        for group, _names in self.groups.shared:
+            flag = torch.tensor([nonfinite], dtype=torch.float32, device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            nonfinite = float(flag.item())
+        return nonfinite
+
     def finish(
         self, local_loss: float, *, stop_requested: bool, micro_plan: list[list[MicroBatch]]
     ) -> StepOutcome:

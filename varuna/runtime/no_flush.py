@@ -15,8 +15,9 @@ window recomputes (an R, or the last stage's F, is directly followed by its B).
 What needs every stage to agree before an update cannot be had without a barrier per step, so:
 the end-of-step agreement (loss, global gradient norm, overflow, stop request) is an all-reduce
 that is started per step and only waited for at the end of the window; a non-finite gradient
-skips the update of the stages that see one (every replica of a stage sees the same sums), not
-of every stage; clipping by the global norm (``max_grad_norm``) and fp16 loss scaling are
+skips the update of the stages that see one (every replica of a stage sees the same sums) and of
+the stages holding a copy of a tied weight with them (or its copies would part), not of every
+stage; clipping by the global norm (``max_grad_norm``) and fp16 loss scaling are
 refused. The window ends drained: after ``train_steps`` returns, the state is a step boundary
 like after ``train_step`` (both versions as ``train_step`` leaves them), so checkpoints,
 ``evaluate`` and ``close`` see a clean boundary; ``train_steps`` also ends a window at every
@@ -116,6 +117,7 @@ class WindowFeed(Feed):
         e.weight_versions.advance()
         e._sync.reduce()
         sumsq, nonfinite = e._sync.local_norms()
+        nonfinite = e._sync.shared_nonfinite(nonfinite)  # a tied weight's copies skip together
         slots = e._sync.agreement_slots(sumsq, nonfinite, loss, e.stop_requested)
         handle = dist.all_reduce(slots, async_op=True) if e.layout.world > 1 else None
         t_opt = time.perf_counter()
