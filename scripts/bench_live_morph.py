@@ -124,6 +124,7 @@ def worker(a: argparse.Namespace) -> None:
         step += 1
     Path(a.out, f"member{live.member}.json").write_text(json.dumps(report))
     engine.close()
+    live.close()  # joins the heartbeat thread
 
 
 def _time_phases() -> dict[str, float]:

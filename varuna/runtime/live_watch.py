@@ -46,6 +46,7 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -155,6 +156,10 @@ class LiveWatch:
         # daemon only so that a process ending by SystemExit is not held up; close() joins it
         watch._thread = threading.Thread(target=watch._loop, name=f"varuna-live-watch-{member}", daemon=True)
         watch._thread.start()
+        # A process that ends without close() (an uncaught error, a script that forgot it) must
+        # not finalise the interpreter with this thread inside a store call: that aborts the
+        # process ("terminate called without an active exception", exit -6).
+        atexit.register(watch.close)
         return watch
 
     def alive(self, member: int) -> bool:
@@ -169,6 +174,7 @@ class LiveWatch:
         if self._stop.is_set():
             return
         self._stop.set()
+        atexit.unregister(self.close)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
         try:
