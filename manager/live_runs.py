@@ -143,6 +143,7 @@ class LiveRuns:
             self.ctx.store.update_generation(job.job_id, gen.generation,
                                              vms_json=json.dumps([v for v in gen.vm_ids if v not in lost]),
                                              live_json=members.without(lost).to_json())
+            self.ctx.store.update_job(job.job_id, detection_time=None, detection_reason="")
             return True
         reason = None
         if any(w.get("exit_code") == PEER_LOST_EXIT_CODE for vm in crashed for w in vm.workers):

@@ -598,6 +598,25 @@ def test_a_vm_whose_every_member_froze_stays_idle_and_leaves_on_a_notice(tmp_pat
     assert gen.vm_ids == [a.vm_id] and json.loads(gen.live_json)["leaving"] == []
     assert not {"stopping", "killing", "live-morph-fallback"} & set(w.kinds(job))
 
+def test_a_lost_vm_whose_every_member_froze_leaves_without_another_morph(tmp_path, monkeypatch):
+    w, job = two_slot_start(tmp_path, monkeypatch)
+    a, b = w.running(job)
+    address = a.launches[0].env["VARUNA_LIVE_STORE"]
+    declare_frozen(address, 2)
+    declare_frozen(address, 3)
+    w.tick(0.1)
+    layout = (w.gen(job).pipeline_depth, w.gen(job).data_parallel)
+    b.alive = False  # then the VM itself is lost
+    w.until(lambda: b.vm_id not in w.gen(job).vm_ids)
+    gen = w.gen(job)
+    assert gen.generation == 1 and gen.state == "running"
+    assert (gen.pipeline_depth, gen.data_parallel) == layout, "no re-plan: nobody was lost with it"
+    assert w.store.job(job).detection_time is None
+    assert not {"stopping", "killing", "live-morph-fallback"} & set(w.kinds(job))
+    report(w, job, 6, layout)
+    [morph] = w.event(job, "live-morph")
+    assert morph.data["reason_kind"] == "frozen" and morph.data["lost_ranks"] == [2, 3], "one morph"
+
 @pytest.mark.slow
 def test_the_agent_kills_a_stopped_worker_on_the_order_and_reaps_it(tmp_path):
     """A real agent with two real workers of one generation: the one stopped with SIGSTOP (frozen)
