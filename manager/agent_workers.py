@@ -228,6 +228,19 @@ class WorkerPool:
                 w.log.close()
         self.stop_deadline = None
 
+    def kill_ranks(self, ranks: set[int]) -> list[int]:
+        """SIGKILL and reap the running workers of ``ranks`` (works on a stopped process: the
+        members a live run's peers declared frozen); returns the ranks killed now."""
+        killed = [w for w in self.workers if w.rank in ranks and w.exit_code is None]
+        for w in killed:
+            kill_group(w.popen.pid, signal.SIGKILL)
+        for w in killed:
+            code = reap(w.popen, REAP_TIMEOUT_S)
+            w.exit_code = code if code is not None else -int(signal.SIGKILL)
+            if w.log is not None:
+                w.log.close()
+        return [w.rank for w in killed]
+
     def poll(self) -> None:
         """Reap the workers that exited (their exit codes go into the next heartbeat)."""
         for w in self.workers:

@@ -64,8 +64,12 @@ class JobController:
     def supervise(self, job: JobRecord, gen: GenerationRecord, vms: list[VMRecord], now: float) -> None:
         """One step of a live generation: react to failures, completion and morph triggers."""
         by_id = {vm.vm_id: vm for vm in vms}
-        if gen.state == "running" and self.ctx.live_morph_job(job):
-            gen = self.ctx.live.drop_leavers(job, gen, by_id)  # handed over after a notice
+        if self.ctx.live_morph_job(job):
+            if gen.state == "running":
+                gen = self.ctx.live.drop_frozen(job, gen, by_id, now)  # the others went on without them
+            by_id = self.ctx.live.member_views(gen, by_id)  # a dropped member's exit is no failure
+            if gen.state == "running":
+                gen = self.ctx.live.drop_leavers(job, gen, by_id)  # handed over after a notice
         gen_vms = [by_id[v] for v in gen.vm_ids if v in by_id]
         progress = [vm_progress(vm, gen.generation) for vm in gen_vms]
         all_done = all(p[0] for p in progress)

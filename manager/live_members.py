@@ -1,7 +1,7 @@
 """Who is who in a live-morph generation (docs/manager.md, Live morph): each VM's member ids, the
-next unused one, the joiners and the VMs told to leave. Stored with the generation
-(``GenerationRecord.live_json``) and changed in the same write as its VMs and P×D, so a manager
-killed at any point finds a consistent record.
+next unused one, the joiners, the VMs told to leave and the members their peers declared frozen.
+Stored with the generation (``GenerationRecord.live_json``) and changed in the same write as its
+VMs and P×D, so a manager killed at any point finds a consistent record.
 
 A member id is the worker's ``RANK`` at start-up and its name in the live store for its whole
 life (``dead/{id}``...); ids are never reused within a generation (its store), so a joiner gets
@@ -15,6 +15,8 @@ life (``dead/{id}``...); ids are never reused within a generation (its store), s
     ([3, 4], {'c': [3, 4]}, 5)
     >>> LiveMembers.from_json(g.without(["a"]).to_json()).members
     {'b': [2], 'c': [3, 4]}
+    >>> f = g.drop([3]); f.members["c"], f.joiners["c"], f.frozen
+    ([4], [4], {'c': [3]})
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from manager.live_morph import ranks_by_vm
+from manager.records import VMRecord
 
 __all__ = ["LiveMembers"]
 
@@ -39,6 +42,10 @@ class LiveMembers:
     joiners: dict[str, list[int]] = field(default_factory=dict)
     leaving: tuple[str, ...] = ()
     morphed: bool = False
+    frozen: dict[str, list[int]] = field(default_factory=dict)
+    """Members dropped because their peers declared them frozen (or they exited 76), by VM: no
+    longer in ``members``; their agents are told to kill them (a VM whose every member froze
+    stays in the generation with none, idle, until the next relaunch)."""
 
     @classmethod
     def at_launch(cls, vm_ids: Sequence[str], slots: Mapping[str, int], world_size: int) -> LiveMembers:
@@ -50,7 +57,8 @@ class LiveMembers:
         d = json.loads(text)
         return cls(members={k: list(v) for k, v in d["members"].items()}, next_id=int(d["next_id"]),
                    joiners={k: list(v) for k, v in d.get("joiners", {}).items()},
-                   leaving=tuple(d.get("leaving", ())), morphed=bool(d.get("morphed", False)))
+                   leaving=tuple(d.get("leaving", ())), morphed=bool(d.get("morphed", False)),
+                   frozen={k: list(v) for k, v in d.get("frozen", {}).items()})
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -65,11 +73,37 @@ class LiveMembers:
         return dataclasses.replace(
             self, members={k: v for k, v in self.members.items() if k not in out},
             joiners={k: v for k, v in self.joiners.items() if k not in out},
-            leaving=tuple(v for v in self.leaving if v not in out), morphed=True)
+            leaving=tuple(v for v in self.leaving if v not in out),
+            frozen={k: v for k, v in self.frozen.items() if k not in out}, morphed=True)
+
+    def drop(self, member_ids: Iterable[int]) -> LiveMembers:
+        """After the peers of ``member_ids`` declared them dead and went on without them (a freeze):
+        each leaves its VM's members for ``frozen`` (the VM and its other members stay)."""
+        out = set(member_ids)
+        frozen = {k: list(v) for k, v in self.frozen.items()}
+        for vm, ids in self.members.items():
+            gone = [m for m in ids if m in out]
+            if gone:
+                frozen[vm] = sorted({*frozen.get(vm, ()), *gone})
+        return dataclasses.replace(
+            self, members={k: [m for m in v if m not in out] for k, v in self.members.items()},
+            joiners={k: kept for k, v in self.joiners.items() if (kept := [m for m in v if m not in out])},
+            frozen=frozen, morphed=True)
 
     def leave(self, vm_ids: Iterable[str]) -> LiveMembers:
         """``vm_ids`` are told to hand over and leave (their members stay until they exit)."""
         return dataclasses.replace(self, leaving=tuple(dict.fromkeys([*self.leaving, *vm_ids])))
+
+    def views(self, generation: int, vms: Mapping[str, VMRecord]) -> dict[str, VMRecord]:
+        """``vms`` as the agents reported them, without the workers (of ``generation``) of members
+        dropped as frozen."""
+        out = dict(vms)
+        for vm_id, ids in self.frozen.items():
+            vm = vms.get(vm_id)
+            if vm is not None and vm.reported_generation == generation:
+                out[vm_id] = dataclasses.replace(
+                    vm, workers_json=json.dumps([w for w in vm.workers if w["rank"] not in ids]))
+        return out
 
     def grow(self, vms: Sequence[tuple[str, int]]) -> LiveMembers:
         """New VMs ``(vm_id, slots)`` join: fresh ids for each of their workers."""

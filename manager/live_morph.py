@@ -37,7 +37,8 @@ class LiveMorphDecision:
     """What the manager decided for the survivors: ``plan`` (None: take the restart path, ``reason``
     says why), the ranks lost (or leaving, or joining) and the ranks that go on. ``kind``: what
     triggered it — ``lost`` (VMs gone), ``notice`` (VMs with an eviction notice hand their state
-    over and leave) or ``growth`` (new VMs join; ``joined``: their member ids)."""
+    over and leave), ``growth`` (new VMs join; ``joined``: their member ids) or ``frozen`` (the
+    peers of ``lost_ranks`` declared them dead for lack of heartbeats and regrouped on their own)."""
 
     plan: LayoutPlan | None
     reason: str
@@ -176,6 +177,7 @@ def record(
         "lost": f"ranks {list(decision.lost_ranks)} lost",
         "notice": f"eviction notice: ranks {list(decision.lost_ranks)} handed their state over and left",
         "growth": f"growth: ranks {list(decision.joined)} joined",
+        "frozen": f"ranks {list(decision.lost_ranks)} frozen (declared dead by their peers)",
     }[decision.kind]
     event(job_id, "live-morph", f"generation {generation}: {what}; {old[0]}×{old[1]} -> P={p.pipeline_depth} "
           f"× D={p.data_parallel} ({p.source}) without a restart{took}", generation=generation, data=data)

@@ -25,6 +25,12 @@ it out of the generation once they exited 0. Growth (:meth:`LiveRuns.on_grow`): 
 running generation, their workers started as joiners with fresh member ids. The generation's
 members (``manager.live_members.LiveMembers``) change in the same write as its VMs and P×D.
 
+A frozen member (:meth:`LiveRuns.drop_frozen`): its peers declared it dead for lack of heartbeats
+(``varuna.runtime.live_watch.frozen_verdict``) and regrouped without it; the manager, polling the
+store on its loop, drops it from the members (its VM and the VM's other workers stay), orders its
+agent to kill it (``kill`` in the RUN orders) and takes its exit — 76 if it resumed first, -9 —
+as no failure (:meth:`LiveRuns.member_views`).
+
     >>> LiveRuns.bind_host("[::1]:7878"), LiveRuns.bind_host("10.0.0.4:7878")
     ('::1', '10.0.0.4')
 """
@@ -40,6 +46,7 @@ from manager import live_morph
 from manager.context import ManagerContext
 from manager.live_members import LiveMembers
 from manager.morph_planner import MorphPlanner
+from manager.policy import LayoutPlan
 from manager.store import GenerationRecord, JobRecord, VMRecord
 from varuna.launch.supervisor import PEER_LOST_EXIT_CODE
 
@@ -129,6 +136,15 @@ class LiveRuns:
         gone = [vm for vm in failed if vm.state != "up"]
         crashed = [vm for vm in failed if vm.state == "up"]
         store = self._stores.get((job.job_id, gen.generation))
+        members = self.members(gen)
+        if gen.live_json and not crashed and gone and not members.ranks(vm.vm_id for vm in gone):
+            # Every member of those VMs froze and was dropped already: nothing more to morph.
+            lost = {vm.vm_id for vm in gone}
+            self.ctx.store.update_generation(job.job_id, gen.generation,
+                                             vms_json=json.dumps([v for v in gen.vm_ids if v not in lost]),
+                                             live_json=members.without(lost).to_json())
+            self.ctx.store.update_job(job.job_id, detection_time=None, detection_reason="")
+            return True
         reason = None
         if any(w.get("exit_code") == PEER_LOST_EXIT_CODE for vm in crashed for w in vm.workers):
             reason = (f"a worker exited with {PEER_LOST_EXIT_CODE} (the survivors found no live "
@@ -245,16 +261,18 @@ class LiveRuns:
         """Leaving VMs whose workers all exited 0 (state handed over) leave the generation; returns
         it as stored now. A leaver that failed stays: the caller's failure path sees it."""
         leaving = self.leaving(gen)
+        members = self.members(gen)
         done = []
         for vm_id in leaving:
             vm = vms.get(vm_id)
-            if vm is None or vm.reported_generation != gen.generation or not vm.workers:
+            if not members.members.get(vm_id):  # every member there froze and was dropped already
+                done.append(vm_id)
+            elif vm is None or vm.reported_generation != gen.generation or not vm.workers:
                 continue
-            if all(not w["running"] and w["exit_code"] == 0 for w in vm.workers):
+            elif all(not w["running"] and w["exit_code"] == 0 for w in vm.workers):
                 done.append(vm_id)
         if not done:
             return gen
-        members = self.members(gen)
         store = self._stores.get((job.job_id, gen.generation))
         if store is not None:
             from varuna.runtime.live_morph import declare_dead  # torch: only when live
@@ -273,6 +291,97 @@ class LiveRuns:
                        f"over and left (members {members.ranks(done)})", generation=gen.generation,
                        data={"vms": done, "members": members.ranks(done)})
         return self.ctx.store.generation(job.job_id, gen.generation) or gen
+
+    # -- a frozen member -----------------------------------------------------------------------
+
+    def drop_frozen(
+        self, job: JobRecord, gen: GenerationRecord, vms: dict[str, VMRecord], now: float
+    ) -> GenerationRecord:
+        """Members of the running ``gen`` on VMs that are up whose peers declared them dead for
+        lack of heartbeats (frozen or hung: Note [Live watch] in varuna/runtime/live_watch.py), or
+        that exited with ``DECLARED_DEAD_EXIT_CODE`` (76: declared dead, then resumed): the others
+        severed the old groups and regrouped without them. They leave the members for ``frozen``
+        (their agents' RUN orders name them in ``kill``); their VMs and the other workers there
+        stay. A ``live-frozen`` event now; the ``live-morph`` event (``reason_kind`` ``frozen``) at
+        the first step past the one in flight, at the layout the workers report. Returns ``gen``
+        as stored now. No store (a manager restart) or nobody left: nothing here, the failure path
+        decides."""
+        store = self._stores.get((job.job_id, gen.generation))
+        if store is None:
+            return gen
+        from varuna.runtime.live_watch import DECLARED_DEAD_EXIT_CODE, frozen_verdict  # torch: only when live
+
+        members = self.members(gen)
+        why: dict[int, str] = {}
+        for vm_id, ids in members.members.items():
+            vm = vms.get(vm_id)
+            if vm is None or vm.state != "up":
+                continue  # a lost VM: on_failure's
+            exited = {w["rank"] for w in vm.workers if vm.reported_generation == gen.generation
+                      and not w["running"] and w["exit_code"] == DECLARED_DEAD_EXIT_CODE}
+            for m in ids:
+                verdict = frozen_verdict(store.store, m)
+                if verdict is not None or m in exited:
+                    why[m] = verdict or f"exited with {DECLARED_DEAD_EXIT_CODE}: declared dead by its peers"
+        dropped = members.drop(why)
+        counts = [len(ids) for v in gen.vm_ids if (ids := dropped.members.get(v))]
+        if not why or not counts:
+            return gen
+        old = (gen.pipeline_depth, gen.data_parallel)
+        try:
+            plan = self.planner.plan(job, counts)
+        except ValueError as exc:  # the workers' own rule chose; their first step says which
+            plan = LayoutPlan(pipeline_depth=old[0], data_parallel=old[1],
+                              micro_batch_size=gen.micro_batch_size,
+                              predicted_samples_per_s=gen.predicted_samples_per_s,
+                              source=f"the workers' rule ({exc})")
+        decision = live_morph.LiveMorphDecision(plan, plan.source, tuple(sorted(why)),
+                                                tuple(dropped.ranks(gen.vm_ids)), kind="frozen")
+        # For their next regroups (this one may be over already: the watches do not wait for us).
+        live_morph.tell_workers(store.store, decision)
+        self.ctx.store.update_generation(
+            job.job_id, gen.generation, pipeline_depth=plan.pipeline_depth, data_parallel=plan.data_parallel,
+            predicted_samples_per_s=plan.predicted_samples_per_s, live_json=dropped.to_json())
+        where = {m: v for v, ids in members.members.items() for m in ids if m in why}
+        said = "; ".join(f"{m} on {where[m]}: {why[m]}" for m in sorted(why))
+        self.ctx.event(job.job_id, "live-frozen", f"generation {gen.generation}: member(s) {sorted(why)} "
+                       f"dropped ({said}); the others went on without them; their agents kill them",
+                       generation=gen.generation,
+                       data={"members": sorted(why), "vms": sorted(set(where.values())),
+                             "why": {str(m): w for m, w in why.items()}})
+        self._set_pending(job.job_id, gen.generation, PendingMorph(decision, old, now, gen.last_step))
+        return self.ctx.store.generation(job.job_id, gen.generation) or gen
+
+    @staticmethod
+    def member_views(gen: GenerationRecord, vms: dict[str, VMRecord]) -> dict[str, VMRecord]:
+        """``vms`` without the workers of members dropped as frozen: their exit (76, or -9 from the
+        kill order) is no failure of the generation, and they do not count for its end."""
+        return LiveMembers.from_json(gen.live_json).views(gen.generation, vms) if gen.live_json else vms
+
+    @staticmethod
+    def to_kill(gen: GenerationRecord, vm_id: str) -> list[int]:
+        """The members on ``vm_id`` declared frozen: its agent SIGKILLs them (RUN orders' ``kill``)."""
+        return list(LiveMembers.from_json(gen.live_json).frozen.get(vm_id, ())) if gen.live_json else []
+
+    def _adopt_layout(
+        self, job: JobRecord, generation: int, pending: PendingMorph, layout: tuple[int, int]
+    ) -> PendingMorph:
+        """The workers regrouped before the manager's layout reached the store: the generation
+        runs at theirs. Its prediction is the plan's scaled by the workers used (the fallback
+        rule's own assumption)."""
+        plan = pending.decision.plan
+        assert plan is not None
+        if (plan.pipeline_depth, plan.data_parallel) == layout:
+            return pending
+        predicted = plan.predicted_samples_per_s * layout[0] * layout[1] / plan.world_size
+        chosen = LayoutPlan(pipeline_depth=layout[0], data_parallel=layout[1],
+                            micro_batch_size=plan.micro_batch_size, predicted_samples_per_s=predicted,
+                            source=f"the workers' rule (they regrouped before the manager's "
+                            f"{plan.pipeline_depth}×{plan.data_parallel} [{plan.source}] reached them)")
+        self.ctx.store.update_generation(job.job_id, generation, pipeline_depth=layout[0],
+                                         data_parallel=layout[1], predicted_samples_per_s=predicted)
+        return dataclasses.replace(pending, decision=dataclasses.replace(pending.decision, plan=chosen,
+                                                                         reason=chosen.source))
 
     # -- growth --------------------------------------------------------------------------------
 
@@ -340,6 +449,8 @@ class LiveRuns:
             return
         if step > pending.step:
             del self._pending[key]
+            if pending.decision.kind == "frozen" and layout is not None and min(layout) > 0:
+                pending = self._adopt_layout(job, generation, pending, layout)
             self._record(job.job_id, generation, pending, now - pending.detected)
 
     def _set_pending(self, job_id: str, generation: int, pending: PendingMorph) -> None:

@@ -26,6 +26,8 @@ Note [Orders]: each heartbeat reply is the full desired state (``action``, ``gen
 for RUN this VM's workers), so a lost or repeated reply is harmless:
 
 - RUN g: if g is newer than anything run here, kill older workers and start g's (once);
+- RUN g with ``kill`` (a live-morph job): SIGKILL (and reap) those of g's workers: their peers
+  declared them frozen and went on without them (SIGKILL ends a stopped process too);
 - RUN g with ``leave`` (a live-morph job, a notice here): the notice signal
   (``$VARUNA_LIVE_NOTICE_SIGNAL``, SIGUSR2) to g's workers once: they finish the step, hand their
   state over and exit 0; SIGKILL after ``stop_timeout_s``;
@@ -288,6 +290,10 @@ class VMAgent:
             # A VM under notice should not get work; if it does, stop it again right away.
             if self._notice_acted:
                 pool.signal(signal.SIGUSR1)
+        killed = pool.kill_ranks(set(orders.kill)) if orders.kill and g == self._generation else []
+        if killed:
+            self._say(f"rank(s) {killed} of generation {g} killed (SIGKILL): their peers declared them "
+                      "frozen and went on without them")
         notice_sig = pool.notice_signal
         if orders.leave and g == self._generation and notice_sig is not None and not self._notice_acted:
             # Live morph: the manager wrote the survivors' layout; now hand over and leave.

@@ -232,7 +232,9 @@ class VMBook:
             orders.action = pb.Orders.RUN
             orders.workers.extend(self.planner.launches(job, gen).get(vm.vm_id, []))
             orders.training = gen.first_step_time is not None
-            orders.leave = vm.vm_id in self.ctx.live.leaving(gen) if self.ctx.live is not None else False
+            if self.ctx.live is not None:
+                orders.leave = vm.vm_id in self.ctx.live.leaving(gen)
+                orders.kill.extend(self.ctx.live.to_kill(gen, vm.vm_id))  # declared frozen by their peers
         elif gen.state == "stopping":
             orders.action = pb.Orders.STOP
         else:

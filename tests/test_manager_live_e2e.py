@@ -1,7 +1,8 @@
 """End to end, live morph under the manager: the GPT example (``live_morph = true``) on pretend
 VMs. A VM killed with SIGKILL at 2×2; an eviction notice at 2×2 (the VM hands its state over and
 leaves: nothing redone); growth from two VMs to four when spot capacity comes back (the new
-workers join the running generation). Each time the manager records a ``live-morph`` event (no
+workers join the running generation); a worker frozen with SIGSTOP (the others go on without it,
+its agent kills it on the manager's order). Each time the manager records a ``live-morph`` event (no
 relaunch), the workers that stay keep their processes (same pids), and the job finishes with
 losses bit-identical to an undisturbed single-process run in deterministic mode
 (docs/determinism.md: the numerics do not depend on P×D).
@@ -296,6 +297,60 @@ def test_new_vms_join_the_running_generation_live(tmp_path):
         assert {r["step"]: r["loss"] for r in rows} == reference
         assert (rows[-1]["P"], rows[-1]["D"]) == (ev["pipeline_depth"], ev["data_parallel"]), "manager's P×D"
         wait_for(lambda: not processes_mentioning(job), 60, "every agent and worker to exit")
+    except AssertionError:
+        dump(mp, job, tmp_path)
+        raise
+    finally:
+        mp.stop()
+        mp.kill_vms()
+
+
+# -- a frozen worker ------------------------------------------------------------------------------
+
+
+def test_a_frozen_worker_is_killed_by_its_agent_and_the_others_go_on_live(tmp_path):
+    """Rank 3 stopped with SIGSTOP (frozen: its sockets stay open) at 2×2: the other workers'
+    heartbeat watches declare it dead after ``--live-freeze-s`` and regroup without it; the manager
+    drops it (``live-frozen``), orders its agent to kill it (gone, reaped) and takes its exit as no
+    failure: one generation, the others' pids kept, losses bit-identical, the generation's P×D the
+    workers' own."""
+    metrics = tmp_path / "metrics.jsonl"
+    live_spec(tmp_path, metrics, pipeline_depth=2, provider_options={"max_created": 4},
+              args=["--steps", str(STEPS), *MODEL_ARGS, "--metrics-out", str(metrics),
+                    "--live-freeze-s", "10"])
+    mp = manager(tmp_path)
+    reference = reference_losses(tmp_path)
+    mp.start()
+    job = None
+    try:
+        with mp.client() as c:
+            job = c.submit(spec_to_pb(load_jobspec(tmp_path / "job.json")))
+        wait_for(lambda: status(mp, job).step >= KILL_AT, 300, f"step {KILL_AT}")
+        st = status(mp, job)
+        assert (st.pipeline_depth, st.data_parallel) == (2, 2)
+        pids = worker_pids(st)
+        pause([pids[3]])
+        wait_for(lambda: "live-frozen" in kinds(mp, job), 300, "the manager to see the verdict")
+        wait_for(lambda: proc_state(pids[3]) == "gone", 120, "its agent to kill and reap it")
+        wait_for(lambda: {"live-morph", "live-morph-fallback"} & set(kinds(mp, job)), 300, "the live morph")
+        evs = events(mp, job)
+        assert "live-morph-fallback" not in [e.kind for e in evs], [e.message for e in evs]
+        [frozen] = [json.loads(e.data_json) for e in evs if e.kind == "live-frozen"]
+        assert frozen["members"] == [3] and "no heartbeat" in frozen["why"]["3"]
+        [ev] = [json.loads(e.data_json) for e in evs if e.kind == "live-morph"]
+        assert ev["reason_kind"] == "frozen" and ev["lost_ranks"] == [3] and ev["duration_s"] > 0
+        wait_for(lambda: status(mp, job).state == "finished", 600, "the job to finish")
+        st = status(mp, job)
+        assert st.step == STEPS and st.generation == 1, "one generation: no relaunch"
+        assert kinds(mp, job).count("launched") == 1 and not {"killing", "stopping"} & set(kinds(mp, job))
+        others = {w.rank: w.pid for v in st.vms if v.in_generation for w in v.workers if w.rank != 3}
+        assert others == {r: p for r, p in pids.items() if r != 3}, "the others kept their processes"
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        assert {r["step"]: r["loss"] for r in rows} == reference  # the step in flight redone, same loss
+        assert (rows[-1]["P"], rows[-1]["D"]) == (st.pipeline_depth, st.data_parallel), "the manager's P×D"
+        wait_for(lambda: not processes_mentioning(job), 60, "every agent and worker to exit")
+        [message] = [e.message for e in evs if e.kind == "live-morph"]
+        print(f"\n{message}; P×D per step {[(r['step'], r['P'], r['D']) for r in rows]}")
     except AssertionError:
         dump(mp, job, tmp_path)
         raise

@@ -464,3 +464,197 @@ def test_growth_waits_for_the_leavers_of_a_notice(tmp_path):
     assert json.loads(gen.live_json)["joiners"] == {gen.vm_ids[2]: [3]}, "a fresh id; 2 is never reused"
     assert gen.pipeline_depth * gen.data_parallel == 3
     assert not {"stopping", "killing", "live-morph-fallback"} & set(w.kinds(job))
+
+
+# -- a frozen member (declared dead by its peers' heartbeat watches) -------------------------------
+
+
+def two_slot_start(tmp_path, monkeypatch):
+    """A 2×2 live-morph job on two two-slot simulated VMs (members [0, 1] and [2, 3]), 5 steps done."""
+    from test_manager_controller import SimVM
+
+    from manager import varuna_manager_pb2 as pb
+
+    def register(vm):
+        vm.mgr.register_vm(pb.RegisterVMRequest(vm_id=vm.vm_id, job_id=vm.job_id, agent_instance=vm.instance,
+                                                address="127.0.0.1", slots=2, pid=1))
+
+    monkeypatch.setattr(SimVM, "register", register)
+    w = World(tmp_path, provider=FakeProvider(capacity=2))
+    job = w.submit(max_vms=2, procs_per_vm=2, pipeline_depth=2, live_morph=True)
+    w.tick()
+    w.tick(0.1)
+    gen = w.gen(job)
+    assert (gen.pipeline_depth, gen.data_parallel) == (2, 2) and len(gen.vm_ids) == 2
+    assert json.loads(gen.live_json)["members"] == {gen.vm_ids[0]: [0, 1], gen.vm_ids[1]: [2, 3]}
+    w.steps(job, 1, 5)
+    return w, job
+
+
+def declare_frozen(address: str, member: int) -> None:
+    """What a peer's heartbeat watch writes for a member silent for ``freeze_s`` (live_watch._look)."""
+    c = client(address)
+    c.compare_set(f"{ROOT}dead_why/{member}", "", "no heartbeat for 31s, seen by member 0: frozen or hung")
+    c.set(f"{ROOT}dead/{member}", "1")
+
+
+def kill_orders(w: World, job: str) -> dict[str, list[int]]:
+    return {vm.vm_id: list(vm.beat().kill) for vm in w.running(job)}
+
+
+@pytest.mark.parametrize("code", [76, 1])
+def test_a_worker_exiting_76_was_dropped_by_its_peers_not_a_failure(tmp_path, monkeypatch, code):
+    """Exit 76 (declared dead by the others, then resumed): only that member leaves the generation,
+    its VM's other worker goes on; any other failure of a worker (1) is still the restart path."""
+    w, job = two_slot_start(tmp_path, monkeypatch)
+    a, b = w.running(job)
+    b.workers[3].update(running=False, exit_code=code)
+    w.tick(0.1)
+    if code != 76:  # negative control: a real failure
+        [fb] = w.event(job, "live-morph-fallback")
+        assert "not a lost VM" in fb.data["reason"]
+        assert w.store.generation(job, 1).state in ("killing", "ended")
+        return
+    gen = w.gen(job)
+    assert gen.generation == 1 and gen.state == "running" and gen.vm_ids == [a.vm_id, b.vm_id]
+    live = json.loads(gen.live_json)
+    assert live["members"] == {a.vm_id: [0, 1], b.vm_id: [2]} and live["frozen"] == {b.vm_id: [3]}
+    assert b.workers[2]["running"], "the VM's other worker is not touched"
+    [ev] = w.event(job, "live-frozen")
+    assert ev.data["members"] == [3] and ev.data["vms"] == [b.vm_id] and "exited with 76" in ev.message
+    ref = choose_layout(slots=[2, 1], global_batch_size=24, calibration=None, micro_batch_size=2,
+                        pipeline_depth=2, num_segments=4)
+    assert (gen.pipeline_depth, gen.data_parallel) == (ref.pipeline_depth, ref.data_parallel)
+    for _ in range(4):
+        w.tick(0.5)
+    assert not {"stopping", "killing", "live-morph-fallback"} & set(w.kinds(job))
+    assert w.event(job, "live-morph") == []
+    report(w, job, 6, (ref.pipeline_depth, ref.data_parallel))
+    [morph] = w.event(job, "live-morph")
+    assert morph.data["reason_kind"] == "frozen" and morph.data["lost_ranks"] == [3]
+    layout = (morph.data["pipeline_depth"], morph.data["data_parallel"])
+    assert layout == (ref.pipeline_depth, ref.data_parallel)
+    assert morph.data["duration_s"] > 0 and len(w.event(job, "live-frozen")) == 1, "dropped once"
+
+
+def test_a_frozen_verdict_gets_exactly_that_worker_killed(tmp_path, monkeypatch):
+    """A verdict in the store: a kill order for that member only, on its VM only; the survivors'
+    own layout (they regrouped before the manager's plan reached them) becomes the generation's;
+    its killed exit (-9) is no failure and the job still ends when the others finish."""
+    from varuna.core.live_layout import plan_generation
+    from varuna.runtime.live_morph import declare_dead
+
+    w, job = two_slot_start(tmp_path, monkeypatch)
+    a, b = w.running(job)
+    address = a.launches[0].env["VARUNA_LIVE_STORE"]
+    declare_dead(client(address), 1)  # dead without a verdict (the supervisor's word): no kill
+    w.tick(0.1)
+    assert kill_orders(w, job) == {a.vm_id: [], b.vm_id: []} and w.event(job, "live-frozen") == []
+    declare_frozen(address, 3)
+    w.tick(0.1)
+    assert kill_orders(w, job) == {a.vm_id: [], b.vm_id: [3]}
+    [ev] = w.event(job, "live-frozen")
+    assert ev.data["members"] == [3] and "no heartbeat for 31s" in ev.data["why"]["3"]
+    b.workers[3].update(running=False, exit_code=-9)  # what the agent's SIGKILL gives
+    w.tick(0.1)
+    w.tick(0.5)
+    assert not {"stopping", "killing", "live-morph-fallback"} & set(w.kinds(job))
+    P, D, _ = plan_generation(old_P=2, holders=3, newcomers=0, max_stages=4, max_replicas=24)
+    plan = w.gen(job)
+    assert (plan.pipeline_depth, plan.data_parallel) != (P, D), "the case where the workers chose first"
+    report(w, job, 6, (P, D))
+    [morph] = w.event(job, "live-morph")
+    assert morph.data["reason_kind"] == "frozen" and "workers' rule" in morph.data["source"]
+    gen = w.gen(job)
+    assert (gen.pipeline_depth, gen.data_parallel) == (P, D) == (morph.data["pipeline_depth"],
+                                                                  morph.data["data_parallel"])
+    w.steps(job, 50, 50)
+    a.finish(0)
+    b.workers[2].update(running=False, exit_code=0)
+    w.until(lambda: w.store.job(job).state == "finished")
+    assert w.store.job(job).generation == 1
+
+
+def test_a_vm_whose_every_member_froze_stays_idle_and_leaves_on_a_notice(tmp_path, monkeypatch):
+    """Both members of a two-slot VM froze: the VM stays in the generation without members (both
+    killed by order); a notice there later lets it leave at once (no worker to hand over), so it
+    holds up nothing (growth waits for leavers)."""
+    from manager import varuna_manager_pb2 as pb
+
+    w, job = two_slot_start(tmp_path, monkeypatch)
+    a, b = w.running(job)
+    address = a.launches[0].env["VARUNA_LIVE_STORE"]
+    declare_frozen(address, 2)
+    declare_frozen(address, 3)
+    w.tick(0.1)
+    gen = w.gen(job)
+    assert gen.vm_ids == [a.vm_id, b.vm_id] and json.loads(gen.live_json)["members"][b.vm_id] == []
+    assert kill_orders(w, job) == {a.vm_id: [], b.vm_id: [2, 3]}
+    b.finish(-9)
+    b.notice = pb.PreemptNotice(**NOTICE)
+    w.tick(0.1)
+    w.tick(0.1)
+    gen = w.gen(job)
+    assert gen.vm_ids == [a.vm_id] and json.loads(gen.live_json)["leaving"] == []
+    assert not {"stopping", "killing", "live-morph-fallback"} & set(w.kinds(job))
+
+def test_a_lost_vm_whose_every_member_froze_leaves_without_another_morph(tmp_path, monkeypatch):
+    w, job = two_slot_start(tmp_path, monkeypatch)
+    a, b = w.running(job)
+    address = a.launches[0].env["VARUNA_LIVE_STORE"]
+    declare_frozen(address, 2)
+    declare_frozen(address, 3)
+    w.tick(0.1)
+    layout = (w.gen(job).pipeline_depth, w.gen(job).data_parallel)
+    b.alive = False  # then the VM itself is lost
+    w.until(lambda: b.vm_id not in w.gen(job).vm_ids)
+    gen = w.gen(job)
+    assert gen.generation == 1 and gen.state == "running"
+    assert (gen.pipeline_depth, gen.data_parallel) == layout, "no re-plan: nobody was lost with it"
+    assert w.store.job(job).detection_time is None
+    assert not {"stopping", "killing", "live-morph-fallback"} & set(w.kinds(job))
+    report(w, job, 6, layout)
+    [morph] = w.event(job, "live-morph")
+    assert morph.data["reason_kind"] == "frozen" and morph.data["lost_ranks"] == [2, 3], "one morph"
+
+@pytest.mark.slow
+def test_the_agent_kills_a_stopped_worker_on_the_order_and_reaps_it(tmp_path):
+    """A real agent with two real workers of one generation: the one stopped with SIGSTOP (frozen)
+    is SIGKILLed and reaped on a RUN order naming it in ``kill``; the other is not touched, and an
+    order without ``kill`` touches neither."""
+    import os
+
+    from test_manager_local import wait_for
+
+    from manager import varuna_manager_pb2 as pb
+    from manager import vm_agent
+
+    token = tmp_path / "token"
+    token.write_text("x" * 32)
+    token.chmod(0o600)
+    script = tmp_path / "worker.py"
+    script.write_text(NOTICE_WORKER)
+    agent = vm_agent.VMAgent(vm_agent.AgentConfig(manager="127.0.0.1:1", token_file=str(token), vm_id="v",
+                                                  slots=2, log_dir=str(tmp_path)))
+    try:
+        launches = [pb.WorkerLaunch(rank=r, argv=[str(script), str(tmp_path / f"out{r}")],
+                                    env={"VARUNA_LIVE_STORE": "h:1"}) for r in (2, 3)]
+        agent._apply(pb.Orders(action=pb.Orders.RUN, generation=1, workers=launches))
+        wait_for(lambda: all((tmp_path / f"out{r}.ready").exists() for r in (2, 3)), 60, "the workers")
+        frozen, other = agent._pool.workers[1], agent._pool.workers[0]
+        assert frozen.rank == 3 and other.rank == 2
+        os.kill(frozen.popen.pid, signal.SIGSTOP)
+        wait_for(lambda: Path(f"/proc/{frozen.popen.pid}/stat").read_text().split(") ")[1][0] == "T", 60,
+                 "the stop")
+        agent._apply(pb.Orders(action=pb.Orders.RUN, generation=1, workers=launches))
+        assert frozen.exit_code is None and other.exit_code is None, "no kill without the order"
+        agent._apply(pb.Orders(action=pb.Orders.RUN, generation=1, workers=launches, kill=[3]))
+        assert frozen.exit_code == -signal.SIGKILL, "killed and reaped by the order itself"
+        with pytest.raises(ProcessLookupError):  # reaped: no zombie left behind
+            os.kill(frozen.popen.pid, 0)
+        agent._pool.poll()
+        assert other.exit_code is None and other.popen.poll() is None, "its VM's other worker runs on"
+        assert [(w.rank, w.exit_code) for w in agent._pool.workers] == [(2, None), (3, -signal.SIGKILL)]
+    finally:
+        agent._pool.kill_all()
+        agent._client.close()

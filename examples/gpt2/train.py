@@ -75,6 +75,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="resume from the newest complete checkpoint (auto: only if one exists); "
         "--steps stays the total step count",
     )
+    p.add_argument(
+        "--live-freeze-s",
+        type=float,
+        default=30.0,
+        help="live morph ($VARUNA_LIVE_STORE): a peer whose heartbeat stood still this long is declared "
+        "dead (frozen) and the others go on without it (docs/live_morph.md)",
+    )
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
@@ -131,8 +138,8 @@ def run_live(args: argparse.Namespace, data: ByteBatches) -> int:
     from varuna.runtime.live_trainer import LiveTrainer
 
     # The peer watch would take a peer that closed its engine to regroup for a lost one and end
-    # this worker (exit 75) before it regroups; frozen peers are not handled live yet
-    # (docs/live_morph.md, STATUS 2), so it is off here as in the live tests.
+    # this worker (exit 75) before it regroups, so it is off here as in the live tests; frozen
+    # peers are the live watch's (freeze_s: docs/live_morph.md, Frozen peers).
     config = dataclasses.replace(build_config(args), peer_timeout_s=0)
     trainer = LiveTrainer(
         lambda: build_model(args),
@@ -143,6 +150,7 @@ def run_live(args: argparse.Namespace, data: ByteBatches) -> int:
         # manager's STOP order); a per-worker eviction notice (hand over and leave) comes as the
         # signal the supervisor names ($VARUNA_LIVE_NOTICE_SIGNAL: varuna-manager's SIGUSR2).
         notice_signals=tuple(s for s in [os.environ.get(LIVE_NOTICE_ENV, "")] if s and s != "SIGUSR1"),
+        freeze_s=args.live_freeze_s,
     )
 
     def on_step(r: varuna.StepResult) -> None:
