@@ -55,7 +55,7 @@ from varuna.runtime.grad_sync import GradientSync, allreduce_scalars
 from varuna.runtime.groups import ProcessGroups, StageLinks, build_groups
 from varuna.runtime.layout import Layout, init_distributed, pick_device
 from varuna.runtime.loss_scale import DynamicLossScale, NonFiniteLosses, NonFiniteLossStop
-from varuna.runtime.no_flush import WindowFeed, no_flush_unsupported
+from varuna.runtime.no_flush import MAX_WINDOW_STEPS, WindowFeed, no_flush_unsupported
 from varuna.runtime.peer_watch import PeerWatch, watching
 from varuna.runtime.plugins import run_plugins
 from varuna.runtime.stages import assign_stages, chunks_per_process, planning_profile
@@ -336,7 +336,8 @@ class Engine:
         """Train one step per mini-batch of ``batches`` (each M_total examples); their results.
         With ``schedule="2bw"`` they run back to back without a pipeline flush, each stage
         updating right after its own last backward of each (Note [No-flush window] in
-        varuna/runtime/no_flush.py), drained at the end and at every periodic checkpoint step:
+        varuna/runtime/no_flush.py), drained every ``MAX_WINDOW_STEPS`` (8) and at every periodic
+        checkpoint step:
         the weights ``train_step`` would make, sooner. Other kinds: ``train_step`` on each.
         Example: ``results = engine.train_steps(batch_of(t) for t in range(1, 9))``."""
         return _train_steps(self, list(batches))
@@ -491,7 +492,8 @@ def _after_stop(engine: Engine, stop: bool, hook) -> None:
 
 
 def _train_steps(engine: Engine, batches: list) -> list[StepResult]:
-    """``Engine.train_steps``: windows ending at the periodic checkpoint steps (2bw)."""
+    """``Engine.train_steps``: windows of at most :data:`MAX_WINDOW_STEPS` mini-batches, ending
+    at the periodic checkpoint steps (2bw)."""
     for b in batches:
         _check_batch(b, engine.config.global_batch_size)
     if engine.weight_versions is None:
@@ -503,7 +505,9 @@ def _train_steps(engine: Engine, batches: list) -> list[StepResult]:
     every = ckpt.every if ckpt.directory is not None else 0
     out: list[StepResult] = []
     while batches:
-        n = len(batches) if not every else min(len(batches), every - engine.step_count % every)
+        n = min(len(batches), MAX_WINDOW_STEPS)
+        if every:
+            n = min(n, every - engine.step_count % every)
         out += _train_window(engine, batches[:n])
         batches = batches[n:]
     return out

@@ -21,7 +21,9 @@ stage; clipping by the global norm (``max_grad_norm``) and fp16 loss scaling are
 refused. The window ends drained: after ``train_steps`` returns, the state is a step boundary
 like after ``train_step`` (both versions as ``train_step`` leaves them), so checkpoints,
 ``evaluate`` and ``close`` see a clean boundary; ``train_steps`` also ends a window at every
-periodic checkpoint step.
+periodic checkpoint step and after at most :data:`MAX_WINDOW_STEPS` mini-batches, so a stop
+request (SIGTERM, a preemption notice), which is acted on when a window ends, waits at most that
+many steps, and step callbacks (a learning-rate schedule, say) run in bursts of at most that many.
 
 Example (every rank)::
 
@@ -43,7 +45,11 @@ from varuna.core.schedule import BACKWARD, Task
 from varuna.runtime.config import StepResult, VarunaConfig
 from varuna.runtime.executor import Feed, StageRun
 
-__all__ = ["StepEnd", "WindowFeed", "no_flush_unsupported"]
+__all__ = ["MAX_WINDOW_STEPS", "StepEnd", "WindowFeed", "no_flush_unsupported"]
+
+#: The longest no-flush window: one drain per this many mini-batches (1/8 of the fill-and-drain
+#: of a flush per step) bounds how long a stop request or a step callback waits.
+MAX_WINDOW_STEPS = 8
 
 
 def no_flush_unsupported(config: VarunaConfig, num_stages: int) -> str | None:
