@@ -486,3 +486,39 @@ def test_a_process_that_never_closes_its_heartbeat_thread_still_exits_cleanly():
                 p.kill()
                 p.wait(10)
     assert [p.returncode for p in procs] == [0] * 8, outs
+
+
+_BLOCKED_MAIN_THREAD = """import sys
+from datetime import timedelta
+import torch.distributed as dist
+from varuna.runtime.live_morph import LiveWorld
+from varuna.runtime.live_watch import LiveWatch
+master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+address = f"127.0.0.1:{master.port}"
+me = LiveWorld.join(address, member=0, joining=True, freeze_s=1.0, timeout_s=30)
+other = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=30))
+watcher = LiveWatch.start(other, member=1, watched=lambda: [0], freeze_s=1.0, on_dead=lambda dead: None,
+                          beat_s=0.05)
+other.wait(["varuna/live/beat/0"], timedelta(seconds=30))
+try:  # the main thread blocked in a store wait 4x freeze_s (as in a rendezvous with a slow peer)
+    me.store.wait(["never-set"], timedelta(seconds=4))
+except Exception:
+    pass
+verdict = other.check(["varuna/live/dead/0"])
+watcher.close()
+me.close()
+print("declared dead" if verdict else "alive")
+sys.exit(1 if verdict else 0)
+"""
+
+
+@pytest.mark.slow
+def test_a_main_thread_blocked_in_a_store_wait_is_not_taken_for_frozen():
+    """The heartbeat thread has its own connection to the store: a TCPStore client serialises
+    its calls, so beats through the main thread's connection stalled behind its blocking waits
+    and the others declared a live member frozen (exit 76 on the old code)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", _BLOCKED_MAIN_THREAD], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "alive", (r.returncode, r.stdout, r.stderr[-2000:])

@@ -193,12 +193,16 @@ class LiveWorld:
         with self._lock:
             self._guards.clear()
 
-    def start_watch(self, freeze_s: float) -> None:
+    def start_watch(self, freeze_s: float, store: dist.Store | None = None) -> None:
         """Start this member's heartbeat thread (``freeze_s`` > 0: declare a member whose beat
-        stood still that long dead and sever the groups that span it)."""
+        stood still that long dead and sever the groups that span it). ``store``: the thread's
+        own connection to the supervisor's store (default: this world's). A TCPStore client
+        serialises its calls, so a beat sharing the main thread's connection waits behind any
+        blocking wait of it (a gloo rendezvous waiting for a slow peer) and the others would
+        take this member for frozen."""
         if self.watch is None:
-            self.watch = LiveWatch.start(self.store, member=self.member, watched=self.watched,
-                                         freeze_s=freeze_s, on_dead=self.sever_guarded)
+            self.watch = LiveWatch.start(store if store is not None else self.store, member=self.member,
+                                         watched=self.watched, freeze_s=freeze_s, on_dead=self.sever_guarded)
 
     @classmethod
     def join(
@@ -226,16 +230,17 @@ class LiveWorld:
         member = int(os.environ["RANK"]) if member is None else member
         joining = os.environ.get(LIVE_JOIN_ENV) == "1" if joining is None else joining
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+        beats = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
         if joining:
             live = cls(store=store, member=member, members=[], timeout_s=timeout_s, joining=True)
-            live.start_watch(freeze_s)  # beating before it registers: nobody takes it for frozen
+            live.start_watch(freeze_s, beats)  # beating before it registers: nobody takes it for frozen
             i = store.add(f"{ROOT}joins", 1)
             store.set(f"{ROOT}join/{i}", str(member))
             return live
         world = int(os.environ["WORLD_SIZE"]) if world is None else world
         live = cls(store=store, member=member, members=list(range(world)), timeout_s=timeout_s,
                    expected=list(range(world)))
-        live.start_watch(freeze_s)
+        live.start_watch(freeze_s, beats)
         _init_group(live, backend)
         return live
 
