@@ -112,7 +112,10 @@ def init_distributed(
         )
     owns = False
     if world > 1 and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() and device != "cpu" else "gloo"
+        # On GPUs both: NCCL for CUDA tensors (activations, gradients), gloo for the CPU ones
+        # (the end-of-step agreement's scalars, the engine's small control all-reduces), which
+        # NCCL alone refuses.
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and device != "cpu" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         owns = True
     rank = dist.get_rank() if dist.is_initialized() else 0
