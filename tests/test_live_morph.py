@@ -28,6 +28,17 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "workers" / "live_worker.py"
 
 
+def _communicate_all(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
+    """Each process's output once it exited (bounded); every one still running is killed."""
+    try:
+        return [p.communicate(timeout=timeout_s)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
 STEPS = 9
 # ---------------------------------------------------------------------------------- pure rules
 
@@ -334,13 +345,7 @@ def test_a_torn_down_survivor_releases_a_peer_blocked_on_it_at_once(tmp_path):
     procs = [subprocess.Popen([sys.executable, str(worker), "--out", str(tmp_path), "--within", "30"],
                               env={**env, "RANK": str(m), "LOCAL_RANK": str(m)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for m in (0, 1)]
-    try:
-        outs = [p.communicate(timeout=180)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+    outs = _communicate_all(procs, 180)
     assert [p.returncode for p in procs] == [0, 0], outs
     seen = json.loads((tmp_path / "member0.json").read_text())
     assert seen["released"], seen
@@ -478,13 +483,7 @@ def test_a_process_that_never_closes_its_heartbeat_thread_still_exits_cleanly():
            "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", _EXIT_WITHOUT_CLOSE], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for _ in range(8)]
-    try:
-        outs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+    outs = _communicate_all(procs, 120)
     assert [p.returncode for p in procs] == [0] * 8, outs
 
 

@@ -188,6 +188,24 @@ def wait_joiners(address: str, n: int) -> None:
     wait_for(lambda: store.add(f"{LIVE_ROOT}joins", 0) >= n, 300, f"{n} joiners to register")
 
 
+def finished_in_one_generation(mp: ManagerProcess, job, metrics: Path, reference: dict, *,
+                               every_step_once: bool = True):
+    """Wait for the job's end and check what every live path promises: one generation (no
+    relaunch, no kill or stop order), losses bit-identical to the undisturbed run (each step
+    once, unless the step in flight was redone), the last rows at the generation's P×D. Returns
+    the final status and the metric rows."""
+    wait_for(lambda: status(mp, job).state == "finished", 600, "the job to finish")
+    st = status(mp, job)
+    assert st.step == STEPS and st.generation == 1, "one generation: no relaunch"
+    assert kinds(mp, job).count("launched") == 1 and not {"killing", "stopping"} & set(kinds(mp, job))
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    if every_step_once:
+        assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "each step once"
+    assert {r["step"]: r["loss"] for r in rows} == reference
+    assert (rows[-1]["P"], rows[-1]["D"]) == (st.pipeline_depth, st.data_parallel), "the manager's P×D"
+    return st, rows
+
+
 def dump(mp: ManagerProcess, job, tmp_path: Path) -> None:
     if job is not None and mp.proc is not None and mp.proc.poll() is None:
         for e in events(mp, job):
@@ -234,16 +252,10 @@ def test_a_notice_hands_the_state_over_live_and_redoes_nothing(tmp_path, leavers
                  "the leavers' exit 0")
         for v in noticed:
             os.killpg(v.agent_pid, signal.SIGKILL)  # the platform evicts it, after the hand-over
-        wait_for(lambda: status(mp, job).state == "finished", 600, "the job to finish")
-        st = status(mp, job)
-        assert st.step == STEPS and st.generation == 1, "one generation: no relaunch"
-        assert kinds(mp, job).count("launched") == 1 and not {"killing", "stopping"} & set(kinds(mp, job))
+        st, rows = finished_in_one_generation(mp, job, metrics, reference)
         survivors = {w.rank: w.pid for v in st.vms if v.vm_id not in gone for w in v.workers}
         assert survivors == {r: p for r, p in pids.items() if r not in leavers}, "the others kept their pids"
         assert redone_lines(tmp_path) == [], "with a notice no step is redone"
-        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-        assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "each step once"
-        assert {r["step"]: r["loss"] for r in rows} == reference
         assert (rows[-1]["P"], rows[-1]["D"]) == (ev["pipeline_depth"], ev["data_parallel"]), "manager's P×D"
         wait_for(lambda: not processes_mentioning(job), 60, "every agent and worker to exit")
     except AssertionError:
@@ -285,16 +297,10 @@ def test_new_vms_join_the_running_generation_live(tmp_path):
         [ev] = [json.loads(e.data_json) for e in evs if e.kind == "live-morph"]
         assert ev["reason_kind"] == "growth" and ev["joined_ranks"] == [2, 3] and ev["old"] == list(before)
         grown = worker_pids(status(mp, job))
-        wait_for(lambda: status(mp, job).state == "finished", 600, "the job to finish")
-        st = status(mp, job)
-        assert st.step == STEPS and st.generation == 1, "one generation: no relaunch"
-        assert kinds(mp, job).count("launched") == 1 and not {"killing", "stopping"} & set(kinds(mp, job))
+        st, rows = finished_in_one_generation(mp, job, metrics, reference)
         assert {r: p for r, p in grown.items() if r < 2} == pids, "the first workers kept their processes"
         assert sorted(grown) == [0, 1, 2, 3]
         assert redone_lines(tmp_path) == [], "growth redoes no step"
-        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-        assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "each step once"
-        assert {r["step"]: r["loss"] for r in rows} == reference
         assert (rows[-1]["P"], rows[-1]["D"]) == (ev["pipeline_depth"], ev["data_parallel"]), "manager's P×D"
         wait_for(lambda: not processes_mentioning(job), 60, "every agent and worker to exit")
     except AssertionError:
@@ -339,15 +345,10 @@ def test_a_frozen_worker_is_killed_by_its_agent_and_the_others_go_on_live(tmp_pa
         assert frozen["members"] == [3] and "no heartbeat" in frozen["why"]["3"]
         [ev] = [json.loads(e.data_json) for e in evs if e.kind == "live-morph"]
         assert ev["reason_kind"] == "frozen" and ev["lost_ranks"] == [3] and ev["duration_s"] > 0
-        wait_for(lambda: status(mp, job).state == "finished", 600, "the job to finish")
-        st = status(mp, job)
-        assert st.step == STEPS and st.generation == 1, "one generation: no relaunch"
-        assert kinds(mp, job).count("launched") == 1 and not {"killing", "stopping"} & set(kinds(mp, job))
+        # The step in flight is redone (its metric row may come twice, with the same loss).
+        st, rows = finished_in_one_generation(mp, job, metrics, reference, every_step_once=False)
         others = {w.rank: w.pid for v in st.vms if v.in_generation for w in v.workers if w.rank != 3}
         assert others == {r: p for r, p in pids.items() if r != 3}, "the others kept their processes"
-        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-        assert {r["step"]: r["loss"] for r in rows} == reference  # the step in flight redone, same loss
-        assert (rows[-1]["P"], rows[-1]["D"]) == (st.pipeline_depth, st.data_parallel), "the manager's P×D"
         wait_for(lambda: not processes_mentioning(job), 60, "every agent and worker to exit")
         [message] = [e.message for e in evs if e.kind == "live-morph"]
         print(f"\n{message}; P×D per step {[(r['step'], r['P'], r['D']) for r in rows]}")
