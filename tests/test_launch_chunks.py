@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 
-import varuna.launch.launcher
 from varuna.core.env import RunPlan
 from varuna.launch.launcher import main
 from varuna.launch.spec import LaunchConfig
@@ -28,19 +27,6 @@ ROOT = Path(__file__).resolve().parent.parent
 needs_simulator = pytest.mark.skipif(
     importlib.util.find_spec("simulator.autoconfig") is None, reason="no simulator.autoconfig"
 )
-
-
-@pytest.fixture
-def launched(monkeypatch: pytest.MonkeyPatch) -> list[LaunchConfig]:
-    """What main() would run: the configs it hands to ``launch`` (nothing is started)."""
-    configs: list[LaunchConfig] = []
-
-    def fake_launch(config: LaunchConfig, progress: bool = False) -> int:
-        configs.append(config)
-        return 0
-
-    monkeypatch.setattr(varuna.launch.launcher, "launch", fake_launch)
-    return configs
 
 
 @pytest.fixture
@@ -99,19 +85,12 @@ def test_interleaved_at_depth_one_is_refused(
 
 @needs_simulator
 def test_auto_config_plans_for_the_chunks(
-    tmp_path: Path, script: str, monkeypatch: pytest.MonkeyPatch, launched: list[LaunchConfig]
+    tmp_path: Path, script: str, launched: list[LaunchConfig],
+    autoconfig_calls: list[dict[str, Any]]
 ) -> None:
-    import simulator.autoconfig
     from varuna.core.calibration import Calibration
 
-    seen: list[dict[str, Any]] = []
-    real = simulator.autoconfig.autoconfigure
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        seen.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(simulator.autoconfig, "autoconfigure", spy)
+    seen = autoconfig_calls
     cal = tmp_path / "cal.json"
     Calibration.synthetic(0.01, num_segments=8, micro_batch_sizes=(1, 2)).save(cal)
     argv = ["--procs", "2", "--calibration", str(cal), "--global-batch-size", "16",

@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 
-import varuna.launch.launcher
 from varuna.core.env import RunPlan
 from varuna.launch.launcher import main
 from varuna.launch.layout import Layout
@@ -38,19 +37,6 @@ def _calibration(tmp_path: Path, num_segments: int = 4) -> str:
     return str(path)
 
 
-@pytest.fixture
-def launched(monkeypatch: pytest.MonkeyPatch) -> list[LaunchConfig]:
-    """What main() would run: the configs it hands to ``launch`` (nothing is started)."""
-    configs: list[LaunchConfig] = []
-
-    def fake_launch(config: LaunchConfig, progress: bool = False) -> int:
-        configs.append(config)
-        return 0
-
-    monkeypatch.setattr(varuna.launch.launcher, "launch", fake_launch)
-    return configs
-
-
 def test_run_plan_of_a_layout() -> None:
     given = Layout(pipeline_depth=2, data_parallel=1)
     assert given.run_plan() == RunPlan()
@@ -68,18 +54,10 @@ def test_run_plan_of_a_layout() -> None:
 
 @needs_simulator
 def test_launcher_passes_the_schedule_to_auto_config(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launched: list[LaunchConfig]
+    tmp_path: Path, launched: list[LaunchConfig],
+    autoconfig_calls: list[dict[str, Any]]
 ) -> None:
-    import simulator.autoconfig
-
-    seen: list[dict[str, Any]] = []
-    real = simulator.autoconfig.autoconfigure
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        seen.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(simulator.autoconfig, "autoconfigure", spy)
+    seen = autoconfig_calls
     script = tmp_path / "train.py"
     script.write_text("")
     cal = _calibration(tmp_path)

@@ -90,11 +90,8 @@ def test_a_killed_vm_is_a_live_morph_and_the_losses_stay_bit_identical(tmp_path)
     mp.start()
     job = None
     try:
-        with mp.client() as c:
-            job = c.submit(spec_to_pb(load_jobspec(tmp_path / "job.json")))
-        wait_for(lambda: status(mp, job).step >= KILL_AT, 300, f"step {KILL_AT}")
-        st = status(mp, job)
-        assert (st.pipeline_depth, st.data_parallel) == (2, 2)
+        job = submit(mp, tmp_path)
+        st = running_at_2x2(mp, job)
         pids = {w.rank: w.pid for v in st.vms if v.in_generation for w in v.workers}
         victim = next(v for v in st.vms if any(w.rank == 3 for w in v.workers))
         os.killpg(victim.agent_pid, signal.SIGKILL)
@@ -157,6 +154,20 @@ def manager(tmp_path: Path) -> ManagerProcess:
     return ManagerProcess(tmp_path, "--heartbeat-interval", "0.25", "--heartbeat-timeout", "3",
                           "--stop-timeout", "60", "--orphan-timeout", "60", "--gather-timeout", "60",
                           "--create-retry", "1", "--grow-cooldown", "1")
+
+
+def submit(mp: ManagerProcess, tmp_path: Path):
+    """Submit ``tmp_path/job.json`` to the running manager; the job id."""
+    with mp.client() as c:
+        return c.submit(spec_to_pb(load_jobspec(tmp_path / "job.json")))
+
+
+def running_at_2x2(mp: ManagerProcess, job):
+    """The job's status once it passed step KILL_AT, checked to run at 2×2."""
+    wait_for(lambda: status(mp, job).step >= KILL_AT, 300, f"step {KILL_AT}")
+    st = status(mp, job)
+    assert (st.pipeline_depth, st.data_parallel) == (2, 2)
+    return st
 
 
 def worker_pids(st) -> dict[int, int]:
@@ -228,11 +239,8 @@ def test_a_notice_hands_the_state_over_live_and_redoes_nothing(tmp_path, leavers
     mp.start()
     job = None
     try:
-        with mp.client() as c:
-            job = c.submit(spec_to_pb(load_jobspec(tmp_path / "job.json")))
-        wait_for(lambda: status(mp, job).step >= KILL_AT, 300, f"step {KILL_AT}")
-        st = status(mp, job)
-        assert (st.pipeline_depth, st.data_parallel) == (2, 2)
+        job = submit(mp, tmp_path)
+        st = running_at_2x2(mp, job)
         pids = worker_pids(st)
         noticed = [v for v in st.vms if any(w.rank in leavers for w in v.workers)]
         pause(pids.values())
@@ -278,8 +286,7 @@ def test_new_vms_join_the_running_generation_live(tmp_path):
     mp.start()
     job = None
     try:
-        with mp.client() as c:
-            job = c.submit(spec_to_pb(load_jobspec(tmp_path / "job.json")))
+        job = submit(mp, tmp_path)
         wait_for(lambda: status(mp, job).step >= 2, 300, "step 2")
         st = status(mp, job)
         before = (st.pipeline_depth, st.data_parallel)
@@ -329,11 +336,8 @@ def test_a_frozen_worker_is_killed_by_its_agent_and_the_others_go_on_live(tmp_pa
     mp.start()
     job = None
     try:
-        with mp.client() as c:
-            job = c.submit(spec_to_pb(load_jobspec(tmp_path / "job.json")))
-        wait_for(lambda: status(mp, job).step >= KILL_AT, 300, f"step {KILL_AT}")
-        st = status(mp, job)
-        assert (st.pipeline_depth, st.data_parallel) == (2, 2)
+        job = submit(mp, tmp_path)
+        st = running_at_2x2(mp, job)
         pids = worker_pids(st)
         pause([pids[3]])
         wait_for(lambda: "live-frozen" in kinds(mp, job), 300, "the manager to see the verdict")

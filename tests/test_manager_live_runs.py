@@ -575,18 +575,25 @@ def test_a_frozen_verdict_gets_exactly_that_worker_killed(tmp_path, monkeypatch)
     assert w.store.job(job).generation == 1
 
 
-def test_a_vm_whose_every_member_froze_stays_idle_and_leaves_on_a_notice(tmp_path, monkeypatch):
-    """Both members of a two-slot VM froze: the VM stays in the generation without members (both
-    killed by order); a notice there later lets it leave at once (no worker to hand over), so it
-    holds up nothing (growth waits for leavers)."""
-    from manager import varuna_manager_pb2 as pb
-
+def second_vm_frozen(tmp_path, monkeypatch):
+    """A two-slot start whose second VM's members (2, 3) both were declared frozen, after one
+    pass of the manager's loop: (world, job, first VM, second VM)."""
     w, job = two_slot_start(tmp_path, monkeypatch)
     a, b = w.running(job)
     address = a.launches[0].env["VARUNA_LIVE_STORE"]
     declare_frozen(address, 2)
     declare_frozen(address, 3)
     w.tick(0.1)
+    return w, job, a, b
+
+
+def test_a_vm_whose_every_member_froze_stays_idle_and_leaves_on_a_notice(tmp_path, monkeypatch):
+    """Both members of a two-slot VM froze: the VM stays in the generation without members (both
+    killed by order); a notice there later lets it leave at once (no worker to hand over), so it
+    holds up nothing (growth waits for leavers)."""
+    from manager import varuna_manager_pb2 as pb
+
+    w, job, a, b = second_vm_frozen(tmp_path, monkeypatch)
     gen = w.gen(job)
     assert gen.vm_ids == [a.vm_id, b.vm_id] and json.loads(gen.live_json)["members"][b.vm_id] == []
     assert kill_orders(w, job) == {a.vm_id: [], b.vm_id: [2, 3]}
@@ -598,13 +605,9 @@ def test_a_vm_whose_every_member_froze_stays_idle_and_leaves_on_a_notice(tmp_pat
     assert gen.vm_ids == [a.vm_id] and json.loads(gen.live_json)["leaving"] == []
     assert not {"stopping", "killing", "live-morph-fallback"} & set(w.kinds(job))
 
+
 def test_a_lost_vm_whose_every_member_froze_leaves_without_another_morph(tmp_path, monkeypatch):
-    w, job = two_slot_start(tmp_path, monkeypatch)
-    a, b = w.running(job)
-    address = a.launches[0].env["VARUNA_LIVE_STORE"]
-    declare_frozen(address, 2)
-    declare_frozen(address, 3)
-    w.tick(0.1)
+    w, job, a, b = second_vm_frozen(tmp_path, monkeypatch)
     layout = (w.gen(job).pipeline_depth, w.gen(job).data_parallel)
     b.alive = False  # then the VM itself is lost
     w.until(lambda: b.vm_id not in w.gen(job).vm_ids)

@@ -22,18 +22,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
+from live_worker import GLOBAL_BATCH, MICRO_BATCH, batch_for  # noqa: E402 (same data as the runtime test)
 from models import build_model  # noqa: E402
 
 import varuna  # noqa: E402
 from varuna.runtime.live_trainer import LiveTrainer  # noqa: E402
-
-GLOBAL_BATCH, MICRO_BATCH = 8, 2
-
-
-def batch_for(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    idx = torch.randint(0, 256, (GLOBAL_BATCH, 17), generator=g)
-    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
 
 
 def main() -> None:

@@ -21,7 +21,6 @@ Example (a worker started by the launcher; joiners run the same script)::
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import signal
 import sys
@@ -77,10 +76,8 @@ class LiveTrainer:
         unsupported = _live_unsupported(config)
         if unsupported is not None:
             raise ValueError(unsupported)
-        # A morph may have to collect the old groups' handles (gc.collect in live_morph.py); with
-        # torch's import-time objects frozen out of the collector that walk is ~3x shorter
-        # (docs/live_morph.md, Benchmark). Objects made so far stay freed by reference counting.
-        gc.freeze()
+        # LiveWorld.join freezes the imports out of the garbage collector (a morph's collection
+        # then walks only what the run made: docs/live_morph.md, Benchmark).
         self.live = live or LiveWorld.join(backend=backend, freeze_s=freeze_s)
         # the notice signals are this trainer's: no engine may take them for a graceful stop
         # The peer watch's answer to a silent peer is exit 75 (the restart path); here a lost peer
