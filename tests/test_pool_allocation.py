@@ -16,7 +16,7 @@ from manager.allocation.policies import (
     solve,
 )
 from manager.allocation.pool import PoolVM, VMType, capacity
-from manager.allocation.rounds import RoundScheduler
+from manager.allocation.rounds import Placement, RoundScheduler
 from manager.allocation.throughput import JobProfile, ThroughputMatrix, ThroughputModel, predict_rates
 from varuna.core.calibration import Calibration
 
@@ -320,6 +320,46 @@ def test_throughput_model_caches_and_corrects_with_measurements():
         ThroughputModel([VMType("x", 1.0), VMType("x", 2.0)])
 
 
+def test_an_unmeasured_type_takes_the_jobs_measured_error_so_freed_fast_vms_are_used():
+    # Two jobs, each on 1 × slow, whose shared calibration is 6× pessimistic: both measured 6× their
+    # prediction on slow and never ran on fast. A round with 2 fast VMs free (a job just left):
+    # with fast at 6× too (the job's error), fast is twice slow again and the round moves jobs
+    # onto fast and 2 × slow (nothing idle). Negative control, the old belief (fast left at its
+    # raw prediction, 10 < 6·5 = 30): slow looks 3× better than fast, both stay, fast stays idle.
+    # The pool e2e test hit this on a slow CI machine.
+    def round_(fast_factor):
+        model = ThroughputModel([VMType("fast", 1.0), VMType("slow", 0.5)])
+        for j in ("a", "b"):
+            model.set_predicted(j, {("fast", 1): 10.0, ("fast", 2): 18.0, ("slow", 1): 5.0, ("slow", 2): 9.0})
+            model.set_factor(j, "slow", 6.0)
+            if fast_factor is not None:
+                model.set_factor(j, "fast", fast_factor)
+        assert model.factor("a", "fast") == approx(fast_factor or 6.0)
+        sched = RoundScheduler(
+            round_s=45.0,
+            _current={"a": Placement("a", "slow", ("slow-0",)), "b": Placement("b", "slow", ("slow-1",))},
+            _age={"a": 2, "b": 1},
+            _received={("a", ("slow", 1)): 1, ("b", ("slow", 1)): 1},
+        )
+        m, morph = model.matrix(), {"a": 15.0, "b": 15.0}
+        alloc = max_min_fairness(AllocationProblem(
+            matrix=m, capacity={"fast": 2, "slow": 2}, jobs=[Job("a"), Job("b")],
+            current=sched.current_configs(), morph_s=morph, round_s=45.0,
+        ))
+        return sched.plan(alloc, _pool(fast=2, slow=2), morph_s=morph, fill=m)
+
+    plan = round_(None)
+    assert sorted(p.config for p in plan.placements.values()) == [("fast", 2), ("slow", 2)]
+    assert plan.idle == {"fast": 0, "slow": 0}
+    control = round_(1.0)
+    assert not control.moves and control.idle == {"fast": 2, "slow": 0}
+    # Geometric mean of the measured types; nothing measured: the prediction as is.
+    model = ThroughputModel([VMType("x", 1.0), VMType("y", 1.0), VMType("z", 1.0)])
+    model.set_factor("a", "x", 2.0)
+    model.set_factor("a", "y", 8.0)
+    assert model.factor("a", "z") == approx(4.0) and model.factor("b", "z") == 1.0
+
+
 def test_fill_gives_vms_the_allocation_leaves_idle_to_jobs_it_could_not_place():
     # Three VMs; the allocation asks for 2 each for a and b (time-shared in its view): only one fits
     # per round. With ``fill`` the third VM goes to the other job at its best count that fits.
@@ -335,7 +375,6 @@ def test_fill_gives_vms_the_allocation_leaves_idle_to_jobs_it_could_not_place():
 
 
 def test_plan_fixed_charges_placements_decided_elsewhere():
-    from manager.allocation.rounds import Placement
 
     sched = RoundScheduler(round_s=60.0)
     sched.record(sched.plan_fixed({"a": Placement("a", "x", ("x-0",))}, _pool(x=2), morph_s={"a": 3.0}))
