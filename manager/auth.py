@@ -105,6 +105,12 @@ def server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([(key, cert)])
 
 
+#: The longest a client waits between two connection attempts to a manager that is down; gRPC adds
+#: up to 20 % jitter. A restarted manager allows this much before it counts silence (Note
+#: [Restart grace] in manager/context.py).
+MAX_RECONNECT_BACKOFF_S = 1.0
+
+
 def client_channel(address: str, *, tls_ca: str | None = None, tls: bool = False) -> grpc.Channel:
     """A channel to the manager: TLS when ``tls_ca`` (PEM of the CA or the self-signed cert) is
     given or ``tls`` is set (system roots), plain otherwise."""
@@ -116,7 +122,7 @@ def client_channel(address: str, *, tls_ca: str | None = None, tls: bool = False
         # default reconnect back-off grows to 2 minutes. (Not grpc.min_reconnect_backoff_ms: it
         # is also the deadline of one connection attempt, which a loaded manager needs.)
         ("grpc.initial_reconnect_backoff_ms", 200),
-        ("grpc.max_reconnect_backoff_ms", 1000),
+        ("grpc.max_reconnect_backoff_ms", int(MAX_RECONNECT_BACKOFF_S * 1000)),
     ]
     if tls_ca or tls:
         root = None

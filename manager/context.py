@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 
 from manager import varuna_manager_pb2 as pb
+from manager.auth import MAX_RECONNECT_BACKOFF_S
 from manager.jobspec import JobSpec, ProfileSpec
 from manager.policy import StutterConfig, StutterDetector
 from manager.providers import Provider, ProviderContext
@@ -104,6 +105,14 @@ class JobCache:
     provider_error_logged: float = 0.0
 
 
+# Note [Restart grace]: after a restart the manager counts a VM's silence from the moment its RPC
+# server listens, not from when the process started (loading the store and the jobs can take
+# seconds on a loaded host), plus what a live client needs to reach it: gRPC's reconnect back-off
+# (at most MAX_RECONNECT_BACKOFF_S, with up to 20 % jitter) and then its next heartbeat. Without
+# the allowance a short T (2 s in the tests) left a healthy agent under a second to reconnect, and
+# one slow RPC on a loaded machine declared it gone.
+
+
 class ManagerContext:
     """The shared state of the manager's parts (module docstring). ``provider_factory`` and
     ``clock`` (wall-clock seconds) come from :class:`manager.controller.Manager`; tests give a
@@ -131,10 +140,11 @@ class ManagerContext:
         self.detector = StutterDetector(config.stutter)
         #: Provider calls decided during the current tick, run after the lock is released.
         self.actions: list[Callable[[], None]] = []
-        #: Liveness is judged from max(last heartbeat, this): a manager that was down longer
-        #: than T must not declare every VM gone the moment it comes back, nor one whose last
-        #: heartbeat times died with the old process before they were written (they are
-        #: deferred: Note [Deferred writes] in manager/record_cache.py).
+        #: Liveness is judged from max(last heartbeat, this + the reconnect allowance): a manager
+        #: that was down longer than T must not declare every VM gone the moment it comes back,
+        #: nor one whose last heartbeat times died with the old process before they were written
+        #: (they are deferred: Note [Deferred writes] in manager/record_cache.py). Reset by
+        #: :meth:`serving` once the RPC server listens.
         self.started_at = clock()
         self._provider_factory = provider_factory
         self._jobs: dict[str, JobCache] = {}
@@ -214,9 +224,21 @@ class ManagerContext:
             self.store.update_job(job.job_id, detection_time=now, detection_reason=reason)
             job.detection_time, job.detection_reason = now, reason
 
+    def serving(self) -> None:
+        """The RPC server listens from now: silence is counted from here (Note [Restart grace])."""
+        self.started_at = self.clock()
+
     def age(self, vm: VMRecord, now: float) -> float:
-        """Seconds since the VM was last heard from (never before this manager started)."""
-        return now - max(vm.last_heartbeat or vm.created, self.started_at)
+        """Seconds since the VM was last heard from (never before this manager served, plus the
+        clients' reconnect allowance: Note [Restart grace])."""
+        since_start = self.started_at + self.reconnect_allowance_s
+        return now - max(vm.last_heartbeat or vm.created, since_start)
+
+    @property
+    def reconnect_allowance_s(self) -> float:
+        """Longest a live client may take to reach a manager that just started listening: its
+        reconnect back-off with gRPC's jitter, then its next heartbeat."""
+        return 1.2 * MAX_RECONNECT_BACKOFF_S + self.config.heartbeat_interval_s
 
     def healthy(self, vm: VMRecord, now: float) -> bool:
         """Up, not slow, not announced for eviction, heard from within T."""

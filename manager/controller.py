@@ -153,7 +153,8 @@ class Manager:
     # -- life cycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Run the control loop in a background thread."""
+        """Run the control loop in a background thread (call once the RPC server listens)."""
+        self.ctx.serving()
         self._thread = threading.Thread(target=self._run, name="varuna-manager-control", daemon=True)
         self._thread.start()
 

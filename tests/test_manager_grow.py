@@ -115,10 +115,12 @@ def test_gpt_calibrates_on_its_first_vm_then_grows_when_capacity_comes_back(tmp_
         "1",
         "--gather-timeout",
         "30",
-        # The cheap calibration predicts compute times loosely: the fail-stutter rule (which uses
-        # it with fewer than 3 replicas) only for a worker 4× slower than predicted.
+        # The cheap calibration predicts compute times loosely and 2 cores run every worker: the
+        # fail-stutter rule (which uses it with fewer than 3 replicas) must not take contention for
+        # a failing VM; this test is about calibration and growth (tests/test_manager_e2e.py
+        # covers stutter).
         "--slow-threshold-pct",
-        "300",
+        "2000",
         "--orphan-timeout",
         "60",
     )
@@ -177,7 +179,6 @@ def test_gpt_calibrates_on_its_first_vm_then_grows_when_capacity_comes_back(tmp_
         best4 = autoconfigure(cal, gpus=4, global_batch_size=24, micro_batch_size=2).best
         assert (grow["previous_P"], grow["previous_D"]) == (first["P"], first["D"])
         assert (grow["P"], grow["D"]) == (best4.num_stages, best4.num_replicas)
-        assert grow["P"] * grow["D"] == 4
         assert grow["redone_steps"] == 0  # a graceful morph: checkpoint at the stop
         second = _data(_of(mp, job, "launched")[1])
         assert second["previous"]["D"] == first["D"] and len(second["vms"]) == 4

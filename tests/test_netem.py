@@ -378,7 +378,10 @@ def test_latency_delays_delivery_not_the_sender(tmp_path):
     delays = [arrived - sent for _, sent, arrived in received]
     assert min(delays) >= 0.95 * latency_s, delays
     _check_lateness(delays, [latency_s] * len(delays))
-    assert max(sender["send_call_s"]) < latency_s / 5, sender["send_call_s"]
+    # A sender that waited for delivery would spend ≥ latency_s in every call; the median keeps one
+    # scheduler hiccup on a loaded host from failing the test.
+    calls = sorted(sender["send_call_s"])
+    assert calls[len(calls) // 2] < latency_s / 5 and calls[-1] < latency_s, calls
 
 
 def _fifo_scenario(rank: int, config: str, count: int) -> dict:
@@ -441,7 +444,8 @@ def test_bandwidth_serialises_large_messages(tmp_path):
     expected = [(k + 1) * transfer_s for k in range(count)]
     assert all(d >= 0.95 * e for d, e in zip(delays, expected)), list(zip(delays, expected))
     _check_lateness(delays, expected)
-    assert max(sender["send_call_s"]) < transfer_s / 2, sender["send_call_s"]
+    calls = sorted(sender["send_call_s"])  # a waiting sender: ≥ transfer_s in every call
+    assert calls[len(calls) // 2] < transfer_s / 2 and calls[-1] < transfer_s, calls
 
 
 def _batch_scenario(rank: int, config: str) -> dict:

@@ -52,9 +52,10 @@ pytestmark = pytest.mark.slow
 
 POOL = {
     "policy": "las",
-    # Short rounds, so periodic rounds happen during the test too; arrivals and departures run
-    # one at once regardless.
-    "round_s": 45,
+    # Rounds short enough that a periodic one may happen during the test, long enough that a
+    # morph measured slow on a loaded machine (30 s) still pays for a move to freed VMs; arrivals
+    # and departures run one at once regardless.
+    "round_s": 90,
     "default_morph_s": 15,
     "types": [
         {"name": "fast", "price_per_hour": 0.74, "capacity": 2, "speed": 1.0},
