@@ -122,12 +122,7 @@ def test_a_killed_vm_is_a_live_morph_and_the_losses_stay_bit_identical(tmp_path)
         print(f"\n{'live' if live else 'RESTART PATH'}: {path}; P×D per step "
               f"{[(r['step'], r['P'], r['D']) for r in rows]}")
     except AssertionError:
-        if job is not None and mp.proc is not None and mp.proc.poll() is None:
-            for e in events(mp, job):
-                print("EVENT", e.kind, e.message[:300])
-        for log in sorted(tmp_path.glob("**/gen*-rank*.log")):  # what the workers said
-            lines = [x for x in log.read_text(errors="replace").splitlines() if x.startswith("varuna")]
-            print(f"== {log.name}", *lines[-4:], sep="\n")
+        dump(mp, job, tmp_path)
         raise
     finally:
         mp.stop()
@@ -226,6 +221,25 @@ def dump(mp: ManagerProcess, job, tmp_path: Path) -> None:
         print(f"== {log.name}", *lines[-6:], sep="\n")
 
 
+def live_morph_event(mp: ManagerProcess, job, what: str) -> tuple[list, dict]:
+    """Wait for the job's live morph (its fallback fails the test); the job's events and the
+    ``live-morph`` event's data."""
+    wait_for(lambda: {"live-morph", "live-morph-fallback"} & set(kinds(mp, job)), 300, what)
+    evs = events(mp, job)
+    assert "live-morph-fallback" not in [e.kind for e in evs], [e.message for e in evs]
+    [ev] = [json.loads(e.data_json) for e in evs if e.kind == "live-morph"]
+    return evs, ev
+
+
+def nothing_redone_at_the_managers_layout(mp: ManagerProcess, job, tmp_path: Path, rows: list, ev: dict,
+                                          why: str) -> None:
+    """No step redone (``why``), the last rows at the P×D the manager chose, and every agent and
+    worker gone by itself."""
+    assert redone_lines(tmp_path) == [], why
+    assert (rows[-1]["P"], rows[-1]["D"]) == (ev["pipeline_depth"], ev["data_parallel"]), "manager's P×D"
+    wait_for(lambda: not processes_mentioning(job), 60, "every agent and worker to exit")
+
+
 @pytest.mark.parametrize("leavers", [(3,), (1, 3)], ids=["one-vm", "a-whole-stage"])
 def test_a_notice_hands_the_state_over_live_and_redoes_nothing(tmp_path, leavers):
     """``a-whole-stage``: both replicas of stage 1 are on noticed VMs; they hand it over to a worker
@@ -250,10 +264,7 @@ def test_a_notice_hands_the_state_over_live_and_redoes_nothing(tmp_path, leavers
         wait_for(lambda: all(proc_state(pids[r]) not in ("T", "t") for r in leavers), 120,
                  "the leave orders to reach the workers")
         pause([p for r, p in pids.items() if r not in leavers], signal.SIGCONT)
-        wait_for(lambda: {"live-morph", "live-morph-fallback"} & set(kinds(mp, job)), 300, "the live morph")
-        evs = events(mp, job)
-        assert "live-morph-fallback" not in [e.kind for e in evs], [e.message for e in evs]
-        [ev] = [json.loads(e.data_json) for e in evs if e.kind == "live-morph"]
+        _, ev = live_morph_event(mp, job, "the live morph")
         assert ev["reason_kind"] == "notice" and ev["lost_ranks"] == list(leavers) and ev["duration_s"] > 0
         gone = {v.vm_id for v in noticed}
         wait_for(lambda: not any(v.in_generation for v in status(mp, job).vms if v.vm_id in gone), 120,
@@ -263,9 +274,7 @@ def test_a_notice_hands_the_state_over_live_and_redoes_nothing(tmp_path, leavers
         st, rows = finished_in_one_generation(mp, job, metrics, reference)
         survivors = {w.rank: w.pid for v in st.vms if v.vm_id not in gone for w in v.workers}
         assert survivors == {r: p for r, p in pids.items() if r not in leavers}, "the others kept their pids"
-        assert redone_lines(tmp_path) == [], "with a notice no step is redone"
-        assert (rows[-1]["P"], rows[-1]["D"]) == (ev["pipeline_depth"], ev["data_parallel"]), "manager's P×D"
-        wait_for(lambda: not processes_mentioning(job), 60, "every agent and worker to exit")
+        nothing_redone_at_the_managers_layout(mp, job, tmp_path, rows, ev, "with a notice no step is redone")
     except AssertionError:
         dump(mp, job, tmp_path)
         raise
@@ -298,18 +307,13 @@ def test_new_vms_join_the_running_generation_live(tmp_path):
         capacity.write_text("4\n")  # spot capacity comes back
         wait_joiners(address, 2)  # started by the new VMs' agents as RANK 2, 3 with VARUNA_LIVE_JOIN=1
         pause(pids.values(), signal.SIGCONT)
-        wait_for(lambda: {"live-morph", "live-morph-fallback"} & set(kinds(mp, job)), 300, "the growth")
-        evs = events(mp, job)
-        assert "live-morph-fallback" not in [e.kind for e in evs], [e.message for e in evs]
-        [ev] = [json.loads(e.data_json) for e in evs if e.kind == "live-morph"]
+        _, ev = live_morph_event(mp, job, "the growth")
         assert ev["reason_kind"] == "growth" and ev["joined_ranks"] == [2, 3] and ev["old"] == list(before)
         grown = worker_pids(status(mp, job))
         st, rows = finished_in_one_generation(mp, job, metrics, reference)
         assert {r: p for r, p in grown.items() if r < 2} == pids, "the first workers kept their processes"
         assert sorted(grown) == [0, 1, 2, 3]
-        assert redone_lines(tmp_path) == [], "growth redoes no step"
-        assert (rows[-1]["P"], rows[-1]["D"]) == (ev["pipeline_depth"], ev["data_parallel"]), "manager's P×D"
-        wait_for(lambda: not processes_mentioning(job), 60, "every agent and worker to exit")
+        nothing_redone_at_the_managers_layout(mp, job, tmp_path, rows, ev, "growth redoes no step")
     except AssertionError:
         dump(mp, job, tmp_path)
         raise
@@ -342,12 +346,9 @@ def test_a_frozen_worker_is_killed_by_its_agent_and_the_others_go_on_live(tmp_pa
         pause([pids[3]])
         wait_for(lambda: "live-frozen" in kinds(mp, job), 300, "the manager to see the verdict")
         wait_for(lambda: proc_state(pids[3]) == "gone", 120, "its agent to kill and reap it")
-        wait_for(lambda: {"live-morph", "live-morph-fallback"} & set(kinds(mp, job)), 300, "the live morph")
-        evs = events(mp, job)
-        assert "live-morph-fallback" not in [e.kind for e in evs], [e.message for e in evs]
+        evs, ev = live_morph_event(mp, job, "the live morph")
         [frozen] = [json.loads(e.data_json) for e in evs if e.kind == "live-frozen"]
         assert frozen["members"] == [3] and "no heartbeat" in frozen["why"]["3"]
-        [ev] = [json.loads(e.data_json) for e in evs if e.kind == "live-morph"]
         assert ev["reason_kind"] == "frozen" and ev["lost_ranks"] == [3] and ev["duration_s"] > 0
         # The step in flight is redone (its metric row may come twice, with the same loss).
         st, rows = finished_in_one_generation(mp, job, metrics, reference, every_step_once=False)
