@@ -36,7 +36,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from varuna.cutting.batches import call_with_batch, to_meta
+from varuna.cutting.batches import batch_size_of, call_with_batch, to_device, to_meta
 from varuna.cutting.cutpoint import CarrySpec, CutPoint, DryRun, SplitState
 from varuna.cutting.placeholders import Skipper
 
@@ -82,6 +82,11 @@ class ModelProfile:
     #: module outputs carried across routed (by-name or automatic) cut-points (Note [Carried values] in
     #: varuna/cutting/cutpoint.py; the engine fills it from the trace)
     carried: list[CarrySpec] = field(default_factory=list)
+    #: per segment: forward FLOPs counted in the dry run (``FlopCounterMode``), whatever
+    #: ``cost_unit`` says (timed costs replace ``fwd_cost``, not these); None: not counted
+    fwd_flops: list[float] | None = None
+    #: examples in the dry run's batch (what ``fwd_flops`` were counted for)
+    flops_examples: int = 0
 
     @property
     def num_cutpoints(self) -> int:
@@ -180,6 +185,8 @@ def profile_model(
     on_meta = any(p.is_meta for p in params.values())
     if on_meta:
         batch = to_meta(batch)
+    elif params:  # a model already on an accelerator runs on its device's copy of the batch
+        batch = to_device(batch, next(iter(params.values())).device)
     param_ids = {id(p): n for n, p in params.items()}
     uses: dict[str, set[int]] = {}
     called: set[str] = set()
@@ -219,6 +226,8 @@ def profile_model(
         spanning_modules=spanning,
         called_modules=called,
         param_bytes={n: p.numel() * p.element_size() for n, p in params.items()},
+        fwd_flops=list(fwd_flops) if costs else None,
+        flops_examples=_examples(batch) if costs else 0,
     )
     # Cut-points not reached by the forward are dropped from the model's order; CutPoints that
     # are registered but never called stay identities.
@@ -227,6 +236,14 @@ def profile_model(
         if fwd is not None:
             profile.fwd_cost, profile.bwd_cost, profile.cost_unit = fwd, bwd, "s"
     return profile
+
+
+def _examples(batch) -> int:
+    """Examples in a dry run's batch (0 when it has no common batch dimension)."""
+    try:
+        return batch_size_of(batch)
+    except ValueError:
+        return 0
 
 
 def _time_segments(model, batch, loss_fn, state, cut_names, reps):
@@ -385,11 +402,23 @@ def materialize_stage(
             if mname in done:
                 continue
             done.add(mname)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(keyed_seed(seed, "init", mname))
+            with _seeded(device, keyed_seed(seed, "init", mname)):
                 init(mname, mod)
     stage = {n: p for n, p in _named_params(model).items() if n in keep}
     return stage
+
+
+@contextlib.contextmanager
+def _seeded(device: torch.device, seed: int):
+    """The CPU generator and ``device``'s (a GPU initialises its parameters with its own) seeded
+    with ``seed``, both restored after: the script's random streams are left as they were."""
+    cuda = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.default_generator.manual_seed(seed)
+        if cuda:
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
+        yield
 
 
 def resident_param_bytes(model: nn.Module) -> int:

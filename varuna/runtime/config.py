@@ -4,6 +4,7 @@
 Example::
 
     >>> from varuna.core.env import RunPlan
+from varuna.core.flops import check_peak_tflops
     >>> cfg = VarunaConfig(global_batch_size=32, micro_batch_size=4)
     >>> print(adopt_plan(cfg, RunPlan(global_batch_size=32, micro_batch_size=8)))  # doctest: +ELLIPSIS
     varuna: using the launcher's planned micro-batch size 8 (VARUNA_MICRO_BATCH_SIZE) instead of ...
@@ -20,15 +21,18 @@ from dataclasses import dataclass, field
 import torch
 
 from varuna.core.env import RunPlan
+from varuna.core.flops import check_peak_tflops
 from varuna.core.schedule import DEFAULT_STASH_HEADROOM, SCHEDULE_KINDS, schedule_kind
 
-__all__ = ["PLAN_COSTS", "PRECISIONS", "VarunaConfig", "StepResult", "StepTimings", "adopt_plan",
-           "adopt_cut_env"]
+__all__ = ["COMM_BACKENDS", "PLAN_COSTS", "PRECISIONS", "VarunaConfig", "StepResult", "StepTimings",
+           "adopt_plan", "adopt_cut_env"]
 
 #: Autocast dtype per ``VarunaConfig.precision`` (None: plain fp32).
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: What a plan (automatic cut-points, stage split) balances: counted FLOPs or measured time.
 PLAN_COSTS = ("flop", "time")
+#: Backends that may carry the engine's CUDA traffic (``VarunaConfig.comm_backend``).
+COMM_BACKENDS = ("nccl", "gloo")
 
 
 @dataclass(kw_only=True)
@@ -98,7 +102,17 @@ class VarunaConfig:
     canonical_reduction: bool = True
     """With ``deterministic``: canonical-order sums. Off only as a test's negative control."""
     device: str | None = None
-    """Default: cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    """Default: cuda:LOCAL_RANK when CUDA is available (LOCAL_RANK modulo the GPU count: more
+    processes than GPUs share them), else cpu."""
+    comm_backend: str | None = None
+    """Backend of the engine's CUDA traffic (activations, gradients, all-reduces): "nccl", or
+    "gloo" (activations and gradients staged through pinned host memory, all-reduces through
+    gloo's CUDA support). None: $VARUNA_COMM_BACKEND, else nccl unless some processes share a GPU
+    (NCCL refuses two ranks on one device), then gloo for the whole job (docs/gpu.md)."""
+    peak_tflops: float | None = None
+    """Dense peak TFLOP/s of one device at the run's precision, for MFU (``StepResult.mfu``).
+    None: $VARUNA_PEAK_TFLOPS, else the table of known GPUs (varuna/core/flops.py); on a CPU or
+    an unknown device MFU is then None (TFLOP/s are still reported)."""
     loss_scale: float = 2.0**16
     loss_scale_growth_interval: int = 2000
     stop_signals: tuple[str, ...] = ("SIGUSR1", "SIGTERM")
@@ -189,6 +203,12 @@ class VarunaConfig:
         if isinstance(self.cut_after, str):
             self.cut_after = tuple(x for x in self.cut_after.split(",") if x.strip())
         self._validate_tensorboard_dir()
+        if self.comm_backend not in (None, *COMM_BACKENDS):
+            raise ValueError(
+                f"unknown comm_backend {self.comm_backend!r}; choose {' or '.join(COMM_BACKENDS)} "
+                "(or None: automatic)"
+            )
+        self.peak_tflops = check_peak_tflops(self.peak_tflops, "peak_tflops")
         if self.max_nonfinite_steps < 0:
             raise ValueError(
                 f"max_nonfinite_steps must be >= 0, 0 to never stop (got {self.max_nonfinite_steps})"
@@ -316,6 +336,16 @@ class StepResult:
     """This rank's per-task compute times during the step."""
     step_s: float = 0.0
     """Wall seconds of the whole step on this rank (``samples_per_s`` is global_batch_size / step_s)."""
+    model_flops: float | None = None
+    """The whole job's model FLOPs of the step: 3 × the forward's (Note [Model FLOPs] in
+    varuna/core/flops.py); None when the dry run counted none."""
+    tflops: float | None = None
+    """Model TFLOP/s per device: ``model_flops`` / ``step_s`` / (P×D) / 1e12."""
+    hardware_tflops: float | None = None
+    """As ``tflops``, counting the recomputed forwards too (what the devices executed)."""
+    mfu: float | None = None
+    """Model FLOPs utilisation: ``tflops`` over one device's peak (``VarunaConfig.peak_tflops``,
+    $VARUNA_PEAK_TFLOPS, or the table of known GPUs); None when the peak is unknown (CPU)."""
 
 
 def adopt_cut_env(config: VarunaConfig, environ: Mapping[str, str] | None = None) -> None:

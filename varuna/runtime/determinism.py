@@ -35,10 +35,16 @@ Example::
 
 from __future__ import annotations
 
+import os
+from collections.abc import MutableMapping
+
 import torch
 import torch.distributed as dist
 
 __all__ = [
+    "CUBLAS_DETERMINISTIC",
+    "cuda_deterministic_env",
+    "deterministic_kernels",
     "TreeAccumulator",
     "combine_nodes",
     "canonical_allreduce",
@@ -46,6 +52,55 @@ __all__ = [
     "DeterminismError",
     "first_difference",
 ]
+
+
+#: cuBLAS workspace settings under which its results do not depend on scheduling (CUDA >= 10.2):
+#: ``:4096:8`` (8 buffers of 4 MiB) or ``:16:8`` (less memory, slower).
+CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
+
+# Note [Deterministic CUDA]: ``torch.use_deterministic_algorithms(True)`` makes PyTorch refuse
+# kernels without a deterministic implementation, and raise at the first cuBLAS matmul unless
+# ``CUBLAS_WORKSPACE_CONFIG`` is one of :data:`CUBLAS_DETERMINISTIC` -- cuBLAS otherwise splits
+# work across its workspace in a stream-dependent way (CUDA docs, "Results reproducibility"). The
+# variable is read when the process creates its cuBLAS handle and sizes PyTorch's workspace
+# (once), so it must be in the environment before the process's first CUDA matmul: the engine sets
+# it (:func:`cuda_deterministic_env`) first thing in its constructor, before its dry run or any
+# kernel; a script that runs CUDA matmuls of its own before building the engine must export it
+# itself (docs/determinism.md). cuDNN's autotuner may pick a different (each deterministic)
+# algorithm per run, so ``cudnn.benchmark`` is turned off too.
+
+
+def cuda_deterministic_env(environ: MutableMapping[str, str] | None = None) -> str:
+    """Put ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` in the environment unless it already holds a
+    deterministic value (Note [Deterministic CUDA]); another value is a ``ValueError`` (one
+    line). Returns the value in force. Harmless without CUDA.
+
+    >>> env = {}
+    >>> cuda_deterministic_env(env), env
+    (':4096:8', {'CUBLAS_WORKSPACE_CONFIG': ':4096:8'})
+    """
+    env = os.environ if environ is None else environ
+    value = env.get("CUBLAS_WORKSPACE_CONFIG")
+    if value is None or not value.strip():
+        env["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC[0]
+        return CUBLAS_DETERMINISTIC[0]
+    if value.strip() not in CUBLAS_DETERMINISTIC:
+        raise ValueError(
+            f"deterministic mode needs CUBLAS_WORKSPACE_CONFIG={CUBLAS_DETERMINISTIC[0]} (or "
+            f"{CUBLAS_DETERMINISTIC[1]}), but it is {value!r}: unset it or set one of those"
+        )
+    return value.strip()
+
+
+def deterministic_kernels(threads: int) -> None:
+    """Deterministic kernels in this process (Note [Deterministic CUDA]): PyTorch's deterministic
+    algorithms, no cuDNN autotuning, and ``threads`` intra-op CPU threads (a CPU kernel's
+    summation order may depend on the thread count)."""
+    cuda_deterministic_env()
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.set_num_threads(threads)
 
 
 class DeterminismError(RuntimeError):

@@ -50,10 +50,12 @@ from varuna.cutting.loss import default_loss
 from varuna.cutting.split import ModelProfile, materialize_stage
 from varuna.runtime.checkpoint import Checkpointer, engine_state_dict, load_engine_state_dict
 from varuna.runtime.config import StepResult, VarunaConfig, adopt_cut_env, adopt_plan
+from varuna.runtime.determinism import cuda_deterministic_env, deterministic_kernels
 from varuna.runtime.executor import ScheduleExecutor, StageModel
+from varuna.runtime.flops import StepFlops, engine_flops, step_metrics
 from varuna.runtime.grad_sync import GradientSync, allreduce_scalars
 from varuna.runtime.groups import ProcessGroups, StageLinks, build_groups
-from varuna.runtime.layout import Layout, init_distributed, pick_device
+from varuna.runtime.layout import Layout, choose_transport, init_distributed, pick_device
 from varuna.runtime.loss_scale import DynamicLossScale, NonFiniteLosses, NonFiniteLossStop
 from varuna.runtime.no_flush import MAX_WINDOW_STEPS, WindowFeed, no_flush_unsupported
 from varuna.runtime.peer_watch import PeerWatch, watching
@@ -96,6 +98,8 @@ class Engine:
         adopt_cut_env(config)
         adopt_tensorboard_env(config)
         config.validate()
+        if config.deterministic:
+            cuda_deterministic_env()  # before this process's first cuBLAS call (Note [Deterministic CUDA])
         require_tensorboard(config)  # before any group: a missing package stops every rank at once
         self._tb: TensorBoardLog | None = None
         self.config = config
@@ -160,6 +164,7 @@ class Engine:
             speeds=config.stage_speeds,
             chunks=v,
         )
+        self.flops: StepFlops | None = engine_flops(self)  # a collective: rank 0's count reaches every rank
         mine = self.stage_ranges[self.stage :: P]  # interleaved: virtual stages stage, stage + P, ...
         self.first_segment, self.last_segment = mine[0][0], mine[-1][1]
         for cp in model.modules():
@@ -186,8 +191,7 @@ class Engine:
         if config.deterministic:
             from varuna.runtime.determinism import DeterministicGrads
 
-            torch.use_deterministic_algorithms(True)
-            torch.set_num_threads(config.deterministic_threads)
+            deterministic_kernels(config.deterministic_threads)
             if config.canonical_reduction:
                 self._det = DeterministicGrads(
                     model=self.model,
@@ -207,7 +211,9 @@ class Engine:
 
     def _build_comm(self) -> None:
         """Process groups (a collective), network emulation, links, executor and gradient sync."""
-        self._groups = build_groups(self.layout, self.stage_ranges, self.profile.shared_params())
+        self.transport = choose_transport(self.layout, self.device, self.config.comm_backend)  # a collective
+        self._groups = build_groups(self.layout, self.stage_ranges, self.profile.shared_params(),
+                                    backend=self.transport.backend)
         if self._det is not None:
             self._det.groups = self._groups
         self._netem = None
@@ -220,7 +226,8 @@ class Engine:
                 self._netem.__enter__()
         inbox: queue.Queue = queue.Queue()
         self._links = StageLinks.start(
-            self.layout, self._groups, self.device, inbox, self.config.comm_timeout_s, chunks=self.chunks
+            self.layout, self._groups, self.transport.link_device, inbox, self.config.comm_timeout_s,
+            chunks=self.chunks, compute_device=self.device,
         )
         self.timeline = Timeline()
         self._executor = ScheduleExecutor(
@@ -299,6 +306,8 @@ class Engine:
             "stage_ranges": self.stage_ranges,
             "cutpoints": self.profile.cutpoint_names,
             "shared_params": {k: list(v) for k, v in self.profile.shared_params().items()},
+            "device": str(self.device),
+            "transport": self.transport.description,
         }
 
     def train_step(self, batch) -> StepResult:
@@ -471,6 +480,7 @@ def _step_result(engine: Engine, outcome, timings, t_start: float, sync_s: float
         wall_time=time.time(),
         timings=dataclasses.replace(timings, sync_s=sync_s),
         step_s=wall,
+        **step_metrics(engine.flops, wall),
     )
 
 
