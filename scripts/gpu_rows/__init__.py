@@ -29,39 +29,23 @@ def _rows() -> dict[int, Row]:
     from gpu_rows.hf_row import row_llama
     from gpu_rows.multi import row_meta, row_pipe
     from gpu_rows.profile_row import row_profile
+    from gpu_rows.unit_row import row_unit
 
     rows = [
-        Row(1, "GPT example 1×1, bf16: default and deterministic vs a plain PyTorch loop", row_gpt, 120, 240),
-        Row(
-            2,
-            "step-time overhead of the engine 1×1 vs the plain loop, bf16, TFLOP/s and MFU",
-            row_overhead,
-            150,
-            300,
-        ),
+        Row(1, "GPT example 1×1, bf16: default and deterministic vs a plain PyTorch loop", row_gpt,
+            120, 240),
+        Row(2, "step-time overhead of the engine 1×1 vs the plain loop, bf16, TFLOP/s and MFU", row_overhead,
+            150, 300),
         Row(3, "HF Llama from config 1×1 (default use_cache, SDPA) vs the plain loop", row_llama, 120, 240),
         Row(4, "P=2 on one device (two processes) vs 1×1: deterministic bit-identical", row_pipe, 180, 420),
-        Row(
-            5,
-            "model built on meta, P=2: each stage materialised on the device, peak memory vs share",
-            row_meta,
-            150,
-            300,
-        ),
-        Row(
-            6,
-            "checkpoint saved on the device, resumed on CPU and back: bit-identical",
-            row_checkpoint,
-            120,
-            300,
-        ),
-        Row(
-            7,
-            "varuna-profile on the device (allocator-peak memory, FLOPs per example)",
-            row_profile,
-            240,
-            420,
-        ),
+        Row(5, "model built on meta, P=2: each stage materialised on the device, peak memory vs share",
+            row_meta, 150, 300),
+        Row(6, "checkpoint saved on the device, resumed on CPU and back: bit-identical", row_checkpoint,
+            120, 300),
+        Row(7, "varuna-profile on the device (allocator-peak memory, FLOPs per example)", row_profile,
+            240, 420),
+        Row(8, "CUDA-only unit tests of the audit (tests/test_cuda.py; a skip fails on a GPU)", row_unit,
+            120, 180),
     ]
     return {r.number: r for r in rows}
 
