@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "DEVICE_PEAKS",
+    "PRECISION_NAMES",
     "DevicePeak",
     "StepFlopCount",
     "check_peak_tflops",
@@ -64,6 +65,9 @@ class DevicePeak:
             return getattr(self, precision)
         raise ValueError(f"unknown precision {precision!r}; choose fp32, bf16 or fp16")
 
+
+#: The precisions a peak is known for (``VarunaConfig.precision``'s values).
+PRECISION_NAMES = ("fp32", "bf16", "fp16")
 
 _NV = "https://www.nvidia.com"
 #: Known accelerators, most specific pattern first (an "H100 NVL" is not an SXM H100). Datasheet
