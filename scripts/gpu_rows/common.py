@@ -212,6 +212,16 @@ def fmt(x: float | None, spec: str = ".3g") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
+def _nccl_version() -> str | None:
+    try:
+        import torch.cuda.nccl as nccl
+
+        v = nccl.version()
+        return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    except Exception:  # an informative field only: never fail the check over it
+        return None
+
+
 def env_info() -> dict[str, Any]:
     """Versions and the device, for the table's header."""
     import torch
@@ -231,6 +241,6 @@ def env_info() -> dict[str, Any]:
             capability=f"{p.major}.{p.minor}",
             cuda=torch.version.cuda,
             cudnn=torch.backends.cudnn.version(),
-            nccl=".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None,
+            nccl=_nccl_version(),
         )
     return info

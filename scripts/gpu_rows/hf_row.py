@@ -62,8 +62,8 @@ def row_llama(device: str) -> RowResult:
     use_cache = model.config.use_cache
     n_params = sum(p.numel() for p in model.parameters())
     log(
-        f"LlamaForCausalLM from config: {n_params / 1e6:.0f}M parameters, use_cache={use_cache}, "
-        f"attention {model.config._attn_implementation}, seq {z['seq']}"
+        f"LlamaForCausalLM from config: {n_params / 1e6:.3g}M parameters, use_cache={use_cache}, "
+        f"attention {getattr(model.config, '_attn_implementation', '?')}, seq {z['seq']}"
     )
     log("plain PyTorch loop")
     plain = PlainTrainer(
@@ -111,7 +111,7 @@ def row_llama(device: str) -> RowResult:
     )
     tflops = results[-1].tflops
     summary = (
-        f"{n_params / 1e6:.0f}M params, use_cache={use_cache}: step-1 loss rel. diff {first:.1e} "
+        f"{n_params / 1e6:.3g}M params, use_cache={use_cache}: step-1 loss rel. diff {first:.1e} "
         f"(tol {FIRST_LOSS_RTOL:g}), max over {len(got)} steps {worst:.1e} (tol {LOSS_RTOL:g}); "
         f"last step {fmt(tflops)} TFLOP/s, MFU {fmt(results[-1].mfu, '.1%')}"
     )

@@ -140,11 +140,11 @@ def row_meta(device: str) -> RowResult:
             and r["params"] < share["whole_params"]
             and all(d.startswith(device) for d in r["param_devices"])
         )
-        rows.append(f"stage {r['stage']} ({r['params'] / 1e6:.0f}M params): {what}")
+        rows.append(f"stage {r['stage']} ({r['params'] / 1e6:.3g}M params): {what}")
         r.update(share)
     whole = ranks[0]["whole_state"]
     summary = (
-        f"whole model {ranks[0]['whole_params'] / 1e6:.0f}M params, state {whole / 2**30:.1f} GiB; "
+        f"whole model {ranks[0]['whole_params'] / 1e6:.3g}M params, state {whole / 2**30:.1f} GiB; "
         + "; ".join(rows)
         + f" (limit {SHARE_FACTOR}x share, < {WHOLE_FRACTION:.0%} of the whole)"
     )

@@ -206,9 +206,12 @@ def canonical_allreduce(
         return combine_nodes(nodes, num_leaves)
     numel = next(iter(nodes.values())).numel()
     dtype = next(iter(nodes.values())).dtype
+    # The gradients stay on their device (a CUDA stage's went through the host and came back as CPU
+    # gradients of CUDA parameters); the node ids are host bookkeeping (the group's gloo part).
+    device = next(iter(nodes.values())).device
     maxn = 2 * (tree_levels(num_leaves) + 1)
     ids = torch.full((maxn, 2), -1, dtype=torch.int64)
-    stacked = torch.zeros(maxn, numel, dtype=dtype)
+    stacked = torch.zeros(maxn, numel, dtype=dtype, device=device)
     for row, (key, t) in enumerate(sorted(nodes.items())):
         ids[row, 0], ids[row, 1] = key
         stacked[row] = t
@@ -217,7 +220,7 @@ def canonical_allreduce(
     bounds = [(numel * j) // group_size for j in range(group_size + 1)]
     send = torch.cat([stacked[:, bounds[j] : bounds[j + 1]].reshape(-1) for j in range(group_size)])
     mine = bounds[my_index + 1] - bounds[my_index]
-    recv = torch.empty(maxn * mine * group_size, dtype=dtype)
+    recv = torch.empty(maxn * mine * group_size, dtype=dtype, device=device)
     dist.all_to_all_single(
         recv,
         send,
@@ -234,9 +237,9 @@ def canonical_allreduce(
                 shard_nodes[(level, index)] = blocks[r, row]
     shard = combine_nodes(shard_nodes, num_leaves)
     width = max(bounds[j + 1] - bounds[j] for j in range(group_size))
-    padded = torch.zeros(width, dtype=dtype)
+    padded = torch.zeros(width, dtype=dtype, device=device)
     padded[:mine] = shard
-    gathered = [torch.empty(width, dtype=dtype) for _ in range(group_size)]
+    gathered = [torch.empty(width, dtype=dtype, device=device) for _ in range(group_size)]
     dist.all_gather(gathered, padded, group=group)
     return torch.cat([gathered[j][: bounds[j + 1] - bounds[j]] for j in range(group_size)])
 
@@ -368,7 +371,7 @@ class DeterministicGrads:
         ranks = sorted(layout.rank_of(k, d) for k in stages for d in range(layout.D))
         group = next(g for g, names in self.groups.shared if n in names)
         like = next(iter(rows.values()))
-        mine = torch.zeros(len(segs), *like.shape, dtype=like.dtype)
+        mine = torch.zeros(len(segs), *like.shape, dtype=like.dtype, device=like.device)
         for i, s in enumerate(segs):
             if s in rows:
                 mine[i] = rows[s]
@@ -386,11 +389,17 @@ class DeterministicGrads:
         nseg = self.profile.num_segments
         v = torch.zeros(nseg + 2 + self.n, dtype=torch.float64)
         if self.layout.replica == 0:
+            slots, squares = [], []
             for n, p in self.trainable.items():
                 if n in norm_elsewhere:
                     continue
-                s0 = self.profile.param_segments.get(n, (self.first_segment,))[0]
-                v[s0] += torch.linalg.vector_norm(p.grad).double() ** 2
+                slots.append(self.profile.param_segments.get(n, (self.first_segment,))[0])
+                squares.append(torch.linalg.vector_norm(p.grad).double() ** 2)
+            # One copy to the host (a CUDA stage's norms are on its device); added in the same
+            # order as ever, in float64 either way: the same bits.
+            values = torch.stack(squares).cpu().tolist() if squares else []
+            for s0, sq in zip(slots, values):
+                v[s0] += sq
         v[nseg] = float(nonfinite)
         v[nseg + 1] = float(stop)
         for g, loss in self.losses.items():
