@@ -214,8 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--plot", metavar="OUT.png", help="write the chosen config's timeline as a Gantt chart")
     p.add_argument("--quiet", action="store_true", help="no progress bars (also: VARUNA_QUIET=1)")
-    add_training_args(p)
-    return p
+    return add_training_args(p)
 
 
 def _table(plan: AutoConfigResult, top: int) -> str:

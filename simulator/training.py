@@ -73,8 +73,9 @@ def parse_prices(text: str) -> dict[str, float] | float:
     return out
 
 
-def add_training_args(p: argparse.ArgumentParser) -> None:
-    """The options of a training-run estimate, as one group of ``varuna-simulate``'s parser."""
+def add_training_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the options of a training-run estimate to ``p`` (one group of ``varuna-simulate``'s
+    parser); returns ``p``."""
     g = p.add_argument_group("time and cost to train (docs/simulator.md)")
     steps = g.add_mutually_exclusive_group()
     steps.add_argument("--train-steps", type=parse_count, metavar="N", help="optimizer steps to train")
@@ -88,6 +89,7 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                    help="dense peak TFLOP/s of one device, for MFU (else the table of known GPUs by the "
                         "calibration's device, at --precision)")
     g.add_argument("--precision", choices=PRECISION_NAMES, help="the run's math, for the peak from the table")
+    return p
 
 
 @dataclass(frozen=True)
