@@ -114,18 +114,20 @@ def test_batches_go_to_the_device_once():
 
 
 def test_losses_are_read_in_one_go_in_execution_order():
-    det: dict[int, float] = {}
-    w = _Work(det_losses=det)
-    values = [(3, 0.25, torch.tensor(1.5)), (1, 0.5, torch.tensor([2.0])), (0, 0.25, torch.tensor(0.1))]
+    class Det:  # DeterministicGrads' part that the losses go to
+        losses: dict[int, float] = {}
+
+    w = _Work(det=Det, global_batch=8)
+    values = [(3, 2, torch.tensor(1.5)), (1, 4, torch.tensor([2.0])), (0, 2, torch.tensor(0.1))]
     w.pending_losses.extend(values)
     expected = 0.0
-    for _, weight, t in values:
-        expected += float(t) * weight  # the old per-micro-batch sum, in the same order
+    for _, size, t in values:
+        expected += float(t) * size / 8  # what one read per micro-batch summed, in this order
     assert w.loss_sum == expected and not w.pending_losses
-    assert det == {3: 1.5, 1: 2.0, 0: pytest.approx(0.1)}
-    w.pending_losses.append((5, 1.0, torch.tensor(4.0)))
+    assert Det.losses == {3: 1.5, 1: 2.0, 0: pytest.approx(0.1)}
+    w.pending_losses.append((5, 8, torch.tensor(4.0)))
     w.loss_sum = 0.0  # a no-flush window's reset: what was pending belongs to the step before
-    assert w.loss_sum == 0.0 and det[5] == 4.0
+    assert w.loss_sum == 0.0 and Det.losses[5] == 4.0
 
 
 def test_meta_init_leaves_the_scripts_rng_alone():

@@ -48,6 +48,7 @@ import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -154,11 +155,14 @@ class _Work:
     bwd_done: dict[int, int] = field(default_factory=dict)
     #: zero-bubble kinds: what each micro-batch's W needs, from its B (varuna/runtime/split_backward.py)
     weight: dict[tuple[int, int], WeightWork] = field(default_factory=dict)
-    #: the sink's losses still on the device, in execution order: (global micro-batch, weight,
-    #: 0-dim tensor); read all at once (Note [One loss sync per step])
-    pending_losses: list[tuple[int, float, torch.Tensor]] = field(default_factory=list)
-    #: deterministic mode's per-micro-batch losses (``DeterministicGrads.losses``), filled on read
-    det_losses: dict[int, float] | None = None
+    #: the sink's losses still on the device, in execution order: (global micro-batch, its
+    #: examples, 0-dim tensor); read all at once (Note [One loss sync per step])
+    pending_losses: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+    #: M_total: a loss counts size / M_total of the mini-batch's
+    global_batch: int = 1
+    #: deterministic mode (``DeterministicGrads``): its per-micro-batch ``losses`` are filled on
+    #: read (its dict, not a copy of the reference: a no-flush window starts a new one per update)
+    det: Any = None
     _loss_sum: float = 0.0
     busy_s: dict[str, float] = field(
         default_factory=lambda: {FORWARD: 0.0, RECOMPUTE: 0.0, BACKWARD: 0.0, WEIGHT: 0.0}
@@ -182,10 +186,10 @@ class _Work:
         if not self.pending_losses:
             return
         values = torch.stack([t.float().reshape(()) for _, _, t in self.pending_losses]).tolist()
-        for (index, weight, _), v in zip(self.pending_losses, values):
-            self._loss_sum += v * weight
-            if self.det_losses is not None:
-                self.det_losses[index] = v
+        for (index, size, _), v in zip(self.pending_losses, values):
+            self._loss_sum += v * size / self.global_batch  # the expression of one read per loss
+            if self.det is not None:
+                self.det.losses[index] = v
         self.pending_losses.clear()
 
     def timings(self) -> StepTimings:
@@ -301,7 +305,7 @@ class ScheduleExecutor:
             return self._execute(feed, policy, recomputed, train)
 
     def _execute(self, feed: Feed, policy, recomputed: frozenset[tuple[int, int]], train: bool) -> _Work:
-        work = _Work(det_losses=self.det.losses if self.det is not None else None)
+        work = _Work(det=self.det, global_batch=self.config.global_batch_size)
         timeout = self.config.comm_timeout_s
         record = self.config.record_timeline
         v = self.s.num_chunks
@@ -362,7 +366,7 @@ class ScheduleExecutor:
         if self.s.is_sink(c):
             # Note [One loss sync per step]: float(loss) here would stop the host until the device
             # caught up, once per micro-batch; the losses are read together at the end instead.
-            work.pending_losses.append((mb.index, mb.size / self.config.global_batch_size, out.detach()))
+            work.pending_losses.append((mb.index, mb.size, out.detach()))
         else:
             sent = tuple(x.detach() for x in out)
             # The receiving chunk: the same one on the next process, the next one past the last.
