@@ -187,7 +187,7 @@ from manager.allocation.throughput import ThroughputMatrix
 m = ThroughputMatrix.from_table({"a": {"x": [1.0]}, "b": {"x": [1.0]}})
 hint(lambda: max_min_fairness(AllocationProblem(matrix=m, capacity={"x": 1}, jobs=[Job("a"), Job("b")])))
 
-from manager.providers import ProviderContext, make_provider
+from manager.providers.base import ProviderContext, make_provider
 ctx = ProviderContext(manager_address="127.0.0.1:1", token_file="t", state_dir=sys.argv[1])
 opts = dict(subscription_id="s", resource_group="r", location="l", vm_size="v", subnet_id="n",
             ssh_public_key="k")
@@ -223,10 +223,10 @@ def test_extras_reached_without_their_packages_say_which_pip_install(tmp_path):
 
 AZURE_SUBMIT = r"""
 import sys
-from manager.context import ManagerConfig, ManagerError
-from manager.controller import Manager
-from manager.jobspec import JobSpec, spec_to_pb
-from manager.store import Store
+from manager.domain.context import ManagerConfig, ManagerError
+from manager.domain.controller import Manager
+from manager.domain.jobspec import JobSpec, spec_to_pb
+from manager.domain.store import Store
 
 d = sys.argv[1]
 mgr = Manager(Store(d + "/state.sqlite"),

@@ -1,7 +1,7 @@
-"""Calibration at job start (Note [Calibration at job start] in manager/controller.py): the job
+"""Calibration at job start (Note [Calibration at job start] in manager/domain/controller.py): the job
 spec's [profile] table, the manager ordering one VM's agent to run varuna-profile, storing and
 reusing the result across restarts, timeouts, failures, lost VMs; the agent's side of a run
-(manager/calibrate.py) with real processes; the local provider's changing spot capacity.
+(manager/agent/calibrate.py) with real processes; the local provider's changing spot capacity.
 
 The control loop runs on a fake clock with simulated agents (tests/test_manager_controller.py's
 World); the whole life cycle with real agents, the real profiler and the GPT example is
@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from manager import varuna_manager_pb2 as pb
-from manager.calibrate import ProfileRun, failure_reason
-from manager.calibration_orders import CALIBRATION_MAX_ATTEMPTS
-from manager.context import ManagerError
-from manager.jobspec import JobSpec, ProfileSpec, load_jobspec, spec_from_pb, spec_to_pb
-from manager.providers import ProviderContext
+from manager.agent.calibrate import ProfileRun, failure_reason
+from manager.domain.calibration_orders import CALIBRATION_MAX_ATTEMPTS
+from manager.domain.context import ManagerError
+from manager.domain.jobspec import JobSpec, ProfileSpec, load_jobspec, spec_from_pb, spec_to_pb
+from manager.domain.store import SCHEMA_VERSION, Store
+from manager.providers.base import ProviderContext
 from manager.providers.local import LocalProvider, LocalProviderOptions
-from manager.store import SCHEMA_VERSION, Store
+from manager.transport import varuna_manager_pb2 as pb
 from varuna.core.calibration import Calibration
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -73,7 +73,8 @@ def _profiling_world(
 
 
 @pytest.mark.parametrize(
-    "module", ["manager.jobspec", "manager.calibrate", "manager.store", "manager.policy"]
+    "module",
+    ["manager.domain.jobspec", "manager.agent.calibrate", "manager.domain.store", "manager.domain.policy"],
 )
 def test_docstring_examples(module):
     import doctest

@@ -1,7 +1,7 @@
 """The manager's control loop against simulated VMs, in one process and on a fake clock.
 
 Agents and workers are played by :class:`SimVM`, which calls the manager's RPC methods directly
-and obeys the orders the way ``manager.vm_agent`` does; a :class:`FakeProvider` hands out VM
+and obeys the orders the way ``manager.agent.vm_agent`` does; a :class:`FakeProvider` hands out VM
 names. Nothing sleeps: the clock moves when the test says so. The real agents, workers and
 providers are exercised by tests/test_manager_local.py and tests/test_manager_e2e.py.
 """
@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from manager import varuna_manager_pb2 as pb
-from manager.context import ManagerConfig, ManagerError
-from manager.controller import Manager
-from manager.jobspec import JobSpec, spec_to_pb
-from manager.policy import StutterConfig
-from manager.providers import NewVM
-from manager.store import Store, VMRecord
+from manager.domain.context import ManagerConfig, ManagerError
+from manager.domain.controller import Manager
+from manager.domain.jobspec import JobSpec, spec_to_pb
+from manager.domain.policy import StutterConfig
+from manager.domain.store import Store, VMRecord
+from manager.providers.base import NewVM
+from manager.transport import varuna_manager_pb2 as pb
 from varuna.core.calibration import Calibration
 
 
@@ -276,7 +276,7 @@ def test_launch_gathers_max_vms_then_plans_largest_layout(tmp_path):
     assert env["RANK"] == "3" and env["WORLD_SIZE"] == "4" and env["VARUNA_RESUME"] == "auto"
     assert env["VARUNA_CHECKPOINT_DIR"] == str(tmp_path / "ckpt") and env["VARUNA_CHECKPOINT_EVERY"] == "2"
     assert env["VARUNA_JOB_ID"] == job and env["VARUNA_GENERATION"] == "1"
-    assert list(vm.launches[3].argv[:2]) == ["-m", "manager.worker_shim"]
+    assert list(vm.launches[3].argv[:2]) == ["-m", "manager.worker.shim"]
     w.steps(job, 1, 3)
     assert w.store.job(job).step == 3
     assert "training-started" in w.kinds(job)

@@ -1,12 +1,12 @@
 """The job spec's schedule: defaulted from the script's --schedule, validated against the schedule
-kinds, carried over the wire (manager/jobspec.py); its chunks (interleaved kinds) likewise, and
+kinds, carried over the wire (manager/domain/jobspec.py); its chunks (interleaved kinds) likewise, and
 on into the planner's layout and the workers' run plan."""
 
 from __future__ import annotations
 
 import pytest
 
-from manager.jobspec import JobSpec, script_schedule, spec_from_pb, spec_to_pb
+from manager.domain.jobspec import JobSpec, script_schedule, spec_from_pb, spec_to_pb
 
 BASE = dict(script="/t.py", global_batch_size=8, checkpoint_dir="/c", max_vms=2, target_steps=5)
 
@@ -72,10 +72,10 @@ def test_chunks_are_validated_with_one_line_naming_the_fix():
 
 
 def test_chunks_survive_the_wire_and_reach_the_run_plan(tmp_path):
-    from manager.context import ManagerConfig, ManagerContext
-    from manager.morph_planner import MorphPlanner
-    from manager.records import GenerationRecord
-    from manager.store import Store
+    from manager.domain.context import ManagerConfig, ManagerContext
+    from manager.domain.morph_planner import MorphPlanner
+    from manager.domain.records import GenerationRecord
+    from manager.domain.store import Store
 
     spec = JobSpec(**IL, chunks=2, pipeline_depth=2)
     assert spec_from_pb(spec_to_pb(spec)).chunks == 2
@@ -99,7 +99,7 @@ def test_chunks_survive_the_wire_and_reach_the_run_plan(tmp_path):
 
 
 def test_fallback_layout_keeps_room_for_the_chunks():
-    from manager.policy import choose_layout, fallback_layout
+    from manager.domain.policy import choose_layout, fallback_layout
 
     # 8 segments, 2 chunks: P in {2, 4} (P·2 <= 8, P divides 8); 5 slots: 2×2 and 4×1 tie, the
     # smaller P wins.

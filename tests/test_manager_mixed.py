@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from manager import varuna_manager_pb2 as pb
-from manager.jobspec import JobSpec, spec_from_pb, spec_to_pb
-from manager.policy import StutterConfig, predicted_compute_s
-from manager.providers import NewVM
-from manager.vm_types import parse_vm_types, type_options
+from manager.domain.jobspec import JobSpec, spec_from_pb, spec_to_pb
+from manager.domain.policy import StutterConfig, predicted_compute_s
+from manager.domain.vm_types import parse_vm_types, type_options
+from manager.providers.base import NewVM
+from manager.transport import varuna_manager_pb2 as pb
 from varuna.core.batching import check_shares
 from varuna.core.calibration import Calibration
 from varuna.core.env import RunPlan

@@ -17,11 +17,11 @@ import grpc
 import pytest
 
 from manager import cli
-from manager import varuna_manager_pb2 as pb
-from manager import varuna_manager_pb2_grpc as pb_grpc
-from manager.auth import bearer_metadata, load_token
-from manager.client import ClientConfig, ManagerClient
-from manager.server import ManagerServer, ServeConfig
+from manager.transport import varuna_manager_pb2 as pb
+from manager.transport import varuna_manager_pb2_grpc as pb_grpc
+from manager.transport.auth import bearer_metadata, load_token
+from manager.transport.client import ClientConfig, ManagerClient
+from manager.transport.server import ManagerServer, ServeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,8 +78,9 @@ def test_generated_modules_match_the_proto(tmp_path):
     """The committed *_pb2*.py must be what grpc_tools.protoc makes of the committed .proto."""
     from grpc_tools import protoc
 
-    (tmp_path / "manager").mkdir()
-    shutil.copy(ROOT / "manager" / "varuna_manager.proto", tmp_path / "manager")
+    pkg = Path("manager") / "transport"
+    (tmp_path / pkg).mkdir(parents=True)
+    shutil.copy(ROOT / pkg / "varuna_manager.proto", tmp_path / pkg)
     include = str(Path(protoc.__file__).parent / "_proto")
     rc = protoc.main(
         [
@@ -88,15 +89,15 @@ def test_generated_modules_match_the_proto(tmp_path):
             f"-I{include}",
             f"--python_out={tmp_path}",
             f"--grpc_python_out={tmp_path}",
-            str(tmp_path / "manager" / "varuna_manager.proto"),
+            str(tmp_path / pkg / "varuna_manager.proto"),
         ]
     )
     assert rc == 0
     for name in ("varuna_manager_pb2.py", "varuna_manager_pb2_grpc.py"):
-        assert filecmp.cmp(tmp_path / "manager" / name, ROOT / "manager" / name, shallow=False), (
-            f"manager/{name} is stale: run `python -m grpc_tools.protoc -I. --python_out=. "
+        assert filecmp.cmp(tmp_path / pkg / name, ROOT / pkg / name, shallow=False), (
+            f"{pkg / name} is stale: run `python -m grpc_tools.protoc -I. --python_out=. "
             "--grpc_python_out=. "
-            "manager/varuna_manager.proto` in the repository root"
+            "manager/transport/varuna_manager.proto` in the repository root"
         )
 
 

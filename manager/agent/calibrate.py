@@ -1,7 +1,7 @@
 """Calibration on a VM: what an agent runs for a PROFILE order (Note [Calibration at job start]
-in :mod:`manager.controller`).
+in :mod:`manager.domain.controller`).
 
-``python -m manager.calibrate OUT_FILE ARGS...`` is ``varuna-profile ARGS --out OUT_FILE``, with a
+``python -m manager.agent.calibrate OUT_FILE ARGS...`` is ``varuna-profile ARGS --out OUT_FILE``, with a
 parent-death signal tied to the agent (``$VARUNA_AGENT_PID``) first, so the profiler and its
 worker processes die with their VM's agent exactly as training workers do.
 :class:`ProfileRun` is the agent's handle on one such run: it starts it in its own session,
@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from manager.procs import die_with_parent, kill_group, reap
+from manager.common.procs import die_with_parent, kill_group, reap
 
 __all__ = [
     "MAX_CALIBRATION_BYTES",
@@ -102,7 +102,7 @@ class ProfileRun:
         with open(self.log_path, "ab") as log:
             try:
                 self._popen = subprocess.Popen(
-                    [python, "-m", "manager.calibrate", str(self.out), *argv],
+                    [python, "-m", "manager.agent.calibrate", str(self.out), *argv],
                     cwd=cwd or None,
                     env=env,
                     stdin=subprocess.DEVNULL,
@@ -170,11 +170,11 @@ class ProfileRun:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m manager.calibrate OUT_FILE ARGS...``: varuna-profile ARGS --out OUT_FILE."""
+    """``python -m manager.agent.calibrate OUT_FILE ARGS...``: varuna-profile ARGS --out OUT_FILE."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0].startswith("-"):
         print(
-            "usage: python -m manager.calibrate OUT_FILE [varuna-profile arguments without --out]",
+            "usage: python -m manager.agent.calibrate OUT_FILE [varuna-profile arguments without --out]",
             file=sys.stderr,
         )
         return 2

@@ -1,4 +1,4 @@
-"""``python -m manager.vm_agent``: the manager's agent on one VM.
+"""``python -m manager.agent.vm_agent``: the manager's agent on one VM.
 
 It registers the VM with the manager, then heartbeats every ``heartbeat_interval_s`` (liveness,
 the state of its workers, a free port, any eviction notice) and obeys the orders that come back
@@ -6,7 +6,7 @@ in each reply (Note [Orders]). It needs no listening port, and a manager restart
 it keeps its workers running and retries until ``--orphan-timeout`` passes without an answer,
 then kills its workers and exits (so nothing runs forever unsupervised).
 
-Workers (:class:`manager.agent_workers.WorkerPool`) run as ``python -m manager.worker_shim
+Workers (:class:`manager.agent.workers.WorkerPool`) run as ``python -m manager.worker.shim
 SCRIPT ARGS`` (heartbeats, checkpoint interval),
 each in its own session (SIGUSR1/SIGKILL go to its whole process group) and with a parent-death
 signal (set by the shim, ``$VARUNA_AGENT_PID``), so whatever kills the agent — including
@@ -14,7 +14,7 @@ signal (set by the shim, ``$VARUNA_AGENT_PID``), so whatever kills the agent —
 workers too, exactly like a VM that disappears.
 
 Eviction notices: with ``--metadata-url`` a thread polls Azure Scheduled Events
-(:mod:`manager.scheduled_events`). On a Preempt/Terminate notice for this VM the agent at once
+(:mod:`manager.agent.scheduled_events`). On a Preempt/Terminate notice for this VM the agent at once
 sends SIGUSR1 to its workers (every rank then finishes the mini-batch, writes a checkpoint and
 exits 0: the engine agrees on the stop across ranks), without waiting for a manager round trip,
 then reports the notice (a live-morph job's workers instead wait for the manager's ``leave``
@@ -33,7 +33,7 @@ for RUN this VM's workers), so a lost or repeated reply is harmless:
   state over and exit 0; SIGKILL after ``stop_timeout_s``;
 - STOP g: SIGCONT + SIGUSR1 to g's workers once, SIGKILL after ``stop_timeout_s``;
 - KILL g: SIGKILL g's (and older) workers; IDLE: no worker should run, kill strays;
-- PROFILE n: calibrate the job here (once per attempt n, :class:`manager.calibrate.ProfileRun`):
+- PROFILE n: calibrate the job here (once per attempt n, :class:`manager.agent.calibrate.ProfileRun`):
   ``varuna-profile`` with the order's arguments and timeout; the file (or why there is none) goes
   back with ``ReportCalibration``, retried until the manager answers. Any other order stops a
   run still going (the manager no longer wants it);
@@ -55,13 +55,13 @@ from pathlib import Path
 
 import grpc
 
-from manager import varuna_manager_pb2 as pb
-from manager.agent_workers import WorkerPool
-from manager.auth import load_token
-from manager.calibrate import ProfileRun
-from manager.client import ClientConfig, ManagerClient
-from manager.procs import find_free_port
-from manager.scheduled_events import Notice, ScheduledEventsClient
+from manager.agent.calibrate import ProfileRun
+from manager.agent.scheduled_events import Notice, ScheduledEventsClient
+from manager.agent.workers import WorkerPool
+from manager.common.procs import find_free_port
+from manager.transport import varuna_manager_pb2 as pb
+from manager.transport.auth import load_token
+from manager.transport.client import ClientConfig, ManagerClient
 
 __all__ = ["AgentConfig", "VMAgent", "main"]
 
@@ -320,9 +320,9 @@ class VMAgent:
             "VARUNA_MANAGER": self.config.manager,
             "VARUNA_MANAGER_TOKEN_FILE": str(Path(self.config.token_file).resolve()),
             "VARUNA_VM_ID": self.config.vm_id,
-            # The shim asks for a parent-death signal tied to us (manager.procs.die_with_parent).
+            # The shim asks for a parent-death signal tied to us (manager.common.procs.die_with_parent).
             "VARUNA_AGENT_PID": str(os.getpid()),
-            # The workers import manager.worker_shim: make this package importable for them
+            # The workers import manager.worker.shim: make this package importable for them
             # wherever their working directory is.
             "PYTHONPATH": os.pathsep.join(
                 p for p in (str(Path(__file__).resolve().parent.parent), base.get("PYTHONPATH", "")) if p

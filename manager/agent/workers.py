@@ -1,8 +1,8 @@
-"""The worker processes of one VM agent (manager/vm_agent.py): start a generation's workers
+"""The worker processes of one VM agent (manager/agent/vm_agent.py): start a generation's workers
 (from standbys when there are some: Note [Standby]), signal, kill and reap them, and enforce the
 graceful-stop deadline.
 
-Workers run as ``python -m manager.worker_shim SCRIPT ARGS``, each in its own session
+Workers run as ``python -m manager.worker.shim SCRIPT ARGS``, each in its own session
 (SIGUSR1/SIGKILL go to its whole process group) and with a parent-death signal set by the shim.
 
     >>> pool = WorkerPool(worker_env=dict, log_dir=Path("."), python="python3", say=print)
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from manager import varuna_manager_pb2 as pb
-from manager.procs import kill_group, reap, restore_normal_priority
+from manager.common.procs import kill_group, reap, restore_normal_priority
+from manager.transport import varuna_manager_pb2 as pb
 from varuna.core.env import CONTRACT_VARS
 from varuna.launch.live_store import LIVE_NOTICE_ENV
 
@@ -140,7 +140,7 @@ class WorkerPool:
     # every morph. So, once a generation trains (the manager says so in RUN orders: it completed
     # its first step; standbys started earlier would compete with its start-up for the CPU), the
     # agent starts one standby per slot
-    # (``python -m manager.worker_shim --standby``: imports done, then blocked reading stdin) and
+    # (``python -m manager.worker.shim --standby``: imports done, then blocked reading stdin) and
     # hands the next generation's rank to it as one JSON line (argv, environment, directory, log
     # file). A standby is a normal worker from then on: own session, parent-death signal.
 
@@ -181,7 +181,7 @@ class WorkerPool:
             # One per pass: spreading the imports keeps the running generation's steps smooth.
             self._standbys.append(
                 subprocess.Popen(
-                    [self._python, "-m", "manager.worker_shim", "--standby"],
+                    [self._python, "-m", "manager.worker.shim", "--standby"],
                     cwd=self._log_dir,
                     env=env,
                     stdin=subprocess.PIPE,

@@ -100,7 +100,7 @@ def reap(popen: subprocess.Popen, timeout_s: float = 0.0) -> int | None:
 
 def restore_normal_priority(pid: int = 0) -> int:
     """Put every thread of process ``pid`` (0: this one) back to SCHED_OTHER (from the SCHED_IDLE
-    of a standby worker, see :mod:`manager.worker_shim`). Returns the threads that could not be
+    of a standby worker, see :mod:`manager.worker.shim`). Returns the threads that could not be
     changed (gone meanwhile, or no permission)."""
     failed = 0
     task_dir = f"/proc/{pid or 'self'}/task"

@@ -1,12 +1,12 @@
 """What the dashboard shows, as JSON-ready dicts: a narrow, read-only view of the manager's state.
 
-Everything comes from :class:`manager.store.Store` reads that write nothing (rows the store keeps
+Everything comes from :class:`manager.domain.store.Store` reads that write nothing (rows the store keeps
 in memory, ``SELECT`` queries, and the deferred heartbeat values merged in with ``peek_*``
 rather than flushed), plus the manager's own health rule for a VM
-(:meth:`manager.vm_book.VMBook.health`). It never takes the manager's state lock, so a page
+(:meth:`manager.domain.vm_book.VMBook.health`). It never takes the manager's state lock, so a page
 being watched cannot slow the control loop down.
 
-    >>> from manager.store import Store
+    >>> from manager.domain.store import Store
     >>> view = DashboardView(Store(":memory:"), health=lambda vm, now: "healthy")
     >>> view.jobs(), view.job("nope") is None
     ([], True)
@@ -20,11 +20,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from manager.dashboard.gantt import measured_timeline, timeline_json
-from manager.records import GenerationRecord, JobRecord, VMRecord
-from manager.store import Store
+from manager.domain.records import GenerationRecord, JobRecord, VMRecord
+from manager.domain.store import Store
 
 if TYPE_CHECKING:
-    from manager.controller import Manager
+    from manager.domain.controller import Manager
 
 __all__ = ["DashboardView"]
 

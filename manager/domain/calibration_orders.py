@@ -1,5 +1,5 @@
 """Calibration at job start: the PROFILE orders and their results (Note [Calibration at job
-start] in manager/controller.py).
+start] in manager/domain/controller.py).
 
 A job whose spec has ``[profile]`` and no calibration file is calibrated once, on its first
 usable VM (Note [Calibration per VM type]: once per type, on the first VM of each, when the job
@@ -23,11 +23,11 @@ from __future__ import annotations
 import json
 import shlex
 
-from manager import varuna_manager_pb2 as pb
-from manager.context import ManagerContext
-from manager.jobspec import ProfileSpec
-from manager.store import JobRecord, VMRecord
-from manager.vm_types import vm_type_of
+from manager.domain.context import ManagerContext
+from manager.domain.jobspec import ProfileSpec
+from manager.domain.store import JobRecord, VMRecord
+from manager.domain.vm_types import vm_type_of
+from manager.transport import varuna_manager_pb2 as pb
 from varuna.core.calibration import Calibration
 
 __all__ = [

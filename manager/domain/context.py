@@ -1,11 +1,11 @@
 """What every part of the manager works on: the store, the configuration, the clock, one lock,
 per-job soft state, and the few primitives they all use (events, liveness of a VM, ending a job).
 
-The manager is split by job (manager/controller.py composes the parts): VM bookkeeping
-(:mod:`manager.vm_book`), calibration orders (:mod:`manager.calibration_orders`), morph
-planning (:mod:`manager.morph_planner`), the generation life cycle (:mod:`manager.generations`),
-worker reports (:mod:`manager.worker_reports`) and the client requests
-(:mod:`manager.job_requests`). They share one :class:`ManagerContext`; every decision is taken
+The manager is split by job (manager/domain/controller.py composes the parts): VM bookkeeping
+(:mod:`manager.domain.vm_book`), calibration orders (:mod:`manager.domain.calibration_orders`), morph
+planning (:mod:`manager.domain.morph_planner`), the generation life cycle (:mod:`manager.domain.generations`),
+worker reports (:mod:`manager.domain.worker_reports`) and the client requests
+(:mod:`manager.domain.job_requests`). They share one :class:`ManagerContext`; every decision is taken
 under its lock, from the state in the store.
 
     >>> ManagerError(grpc.StatusCode.NOT_FOUND, "no job 'x'").message
@@ -22,12 +22,12 @@ from typing import Any
 
 import grpc
 
-from manager import varuna_manager_pb2 as pb
-from manager.auth import MAX_RECONNECT_BACKOFF_S
-from manager.jobspec import JobSpec, ProfileSpec
-from manager.policy import StutterConfig, StutterDetector
-from manager.providers import Provider, ProviderContext
-from manager.store import GenerationRecord, JobRecord, Store, VMRecord
+from manager.domain.jobspec import JobSpec, ProfileSpec
+from manager.domain.policy import StutterConfig, StutterDetector
+from manager.domain.store import GenerationRecord, JobRecord, Store, VMRecord
+from manager.providers.base import Provider, ProviderContext
+from manager.transport import varuna_manager_pb2 as pb
+from manager.transport.auth import MAX_RECONNECT_BACKOFF_S
 from varuna.core.calibration import Calibration
 
 __all__ = ["LIVE_GENERATION_STATES", "JobCache", "ManagerConfig", "ManagerContext", "ManagerError"]
@@ -91,7 +91,7 @@ class JobCache:
     provider: Provider | None = None
     plans: dict[tuple[Any, ...], Any] = field(default_factory=dict)
     """Layouts per slot tuple (LayoutPlan or why nothing fits); with mixed VM types also the mixed
-    placement per (slots, types) (``manager.morph_planner.MorphPlanner.place``)."""
+    placement per (slots, types) (``manager.domain.morph_planner.MorphPlanner.place``)."""
     launches: dict[int, dict[str, list[pb.WorkerLaunch]]] = field(
         default_factory=dict
     )  # gen -> vm -> workers
@@ -115,7 +115,7 @@ class JobCache:
 
 class ManagerContext:
     """The shared state of the manager's parts (module docstring). ``provider_factory`` and
-    ``clock`` (wall-clock seconds) come from :class:`manager.controller.Manager`; tests give a
+    ``clock`` (wall-clock seconds) come from :class:`manager.domain.controller.Manager`; tests give a
     fake cloud and a clock that moves only when they say so.
 
     Example::
@@ -143,14 +143,14 @@ class ManagerContext:
         #: Liveness is judged from max(last heartbeat, this + the reconnect allowance): a manager
         #: that was down longer than T must not declare every VM gone the moment it comes back,
         #: nor one whose last heartbeat times died with the old process before they were written
-        #: (they are deferred: Note [Deferred writes] in manager/record_cache.py). Reset by
+        #: (they are deferred: Note [Deferred writes] in manager/domain/record_cache.py). Reset by
         #: :meth:`serving` once the RPC server listens.
         self.started_at = clock()
         self._provider_factory = provider_factory
         self._jobs: dict[str, JobCache] = {}
-        #: The shared pool (manager.pool_rounds.PoolRounds) when serving with --pool, else None.
+        #: The shared pool (manager.domain.pool_rounds.PoolRounds) when serving with --pool, else None.
         self.pool: Any = None
-        #: Live morph's stores and decisions (manager.live_runs.LiveRuns), set by the Manager.
+        #: Live morph's stores and decisions (manager.domain.live_runs.LiveRuns), set by the Manager.
         self.live: Any = None
         self.provider_context = ProviderContext(
             manager_address=config.advertise_address,

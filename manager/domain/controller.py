@@ -1,19 +1,19 @@
 """The manager's brain: the job life cycle, VM liveness, morphs (paper §4.6).
 
-A :class:`Manager` owns the :class:`~manager.store.Store` and a control loop that runs every
+A :class:`Manager` owns the :class:`~manager.domain.store.Store` and a control loop that runs every
 ``tick_s``; the gRPC handlers call its methods (``submit``, ``vm_heartbeat``...). It is a thin
-facade over parts with one job each, sharing one :class:`~manager.context.ManagerContext`:
+facade over parts with one job each, sharing one :class:`~manager.domain.context.ManagerContext`:
 
-- :class:`~manager.vm_book.VMBook`: registration, agent heartbeats and their orders, lost VMs,
+- :class:`~manager.domain.vm_book.VMBook`: registration, agent heartbeats and their orders, lost VMs,
   asking the provider for VMs;
-- :class:`~manager.calibration_orders.CalibrationOrders`: calibration at job start;
-- :class:`~manager.morph_planner.MorphPlanner`: P×D for the usable VMs (auto-config for the
+- :class:`~manager.domain.calibration_orders.CalibrationOrders`: calibration at job start;
+- :class:`~manager.domain.morph_planner.MorphPlanner`: P×D for the usable VMs (auto-config for the
   job's schedule), the grow rule, each generation's worker launches and run plan;
-- :class:`~manager.generations.JobController`: the generation life cycle (launch, supervise,
+- :class:`~manager.domain.generations.JobController`: the generation life cycle (launch, supervise,
   stop, kill, relaunch, finish);
-- :class:`~manager.worker_reports.WorkerReports`: worker heartbeats (progress, morph latency,
+- :class:`~manager.domain.worker_reports.WorkerReports`: worker heartbeats (progress, morph latency,
   fail-stutter);
-- :class:`~manager.job_requests.JobRequests`: submit, cancel, status, events.
+- :class:`~manager.domain.job_requests.JobRequests`: submit, cancel, status, events.
 
 All decisions are taken under one lock, from the state in the store, so a restarted manager
 picks up where the old one stopped; provider calls (which may take seconds on a cloud) run
@@ -37,7 +37,7 @@ a worker exits non-zero    kill the generation; relaunch once every other VM of 
                            alive after the failure (or was declared gone)
 eviction notice on a VM    graceful stop (the agent already sent SIGUSR1); relaunch without it
 VM lost, ``live_morph``    the survivors regroup in place when every stage kept a replica
-job                        (manager/live_runs.py); else the kill + relaunch above
+job                        (manager/domain/live_runs.py); else the kill + relaunch above
 fail-stutter slow worker   graceful stop; relaunch without its VM
 new VMs and ≥ X % gain     graceful stop; relaunch on more VMs (grow)
 cancel                     graceful stop; delete the VMs
@@ -71,20 +71,20 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from manager import varuna_manager_pb2 as pb
-from manager.calibration_orders import CalibrationOrders
-from manager.context import ManagerConfig, ManagerContext
-from manager.generations import JobController
-from manager.job_requests import JobRequests
-from manager.live_runs import LiveRuns
-from manager.morph_planner import MorphPlanner
-from manager.pool_config import PoolConfig
-from manager.pool_rounds import PoolRounds
-from manager.pool_store import PoolStore
-from manager.providers import Provider, ProviderContext, make_provider
-from manager.store import JobRecord, Store
-from manager.vm_book import VMBook
-from manager.worker_reports import WorkerReports
+from manager.domain.calibration_orders import CalibrationOrders
+from manager.domain.context import ManagerConfig, ManagerContext
+from manager.domain.generations import JobController
+from manager.domain.job_requests import JobRequests
+from manager.domain.live_runs import LiveRuns
+from manager.domain.morph_planner import MorphPlanner
+from manager.domain.pool_config import PoolConfig
+from manager.domain.pool_rounds import PoolRounds
+from manager.domain.pool_store import PoolStore
+from manager.domain.store import JobRecord, Store
+from manager.domain.vm_book import VMBook
+from manager.domain.worker_reports import WorkerReports
+from manager.providers.base import Provider, ProviderContext, make_provider
+from manager.transport import varuna_manager_pb2 as pb
 
 __all__ = ["CHECKPOINT_EVERY_S", "Manager"]
 
@@ -176,7 +176,7 @@ class Manager:
                 traceback.print_exc(file=sys.stderr)
             self._stop.wait(self.config.tick_s)
 
-    # -- RPCs (manager/server.py) --------------------------------------------------------------
+    # -- RPCs (manager/transport/server.py) --------------------------------------------------------------
 
     def submit(self, msg: pb.JobSpec) -> str:
         """A new job from ``varuna-manager submit``; returns its id."""
@@ -248,7 +248,7 @@ class Manager:
                 except Exception as exc:
                     self.vms.provider_error(job, str(exc))
         # The heartbeats' deferred values, one transaction per tick (Note [Deferred writes] in
-        # manager/record_cache.py), and the WAL checkpoint about once a second: outside the
+        # manager/domain/record_cache.py), and the WAL checkpoint about once a second: outside the
         # state lock, so RPCs are answered meanwhile.
         ctx.store.flush()
         if time.monotonic() - self._checkpointed >= CHECKPOINT_EVERY_S:

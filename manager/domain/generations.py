@@ -1,5 +1,5 @@
 """The job controller: the life cycle of a job's generations (Note [Generations] in
-manager/controller.py): launch one when none is live, supervise it, stop it gracefully or kill
+manager/domain/controller.py): launch one when none is live, supervise it, stop it gracefully or kill
 it, record its end, and finish the job.
 
 Each method takes one step from the state in the store (callers hold ``ctx.lock``), so the
@@ -16,11 +16,11 @@ import dataclasses
 import json
 from typing import Any
 
-from manager.calibration_orders import CalibrationOrders
-from manager.context import ManagerContext
-from manager.live_members import LiveMembers
-from manager.morph_planner import MorphPlanner, Placement
-from manager.store import GenerationRecord, JobRecord, VMRecord
+from manager.domain.calibration_orders import CalibrationOrders
+from manager.domain.context import ManagerContext
+from manager.domain.live_members import LiveMembers
+from manager.domain.morph_planner import MorphPlanner, Placement
+from manager.domain.store import GenerationRecord, JobRecord, VMRecord
 
 __all__ = ["JobController", "vm_progress"]
 
@@ -102,7 +102,7 @@ class JobController:
         now: float,
     ) -> None:
         if failed and self.ctx.live_morph_job(job) and self.ctx.live.on_failure(job, gen, failed, now):
-            return  # the survivors go on in their processes (manager/live_runs.py)
+            return  # the survivors go on in their processes (manager/domain/live_runs.py)
         if failed:
             what = ", ".join(
                 f"{vm.vm_id} ({'gone' if vm.state != 'up' else 'worker failed'})" for vm in failed

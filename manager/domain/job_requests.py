@@ -14,12 +14,12 @@ import secrets
 
 import grpc
 
-from manager import varuna_manager_pb2 as pb
-from manager.calibration_orders import CalibrationOrders, calibration_state
-from manager.context import ManagerContext, ManagerError
-from manager.jobspec import JobSpec, spec_from_pb
-from manager.store import GenerationRecord, JobRecord, VMRecord, WorkerStatRecord
-from manager.vm_book import VMBook
+from manager.domain.calibration_orders import CalibrationOrders, calibration_state
+from manager.domain.context import ManagerContext, ManagerError
+from manager.domain.jobspec import JobSpec, spec_from_pb
+from manager.domain.store import GenerationRecord, JobRecord, VMRecord, WorkerStatRecord
+from manager.domain.vm_book import VMBook
+from manager.transport import varuna_manager_pb2 as pb
 from varuna.core.calibration import Calibration
 from varuna.core.extras import MissingExtra, require_extra
 

@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from manager.vm_types import VMTypeSpec, check_type_options, parse_vm_types
+from manager.domain.vm_types import VMTypeSpec, check_type_options, parse_vm_types
 from varuna.core.schedule import SCHEDULE_KINDS, chunks_problem, schedule_kind
 from varuna.launch.spec import default_max_procs_per_host
 
@@ -251,7 +251,7 @@ class JobSpec:
     weight: float = 1.0
     """Priority in the pool: a job of weight 2 gets twice the normalised throughput (``las``)."""
     vm_types: list[dict[str, Any]] = field(default_factory=list)
-    """``[[vm_types]]``: a pool of several VM types for this job (:mod:`manager.vm_types`); empty:
+    """``[[vm_types]]``: a pool of several VM types for this job (:mod:`manager.domain.vm_types`); empty:
     one type. ``max_vms`` is then the sum of the types' ``max_vms``."""
     live_morph: bool = False
     """Morph without a restart (docs/manager.md, Live morph): when a VM is lost and every stage
@@ -553,8 +553,7 @@ def load_jobspec(path: str | os.PathLike) -> JobSpec:
 def spec_to_pb(spec: JobSpec, calibration_json: str = "") -> Any:
     """The wire form of ``spec`` (a ``varuna_manager_pb2.JobSpec``); ``calibration_json`` is the
     calibration file's content, sent along because the manager may not see the submitter's files."""
-    from manager import varuna_manager_pb2 as pb
-
+    from manager.transport import varuna_manager_pb2 as pb
     return pb.JobSpec(
         name=spec.name,
         script=spec.script,

@@ -26,8 +26,8 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from manager.live_morph import ranks_by_vm
-from manager.records import VMRecord
+from manager.domain.live_morph import ranks_by_vm
+from manager.domain.records import VMRecord
 
 __all__ = ["LiveMembers"]
 

@@ -11,7 +11,7 @@ requested layout: ``varuna.runtime.live_morph.declare_dead`` / ``request_layout`
 
 Example::
 
-    >>> from manager.policy import LayoutPlan
+    >>> from manager.domain.policy import LayoutPlan
     >>> plan = lambda slots: LayoutPlan(pipeline_depth=1, data_parallel=sum(slots), micro_batch_size=0,
     ...                                 predicted_samples_per_s=1.0, source="fallback")
     >>> d = decide(plan, pipeline_depth=2, data_parallel=2, slots={"vm0": 2, "vm1": 2},
@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from manager.policy import LayoutPlan
+from manager.domain.policy import LayoutPlan
 from varuna.core.env import stage_and_replica
 
 __all__ = ["LiveMorphDecision", "decide", "decide_notice", "ranks_by_vm", "record", "tell_workers"]
@@ -82,7 +82,7 @@ def decide(
     (``slots[vm]`` workers each) that lost ``lost_vm_ids``. ``plan(slots)``: the job's P×D for VMs
     with those workers (``MorphPlanner.plan`` bound to the job: the simulator); it sees the
     surviving VMs, each with as many slots as it has survivors. ``members``: each VM's live member
-    ids when known (``manager.live_members``; default: the launch placement). ``check_stages``:
+    ids when known (``manager.domain.live_members``; default: the launch placement). ``check_stages``:
     refuse here when a stage lost every replica; only right while member id = rank (no live morph
     yet) — after one, the workers find that out themselves (exit 75, the restart path)."""
     placed = members if members is not None else ranks_by_vm(vm_ids, slots, pipeline_depth * data_parallel)
@@ -117,7 +117,7 @@ def decide_notice(
     finish their step, send what only they hold to the workers that stay and exit 0, so a stage
     they held whole is not lost; it needs at least one worker that stays and a layout for those.
 
-    >>> from manager.policy import LayoutPlan
+    >>> from manager.domain.policy import LayoutPlan
     >>> plan = lambda slots: LayoutPlan(pipeline_depth=1, data_parallel=sum(slots), micro_batch_size=0,
     ...                                 predicted_samples_per_s=1.0, source="fallback")
     >>> d = decide_notice(plan, members={"a": [0], "b": [1]}, vm_ids=["a", "b"], leaving_vm_ids=["b"])

@@ -10,7 +10,7 @@ when the job ends and when the manager stops (the store's server thread ends wit
 handle, and the listening socket is closed with it).
 
 When VMs of a running generation are lost (no heartbeat for T, or the provider says gone),
-:meth:`LiveRuns.on_failure` asks :func:`manager.live_morph.decide`. Live: the dead ranks and the
+:meth:`LiveRuns.on_failure` asks :func:`manager.domain.live_morph.decide`. Live: the dead ranks and the
 simulator's P×D go into the store (``tell_workers``), the generation keeps running on the
 surviving VMs at the new P×D (updated in place: no kill, no relaunch), and the ``live-morph``
 event is written once a survivor reports a step past the one in flight (its ``duration_s``:
@@ -23,7 +23,7 @@ first, then the VM is marked ``leaving`` (its agent's RUN orders say ``leave``: 
 to its workers, which finish the step, hand over and exit 0); :meth:`LiveRuns.drop_leavers` takes
 it out of the generation once they exited 0. Growth (:meth:`LiveRuns.on_grow`): new VMs join the
 running generation, their workers started as joiners with fresh member ids. The generation's
-members (``manager.live_members.LiveMembers``) change in the same write as its VMs and P×D.
+members (``manager.domain.live_members.LiveMembers``) change in the same write as its VMs and P×D.
 
 A frozen member (:meth:`LiveRuns.drop_frozen`): its peers declared it dead for lack of heartbeats
 (``varuna.runtime.live_watch.frozen_verdict``) and regrouped without it; the manager, polling the
@@ -42,12 +42,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from manager import live_morph
-from manager.context import ManagerContext
-from manager.live_members import LiveMembers
-from manager.morph_planner import MorphPlanner
-from manager.policy import LayoutPlan
-from manager.store import GenerationRecord, JobRecord, VMRecord
+from manager.domain import live_morph
+from manager.domain.context import ManagerContext
+from manager.domain.live_members import LiveMembers
+from manager.domain.morph_planner import MorphPlanner
+from manager.domain.policy import LayoutPlan
+from manager.domain.store import GenerationRecord, JobRecord, VMRecord
 from varuna.launch.supervisor import PEER_LOST_EXIT_CODE
 
 __all__ = ["LiveRuns", "PendingMorph"]

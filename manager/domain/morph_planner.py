@@ -1,7 +1,7 @@
 """Morph planning: which P×D to run on the usable VMs, whether growing onto new VMs pays, and
 what each VM of a generation runs (its workers' command lines and the run plan they get).
 
-The decisions themselves are the pure functions of :mod:`manager.policy` (the simulator's
+The decisions themselves are the pure functions of :mod:`manager.domain.policy` (the simulator's
 auto-config, for the schedule the job runs, or the fallback rule); this part feeds them the
 job's state and caches their answers per set of VMs.
 
@@ -15,13 +15,13 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from manager import varuna_manager_pb2 as pb
-from manager.calibration_orders import type_calibrations
-from manager.context import ManagerContext
-from manager.live_members import LiveMembers
-from manager.policy import LayoutPlan, choose_layout, grow_gain
-from manager.store import GenerationRecord, JobRecord, VMRecord
-from manager.vm_types import vm_type_of
+from manager.domain.calibration_orders import type_calibrations
+from manager.domain.context import ManagerContext
+from manager.domain.live_members import LiveMembers
+from manager.domain.policy import LayoutPlan, choose_layout, grow_gain
+from manager.domain.store import GenerationRecord, JobRecord, VMRecord
+from manager.domain.vm_types import vm_type_of
+from manager.transport import varuna_manager_pb2 as pb
 from varuna.core.calibration import Calibration
 from varuna.core.env import RunPlan
 from varuna.launch.live_store import LIVE_JOIN_ENV, LIVE_NOTICE_ENV, LIVE_STORE_ENV
@@ -279,7 +279,7 @@ class MorphPlanner:
         specs = plan_workers(
             config, hosts, master_port=gen.master_port, launcher_environ={}, cwd=spec.workdir
         )
-        argv = ["-m", "manager.worker_shim", *(["-m"] if spec.module else []), spec.script, *spec.args]
+        argv = ["-m", "manager.worker.shim", *(["-m"] if spec.module else []), spec.script, *spec.args]
         out: dict[str, list[pb.WorkerLaunch]] = {}
         for s in specs:
             vm_id = gen.vm_ids[s.env.host_id]

@@ -34,10 +34,10 @@ from manager.allocation.policies import Allocation, AllocationProblem, Job, solv
 from manager.allocation.pool import PoolVM
 from manager.allocation.rounds import Placement, RoundScheduler
 from manager.allocation.throughput import JobProfile, ThroughputMatrix, ThroughputModel
-from manager.context import ManagerContext
-from manager.pool_config import PoolConfig
-from manager.pool_store import PoolJobState, PoolStore
-from manager.store import GenerationRecord, JobRecord, VMRecord
+from manager.domain.context import ManagerContext
+from manager.domain.pool_config import PoolConfig
+from manager.domain.pool_store import PoolJobState, PoolStore
+from manager.domain.store import GenerationRecord, JobRecord, VMRecord
 
 __all__ = ["PoolRounds", "cfg_key", "slots"]
 
@@ -139,7 +139,7 @@ class PoolRounds:
         self, job: JobRecord, vms: list[VMRecord], now: float
     ) -> tuple[int, int, dict[str, Any] | None]:
         """Delete the job's VMs its placement does not use (once no generation runs on them);
-        returns what :meth:`manager.vm_book.VMBook.maintain_pool` asks the provider for: (VMs
+        returns what :meth:`manager.domain.vm_book.VMBook.maintain_pool` asks the provider for: (VMs
         wanted, slots per VM, the type's options)."""
         ctx = self.ctx
         gen = ctx.live_generation(job)
@@ -164,8 +164,7 @@ class PoolRounds:
 
     def share(self, job: JobRecord) -> Any:
         """The job's ``PoolShare`` for ``status``."""
-        from manager import varuna_manager_pb2 as pb
-
+        from manager.transport import varuna_manager_pb2 as pb
         s = self.state.jobs.get(job.job_id) or PoolJobState()
         return pb.PoolShare(
             vm_type=s.vm_type,

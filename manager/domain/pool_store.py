@@ -1,7 +1,7 @@
 """The shared pool's state in the manager's one SQLite file (docs/pool.md), so a restarted
 manager carries on with the same allocation, round counters, measured corrections and placements.
 
-Two tables (schema version 3 of :mod:`manager.store`, which creates them): ``pool_state`` holds
+Two tables (schema version 3 of :mod:`manager.domain.store`, which creates them): ``pool_state`` holds
 the pool-wide values (the config, the round index and when the next round is due, the round
 scheduler's counters), ``pool_jobs`` one row per pool job (its placement, allocation, predicted
 and measured throughput, correction factors and measured morph time). The manager keeps the

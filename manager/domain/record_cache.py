@@ -1,8 +1,8 @@
 """The store's memory: the rows the manager reads on every RPC, and the writes it defers.
 
 The manager is the only writer of its state file (a flock keeps one manager per file,
-manager/daemon_lock.py), so a copy of the rows in memory, changed by the same calls that
-change the file, never goes stale. :class:`manager.store.Store` keeps one; this module is the
+manager/common/daemon_lock.py), so a copy of the rows in memory, changed by the same calls that
+change the file, never goes stale. :class:`manager.domain.store.Store` keeps one; this module is the
 bookkeeping, with no SQL:
 
 - every job row, and the generation rows read so far (read-through);
@@ -10,7 +10,7 @@ bookkeeping, with no SQL:
   no query);
 - **deferred writes** (Note [Deferred writes]): heartbeat times and ports, worker stats and
   progress points, applied here at once and written to the file in one batch by the next
-  :meth:`manager.store.Store.flush`.
+  :meth:`manager.domain.store.Store.flush`.
 
 Note [Deferred writes]: at 1,000 VMs the manager takes about 1,500 heartbeats a second, and
 with one SQLite transaction each it spent its time committing (docs/reliability.md, the
@@ -28,7 +28,7 @@ that are too old. That is safe because a restarted manager judges liveness from
 heartbeats the old process heard but did not write; the next heartbeat brings the port and
 the worker stats back, and a lost progress point only leaves a gap in the throughput history.
 
-    >>> from manager.records import VMRecord
+    >>> from manager.domain.records import VMRecord
     >>> cache = RecordCache()
     >>> cache.load_job_vms("j", [VMRecord(vm_id="v", job_id="j", provider="local", seq=1,
     ...                                   state="up", slots=1, created=0.0)])
@@ -47,7 +47,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from manager.records import GenerationRecord, JobRecord, ProgressRecord, VMRecord, WorkerStatRecord
+from manager.domain.records import GenerationRecord, JobRecord, ProgressRecord, VMRecord, WorkerStatRecord
 
 __all__ = ["PendingWrites", "RecordCache"]
 

@@ -1,4 +1,4 @@
-"""The rows of the manager's state file as records (:mod:`manager.store` reads and writes them).
+"""The rows of the manager's state file as records (:mod:`manager.domain.store` reads and writes them).
 
 :class:`VMRecord` and :class:`GenerationRecord` are frozen: the store hands out the same
 snapshot to every reader (no copy per RPC) and replaces it, never changes it, when the row
@@ -53,7 +53,7 @@ class JobRecord:
     """Counter for VM names."""
     calibration_state: str = ""
     """given | none | pending | profiling | done | failed (Note [Calibration at job start] in
-    :mod:`manager.controller`); '' in rows written before it existed."""
+    :mod:`manager.domain.controller`); '' in rows written before it existed."""
     calibration_source: str = ""
     """Where the calibration came from, for people (``status``)."""
     calibration_attempt: int = 0
@@ -105,7 +105,7 @@ class GenerationRecord:
     """Mixed VM types: the generation's plan (``rank_hosts``, ``replica_shares``,
     ``stage_speeds``, ``rank_types``) as JSON; '' for VMs of one type."""
     live_json: str = ""
-    """A live-morph generation's members (``manager.live_members.LiveMembers`` as JSON: each VM's
+    """A live-morph generation's members (``manager.domain.live_members.LiveMembers`` as JSON: each VM's
     member ids, the next unused id, joiners, leaving VMs); '' otherwise."""
 
     @cached_property

@@ -12,12 +12,12 @@ in WAL mode keeps the database consistent on a crash and may lose only the last 
 power cut; heartbeats repeat every second, so nothing of value is lost. The WAL is copied into
 the database by :meth:`Store.checkpoint`, which the control loop calls, never inside a commit.
 
-Reads are served from memory (:class:`manager.record_cache.RecordCache`): this process is the
+Reads are served from memory (:class:`manager.domain.record_cache.RecordCache`): this process is the
 only writer of the file, so the copy is changed by the same calls that change the file and never
 goes stale. What a heartbeat only repeats (when a VM was heard from, its free port, a worker's
 latest compute times, a throughput point) is *deferred*: kept in memory and written by
 :meth:`Store.flush`, which the control loop calls every tick — one transaction for all of them
-instead of one per heartbeat (Note [Deferred writes] in manager/record_cache.py says why a crash
+instead of one per heartbeat (Note [Deferred writes] in manager/domain/record_cache.py says why a crash
 between two flushes is harmless). Every other write reaches the file before the call returns.
 
 Times are wall-clock seconds (``time.time()``): they must mean the same after a restart.
@@ -42,9 +42,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from manager.pool_store import POOL_SCHEMA
-from manager.record_cache import RecordCache
-from manager.records import (
+from manager.domain.pool_store import POOL_SCHEMA
+from manager.domain.record_cache import RecordCache
+from manager.domain.records import (
     EventRecord,
     GenerationRecord,
     JobRecord,
@@ -75,7 +75,7 @@ _ADDED_COLUMNS = {
         ("jobs", "calibration_vm", "TEXT NOT NULL DEFAULT ''"),
         ("jobs", "calibration_started", "REAL"),
     ],
-    # 3: the shared pool's tables (manager/pool_store.py), created by _SCHEMA on open.
+    # 3: the shared pool's tables (manager/domain/pool_store.py), created by _SCHEMA on open.
     4: [  # mixed VM types (issue #19): calibration per type, each generation's mixed plan
         ("jobs", "type_calibrations_json", "TEXT NOT NULL DEFAULT ''"),
         ("jobs", "calibration_type", "TEXT NOT NULL DEFAULT ''"),
@@ -564,7 +564,7 @@ class Store(_ReadOnlyQueries):
     def note_vm(self, vm_id: str, **values: Any) -> None:
         """Change values of the VM's row that its agent repeats every heartbeat
         (``last_heartbeat``, ``free_port``): in memory now, on the file at the next
-        :meth:`flush` (Note [Deferred writes] in manager/record_cache.py). Callers serialise
+        :meth:`flush` (Note [Deferred writes] in manager/domain/record_cache.py). Callers serialise
         their changes of one VM (the manager's state lock): a newer :meth:`update_vm` of the same
         column must not race with this."""
         if self.vm(vm_id) is None:

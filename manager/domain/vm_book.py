@@ -3,7 +3,7 @@
 the VMs a job still lacks.
 
 An agent's heartbeat reply is the full desired state of its VM (Note [Orders] in
-manager/vm_agent.py): RUN the generation's workers, STOP, KILL, PROFILE, IDLE or SHUTDOWN.
+manager/agent/vm_agent.py): RUN the generation's workers, STOP, KILL, PROFILE, IDLE or SHUTDOWN.
 
     >>> VMBook.__name__
     'VMBook'
@@ -16,14 +16,14 @@ from typing import Any
 
 import grpc
 
-from manager import varuna_manager_pb2 as pb
-from manager.calibration_orders import CalibrationOrders
-from manager.context import ManagerContext, ManagerError
-from manager.generations import JobController
-from manager.morph_planner import MorphPlanner
-from manager.store import JobRecord, VMRecord
-from manager.vm_types import type_options as options_of_type
-from manager.vm_types import vm_type_of
+from manager.domain.calibration_orders import CalibrationOrders
+from manager.domain.context import ManagerContext, ManagerError
+from manager.domain.generations import JobController
+from manager.domain.morph_planner import MorphPlanner
+from manager.domain.store import JobRecord, VMRecord
+from manager.domain.vm_types import type_options as options_of_type
+from manager.domain.vm_types import vm_type_of
+from manager.transport import varuna_manager_pb2 as pb
 
 __all__ = ["VMBook"]
 
@@ -165,7 +165,7 @@ class VMBook:
             changes = self._heartbeat_values(job, vm, req, now)
             # What only repeats what the manager knows (most heartbeats) costs no transaction:
             # the time heard from and the free port are deferred (Note [Deferred writes] in
-            # manager/record_cache.py); any other change is written at once, with them.
+            # manager/domain/record_cache.py); any other change is written at once, with them.
             soft = {"last_heartbeat": now, "free_port": req.free_port}
             if changes:
                 ctx.store.update_vm(vm.vm_id, **changes, **soft)

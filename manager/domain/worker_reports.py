@@ -2,7 +2,7 @@
 
 They carry the job's progress (step, throughput, loss), the first step of a generation (which
 ends a morph: its latency is measured here), and per-worker compute times, which feed the
-fail-stutter rule (paper §4.6; :class:`manager.policy.StutterDetector`).
+fail-stutter rule (paper §4.6; :class:`manager.domain.policy.StutterDetector`).
 
     >>> WorkerReports.__name__
     'WorkerReports'
@@ -15,12 +15,12 @@ from typing import Any
 
 import grpc
 
-from manager import varuna_manager_pb2 as pb
-from manager.calibration_orders import type_calibrations
-from manager.context import ManagerContext, ManagerError
-from manager.policy import predicted_compute_s
-from manager.store import GenerationRecord, JobRecord, ProgressRecord, WorkerStatRecord
-from manager.vm_types import vm_type_of
+from manager.domain.calibration_orders import type_calibrations
+from manager.domain.context import ManagerContext, ManagerError
+from manager.domain.policy import predicted_compute_s
+from manager.domain.store import GenerationRecord, JobRecord, ProgressRecord, WorkerStatRecord
+from manager.domain.vm_types import vm_type_of
+from manager.transport import varuna_manager_pb2 as pb
 from varuna.core.calibration import Calibration
 
 __all__ = ["WorkerReports"]
@@ -167,7 +167,7 @@ class WorkerReports:
         """``calibration``'s compute time for this worker's segments, when it can say.
 
         ``end_segment`` is the stage's last segment, included (Note [Stage ranges on the wire]
-        in manager/varuna_manager.proto): summing up to it excluded left one segment out, so a
+        in manager/transport/varuna_manager.proto): summing up to it excluded left one segment out, so a
         healthy stage looked slower than predicted and its VM was evicted."""
         if calibration is None or req.end_segment < req.first_segment or req.micro_batch_size <= 0:
             return None

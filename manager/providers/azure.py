@@ -17,8 +17,9 @@ network SDK too.
 
 The agent is started by cloud-init from the scale set's ``customData``: it writes the bearer
 token to ``/etc/varuna/token`` (mode 600), runs ``setup_command`` (e.g. ``pip install
-'varuna[manager]==X'``) and starts ``python3 -m manager.vm_agent``. Note that ``customData`` is readable by
-anyone who can read the scale set in the subscription; use a dedicated token per deployment.
+'varuna[manager]==X'``) and starts ``python3 -m manager.agent.vm_agent``. Note that
+``customData`` is readable by anyone who can read the scale set in the subscription; use a
+dedicated token per deployment.
 
 Note [One scale set per VM type]: a job with several VM types (``[[vm_types]]``, issue #19) gets
 one scale set per type, ``<scale set>-<type>``, created with that type's ``vm_size`` (and
@@ -41,10 +42,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from manager.providers import NewVM, ProviderContext
-from manager.scheduled_events import DEFAULT_METADATA_URL
-from manager.store import VMRecord
-from manager.vm_types import TYPE_PROVIDER_OPTIONS
+from manager.agent.scheduled_events import DEFAULT_METADATA_URL
+from manager.domain.store import VMRecord
+from manager.domain.vm_types import TYPE_PROVIDER_OPTIONS
+from manager.providers.base import NewVM, ProviderContext
 from varuna.core.extras import require_extra
 
 __all__ = ["AzureProvider", "AzureProviderOptions", "agent_custom_data"]
@@ -110,7 +111,7 @@ def agent_custom_data(
     agent = [
         options.python,
         "-m",
-        "manager.vm_agent",
+        "manager.agent.vm_agent",
         "--manager",
         context.manager_address,
         "--token-file",
@@ -198,7 +199,7 @@ class AzureProvider:
 
     def _read_token(self) -> str:
         if self._token is None:
-            from manager.auth import load_token
+            from manager.transport.auth import load_token
 
             self._token = load_token(self.context.token_file)
         return self._token

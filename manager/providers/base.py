@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from manager.store import VMRecord
+from manager.domain.store import VMRecord
 
 __all__ = ["NewVM", "Provider", "ProviderContext", "make_provider"]
 

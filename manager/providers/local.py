@@ -1,10 +1,10 @@
-"""Pretend VMs on this machine: each is a ``manager.vm_agent`` process in its own session.
+"""Pretend VMs on this machine: each is a ``manager.agent.vm_agent`` process in its own session.
 
 A pretend VM is the agent's process group; its workers have a parent-death signal tied to the
 agent, so ``kill -9 -PGID`` (the agent's pid) takes the whole VM down at once, like a spot
 eviction without notice. The agents deliberately do *not* die with the manager: a restarted
 manager finds them again through the pid and start time kept in the state file (Note [Process
-identity] in :mod:`manager.procs`), and an agent that loses its manager for
+identity] in :mod:`manager.common.procs`), and an agent that loses its manager for
 ``orphan_timeout_s`` exits on its own.
 
 Options (the job spec's ``provider_options``):
@@ -23,8 +23,8 @@ Options (the job spec's ``provider_options``):
     file is a provider error (the manager logs it and retries).
 ``standby``
     Agents keep pre-imported standby workers for the next generation (default true; see Note
-    [Standby] in :mod:`manager.vm_agent`), started ``standby_delay_s`` (1) after a generation's first step,
-    importing at ``standby_priority`` (``idle`` or ``normal``).
+    [Standby] in :mod:`manager.agent.vm_agent`), started ``standby_delay_s`` (1) after a
+    generation's first step, importing at ``standby_priority`` (``idle`` or ``normal``).
 ``python``
     Interpreter for the agents (default: the manager's).
 """
@@ -40,9 +40,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from manager.procs import alive, process_start_time, reap, terminate_group
-from manager.providers import NewVM, ProviderContext
-from manager.store import VMRecord
+from manager.common.procs import alive, process_start_time, reap, terminate_group
+from manager.domain.store import VMRecord
+from manager.providers.base import NewVM, ProviderContext
 
 __all__ = ["SLOWDOWN_ENV", "LocalProvider", "LocalProviderOptions", "read_capacity"]
 
@@ -137,13 +137,13 @@ class LocalProvider:
     ) -> list[NewVM]:
         count = len(names)
         # A pool VM type slower than this machine (docs/pool.md): its workers take this many
-        # times as long per step (manager.client.attach_to_engine applies it).
+        # times as long per step (manager.transport.client.attach_to_engine applies it).
         slowdown = float((type_options or {}).get("vm_slowdown", 1.0))
         limit = self.options.max_created
         if self.options.capacity_file:
             limit = read_capacity(self.options.capacity_file)
         if "max_created" in (type_options or {}):
-            # A job's VM type with a spot capacity of its own (manager.vm_types); created_so_far
+            # A job's VM type with a spot capacity of its own (manager.domain.vm_types); created_so_far
             # then counts the VMs of that type.
             limit = int((type_options or {})["max_created"])
         if limit is not None:
@@ -189,7 +189,7 @@ class LocalProvider:
         argv = [
             self.options.python,
             "-m",
-            "manager.vm_agent",
+            "manager.agent.vm_agent",
             "--manager",
             self.context.manager_address,
             "--token-file",

@@ -107,7 +107,7 @@ def server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:
 
 #: The longest a client waits between two connection attempts to a manager that is down; gRPC adds
 #: up to 20 % jitter. A restarted manager allows this much before it counts silence (Note
-#: [Restart grace] in manager/context.py).
+#: [Restart grace] in manager/domain/context.py).
 MAX_RECONNECT_BACKOFF_S = 1.0
 
 

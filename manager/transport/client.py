@@ -10,7 +10,7 @@ A worker started by the manager's agent finds everything in its environment::
     VARUNA_MANAGER=host:port   VARUNA_MANAGER_TOKEN_FILE=/path   [VARUNA_MANAGER_TLS_CA=/path]
     VARUNA_JOB_ID, VARUNA_VM_ID, VARUNA_GENERATION
 
-``python -m manager.worker_shim`` attaches a reporter to every engine of an unmodified script
+``python -m manager.worker.shim`` attaches a reporter to every engine of an unmodified script
 through the engine plugin :func:`attach_to_engine` (``$VARUNA_ENGINE_PLUGINS``); a script run
 without the shim opts in with one line after building its engine::
 
@@ -36,9 +36,9 @@ from typing import Any
 
 import grpc
 
-from manager import varuna_manager_pb2 as pb
-from manager import varuna_manager_pb2_grpc as pb_grpc
-from manager.auth import bearer_metadata, client_channel, load_token
+from manager.transport import varuna_manager_pb2 as pb
+from manager.transport import varuna_manager_pb2_grpc as pb_grpc
+from manager.transport.auth import bearer_metadata, client_channel, load_token
 
 __all__ = ["ClientConfig", "ManagerClient", "WorkerReporter", "attach_to_engine", "compute_times"]
 
@@ -53,7 +53,7 @@ class ClientConfig:
     address: str
     """``host:port`` of ``varuna-manager serve``."""
     token: str
-    """The shared bearer token (read from a file with :func:`manager.auth.load_token`)."""
+    """The shared bearer token (read from a file with :func:`manager.transport.auth.load_token`)."""
     tls_ca: str | None = None
     """PEM file to verify the manager's certificate; None: plain TCP (unless ``tls``)."""
     tls: bool = False
@@ -360,7 +360,7 @@ class WorkerReporter:
 
 
 def attach_to_engine(engine: Any) -> None:
-    """Engine plugin (``$VARUNA_ENGINE_PLUGINS``, set by ``manager.worker_shim``): make a
+    """Engine plugin (``$VARUNA_ENGINE_PLUGINS``, set by ``manager.worker.shim``): make a
     ``varuna.Engine`` a manager-supervised worker through its public hooks.
 
     - ``$VARUNA_CHECKPOINT_EVERY`` applies when the script left ``checkpoint_every`` at 0, so the
@@ -370,7 +370,7 @@ def attach_to_engine(engine: Any) -> None:
 
     Example::
 
-        VARUNA_ENGINE_PLUGINS=manager.client:attach_to_engine python train.py
+        VARUNA_ENGINE_PLUGINS=manager.transport.client:attach_to_engine python train.py
     """
     every = os.environ.get("VARUNA_CHECKPOINT_EVERY", "")
     if every and not engine.checkpointer.every:

@@ -1,7 +1,7 @@
-"""``varuna-manager serve``: the gRPC server around a :class:`~manager.controller.Manager`.
+"""``varuna-manager serve``: the gRPC server around a :class:`~manager.domain.controller.Manager`.
 
-The server authenticates every call with :class:`~manager.auth.TokenInterceptor` (and TLS when
-``tls_cert``/``tls_key`` are given), maps :class:`~manager.context.ManagerError` to gRPC
+The server authenticates every call with :class:`~manager.transport.auth.TokenInterceptor` (and TLS when
+``tls_cert``/``tls_key`` are given), maps :class:`~manager.domain.context.ManagerError` to gRPC
 status codes, and runs the manager's control loop. Stopping it (SIGTERM/SIGINT) leaves VMs and
 workers running: they keep training, and a manager started again on the same ``--db`` resumes.
 """
@@ -23,21 +23,21 @@ from typing import Any, TypeVar
 
 import grpc
 
-from manager import varuna_manager_pb2 as pb
-from manager import varuna_manager_pb2_grpc as pb_grpc
-from manager.auth import TokenInterceptor, load_token, server_credentials
-from manager.context import ManagerConfig, ManagerError
-from manager.controller import Manager
-from manager.daemon_lock import DaemonLock
-from manager.pool_config import PoolConfig
-from manager.store import Store
+from manager.common.daemon_lock import DaemonLock
+from manager.domain.context import ManagerConfig, ManagerError
+from manager.domain.controller import Manager
+from manager.domain.pool_config import PoolConfig
+from manager.domain.store import Store
+from manager.transport import varuna_manager_pb2 as pb
+from manager.transport import varuna_manager_pb2_grpc as pb_grpc
+from manager.transport.auth import TokenInterceptor, load_token, server_credentials
 from varuna.core.extras import MissingExtra, require_extra
 from varuna.launch.procs import is_loopback
 
 __all__ = ["MAX_MESSAGE_BYTES", "ManagerServer", "ServeConfig", "insecure_listen_warning"]
 
 #: Largest request the server takes (agents keep calibration files below it:
-#: ``manager.calibrate.MAX_CALIBRATION_BYTES``).
+#: ``manager.agent.calibrate.MAX_CALIBRATION_BYTES``).
 MAX_MESSAGE_BYTES = 16 << 20
 
 T = TypeVar("T")
@@ -270,7 +270,7 @@ def _dashboard_address(address: str) -> tuple[str, int]:
 
 
 def _lock_state_file(db: str) -> DaemonLock:
-    """The state file's daemon lock (``manager.daemon_lock``), its directory made first.
+    """The state file's daemon lock (``manager.common.daemon_lock``), its directory made first.
     ``OSError`` with one line: another manager holds it, or the path cannot be written."""
     try:
         Path(db).parent.mkdir(parents=True, exist_ok=True)

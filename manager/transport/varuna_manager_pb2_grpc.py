@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from manager import varuna_manager_pb2 as manager_dot_varuna__manager__pb2
+from manager.transport import varuna_manager_pb2 as manager_dot_transport_dot_varuna__manager__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in manager/varuna_manager_pb2_grpc.py depends on'
+        + ' but the generated code in manager/transport/varuna_manager_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,43 +36,43 @@ class VarunaManagerStub:
         """
         self.SubmitJob = channel.unary_unary(
                 '/varuna.manager.v1.VarunaManager/SubmitJob',
-                request_serializer=manager_dot_varuna__manager__pb2.SubmitJobRequest.SerializeToString,
-                response_deserializer=manager_dot_varuna__manager__pb2.SubmitJobReply.FromString,
+                request_serializer=manager_dot_transport_dot_varuna__manager__pb2.SubmitJobRequest.SerializeToString,
+                response_deserializer=manager_dot_transport_dot_varuna__manager__pb2.SubmitJobReply.FromString,
                 _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/varuna.manager.v1.VarunaManager/GetStatus',
-                request_serializer=manager_dot_varuna__manager__pb2.GetStatusRequest.SerializeToString,
-                response_deserializer=manager_dot_varuna__manager__pb2.GetStatusReply.FromString,
+                request_serializer=manager_dot_transport_dot_varuna__manager__pb2.GetStatusRequest.SerializeToString,
+                response_deserializer=manager_dot_transport_dot_varuna__manager__pb2.GetStatusReply.FromString,
                 _registered_method=True)
         self.ListEvents = channel.unary_unary(
                 '/varuna.manager.v1.VarunaManager/ListEvents',
-                request_serializer=manager_dot_varuna__manager__pb2.ListEventsRequest.SerializeToString,
-                response_deserializer=manager_dot_varuna__manager__pb2.ListEventsReply.FromString,
+                request_serializer=manager_dot_transport_dot_varuna__manager__pb2.ListEventsRequest.SerializeToString,
+                response_deserializer=manager_dot_transport_dot_varuna__manager__pb2.ListEventsReply.FromString,
                 _registered_method=True)
         self.CancelJob = channel.unary_unary(
                 '/varuna.manager.v1.VarunaManager/CancelJob',
-                request_serializer=manager_dot_varuna__manager__pb2.CancelJobRequest.SerializeToString,
-                response_deserializer=manager_dot_varuna__manager__pb2.CancelJobReply.FromString,
+                request_serializer=manager_dot_transport_dot_varuna__manager__pb2.CancelJobRequest.SerializeToString,
+                response_deserializer=manager_dot_transport_dot_varuna__manager__pb2.CancelJobReply.FromString,
                 _registered_method=True)
         self.RegisterVM = channel.unary_unary(
                 '/varuna.manager.v1.VarunaManager/RegisterVM',
-                request_serializer=manager_dot_varuna__manager__pb2.RegisterVMRequest.SerializeToString,
-                response_deserializer=manager_dot_varuna__manager__pb2.RegisterVMReply.FromString,
+                request_serializer=manager_dot_transport_dot_varuna__manager__pb2.RegisterVMRequest.SerializeToString,
+                response_deserializer=manager_dot_transport_dot_varuna__manager__pb2.RegisterVMReply.FromString,
                 _registered_method=True)
         self.VMHeartbeat = channel.unary_unary(
                 '/varuna.manager.v1.VarunaManager/VMHeartbeat',
-                request_serializer=manager_dot_varuna__manager__pb2.VMHeartbeatRequest.SerializeToString,
-                response_deserializer=manager_dot_varuna__manager__pb2.VMHeartbeatReply.FromString,
+                request_serializer=manager_dot_transport_dot_varuna__manager__pb2.VMHeartbeatRequest.SerializeToString,
+                response_deserializer=manager_dot_transport_dot_varuna__manager__pb2.VMHeartbeatReply.FromString,
                 _registered_method=True)
         self.ReportCalibration = channel.unary_unary(
                 '/varuna.manager.v1.VarunaManager/ReportCalibration',
-                request_serializer=manager_dot_varuna__manager__pb2.ReportCalibrationRequest.SerializeToString,
-                response_deserializer=manager_dot_varuna__manager__pb2.ReportCalibrationReply.FromString,
+                request_serializer=manager_dot_transport_dot_varuna__manager__pb2.ReportCalibrationRequest.SerializeToString,
+                response_deserializer=manager_dot_transport_dot_varuna__manager__pb2.ReportCalibrationReply.FromString,
                 _registered_method=True)
         self.WorkerHeartbeat = channel.unary_unary(
                 '/varuna.manager.v1.VarunaManager/WorkerHeartbeat',
-                request_serializer=manager_dot_varuna__manager__pb2.WorkerHeartbeatRequest.SerializeToString,
-                response_deserializer=manager_dot_varuna__manager__pb2.WorkerHeartbeatReply.FromString,
+                request_serializer=manager_dot_transport_dot_varuna__manager__pb2.WorkerHeartbeatRequest.SerializeToString,
+                response_deserializer=manager_dot_transport_dot_varuna__manager__pb2.WorkerHeartbeatReply.FromString,
                 _registered_method=True)
 
 
@@ -124,7 +124,7 @@ class VarunaManagerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WorkerHeartbeat(self, request, context):
-        """Training workers (manager/client.py WorkerReporter).
+        """Training workers (manager/transport/client.py WorkerReporter).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -135,43 +135,43 @@ def add_VarunaManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'SubmitJob': grpc.unary_unary_rpc_method_handler(
                     servicer.SubmitJob,
-                    request_deserializer=manager_dot_varuna__manager__pb2.SubmitJobRequest.FromString,
-                    response_serializer=manager_dot_varuna__manager__pb2.SubmitJobReply.SerializeToString,
+                    request_deserializer=manager_dot_transport_dot_varuna__manager__pb2.SubmitJobRequest.FromString,
+                    response_serializer=manager_dot_transport_dot_varuna__manager__pb2.SubmitJobReply.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
-                    request_deserializer=manager_dot_varuna__manager__pb2.GetStatusRequest.FromString,
-                    response_serializer=manager_dot_varuna__manager__pb2.GetStatusReply.SerializeToString,
+                    request_deserializer=manager_dot_transport_dot_varuna__manager__pb2.GetStatusRequest.FromString,
+                    response_serializer=manager_dot_transport_dot_varuna__manager__pb2.GetStatusReply.SerializeToString,
             ),
             'ListEvents': grpc.unary_unary_rpc_method_handler(
                     servicer.ListEvents,
-                    request_deserializer=manager_dot_varuna__manager__pb2.ListEventsRequest.FromString,
-                    response_serializer=manager_dot_varuna__manager__pb2.ListEventsReply.SerializeToString,
+                    request_deserializer=manager_dot_transport_dot_varuna__manager__pb2.ListEventsRequest.FromString,
+                    response_serializer=manager_dot_transport_dot_varuna__manager__pb2.ListEventsReply.SerializeToString,
             ),
             'CancelJob': grpc.unary_unary_rpc_method_handler(
                     servicer.CancelJob,
-                    request_deserializer=manager_dot_varuna__manager__pb2.CancelJobRequest.FromString,
-                    response_serializer=manager_dot_varuna__manager__pb2.CancelJobReply.SerializeToString,
+                    request_deserializer=manager_dot_transport_dot_varuna__manager__pb2.CancelJobRequest.FromString,
+                    response_serializer=manager_dot_transport_dot_varuna__manager__pb2.CancelJobReply.SerializeToString,
             ),
             'RegisterVM': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterVM,
-                    request_deserializer=manager_dot_varuna__manager__pb2.RegisterVMRequest.FromString,
-                    response_serializer=manager_dot_varuna__manager__pb2.RegisterVMReply.SerializeToString,
+                    request_deserializer=manager_dot_transport_dot_varuna__manager__pb2.RegisterVMRequest.FromString,
+                    response_serializer=manager_dot_transport_dot_varuna__manager__pb2.RegisterVMReply.SerializeToString,
             ),
             'VMHeartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.VMHeartbeat,
-                    request_deserializer=manager_dot_varuna__manager__pb2.VMHeartbeatRequest.FromString,
-                    response_serializer=manager_dot_varuna__manager__pb2.VMHeartbeatReply.SerializeToString,
+                    request_deserializer=manager_dot_transport_dot_varuna__manager__pb2.VMHeartbeatRequest.FromString,
+                    response_serializer=manager_dot_transport_dot_varuna__manager__pb2.VMHeartbeatReply.SerializeToString,
             ),
             'ReportCalibration': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportCalibration,
-                    request_deserializer=manager_dot_varuna__manager__pb2.ReportCalibrationRequest.FromString,
-                    response_serializer=manager_dot_varuna__manager__pb2.ReportCalibrationReply.SerializeToString,
+                    request_deserializer=manager_dot_transport_dot_varuna__manager__pb2.ReportCalibrationRequest.FromString,
+                    response_serializer=manager_dot_transport_dot_varuna__manager__pb2.ReportCalibrationReply.SerializeToString,
             ),
             'WorkerHeartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.WorkerHeartbeat,
-                    request_deserializer=manager_dot_varuna__manager__pb2.WorkerHeartbeatRequest.FromString,
-                    response_serializer=manager_dot_varuna__manager__pb2.WorkerHeartbeatReply.SerializeToString,
+                    request_deserializer=manager_dot_transport_dot_varuna__manager__pb2.WorkerHeartbeatRequest.FromString,
+                    response_serializer=manager_dot_transport_dot_varuna__manager__pb2.WorkerHeartbeatReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -199,8 +199,8 @@ class VarunaManager:
             request,
             target,
             '/varuna.manager.v1.VarunaManager/SubmitJob',
-            manager_dot_varuna__manager__pb2.SubmitJobRequest.SerializeToString,
-            manager_dot_varuna__manager__pb2.SubmitJobReply.FromString,
+            manager_dot_transport_dot_varuna__manager__pb2.SubmitJobRequest.SerializeToString,
+            manager_dot_transport_dot_varuna__manager__pb2.SubmitJobReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -226,8 +226,8 @@ class VarunaManager:
             request,
             target,
             '/varuna.manager.v1.VarunaManager/GetStatus',
-            manager_dot_varuna__manager__pb2.GetStatusRequest.SerializeToString,
-            manager_dot_varuna__manager__pb2.GetStatusReply.FromString,
+            manager_dot_transport_dot_varuna__manager__pb2.GetStatusRequest.SerializeToString,
+            manager_dot_transport_dot_varuna__manager__pb2.GetStatusReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -253,8 +253,8 @@ class VarunaManager:
             request,
             target,
             '/varuna.manager.v1.VarunaManager/ListEvents',
-            manager_dot_varuna__manager__pb2.ListEventsRequest.SerializeToString,
-            manager_dot_varuna__manager__pb2.ListEventsReply.FromString,
+            manager_dot_transport_dot_varuna__manager__pb2.ListEventsRequest.SerializeToString,
+            manager_dot_transport_dot_varuna__manager__pb2.ListEventsReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -280,8 +280,8 @@ class VarunaManager:
             request,
             target,
             '/varuna.manager.v1.VarunaManager/CancelJob',
-            manager_dot_varuna__manager__pb2.CancelJobRequest.SerializeToString,
-            manager_dot_varuna__manager__pb2.CancelJobReply.FromString,
+            manager_dot_transport_dot_varuna__manager__pb2.CancelJobRequest.SerializeToString,
+            manager_dot_transport_dot_varuna__manager__pb2.CancelJobReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -307,8 +307,8 @@ class VarunaManager:
             request,
             target,
             '/varuna.manager.v1.VarunaManager/RegisterVM',
-            manager_dot_varuna__manager__pb2.RegisterVMRequest.SerializeToString,
-            manager_dot_varuna__manager__pb2.RegisterVMReply.FromString,
+            manager_dot_transport_dot_varuna__manager__pb2.RegisterVMRequest.SerializeToString,
+            manager_dot_transport_dot_varuna__manager__pb2.RegisterVMReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -334,8 +334,8 @@ class VarunaManager:
             request,
             target,
             '/varuna.manager.v1.VarunaManager/VMHeartbeat',
-            manager_dot_varuna__manager__pb2.VMHeartbeatRequest.SerializeToString,
-            manager_dot_varuna__manager__pb2.VMHeartbeatReply.FromString,
+            manager_dot_transport_dot_varuna__manager__pb2.VMHeartbeatRequest.SerializeToString,
+            manager_dot_transport_dot_varuna__manager__pb2.VMHeartbeatReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -361,8 +361,8 @@ class VarunaManager:
             request,
             target,
             '/varuna.manager.v1.VarunaManager/ReportCalibration',
-            manager_dot_varuna__manager__pb2.ReportCalibrationRequest.SerializeToString,
-            manager_dot_varuna__manager__pb2.ReportCalibrationReply.FromString,
+            manager_dot_transport_dot_varuna__manager__pb2.ReportCalibrationRequest.SerializeToString,
+            manager_dot_transport_dot_varuna__manager__pb2.ReportCalibrationReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -388,8 +388,8 @@ class VarunaManager:
             request,
             target,
             '/varuna.manager.v1.VarunaManager/WorkerHeartbeat',
-            manager_dot_varuna__manager__pb2.WorkerHeartbeatRequest.SerializeToString,
-            manager_dot_varuna__manager__pb2.WorkerHeartbeatReply.FromString,
+            manager_dot_transport_dot_varuna__manager__pb2.WorkerHeartbeatRequest.SerializeToString,
+            manager_dot_transport_dot_varuna__manager__pb2.WorkerHeartbeatReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,4 +1,4 @@
-"""``python -m manager.worker_shim [-m] SCRIPT ARGS...``: run an unmodified training script as a
+"""``python -m manager.worker.shim [-m] SCRIPT ARGS...``: run an unmodified training script as a
 manager-supervised worker.
 
 The manager's agents start every worker through this shim. It runs ``SCRIPT`` exactly as
@@ -9,8 +9,8 @@ same way). When run by the manager (``$VARUNA_MANAGER`` set) it adds the engine 
 
 - applies ``$VARUNA_CHECKPOINT_EVERY`` when the script leaves ``checkpoint_every`` at 0, so the
   job spec bounds how many steps a lost VM costs without the script knowing about it, and
-- gets a :class:`manager.client.WorkerReporter` (one heartbeat per step to the manager, through
-  ``engine.add_step_callback``): :func:`manager.client.attach_to_engine`;
+- gets a :class:`manager.transport.client.WorkerReporter` (one heartbeat per step to the manager, through
+  ``engine.add_step_callback``): :func:`manager.transport.client.attach_to_engine`;
 - receives a stop asked for while the worker was starting (Note [Early stop]).
 
 Nothing is patched: the engine calls the plugins through its public hooks, and scripts without
@@ -18,7 +18,7 @@ torch pay nothing. Scripts that report by themselves (``WorkerReporter.from_env`
 launched the same way: they get the reporter already attached, and each step is reported once.
 
 With ``$VARUNA_AGENT_PID`` set (the agent sets it) the shim first asks the kernel to kill the
-worker when the agent dies (:func:`manager.procs.die_with_parent`).
+worker when the agent dies (:func:`manager.common.procs.die_with_parent`).
 
 Note [Early stop]: a SIGUSR1 ("checkpoint and stop", e.g. an eviction notice) that arrives before
 the engine installed its own handler must neither kill the worker (the manager would count a
@@ -26,7 +26,7 @@ failure) nor be lost. Until then the shim's handler only remembers it; the plugi
 :func:`release_early_stop` then asks the engine to stop (it does, with a checkpoint, after its first
 step). The signal is never blocked: a script that installs its own SIGUSR1 handler (or never builds
 an engine) gets every signal as it would without the shim. The memory is one object per process
-because signal handlers are per process; ``python -m manager.worker_shim`` runs this module under
+because signal handlers are per process; ``python -m manager.worker.shim`` runs this module under
 its importable name, so the plugin the engine imports by name sees the same object.
 """
 
@@ -49,7 +49,7 @@ from typing import IO, Any
 __all__ = ["ENGINE_PLUGINS", "enable_engine_plugins", "main", "release_early_stop", "standby"]
 
 #: Engine plugins (``module:function``) that make a ``varuna.Engine`` a managed worker.
-ENGINE_PLUGINS = ("manager.worker_shim:release_early_stop", "manager.client:attach_to_engine")
+ENGINE_PLUGINS = ("manager.worker.shim:release_early_stop", "manager.transport.client:attach_to_engine")
 
 
 def enable_engine_plugins(environ: dict[str, str] | None = None) -> None:
@@ -98,7 +98,7 @@ def release_early_stop(engine: Any) -> None:
 
     Example::
 
-        VARUNA_ENGINE_PLUGINS=manager.worker_shim:release_early_stop python train.py
+        VARUNA_ENGINE_PLUGINS=manager.worker.shim:release_early_stop python train.py
     """
     if _EARLY_STOP.requested.is_set():
         engine.stop_requested = True
@@ -116,7 +116,7 @@ def standby(stdin: IO[bytes] | None = None) -> int:
     The agent keeps one standby per slot so a morph's new workers skip their imports (the bulk of
     a worker's start-up on a small VM). The job is one JSON line ``{"argv": [...], "env": {...},
     "cwd": "...", "log": "..."}``: the process then takes exactly that environment, directory and
-    output file, and runs like ``python -m manager.worker_shim ARGV``. EOF: exit 0 unused.
+    output file, and runs like ``python -m manager.worker.shim ARGV``. EOF: exit 0 unused.
     """
     _die_with_agent()
     # Importing is seconds of CPU. With $VARUNA_STANDBY_PRIORITY=idle (the agent's default) it
@@ -175,7 +175,7 @@ def _set_idle_priority() -> bool:
 
 def _restore_normal_priority() -> None:
     """Back to SCHED_OTHER for every thread (threads started while idle inherited SCHED_IDLE)."""
-    from manager.procs import restore_normal_priority
+    from manager.common.procs import restore_normal_priority
 
     if restore_normal_priority():
         print(
@@ -187,7 +187,7 @@ def _die_with_agent() -> None:
     agent = os.environ.get("VARUNA_AGENT_PID", "")
     if agent.isdigit():
         # Die with the agent, like the workers of a VM that vanishes (before anything else runs).
-        from manager.procs import die_with_parent
+        from manager.common.procs import die_with_parent
 
         die_with_parent(int(agent))
 
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         module, args = True, args[1:]
     if not args:
         print(
-            "worker_shim: error: no SCRIPT given (usage: python -m manager.worker_shim [-m] SCRIPT ARGS...)",
+            "worker_shim: error: no SCRIPT given (usage: python -m manager.worker.shim [-m] SCRIPT ARGS...)",
             file=sys.stderr,
         )
         return 2
@@ -282,7 +282,6 @@ def _fast_exit(code: int) -> None:
 
 if __name__ == "__main__":
     # Run under the importable name, so the engine plugins named in $VARUNA_ENGINE_PLUGINS
-    # (imported as manager.worker_shim) share this process's state (Note [Early stop]).
-    from manager import worker_shim
-
+    # (imported as manager.worker.shim) share this process's state (Note [Early stop]).
+    from manager.worker import shim as worker_shim
     sys.exit(worker_shim.main())
