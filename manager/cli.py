@@ -37,8 +37,8 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from manager.common.wire import load_token
 from manager.domain.jobspec import JobSpec, load_jobspec, spec_to_pb
-from manager.transport.auth import load_token
 from manager.transport.client import ClientConfig, ManagerClient
 from varuna.core.cli import OneLineParser
 from varuna.core.progress import Progress

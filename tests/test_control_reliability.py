@@ -14,7 +14,7 @@ from typing import Any
 
 from manager.domain.policy import StutterConfig
 from manager.transport import varuna_manager_pb2 as pb
-from manager.transport.client import WorkerReporter
+from manager.worker.reporter import WorkerReporter
 from varuna.core.calibration import Calibration
 from varuna.core.env import RunPlan
 from varuna.core.partition import balanced_stages

@@ -161,7 +161,7 @@ def test_worker_shim_attaches_the_reporter_and_checkpoint_interval_without_patch
                                                 checkpoint_dir={str(tmp_path / "ckpt")!r}),
                             example_batch=make_batch("onecut", 4),
                             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
-        from manager.transport.client import WorkerReporter
+        from manager.worker.reporter import WorkerReporter
         assert WorkerReporter.from_env(eng) is eng.manager_reporter is not None
         print("every", eng.checkpointer.every, "stop", eng.stop_requested, flush=True)
         eng.train_step(make_batch("onecut", 4))   # stops (checkpoint, exit 0) after this step

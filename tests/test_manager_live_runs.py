@@ -164,7 +164,8 @@ def test_a_closed_engine_is_not_kept_alive_by_its_heartbeat_reporter():
     from models import build_model
 
     import varuna
-    from manager.transport.client import ClientConfig, ManagerClient, WorkerReporter
+    from manager.transport.client import ClientConfig, ManagerClient
+    from manager.worker.reporter import WorkerReporter
     from varuna.launch.procs import find_free_port
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}

@@ -17,9 +17,10 @@ import grpc
 import pytest
 
 from manager import cli
+from manager.common.wire import load_token
 from manager.transport import varuna_manager_pb2 as pb
 from manager.transport import varuna_manager_pb2_grpc as pb_grpc
-from manager.transport.auth import bearer_metadata, load_token
+from manager.transport.auth import bearer_metadata
 from manager.transport.client import ClientConfig, ManagerClient
 from manager.transport.server import ManagerServer, ServeConfig
 

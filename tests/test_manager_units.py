@@ -19,7 +19,7 @@ from manager.agent.scheduled_events import ScheduledEventsClient, parse_notices
 from manager.domain.jobspec import JobSpec, load_jobspec, spec_from_pb, spec_to_pb
 from manager.domain.policy import StutterConfig, StutterDetector, choose_layout, fallback_layout, grow_gain
 from manager.domain.store import GenerationRecord, ProgressRecord, Store, VMRecord
-from manager.transport.client import compute_times
+from manager.worker.reporter import compute_times
 from varuna.core.calibration import Calibration
 from varuna.core.timeline import Event
 
@@ -346,7 +346,7 @@ def test_worker_shim_names_its_engine_plugins_without_importing_torch(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == (
-        "manager.worker.shim:release_early_stop,manager.transport.client:attach_to_engine"
+        "manager.worker.shim:release_early_stop,manager.worker.reporter:attach_to_engine"
     )
 
 

@@ -59,8 +59,8 @@ from manager.agent.calibrate import ProfileRun
 from manager.agent.scheduled_events import Notice, ScheduledEventsClient
 from manager.agent.workers import WorkerPool
 from manager.common.procs import find_free_port
+from manager.common.wire import load_token
 from manager.transport import varuna_manager_pb2 as pb
-from manager.transport.auth import load_token
 from manager.transport.client import ClientConfig, ManagerClient
 
 __all__ = ["AgentConfig", "VMAgent", "main"]

@@ -22,12 +22,12 @@ from typing import Any
 
 import grpc
 
+from manager.common.wire import MAX_RECONNECT_BACKOFF_S
 from manager.domain.jobspec import JobSpec, ProfileSpec
 from manager.domain.policy import StutterConfig, StutterDetector
 from manager.domain.store import GenerationRecord, JobRecord, Store, VMRecord
 from manager.providers.base import Provider, ProviderContext
 from manager.transport import varuna_manager_pb2 as pb
-from manager.transport.auth import MAX_RECONNECT_BACKOFF_S
 from varuna.core.calibration import Calibration
 
 __all__ = ["LIVE_GENERATION_STATES", "JobCache", "ManagerConfig", "ManagerContext", "ManagerError"]

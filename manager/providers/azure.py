@@ -199,7 +199,7 @@ class AzureProvider:
 
     def _read_token(self) -> str:
         if self._token is None:
-            from manager.transport.auth import load_token
+            from manager.common.wire import load_token
 
             self._token = load_token(self.context.token_file)
         return self._token

@@ -137,7 +137,7 @@ class LocalProvider:
     ) -> list[NewVM]:
         count = len(names)
         # A pool VM type slower than this machine (docs/pool.md): its workers take this many
-        # times as long per step (manager.transport.client.attach_to_engine applies it).
+        # times as long per step (manager.worker.reporter.attach_to_engine applies it).
         slowdown = float((type_options or {}).get("vm_slowdown", 1.0))
         limit = self.options.max_created
         if self.options.capacity_file:

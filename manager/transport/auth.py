@@ -1,11 +1,10 @@
 """Authentication of every RPC: a shared bearer token, optionally over TLS.
 
-The token lives in a file (never on a command line or in an environment variable, where ``ps``
-and ``/proc/*/environ`` show it). Clients send it as gRPC metadata ``authorization: Bearer
-<token>``; :class:`TokenInterceptor` rejects any call without it (``UNAUTHENTICATED``) before a
-handler runs, comparing in constant time so the reply time does not reveal how much of a guess
-was right. Without TLS the token crosses the network in clear text: use ``--tls-cert``/
-``--tls-key`` whenever the manager is reachable from outside one host.
+The token lives in a file (:func:`manager.common.wire.load_token`). Clients send it as gRPC
+metadata ``authorization: Bearer <token>``; :class:`TokenInterceptor` rejects any call without it
+(``UNAUTHENTICATED``) before a handler runs, comparing in constant time so the reply time does
+not reveal how much of a guess was right. Without TLS the token crosses the network in clear
+text: use ``--tls-cert``/``--tls-key`` whenever the manager is reachable from outside one host.
 
     >>> bearer_metadata("s3cret")
     (('authorization', 'Bearer s3cret'),)
@@ -14,50 +13,24 @@ was right. Without TLS the token crosses the network in clear text: use ``--tls-
 from __future__ import annotations
 
 import hmac
-import os
-import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from manager.common.wire import MAX_RECONNECT_BACKOFF_S
+
 __all__ = [
     "AUTH_HEADER",
     "TokenInterceptor",
     "bearer_metadata",
     "client_channel",
-    "load_token",
     "server_credentials",
 ]
 
 AUTH_HEADER = "authorization"
 _SCHEME = "Bearer "
-#: A token shorter than this is too easy to guess; ``secrets.token_urlsafe(32)`` gives 43 chars.
-MIN_TOKEN_CHARS = 16
-
-
-def load_token(path: str | os.PathLike) -> str:
-    """The token in ``path`` (surrounding whitespace stripped). ``ValueError`` with one line when
-    the file is missing, empty, too short, or readable by other users."""
-    p = Path(path)
-    try:
-        st = p.stat()
-        text = p.read_text(encoding="utf-8").strip()
-    except OSError as exc:
-        raise ValueError(f"cannot read token file {p}: {exc.strerror or exc}") from None
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ValueError(f"token file {p} is accessible by other users; run: chmod 600 {p}")
-    if not text:
-        raise ValueError(
-            f"token file {p} is empty; write a random token, e.g. "
-            "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
-        )
-    if len(text) < MIN_TOKEN_CHARS or any(c.isspace() for c in text):
-        raise ValueError(f"token in {p} must be at least {MIN_TOKEN_CHARS} characters without whitespace")
-    return text
-
-
 def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
     """The call metadata that authenticates a client (added to every call; per-call metadata
     works on insecure channels, where gRPC refuses call credentials)."""
@@ -103,12 +76,6 @@ def server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:
     except OSError as exc:
         raise ValueError(f"cannot read TLS certificate/key: {exc.filename}: {exc.strerror}") from None
     return grpc.ssl_server_credentials([(key, cert)])
-
-
-#: The longest a client waits between two connection attempts to a manager that is down; gRPC adds
-#: up to 20 % jitter. A restarted manager allows this much before it counts silence (Note
-#: [Restart grace] in manager/domain/context.py).
-MAX_RECONNECT_BACKOFF_S = 1.0
 
 
 def client_channel(address: str, *, tls_ca: str | None = None, tls: bool = False) -> grpc.Channel:

@@ -24,13 +24,14 @@ from typing import Any, TypeVar
 import grpc
 
 from manager.common.daemon_lock import DaemonLock
+from manager.common.wire import load_token
 from manager.domain.context import ManagerConfig, ManagerError
 from manager.domain.controller import Manager
 from manager.domain.pool_config import PoolConfig
 from manager.domain.store import Store
 from manager.transport import varuna_manager_pb2 as pb
 from manager.transport import varuna_manager_pb2_grpc as pb_grpc
-from manager.transport.auth import TokenInterceptor, load_token, server_credentials
+from manager.transport.auth import TokenInterceptor, server_credentials
 from varuna.core.extras import MissingExtra, require_extra
 from varuna.launch.procs import is_loopback
 

@@ -124,7 +124,7 @@ class VarunaManagerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WorkerHeartbeat(self, request, context):
-        """Training workers (manager/transport/client.py WorkerReporter).
+        """Training workers (manager/worker/reporter.py WorkerReporter).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -9,8 +9,8 @@ same way). When run by the manager (``$VARUNA_MANAGER`` set) it adds the engine 
 
 - applies ``$VARUNA_CHECKPOINT_EVERY`` when the script leaves ``checkpoint_every`` at 0, so the
   job spec bounds how many steps a lost VM costs without the script knowing about it, and
-- gets a :class:`manager.transport.client.WorkerReporter` (one heartbeat per step to the manager, through
-  ``engine.add_step_callback``): :func:`manager.transport.client.attach_to_engine`;
+- gets a :class:`manager.worker.reporter.WorkerReporter` (one heartbeat per step to the manager, through
+  ``engine.add_step_callback``): :func:`manager.worker.reporter.attach_to_engine`;
 - receives a stop asked for while the worker was starting (Note [Early stop]).
 
 Nothing is patched: the engine calls the plugins through its public hooks, and scripts without
@@ -49,7 +49,7 @@ from typing import IO, Any
 __all__ = ["ENGINE_PLUGINS", "enable_engine_plugins", "main", "release_early_stop", "standby"]
 
 #: Engine plugins (``module:function``) that make a ``varuna.Engine`` a managed worker.
-ENGINE_PLUGINS = ("manager.worker.shim:release_early_stop", "manager.transport.client:attach_to_engine")
+ENGINE_PLUGINS = ("manager.worker.shim:release_early_stop", "manager.worker.reporter:attach_to_engine")
 
 
 def enable_engine_plugins(environ: dict[str, str] | None = None) -> None:
