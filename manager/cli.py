@@ -38,8 +38,9 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from manager.common.wire import load_token
-from manager.domain.jobspec import JobSpec, load_jobspec, spec_to_pb
+from manager.domain.jobspec import JobSpec, load_jobspec
 from manager.transport.client import ClientConfig, ManagerClient
+from manager.transport.convert import spec_to_pb
 from varuna.core.cli import OneLineParser
 from varuna.core.progress import Progress
 

@@ -44,9 +44,10 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 
 from manager.common.procs import find_free_port  # noqa: E402
-from manager.domain.jobspec import load_jobspec, spec_to_pb  # noqa: E402
+from manager.domain.jobspec import load_jobspec  # noqa: E402
 from manager.transport import varuna_manager_pb2 as pb  # noqa: E402
 from manager.transport import varuna_manager_pb2_grpc as pb_grpc  # noqa: E402
+from manager.transport.convert import spec_to_pb  # noqa: E402
 
 SERVE_WITH_COUNTS = "_serve-with-counts"
 WRITE_VERBS = ("INSERT", "UPDATE", "DELETE", "REPLACE")

@@ -188,7 +188,10 @@ def test_first_create_makes_a_spot_scale_set_with_the_agent(tmp_path):
     script = base64.b64decode(profile["osProfile"]["customData"]).decode()
     assert "-m manager.agent.vm_agent --manager 10.0.0.4:7878" in script and "--job-id job1" in script
     assert "s3cret-token-0123456789" in script and "umask 077" in script
-    assert "metadata/scheduledevents" in script and "--approve-notices" in script
+    # The agent polls the notice source the azure provider's registry entry names (its default
+    # endpoint: Azure's Scheduled Events).
+    assert "--notice-source manager.agent.scheduled_events:ScheduledEventsClient" in script
+    assert "--approve-notices" in script and '--vm-id "$VM_NAME"' in script
 
 
 def test_later_creates_raise_capacity(tmp_path):

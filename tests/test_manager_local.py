@@ -267,7 +267,8 @@ def test_local_provider_through_every_kind_of_trouble(tmp_path):
     job = None
     try:
         client = mp.client()
-        from manager.domain.jobspec import load_jobspec, spec_to_pb
+        from manager.domain.jobspec import load_jobspec
+        from manager.transport.convert import spec_to_pb
 
         job = client.submit(spec_to_pb(load_jobspec(tmp_path / "job.json")))
         client.close()
@@ -355,7 +356,8 @@ def test_agents_and_workers_exit_when_the_manager_never_comes_back(tmp_path):
     (tmp_path / "job.json").write_text(json.dumps(spec))
     mp.start()
     try:
-        from manager.domain.jobspec import load_jobspec, spec_to_pb
+        from manager.domain.jobspec import load_jobspec
+        from manager.transport.convert import spec_to_pb
 
         with mp.client() as c:
             job = c.submit(spec_to_pb(load_jobspec(tmp_path / "job.json")))

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from manager.agent.scheduled_events import ScheduledEventsClient, parse_notices
-from manager.domain.jobspec import JobSpec, load_jobspec, spec_from_pb, spec_to_pb
+from manager.domain.jobspec import JobSpec, load_jobspec
 from manager.domain.policy import StutterConfig, StutterDetector, choose_layout, fallback_layout, grow_gain
 from manager.domain.store import GenerationRecord, ProgressRecord, Store, VMRecord
+from manager.transport.convert import spec_from_pb, spec_to_pb
 from manager.worker.reporter import compute_times
 from varuna.core.calibration import Calibration
 from varuna.core.timeline import Event

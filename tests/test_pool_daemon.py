@@ -210,7 +210,7 @@ def test_capacity_change_preempts_and_restart_restores_pool_state(tmp_path):
 
 
 def test_pool_job_needs_a_pool_and_a_calibration(tmp_path):
-    from manager.domain.context import ManagerError
+    from manager.domain.errors import ManagerError
 
     (tmp_path / "plain").mkdir()
     plain = World(tmp_path / "plain")

@@ -15,7 +15,8 @@ An event concerns this VM when its name is in ``Resources``. ``Preempt`` is the 
 the agent may approve the event (``POST {"StartRequests": [{"EventId": ...}]}``) so the platform
 proceeds without waiting for ``NotBefore``.
 
-The endpoint address is configurable (``--metadata-url``) so tests point it at a local HTTP
+This is the notice source (:class:`manager.agent.notices.NoticeSource`) the azure and local
+providers declare. The endpoint address is configurable (``--notice-url``) so tests point it at a local HTTP
 server replaying a recorded document. Requests bypass any HTTP proxy (the address is link-local
 on Azure) and have a short timeout: the poller must never stall the agent.
 
@@ -31,30 +32,15 @@ import json
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-__all__ = [
-    "DEFAULT_METADATA_URL",
-    "NOTICE_TYPES",
-    "Notice",
-    "ScheduledEventsClient",
-    "parse_notices",
-]
+from manager.agent.notices import Notice
+
+__all__ = ["DEFAULT_METADATA_URL", "NOTICE_TYPES", "ScheduledEventsClient", "parse_notices"]
 
 DEFAULT_METADATA_URL = "http://169.254.169.254/metadata/scheduledevents?api-version=2020-07-01"
 #: Event types that end the VM.
 NOTICE_TYPES = ("Preempt", "Terminate")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Notice:
-    """One event announcing the end of this VM."""
-
-    event_id: str
-    event_type: str
-    not_before: str
-    description: str = ""
 
 
 def parse_notices(document: Mapping[str, Any], vm_name: str) -> list[Notice]:
@@ -81,10 +67,11 @@ def parse_notices(document: Mapping[str, Any], vm_name: str) -> list[Notice]:
 
 
 class ScheduledEventsClient:
-    """Polls the metadata endpoint for this VM's notices and approves them."""
+    """Polls the metadata endpoint for this VM's notices and approves them (a
+    :class:`~manager.agent.notices.NoticeSource`; ``url`` None: Azure's own endpoint)."""
 
-    def __init__(self, url: str, vm_name: str, *, timeout_s: float = 2.0) -> None:
-        self.url = url
+    def __init__(self, url: str | None, vm_name: str, *, timeout_s: float = 2.0) -> None:
+        self.url = url or DEFAULT_METADATA_URL
         self.vm_name = vm_name
         self.timeout_s = timeout_s
         # No proxy: the metadata address must be reached directly (Azure docs insist).

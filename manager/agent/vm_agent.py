@@ -13,8 +13,9 @@ signal (set by the shim, ``$VARUNA_AGENT_PID``), so whatever kills the agent —
 ``kill -9`` of the agent's process group, which is how tests preempt a pretend VM — kills the
 workers too, exactly like a VM that disappears.
 
-Eviction notices: with ``--metadata-url`` a thread polls Azure Scheduled Events
-(:mod:`manager.agent.scheduled_events`). On a Preempt/Terminate notice for this VM the agent at once
+Eviction notices: with ``--notice-source MODULE:CLASS`` (the provider's, from its registry entry:
+Azure Scheduled Events, :mod:`manager.agent.scheduled_events`) a thread polls that source
+(:mod:`manager.agent.notices`). On a notice for this VM the agent at once
 sends SIGUSR1 to its workers (every rank then finishes the mini-batch, writes a checkpoint and
 exits 0: the engine agrees on the stop across ranks), without waiting for a manager round trip,
 then reports the notice (a live-morph job's workers instead wait for the manager's ``leave``
@@ -56,7 +57,7 @@ from pathlib import Path
 import grpc
 
 from manager.agent.calibrate import ProfileRun
-from manager.agent.scheduled_events import Notice, ScheduledEventsClient
+from manager.agent.notices import Notice, NoticeSource, load_notice_source
 from manager.agent.workers import WorkerPool
 from manager.common.procs import find_free_port
 from manager.common.wire import load_token
@@ -88,12 +89,15 @@ class AgentConfig:
     slots: int = 1
     address: str = ""
     """How other VMs reach this one; default: the local address that routes to the manager."""
-    metadata_url: str | None = None
-    """Scheduled Events endpoint to poll; None: no polling."""
+    notice_source: str | None = None
+    """``module:Class`` of the eviction-notice source to poll (manager/agent/notices.py); None:
+    no polling."""
+    notice_url: str | None = None
+    """The source's endpoint (None: its default; tests serve a recorded document locally)."""
     vm_name: str = ""
-    """This VM's name in Scheduled Events ``Resources`` (default: ``vm_id``)."""
+    """This VM's name for the notice source (default: ``vm_id``)."""
     approve_notices: bool = False
-    metadata_poll_s: float = 1.0
+    notice_poll_s: float = 1.0
     heartbeat_interval_s: float = 2.0
     """Until the manager says otherwise."""
     orphan_timeout_s: float = 300.0
@@ -128,11 +132,11 @@ class VMAgent:
         self._notice_acted = False
         self._notice_approved = False
         self._notice_seen: float | None = None  # when a live job's notice began waiting for orders
-        self._events = (
-            ScheduledEventsClient(config.metadata_url, config.vm_name or config.vm_id)
-            if config.metadata_url
-            else None
-        )
+        self._events: NoticeSource | None = None
+        if config.notice_source:  # ValueError (one line) when it names no class
+            self._events = load_notice_source(
+                config.notice_source, url=config.notice_url, vm_name=config.vm_name or config.vm_id
+            )
         self._address = config.address or _route_address(config.manager)
         self._log_dir = Path(config.log_dir or ".")
         self._log_dir.mkdir(parents=True, exist_ok=True)
@@ -160,7 +164,7 @@ class VMAgent:
         """Register, then heartbeat and obey until shut down. Returns the exit code."""
         poller = None
         if self._events is not None:
-            poller = threading.Thread(target=self._poll_events, name="scheduled-events", daemon=True)
+            poller = threading.Thread(target=self._poll_events, name="notice-source", daemon=True)
             poller.start()
         try:
             if not self._register():
@@ -403,7 +407,7 @@ class VMAgent:
                 with self._notice_lock:
                     if self._notice is None:
                         self._notice = notices[0]
-            self._shutdown.wait(self.config.metadata_poll_s)
+            self._shutdown.wait(self.config.notice_poll_s)
 
     def _act_on_notice(self) -> None:
         with self._notice_lock:
@@ -510,10 +514,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job-id", default="")
     parser.add_argument("--slots", type=int, default=1)
     parser.add_argument("--address", default="")
-    parser.add_argument("--metadata-url", default=None, help="Azure Scheduled Events endpoint to poll")
-    parser.add_argument("--vm-name", default="", help="this VM's name in Scheduled Events (default: --vm-id)")
+    parser.add_argument("--notice-source", default=None, metavar="MODULE:CLASS",
+                        help="eviction-notice source to poll (the provider's; none: no polling)")
+    parser.add_argument("--notice-url", default=None, help="the notice source's endpoint (default: its own)")
+    parser.add_argument("--vm-name", default="", help="this VM's name there (default: --vm-id)")
     parser.add_argument("--approve-notices", action="store_true")
-    parser.add_argument("--metadata-poll", type=float, default=1.0, metavar="S")
+    parser.add_argument("--notice-poll", type=float, default=1.0, metavar="S")
     parser.add_argument("--heartbeat-interval", type=float, default=2.0, metavar="S")
     parser.add_argument("--orphan-timeout", type=float, default=300.0, metavar="S")
     parser.add_argument("--log-dir", default="")
@@ -548,10 +554,11 @@ def main(argv: list[str] | None = None) -> int:
                 job_id=args.job_id,
                 slots=args.slots,
                 address=args.address,
-                metadata_url=args.metadata_url,
+                notice_source=args.notice_source,
+                notice_url=args.notice_url,
                 vm_name=args.vm_name,
                 approve_notices=args.approve_notices,
-                metadata_poll_s=args.metadata_poll,
+                notice_poll_s=args.notice_poll,
                 heartbeat_interval_s=args.heartbeat_interval,
                 orphan_timeout_s=args.orphan_timeout,
                 log_dir=args.log_dir,

@@ -25,38 +25,17 @@ import shlex
 
 from manager.domain.context import ManagerContext
 from manager.domain.jobspec import ProfileSpec
-from manager.domain.store import JobRecord, VMRecord
+from manager.domain.messages import CalibrationReply, CalibrationReport, ProfileOrder
+from manager.domain.records import JobRecord, VMRecord
 from manager.domain.vm_types import vm_type_of
-from manager.transport import varuna_manager_pb2 as pb
 from varuna.core.calibration import Calibration
 
-__all__ = [
-    "CALIBRATION_MAX_ATTEMPTS",
-    "CALIBRATION_SETTLED",
-    "CalibrationOrders",
-    "calibration_state",
-    "type_calibrations",
-]
+__all__ = ["CALIBRATION_MAX_ATTEMPTS", "CALIBRATION_SETTLED", "CalibrationOrders"]
 
 #: Profiling attempts per job: a VM lost during the run re-issues it on another one, this often.
 CALIBRATION_MAX_ATTEMPTS = 3
 #: Calibration states after which the job may be planned (Note [Calibration at job start]).
 CALIBRATION_SETTLED = ("given", "none", "done", "failed")
-
-
-def calibration_state(job: JobRecord) -> str:
-    """The job's calibration state; rows written before calibration states existed are given or
-    none.
-
-    Example: ``calibration_state(job)`` → ``"profiling"`` while a VM runs ``varuna-profile``.
-    """
-    return job.calibration_state or ("given" if job.calibration_json else "none")
-
-
-def type_calibrations(job: JobRecord) -> dict[str, dict]:
-    """Mixed VM types: each calibrated type's calibration document (insertion order: the order
-    they were profiled in)."""
-    return dict(json.loads(job.type_calibrations_json)) if job.type_calibrations_json else {}
 
 
 class CalibrationOrders:
@@ -75,21 +54,21 @@ class CalibrationOrders:
 
     # -- the agent's report --------------------------------------------------------------------
 
-    def report(self, req: pb.ReportCalibrationRequest, vm: VMRecord) -> pb.ReportCalibrationReply:
+    def report(self, req: CalibrationReport, vm: VMRecord) -> CalibrationReply:
         """An agent's result of a PROFILE order. Only the job's current attempt, from the VM it
         was ordered on, is taken; anything else is answered ``accepted=False`` and ignored."""
         ctx = self.ctx
         now = ctx.clock()
         job = ctx.store.job(vm.job_id)
         if job is None or job.terminal:
-            return pb.ReportCalibrationReply(accepted=False, message="the job is over")
+            return CalibrationReply(accepted=False, message="the job is over")
         current = (
             job.calibration_state == "profiling"
             and job.calibration_attempt == req.attempt
             and job.calibration_vm == vm.vm_id
         )
         if not current:
-            return pb.ReportCalibrationReply(
+            return CalibrationReply(
                 accepted=False,
                 message=f"attempt {req.attempt} is not current (job calibration {job.calibration_state}, "
                 f"attempt {job.calibration_attempt} on {job.calibration_vm or '-'}); ignored",
@@ -98,7 +77,7 @@ class CalibrationOrders:
         if not req.ok:
             reason = (req.error or "varuna-profile failed").splitlines()[0]
             self.failed(job, f"{reason} ({where})", vm_id=vm.vm_id, wall_s=req.wall_s)
-            return pb.ReportCalibrationReply(accepted=True, message="failure recorded")
+            return CalibrationReply(accepted=True, message="failure recorded")
         try:
             cal = Calibration.from_dict(
                 json.loads(req.calibration_json), source=f"calibration profiled on {vm.vm_id}"
@@ -107,12 +86,12 @@ class CalibrationOrders:
             detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             reason = f"invalid calibration file: {detail}"
             self.failed(job, f"{reason} ({where})", vm_id=vm.vm_id, wall_s=req.wall_s)
-            return pb.ReportCalibrationReply(accepted=True, message="invalid calibration recorded")
+            return CalibrationReply(accepted=True, message="invalid calibration recorded")
         self._store_result(job, req, vm, cal, now)
-        return pb.ReportCalibrationReply(accepted=True, message="stored")
+        return CalibrationReply(accepted=True, message="stored")
 
     def _store_result(
-        self, job: JobRecord, req: pb.ReportCalibrationRequest, vm: VMRecord, cal: Calibration, now: float
+        self, job: JobRecord, req: CalibrationReport, vm: VMRecord, cal: Calibration, now: float
     ) -> None:
         ctx = self.ctx
         source = f"profiled on {vm.vm_id} in {req.wall_s:.1f} s"
@@ -122,7 +101,7 @@ class CalibrationOrders:
         if vm_type:
             # Every type's own file; the first one also stands for the job (what the P×D choice
             # reads until the planner takes costs per type), and the next type may follow.
-            by_type = {**type_calibrations(job), vm_type: json.loads(req.calibration_json)}
+            by_type = {**job.type_calibrations, vm_type: json.loads(req.calibration_json)}
             values["type_calibrations_json"] = json.dumps(by_type)
             values["calibration_state"] = "pending"
             values["calibration_source"] = "profiled per VM type: " + ", ".join(by_type)
@@ -156,7 +135,7 @@ class CalibrationOrders:
 
     def text(self, job: JobRecord, now: float) -> str:
         """Where the job's calibration comes from, for ``status``."""
-        state = calibration_state(job)
+        state = job.calibration_status
         if state == "pending":
             return "pending: varuna-profile runs on the first usable VM"
         if state == "profiling":
@@ -171,14 +150,14 @@ class CalibrationOrders:
             return job.calibration_source or "from the job spec"
         return job.calibration_source or state
 
-    def order(self, job: JobRecord) -> pb.ProfileOrder:
+    def order(self, job: JobRecord) -> ProfileOrder:
         """The PROFILE order of the job's current attempt (the same after a restart)."""
         cache = self.ctx.cache(job)
         profile = cache.profile
         assert profile is not None, "a profiling job has a [profile]"
-        return pb.ProfileOrder(
+        return ProfileOrder(
             attempt=job.calibration_attempt,
-            argv=profile.profiler_args(job_micro_batch_size=cache.spec.micro_batch_size),
+            argv=tuple(profile.profiler_args(job_micro_batch_size=cache.spec.micro_batch_size)),
             env=dict(cache.spec.env),
             cwd=cache.spec.workdir,
             timeout_s=profile.timeout_s,
@@ -189,7 +168,7 @@ class CalibrationOrders:
     def ready(self, job: JobRecord, vms: list[VMRecord], now: float) -> bool:
         """Drive the job's calibration one step; True once the job may be planned."""
         ctx = self.ctx
-        state = calibration_state(job)
+        state = job.calibration_status
         profile = ctx.cache(job).profile
         if state == "failed" and profile is not None and profile.required:
             ctx.finish_job(
@@ -217,7 +196,7 @@ class CalibrationOrders:
         """Mixed VM types (Note [Calibration per VM type]): profile on the first usable VM of
         every type not calibrated yet, one at a time; True once none is left."""
         ctx = self.ctx
-        done = type_calibrations(job)
+        done = job.type_calibrations
         usable = [vm for vm in vms if ctx.usable(vm, now, since=0.0)]
         todo = next((vm for vm in usable if vm_type_of(vm.ref) and vm_type_of(vm.ref) not in done), None)
         if todo is not None:

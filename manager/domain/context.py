@@ -1,5 +1,6 @@
 """What every part of the manager works on: the store, the configuration, the clock, one lock,
-per-job soft state, and the few primitives they all use (events, liveness of a VM, ending a job).
+per-job soft state, the live-morph and pool collaborators, and the few primitives they all use
+(events, liveness of a VM, ending a generation or a job).
 
 The manager is split by job (manager/domain/controller.py composes the parts): VM bookkeeping
 (:mod:`manager.domain.vm_book`), calibration orders (:mod:`manager.domain.calibration_orders`), morph
@@ -8,8 +9,8 @@ worker reports (:mod:`manager.domain.worker_reports`) and the client requests
 (:mod:`manager.domain.job_requests`). They share one :class:`ManagerContext`; every decision is taken
 under its lock, from the state in the store.
 
-    >>> ManagerError(grpc.StatusCode.NOT_FOUND, "no job 'x'").message
-    "no job 'x'"
+    >>> ManagerConfig(advertise_address="h:1", token_file="t", state_dir="d").heartbeat_timeout_s
+    15.0
 """
 
 from __future__ import annotations
@@ -20,28 +21,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
 from manager.common.wire import MAX_RECONNECT_BACKOFF_S
 from manager.domain.jobspec import JobSpec, ProfileSpec
+from manager.domain.messages import WorkerLaunch
 from manager.domain.policy import StutterConfig, StutterDetector
-from manager.domain.store import GenerationRecord, JobRecord, Store, VMRecord
+from manager.domain.ports import LiveMorph, NoLiveMorph, NoPool, SharedPool
+from manager.domain.records import GenerationRecord, JobRecord, VMRecord
+from manager.domain.store import Store
 from manager.providers.base import Provider, ProviderContext
-from manager.transport import varuna_manager_pb2 as pb
 from varuna.core.calibration import Calibration
 
-__all__ = ["LIVE_GENERATION_STATES", "JobCache", "ManagerConfig", "ManagerContext", "ManagerError"]
+__all__ = ["LIVE_GENERATION_STATES", "JobCache", "ManagerConfig", "ManagerContext"]
 
 LIVE_GENERATION_STATES = ("running", "stopping", "killing")
-
-
-class ManagerError(Exception):
-    """A request the manager refuses; ``code`` is the gRPC status to answer with."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,7 +84,7 @@ class JobCache:
     plans: dict[tuple[Any, ...], Any] = field(default_factory=dict)
     """Layouts per slot tuple (LayoutPlan or why nothing fits); with mixed VM types also the mixed
     placement per (slots, types) (``manager.domain.morph_planner.MorphPlanner.place``)."""
-    launches: dict[int, dict[str, list[pb.WorkerLaunch]]] = field(
+    launches: dict[int, dict[str, list[WorkerLaunch]]] = field(
         default_factory=dict
     )  # gen -> vm -> workers
     compute: dict[int, dict[int, dict[int, float]]] = field(
@@ -116,7 +108,8 @@ class JobCache:
 class ManagerContext:
     """The shared state of the manager's parts (module docstring). ``provider_factory`` and
     ``clock`` (wall-clock seconds) come from :class:`manager.domain.controller.Manager`; tests give a
-    fake cloud and a clock that moves only when they say so.
+    fake cloud and a clock that moves only when they say so. ``live`` and ``pool`` start as the
+    null collaborators (:mod:`manager.domain.ports`); the Manager installs the real ones.
 
     Example::
 
@@ -148,10 +141,10 @@ class ManagerContext:
         self.started_at = clock()
         self._provider_factory = provider_factory
         self._jobs: dict[str, JobCache] = {}
-        #: The shared pool (manager.domain.pool_rounds.PoolRounds) when serving with --pool, else None.
-        self.pool: Any = None
+        #: The shared pool (manager.domain.pool_rounds.PoolRounds) when serving with --pool.
+        self.pool: SharedPool = NoPool()
         #: Live morph's stores and decisions (manager.domain.live_runs.LiveRuns), set by the Manager.
-        self.live: Any = None
+        self.live: LiveMorph = NoLiveMorph()
         self.provider_context = ProviderContext(
             manager_address=config.advertise_address,
             token_file=config.token_file,
@@ -178,7 +171,7 @@ class ManagerContext:
 
     def pool_job(self, job: JobRecord) -> bool:
         """Whether ``job`` takes its VMs from the shared pool (docs/pool.md)."""
-        return self.pool is not None and bool(self.cache(job).spec.pool)
+        return self.pool.is_pool(job)
 
     def provider(self, job: JobRecord) -> Provider:
         """The job's provider (made on first use, closed by :meth:`close_providers`)."""
@@ -209,7 +202,7 @@ class ManagerContext:
 
     def live_morph_job(self, job: JobRecord) -> bool:
         """Whether ``job`` morphs without a restart when it can (``live_morph = true``)."""
-        return self.live is not None and bool(self.cache(job).spec.live_morph)
+        return self.live.enabled(job)
 
     def live_generation(self, job: JobRecord) -> GenerationRecord | None:
         """The job's current generation if it is running, stopping or killing."""
@@ -240,6 +233,20 @@ class ManagerContext:
         reconnect back-off with gRPC's jitter, then its next heartbeat."""
         return 1.2 * MAX_RECONNECT_BACKOFF_S + self.config.heartbeat_interval_s
 
+    def health(self, vm: VMRecord, now: float) -> str:
+        """One word for ``status``: starting, healthy, silent, slow, preempting, gone, deleted."""
+        if vm.state == "requested":
+            return "starting"
+        if vm.state in ("gone", "deleted"):
+            return vm.state
+        if vm.notice:
+            return "preempting"
+        if vm.slow:
+            return "slow"
+        if self.age(vm, now) > self.config.heartbeat_timeout_s / 2:
+            return "silent"
+        return "healthy"
+
     def healthy(self, vm: VMRecord, now: float) -> bool:
         """Up, not slow, not announced for eviction, heard from within T."""
         return (
@@ -264,10 +271,34 @@ class ManagerContext:
         self.store.update_job(job.job_id, state=state, message=message)
         fresh = self.store.job(job.job_id) or job
         self.event(job.job_id, state, message, data={"step": fresh.step})
-        if self.live is not None:
-            self.live.close(job.job_id)
+        self.live.close(job.job_id)
         # Delete every VM (their agents get SHUTDOWN meanwhile, should they heartbeat).
         provider = self.provider(job)
         for vm in self.store.vms(job.job_id, states=["requested", "up", "gone"]):
             self.store.update_vm(vm.vm_id, state="deleted")
             self.actions.append(lambda vm=vm: provider.delete_vm(vm))
+
+    def begin_stop(self, job: JobRecord, gen: GenerationRecord, reason: str, now: float) -> None:
+        """Ask ``gen``'s workers to checkpoint and exit (SIGUSR1 through the agents' orders)."""
+        self._begin_ending(job, gen, "stopping", "graceful stop (SIGUSR1: checkpoint and exit)", reason, now)
+
+    def begin_kill(self, job: JobRecord, gen: GenerationRecord, reason: str, now: float) -> None:
+        """SIGKILL ``gen``'s workers (the survivors of a failure cannot finish the mini-batch)."""
+        self._begin_ending(job, gen, "killing", "SIGKILL to its workers", reason, now)
+
+    def _begin_ending(
+        self, job: JobRecord, gen: GenerationRecord, state: str, how: str, reason: str, now: float
+    ) -> None:
+        """Mark ``gen`` as ending (``state`` "stopping" or "killing", also the event's kind); the
+        agents' next orders say so, and the generation ends once they confirm (generations.py)."""
+        self.store.update_generation(
+            job.job_id, gen.generation, state=state, stop_reason=reason, stop_time=now
+        )
+        self.store.update_job(job.job_id, state="stopping")
+        self.event(
+            job.job_id,
+            state,
+            f"generation {gen.generation}: {how}: {reason}",
+            generation=gen.generation,
+            data={"reason": reason},
+        )

@@ -1,19 +1,26 @@
 """The manager's brain: the job life cycle, VM liveness, morphs (paper §4.6).
 
 A :class:`Manager` owns the :class:`~manager.domain.store.Store` and a control loop that runs every
-``tick_s``; the gRPC handlers call its methods (``submit``, ``vm_heartbeat``...). It is a thin
-facade over parts with one job each, sharing one :class:`~manager.domain.context.ManagerContext`:
+``tick_s``; the transport's handlers call its methods (``submit``, ``vm_heartbeat``...) with the
+plain messages of :mod:`manager.domain.messages` (manager/transport/convert.py converts the wire's).
+It is a thin facade over parts with one job each, sharing one
+:class:`~manager.domain.context.ManagerContext`; the parts never import one another, the facade
+hands each the others it needs (Note [Ports] in manager/domain/ports.py):
 
 - :class:`~manager.domain.vm_book.VMBook`: registration, agent heartbeats and their orders, lost VMs,
   asking the provider for VMs;
 - :class:`~manager.domain.calibration_orders.CalibrationOrders`: calibration at job start;
 - :class:`~manager.domain.morph_planner.MorphPlanner`: P×D for the usable VMs (auto-config for the
-  job's schedule), the grow rule, each generation's worker launches and run plan;
+  job's schedule), the grow rule;
+- :class:`~manager.domain.launches.WorkerLaunches`: each generation's worker launches and run plan;
 - :class:`~manager.domain.generations.JobController`: the generation life cycle (launch, supervise,
   stop, kill, relaunch, finish);
 - :class:`~manager.domain.worker_reports.WorkerReports`: worker heartbeats (progress, morph latency,
   fail-stutter);
-- :class:`~manager.domain.job_requests.JobRequests`: submit, cancel, status, events.
+- :class:`~manager.domain.job_requests.JobRequests`: submit, cancel, status, events;
+- :class:`~manager.domain.live_runs.LiveRuns` (live morph) and, with ``--pool``,
+  :class:`~manager.domain.pool_rounds.PoolRounds` (the shared pool): the context's ``live`` and
+  ``pool`` collaborators (``ports.NoPool`` without a pool).
 
 All decisions are taken under one lock, from the state in the store, so a restarted manager
 picks up where the old one stopped; provider calls (which may take seconds on a cloud) run
@@ -75,16 +82,29 @@ from manager.domain.calibration_orders import CalibrationOrders
 from manager.domain.context import ManagerConfig, ManagerContext
 from manager.domain.generations import JobController
 from manager.domain.job_requests import JobRequests
+from manager.domain.jobspec import JobSpec
+from manager.domain.launches import WorkerLaunches
 from manager.domain.live_runs import LiveRuns
+from manager.domain.messages import (
+    CalibrationReply,
+    CalibrationReport,
+    JobStatus,
+    Orders,
+    Registered,
+    RegisterVM,
+    VMHeartbeat,
+    WorkerHeartbeat,
+)
 from manager.domain.morph_planner import MorphPlanner
 from manager.domain.pool_config import PoolConfig
 from manager.domain.pool_rounds import PoolRounds
 from manager.domain.pool_store import PoolStore
-from manager.domain.store import JobRecord, Store
+from manager.domain.records import EventRecord, JobRecord, VMRecord
+from manager.domain.store import Store
 from manager.domain.vm_book import VMBook
 from manager.domain.worker_reports import WorkerReports
-from manager.providers.base import Provider, ProviderContext, make_provider
-from manager.transport import varuna_manager_pb2 as pb
+from manager.providers.base import Provider, ProviderContext
+from manager.providers.registry import make_provider
 
 __all__ = ["CHECKPOINT_EVERY_S", "Manager"]
 
@@ -101,7 +121,7 @@ class Manager:
         manager = Manager(Store("state.sqlite"), ManagerConfig(advertise_address="h:7878",
                           token_file="tok", state_dir="vms"))
         manager.start()            # the control loop, in a thread
-        job_id = manager.submit(spec_to_pb(spec))
+        job_id = manager.submit(spec)
     """
 
     def __init__(
@@ -119,11 +139,12 @@ class Manager:
             self.ctx.pool = PoolRounds(self.ctx, pool)
         self.calibration = CalibrationOrders(self.ctx)
         self.planner = MorphPlanner(self.ctx)
+        self.launches = WorkerLaunches(self.ctx)
         self.ctx.live = LiveRuns(self.ctx, self.planner)
         self.controller = JobController(self.ctx, self.calibration, self.planner)
-        self.vms = VMBook(self.ctx, self.controller, self.calibration, self.planner)
+        self.vms = VMBook(self.ctx, self.calibration, self.launches)
         self.workers = WorkerReports(self.ctx)
-        self.requests = JobRequests(self.ctx, self.calibration, self.vms)
+        self.requests = JobRequests(self.ctx, self.calibration)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._checkpointed = 0.0  # time.monotonic() of the last WAL checkpoint
@@ -144,6 +165,15 @@ class Manager:
     def config(self) -> ManagerConfig:
         """The control loop's tuning."""
         return self.ctx.config
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """Wall-clock seconds, as the manager reads them (a test's fake clock)."""
+        return self.ctx.clock
+
+    def vm_health(self, vm: VMRecord, now: float) -> str:
+        """The manager's one word for a VM (``status``, the dashboard)."""
+        return self.ctx.health(vm, now)
 
     @property
     def started_at(self) -> float:
@@ -176,38 +206,39 @@ class Manager:
                 traceback.print_exc(file=sys.stderr)
             self._stop.wait(self.config.tick_s)
 
-    # -- RPCs (manager/transport/server.py) --------------------------------------------------------------
+    # -- requests (manager/transport/server.py calls them) ----------------------------------------
 
-    def submit(self, msg: pb.JobSpec) -> str:
-        """A new job from ``varuna-manager submit``; returns its id."""
-        return self.requests.submit(msg)
+    def submit(self, spec: JobSpec, calibration_json: str = "") -> str:
+        """A new job from ``varuna-manager submit`` (with the calibration file's content, or "");
+        returns its id. ``ManagerError`` when it is refused."""
+        return self.requests.submit(spec, calibration_json)
 
     def cancel(self, job_id: str) -> str:
         """Checkpoint, stop and delete the job's VMs; returns the job's state."""
         return self.requests.cancel(job_id)
 
-    def events(self, job_id: str, after_id: int, limit: int) -> list[pb.Event]:
+    def events(self, job_id: str, after_id: int, limit: int) -> list[EventRecord]:
         """The job's events after ``after_id``."""
         return self.requests.events(job_id, after_id, limit)
 
-    def status(self, job_id: str, history: int) -> list[pb.JobStatus]:
+    def status(self, job_id: str, history: int) -> list[JobStatus]:
         """The job's (every job's, ``job_id`` empty) status."""
         return self.requests.status(job_id, history)
 
-    def register_vm(self, req: pb.RegisterVMRequest) -> pb.RegisterVMReply:
+    def register_vm(self, req: RegisterVM) -> Registered:
         """An agent registering its VM."""
         return self.vms.register(req)
 
-    def vm_heartbeat(self, req: pb.VMHeartbeatRequest) -> pb.Orders:
+    def vm_heartbeat(self, req: VMHeartbeat) -> Orders:
         """An agent's heartbeat; the reply is its VM's orders."""
         return self.vms.heartbeat(req)
 
-    def report_calibration(self, req: pb.ReportCalibrationRequest) -> pb.ReportCalibrationReply:
+    def report_calibration(self, req: CalibrationReport) -> CalibrationReply:
         """An agent's result of a PROFILE order."""
         with self.ctx.lock:
             return self.calibration.report(req, self.vms.registered_vm(req.vm_id))
 
-    def worker_heartbeat(self, req: pb.WorkerHeartbeatRequest) -> bool:
+    def worker_heartbeat(self, req: WorkerHeartbeat) -> bool:
         """A worker's per-step report; False tells a straggler of an ended generation to exit."""
         return self.workers.heartbeat(req)
 
@@ -216,7 +247,7 @@ class Manager:
     def tick(self) -> None:
         """One pass over every active job (the loop calls it every ``tick_s``; tests call it)."""
         ctx = self.ctx
-        if ctx.pool is not None:
+        if ctx.pool.active:
             with ctx.lock:
                 ctx.pool.tick(ctx.clock())  # a round when one is due: placements for this pass
         for job in ctx.store.jobs(active_only=True):

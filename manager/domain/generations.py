@@ -16,11 +16,10 @@ import dataclasses
 import json
 from typing import Any
 
-from manager.domain.calibration_orders import CalibrationOrders
 from manager.domain.context import ManagerContext
 from manager.domain.live_members import LiveMembers
-from manager.domain.morph_planner import MorphPlanner, Placement
-from manager.domain.store import GenerationRecord, JobRecord, VMRecord
+from manager.domain.ports import Calibrations, Placement, Planner
+from manager.domain.records import GenerationRecord, JobRecord, VMRecord
 
 __all__ = ["JobController", "vm_progress"]
 
@@ -54,7 +53,7 @@ class JobController:
             controller.maybe_launch(job, ctx.store.vms(job.job_id), now)
     """
 
-    def __init__(self, ctx: ManagerContext, calibration: CalibrationOrders, planner: MorphPlanner) -> None:
+    def __init__(self, ctx: ManagerContext, calibration: Calibrations, planner: Planner) -> None:
         self.ctx = ctx
         self.calibration = calibration
         self.planner = planner
@@ -85,9 +84,9 @@ class JobController:
                     self._finish_if_target_reached(job, gen)
             elif failed:
                 what = ", ".join(vm.vm_id for vm in failed)
-                self.begin_kill(job, gen, f"failure during the graceful stop on {what}", now)
+                self.ctx.begin_kill(job, gen, f"failure during the graceful stop on {what}", now)
             elif now - (gen.stop_time or now) > cfg.stop_timeout_s:
-                self.begin_kill(job, gen, f"graceful stop took more than {cfg.stop_timeout_s:g} s", now)
+                self.ctx.begin_kill(job, gen, f"graceful stop took more than {cfg.stop_timeout_s:g} s", now)
         elif all_done or now - (gen.stop_time or now) > self.ctx.config.kill_timeout_s:  # killing
             self.end_generation(job, gen, now, graceful=False, reason=gen.stop_reason)
 
@@ -108,7 +107,7 @@ class JobController:
                 f"{vm.vm_id} ({'gone' if vm.state != 'up' else 'worker failed'})" for vm in failed
             )
             self.ctx.note_detection(job, f"generation {gen.generation} failed: {what}", now)
-            self.begin_kill(job, gen, f"failure on {what}", now)
+            self.ctx.begin_kill(job, gen, f"failure on {what}", now)
             return
         if all_clean_exit:
             self._workers_exited_cleanly(job, gen, gen_vms, now)
@@ -117,7 +116,7 @@ class JobController:
         if trigger is not None:
             if not trigger.startswith("cancel"):
                 self.ctx.note_detection(job, trigger, now)
-            self.begin_stop(job, gen, trigger, now)
+            self.ctx.begin_stop(job, gen, trigger, now)
 
     def _workers_exited_cleanly(
         self, job: JobRecord, gen: GenerationRecord, gen_vms: list[VMRecord], now: float
@@ -185,31 +184,7 @@ class JobController:
                 return None  # the new VMs' workers join the running generation
         return grow
 
-    # -- ending a generation -------------------------------------------------------------------
-
-    def begin_stop(self, job: JobRecord, gen: GenerationRecord, reason: str, now: float) -> None:
-        """Ask ``gen``'s workers to checkpoint and exit (SIGUSR1 through the agents' orders)."""
-        self._begin_ending(job, gen, "stopping", "graceful stop (SIGUSR1: checkpoint and exit)", reason, now)
-
-    def begin_kill(self, job: JobRecord, gen: GenerationRecord, reason: str, now: float) -> None:
-        """SIGKILL ``gen``'s workers (the survivors of a failure cannot finish the mini-batch)."""
-        self._begin_ending(job, gen, "killing", "SIGKILL to its workers", reason, now)
-
-    def _begin_ending(
-        self, job: JobRecord, gen: GenerationRecord, state: str, how: str, reason: str, now: float
-    ) -> None:
-        """Mark ``gen`` as ending (``state`` "stopping" or "killing", also the event's kind)."""
-        self.ctx.store.update_generation(
-            job.job_id, gen.generation, state=state, stop_reason=reason, stop_time=now
-        )
-        self.ctx.store.update_job(job.job_id, state="stopping")
-        self.ctx.event(
-            job.job_id,
-            state,
-            f"generation {gen.generation}: {how}: {reason}",
-            generation=gen.generation,
-            data={"reason": reason},
-        )
+    # -- ending a generation (begun by ManagerContext.begin_stop / begin_kill) ------------------
 
     def end_generation(
         self, job: JobRecord, gen: GenerationRecord, now: float, *, graceful: bool, reason: str
@@ -222,8 +197,7 @@ class JobController:
             job.job_id, gen.generation, state="ended", ended=now, graceful=int(graceful)
         )
         ctx.detector.forget(lambda k: k[0] == job.job_id and k[1] == gen.generation)
-        if ctx.live is not None:
-            ctx.live.close(job.job_id, gen.generation)
+        ctx.live.close(job.job_id, gen.generation)
         cache = ctx.cache(job)
         cache.compute.pop(gen.generation, None)
         cache.launches.pop(gen.generation, None)

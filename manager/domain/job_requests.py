@@ -12,16 +12,15 @@ import json
 import re
 import secrets
 
-import grpc
-
-from manager.domain.calibration_orders import CalibrationOrders, calibration_state
-from manager.domain.context import ManagerContext, ManagerError
-from manager.domain.jobspec import JobSpec, spec_from_pb
-from manager.domain.store import GenerationRecord, JobRecord, VMRecord, WorkerStatRecord
-from manager.domain.vm_book import VMBook
-from manager.transport import varuna_manager_pb2 as pb
+from manager.domain.context import ManagerContext
+from manager.domain.errors import ErrorKind, ManagerError
+from manager.domain.jobspec import JobSpec
+from manager.domain.messages import JobStatus, ThroughputPoint, VMStatus, WorkerStatus
+from manager.domain.ports import Calibrations
+from manager.domain.records import EventRecord, GenerationRecord, JobRecord, VMRecord, WorkerStatRecord
+from manager.providers.registry import provider_entry
 from varuna.core.calibration import Calibration
-from varuna.core.extras import MissingExtra, require_extra
+from varuna.core.extras import MissingExtra
 
 __all__ = ["JobRequests", "job_id_for"]
 
@@ -37,7 +36,7 @@ def job_id_for(display_name: str) -> str:
 
 
 def _not_found(job_id: str) -> ManagerError:
-    return ManagerError(grpc.StatusCode.NOT_FOUND, f"no job {job_id!r}; see varuna-manager status")
+    return ManagerError(ErrorKind.NOT_FOUND, f"no job {job_id!r}; see varuna-manager status")
 
 
 class JobRequests:
@@ -45,40 +44,34 @@ class JobRequests:
 
     Example::
 
-        requests = JobRequests(ctx, calibration, vm_book)
-        job_id = requests.submit(spec_to_pb(spec))
+        requests = JobRequests(ctx, calibration)
+        job_id = requests.submit(spec, calibration_json="")
         [status] = requests.status(job_id, history=10)
     """
 
-    def __init__(self, ctx: ManagerContext, calibration: CalibrationOrders, vms: VMBook) -> None:
+    def __init__(self, ctx: ManagerContext, calibration: Calibrations) -> None:
         self.ctx = ctx
         self.calibration = calibration
-        self.vms = vms
 
-    def submit(self, msg: pb.JobSpec) -> str:
-        """Validate and store a new job; returns its id. ``ManagerError`` INVALID_ARGUMENT."""
+    def submit(self, spec: JobSpec, calibration_json: str = "") -> str:
+        """Validate and store a new job (``calibration_json``: the calibration file's content, or
+        ""); returns its id. ``ManagerError`` INVALID_ARGUMENT, or FAILED_PRECONDITION when the
+        provider's extra is missing here."""
         try:
-            spec = spec_from_pb(msg)
-            calibration_json = msg.calibration_json
             if calibration_json:
                 Calibration.from_dict(json.loads(calibration_json), source="calibration")
-            # The provider options must make sense now, not at the first tick.
-            if spec.provider == "local":
-                from manager.providers.local import LocalProviderOptions
-
-                LocalProviderOptions.from_dict(spec.provider_options)
-            elif spec.provider == "azure":
-                from manager.providers.azure import AZURE_WHAT, AzureProviderOptions
-
-                AzureProviderOptions.from_dict(spec.provider_options)
-                require_extra("azure", AZURE_WHAT)  # now, not at the first tick
+            # The provider's options and extra must be right now, not at the first tick.
+            entry = provider_entry(spec.provider)
+            entry.parse_options(spec.provider_options)
+            if entry.extra is not None:
+                entry.extra.require()
         except (ValueError, TypeError) as exc:
-            raise ManagerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc).splitlines()[0]) from None
+            raise ManagerError(ErrorKind.INVALID_ARGUMENT, str(exc).splitlines()[0]) from None
         except MissingExtra as exc:
-            raise ManagerError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+            raise ManagerError(ErrorKind.FAILED_PRECONDITION, str(exc)) from None
         if calibration_json and spec.profile:
             raise ManagerError(
-                grpc.StatusCode.INVALID_ARGUMENT,
+                ErrorKind.INVALID_ARGUMENT,
                 "jobspec: give either 'calibration' (a file) or [profile] (calibrate on the first VM), "
                 "not both",
             )
@@ -121,40 +114,28 @@ class JobRequests:
                 self.ctx.event(job_id, "cancel-requested", "cancel requested: checkpoint, stop, delete VMs")
             return "cancelling" if not job.terminal else job.state
 
-    def events(self, job_id: str, after_id: int, limit: int) -> list[pb.Event]:
+    def events(self, job_id: str, after_id: int, limit: int) -> list[EventRecord]:
         """The job's (or every job's, ``job_id`` empty) events after ``after_id``."""
         if job_id and self.ctx.store.job(job_id) is None:
             raise _not_found(job_id)
-        return [
-            pb.Event(
-                id=e.id,
-                job_id=e.job_id,
-                time=e.time,
-                kind=e.kind,
-                vm_id=e.vm_id,
-                generation=e.generation,
-                message=e.message,
-                data_json=e.data_json,
-            )
-            for e in self.ctx.store.events(job_id, after_id=after_id, limit=limit)
-        ]
+        return self.ctx.store.events(job_id, after_id=after_id, limit=limit)
 
     def _check_pool_job(self, spec: JobSpec, calibration_json: str) -> None:
         """A pool job needs a pool, and a calibration (the throughput matrix is made from it)."""
-        if self.ctx.pool is None:
+        if not self.ctx.pool.active:
             raise ManagerError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                ErrorKind.FAILED_PRECONDITION,
                 "this manager has no shared pool; start it with varuna-manager serve --pool POOL.toml "
                 "or submit without --pool",
             )
         if not calibration_json and not spec.profile:
             raise ManagerError(
-                grpc.StatusCode.INVALID_ARGUMENT,
+                ErrorKind.INVALID_ARGUMENT,
                 "jobspec: a pool job needs 'calibration' or [profile]: the pool allocates by predicted "
                 "throughput",
             )
 
-    def status(self, job_id: str, history: int) -> list[pb.JobStatus]:
+    def status(self, job_id: str, history: int) -> list[JobStatus]:
         """The job's (or every job's) status with its last ``history`` throughput points."""
         with self.ctx.lock:
             if job_id:
@@ -166,12 +147,12 @@ class JobRequests:
                 jobs = self.ctx.store.jobs()
             return [self._job_status(job, history) for job in jobs]
 
-    def _job_status(self, job: JobRecord, history: int) -> pb.JobStatus:
+    def _job_status(self, job: JobRecord, history: int) -> JobStatus:
         store = self.ctx.store
         now = self.ctx.clock()
         spec = JobSpec.from_dict(job.spec)
         gen = store.generation(job.job_id, job.generation) if job.generation else None
-        out = pb.JobStatus(
+        out = JobStatus(
             job_id=job.job_id,
             name=spec.display_name,
             state=job.state,
@@ -182,7 +163,7 @@ class JobRequests:
             created=job.created,
             provider=spec.provider,
             checkpoint_dir=spec.checkpoint_dir,
-            calibration_state=calibration_state(job),
+            calibration_state=job.calibration_status,
             calibration=self.calibration.text(job, now),
         )
         stats: dict[int, WorkerStatRecord] = {}
@@ -193,38 +174,34 @@ class JobRequests:
             stats = {s.rank: s for s in store.worker_stats(job.job_id, gen.generation)}
         for vm in store.vms(job.job_id):
             self._add_vm_status(out, vm, gen, stats, now)
-        if spec.pool and self.ctx.pool is not None:
-            out.pool.CopyFrom(self.ctx.pool.share(job))
-        for p in store.progress(job.job_id, last=history):
-            out.throughput.add(
-                step=p.step,
-                generation=p.generation,
-                time=p.time,
-                samples_per_s=p.samples_per_s,
-                loss=p.loss,
-                pipeline_depth=p.pipeline_depth,
-                data_parallel=p.data_parallel,
-            )
+        if self.ctx.pool_job(job):
+            out.pool = self.ctx.pool.share(job)
+        out.throughput = [
+            ThroughputPoint(step=p.step, generation=p.generation, time=p.time, samples_per_s=p.samples_per_s,
+                            loss=p.loss, pipeline_depth=p.pipeline_depth, data_parallel=p.data_parallel)
+            for p in store.progress(job.job_id, last=history)
+        ]
         return out
 
     def _add_vm_status(
         self,
-        out: pb.JobStatus,
+        out: JobStatus,
         vm: VMRecord,
         gen: GenerationRecord | None,
         stats: dict[int, WorkerStatRecord],
         now: float,
     ) -> None:
-        st = out.vms.add(
+        st = VMStatus(
             vm_id=vm.vm_id,
             state=vm.state,
-            health=self.vms.health(vm, now),
+            health=self.ctx.health(vm, now),
             slots=vm.slots,
             address=vm.address,
             in_generation=gen is not None and vm.vm_id in gen.vm_set,
             agent_pid=vm.agent_pid,
             heartbeat_age_s=(now - vm.last_heartbeat) if vm.last_heartbeat else -1.0,
         )
+        out.vms.append(st)
         st.detail = (
             vm.slow_reason
             or (f"notice {vm.notice['event_type']} {vm.notice['event_id']}" if vm.notice else "")
@@ -234,7 +211,7 @@ class JobRequests:
             return
         for w in vm.workers:
             s = stats.get(int(w["rank"]))
-            st.workers.add(
+            st.workers.append(WorkerStatus(
                 rank=int(w["rank"]),
                 pid=int(w["pid"]),
                 running=bool(w["running"]),
@@ -244,4 +221,4 @@ class JobRequests:
                 step=s.step if s else 0,
                 fwd_s=s.fwd_s if s else 0.0,
                 bwd_s=s.bwd_s if s else 0.0,
-            )
+            ))

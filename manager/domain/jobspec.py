@@ -18,7 +18,7 @@ directory) receives absolute paths. Example (TOML)::
     max_vms = 6
     procs_per_vm = 1
     target_steps = 40
-    schedule = "varuna"                  # optional: default the script's --schedule, else varuna
+    schedule = "varuna"                  # optional (default varuna): the plan the workers get
     chunks = 1                           # optional: model chunks per process (interleaved kinds: >= 2)
     calibration = "calibration.json"     # optional: the simulator picks P×D from it
 
@@ -47,30 +47,17 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from manager.domain.vm_types import VMTypeSpec, check_type_options, parse_vm_types
-from varuna.core.schedule import SCHEDULE_KINDS, chunks_problem, schedule_kind
-from varuna.launch.spec import default_max_procs_per_host
+from manager.domain.vm_types import VMTypeSpec, parse_vm_types
+from manager.providers.registry import JobShape, provider_entry
+from varuna.core.schedule import DEFAULT_SCHEDULE, SCHEDULE_KINDS, chunks_problem, schedule_kind
 
-__all__ = [
-    "MAX_PROCS_PER_VM",
-    "MAX_VMS",
-    "PROVIDERS",
-    "JobSpec",
-    "ProfileSpec",
-    "load_jobspec",
-    "script_schedule",
-    "spec_from_pb",
-    "spec_to_pb",
-]
+__all__ = ["MAX_PROCS_PER_VM", "MAX_VMS", "JobSpec", "ProfileSpec", "load_jobspec"]
 
 #: Most VMs one job may ask for: the manager is sized and load-tested for 1,000 VMs (docs/manager.md);
 #: a larger number is a typo that would have the provider create VMs without end.
 MAX_VMS = 1024
 #: Most workers per VM (accelerators of one machine; the largest VM sizes hold 8-16).
 MAX_PROCS_PER_VM = 64
-
-#: Providers the manager knows (manager/providers/).
-PROVIDERS = ("local", "azure")
 
 # Environment variables the manager sets per worker itself: a spec may not override them.
 _RESERVED_ENV_PREFIXES = ("VARUNA_MANAGER", "VARUNA_JOB_ID", "VARUNA_VM_ID", "VARUNA_GENERATION")
@@ -210,7 +197,8 @@ class JobSpec:
     """Periodic checkpoint interval in steps (``VARUNA_CHECKPOINT_EVERY``, applied by the worker
     shim); bounds the steps redone after an unannounced VM loss. 0: the script decides."""
     provider: str = "local"
-    """Where VMs come from: ``local`` (pretend VMs on this machine) or ``azure``."""
+    """Where VMs come from: a provider of the registry (``manager.providers.registry``):
+    ``local`` (pretend VMs on this machine), ``azure``, or one a module registers."""
     provider_options: dict[str, Any] = field(default_factory=dict)
     """Provider settings (docs/manager.md): e.g. ``metadata_url`` (local), ``resource_group``,
     ``vm_size`` (azure)."""
@@ -236,11 +224,12 @@ class JobSpec:
     """Accelerator memory for auto-config (0: unknown, no memory limit)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for every worker (e.g. ``OMP_NUM_THREADS``)."""
-    schedule: str = ""
-    """Pipeline schedule the script runs (``varuna``, ``gpipe`` or ``1f1b``:
-    ``varuna.core.schedule.SCHEDULE_KINDS``): auto-config plans P×D for it and the workers get it
-    in their run plan (``VARUNA_SCHEDULE``). Default: the script's own ``--schedule X`` argument
-    when ``args`` has one, else ``varuna``."""
+    schedule: str = DEFAULT_SCHEDULE
+    """Pipeline schedule of the job (``varuna.core.schedule.SCHEDULE_KINDS``; default
+    ``varuna``): auto-config plans P×D for it and the workers get it in their run plan
+    (``VARUNA_SCHEDULE``). The manager never reads the script's arguments: a script that leaves
+    its schedule unset runs the plan's, one that sets another is refused by its engine with one
+    line naming both (``varuna.runtime.config.adopt_plan``). Empty: the default."""
     chunks: int = 0
     """Model chunks per process for the interleaved kinds (>= 2 there, docs/interleaved.md):
     auto-config plans for it and the workers' engines run with it (``VARUNA_CHUNKS``, as
@@ -260,9 +249,9 @@ class JobSpec:
     the usual relaunch from the newest checkpoint."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.schedule, str) and not self.schedule:
+            self.schedule = DEFAULT_SCHEDULE
         self.validate()
-        if not self.schedule:
-            self.schedule = script_schedule(self.args) or "varuna"
 
     def validate(self) -> None:
         """Raise ``ValueError`` (one line, with the fix) if the spec cannot run."""
@@ -271,16 +260,9 @@ class JobSpec:
         if not isinstance(self.args, list) or not all(isinstance(a, str) for a in self.args):
             raise ValueError("jobspec: 'args' must be a list of strings")
         self._check_counts()
-        if self.provider not in PROVIDERS:
-            raise ValueError(
-                f"jobspec: unknown provider {self.provider!r}; use one of {', '.join(PROVIDERS)}"
-            )
+        self._check_provider()
         if not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir:
             raise ValueError("jobspec: 'checkpoint_dir' is required: morphs resume from its checkpoints")
-        if not isinstance(self.provider_options, dict):
-            raise ValueError("jobspec: 'provider_options' must be a table/object")
-        if self.provider == "local":
-            self._check_local_capacity()
         self._check_env()
         if not isinstance(self.gpu_memory_gib, (int, float)) or self.gpu_memory_gib < 0:
             raise ValueError(f"jobspec: 'gpu_memory_gib' must be a number >= 0, got {self.gpu_memory_gib!r}")
@@ -311,7 +293,7 @@ class JobSpec:
         if self.vm_types:
             raise ValueError("jobspec: live_morph is not supported with several VM types ([[vm_types]]) "
                              "yet; drop one of them")
-        if schedule_kind(self.schedule or script_schedule(self.args) or "varuna").weight_versions > 1:
+        if schedule_kind(self.schedule).weight_versions > 1:
             raise ValueError(f"jobspec: live_morph does not carry the {self.schedule} schedule's second "
                              "weight version; use a synchronous schedule or drop live_morph")
         if self.chunks > 1:
@@ -326,7 +308,9 @@ class JobSpec:
             raise ValueError(
                 "jobspec: a pool job (pool = true) gets its VM types from the pool; drop vm_types"
             )
-        check_type_options(types, self.provider)
+        entry = provider_entry(self.provider)
+        for t in types:
+            entry.check_type_options(t.name, t.provider_options, self.provider_options)
         total = sum(t.max_vms for t in types)
         if self.max_vms != total:
             raise ValueError(
@@ -357,18 +341,22 @@ class JobSpec:
                 " lower it"
             )
 
-    def _check_local_capacity(self) -> None:
-        """Pretend VMs are processes on this machine (an agent and procs_per_vm workers each):
-        bound them as ``varuna-launch`` bounds workers per host."""
-        created = self.provider_options.get("max_created")
-        vms = min(self.max_vms, created) if isinstance(created, int) and created >= 0 else self.max_vms
-        limit = default_max_procs_per_host()
-        if vms * self.procs_per_vm > limit:
-            raise ValueError(
-                f"jobspec: the local provider would run {vms} × {self.procs_per_vm} workers on this machine,"
-                f" more than its limit of {limit} (4 × its CPU cores, at least 8); lower max_vms"
-                " (or set provider_options.max_created)"
-            )
+    def _check_provider(self) -> None:
+        """A registered provider, options that are a table, and whatever that provider checks of
+        a job (its registry entry's ``check_job``; the local one bounds the workers on this
+        machine). The options themselves are parsed when the job is submitted."""
+        try:
+            entry = provider_entry(self.provider)
+        except ValueError as exc:
+            raise ValueError(f"jobspec: {exc}") from None
+        if not isinstance(self.provider_options, dict):
+            raise ValueError("jobspec: 'provider_options' must be a table/object")
+        if entry.check_job is not None:
+            try:
+                entry.check_job(JobShape(max_vms=self.max_vms, procs_per_vm=self.procs_per_vm,
+                                         options=self.provider_options))
+            except ValueError as exc:
+                raise ValueError(f"jobspec: {str(exc).splitlines()[0]}") from None
 
     def _check_env(self) -> None:
         if not isinstance(self.env, dict) or not all(
@@ -393,27 +381,18 @@ class JobSpec:
             raise ValueError("jobspec: 'profile' must be a table/object with at least 'model'")
 
     def _check_schedule(self) -> None:
-        """A known schedule kind, and the one the script's ``--schedule`` runs when it has one
-        (a plan for another schedule would be refused by the workers)."""
+        """A schedule kind the runtime executes."""
         kinds = ", ".join(SCHEDULE_KINDS)
         if not isinstance(self.schedule, str):
             raise ValueError(f"jobspec: 'schedule' must be one of {kinds}, got {self.schedule!r}")
-        if self.schedule and self.schedule not in SCHEDULE_KINDS:
+        if self.schedule not in SCHEDULE_KINDS:
             raise ValueError(f"jobspec: unknown schedule {self.schedule!r}; use one of {kinds}")
-        in_args = script_schedule(self.args)
-        if in_args is not None and in_args not in SCHEDULE_KINDS:
-            raise ValueError(f"jobspec: the script's --schedule {in_args!r} is not one of {kinds}")
-        if in_args is not None and self.schedule and in_args != self.schedule:
-            raise ValueError(
-                f"jobspec: schedule {self.schedule!r} differs from the script's --schedule {in_args!r}; "
-                "make them agree (or leave 'schedule' out)"
-            )
 
     def _check_chunks(self) -> None:
         """``chunks`` against the schedule, a forced pipeline depth and the model's segments
         (:func:`varuna.core.schedule.chunks_problem`); an interleaved job also needs some way to
         get P >= 2 (the fallback rule without segments would run P = 1)."""
-        schedule = self.schedule or script_schedule(self.args) or "varuna"
+        schedule = self.schedule
         chunks = 1 if self.chunks == 0 else self.chunks
         problem = chunks_problem(
             schedule,
@@ -497,23 +476,6 @@ class JobSpec:
         return ProfileSpec.from_dict(self.profile) if self.profile else None
 
 
-def script_schedule(args: list[str]) -> str | None:
-    """The value of ``--schedule X`` (or ``--schedule=X``) in a script's arguments, else None.
-
-    >>> script_schedule(["--steps", "4", "--schedule", "1f1b"])
-    '1f1b'
-    >>> script_schedule(["--schedule=gpipe"]), script_schedule([])
-    ('gpipe', None)
-    """
-    found = None
-    for i, arg in enumerate(args):
-        if arg == "--schedule" and i + 1 < len(args):
-            found = args[i + 1]
-        elif arg.startswith("--schedule="):
-            found = arg.split("=", 1)[1]
-    return found
-
-
 def _int(spec: JobSpec, name: str) -> int:
     value = getattr(spec, name)
     # bool is an int subclass: `true` for a count is a typo, not 1.
@@ -548,82 +510,3 @@ def load_jobspec(path: str | os.PathLike) -> JobSpec:
             raise ValueError(f"{p}: not valid TOML: {exc}".splitlines()[0]) from None
     spec = JobSpec.from_dict(data, source=str(p))
     return spec.resolved(p.parent)
-
-
-def spec_to_pb(spec: JobSpec, calibration_json: str = "") -> Any:
-    """The wire form of ``spec`` (a ``varuna_manager_pb2.JobSpec``); ``calibration_json`` is the
-    calibration file's content, sent along because the manager may not see the submitter's files."""
-    from manager.transport import varuna_manager_pb2 as pb
-    return pb.JobSpec(
-        name=spec.name,
-        script=spec.script,
-        args=list(spec.args),
-        module=spec.module,
-        workdir=spec.workdir,
-        global_batch_size=spec.global_batch_size,
-        micro_batch_size=spec.micro_batch_size,
-        checkpoint_dir=spec.checkpoint_dir,
-        checkpoint_every=spec.checkpoint_every,
-        provider=spec.provider,
-        provider_options_json=json.dumps(spec.provider_options, sort_keys=True),
-        min_vms=spec.min_vms,
-        max_vms=spec.max_vms,
-        procs_per_vm=spec.procs_per_vm,
-        target_steps=spec.target_steps,
-        calibration_json=calibration_json,
-        pipeline_depth=spec.pipeline_depth,
-        num_segments=spec.num_segments,
-        env=dict(spec.env),
-        gpu_memory_bytes=int(spec.gpu_memory_gib * 2**30),
-        profile_json=json.dumps(spec.profile, sort_keys=True) if spec.profile else "",
-        schedule=spec.schedule,
-        pool=spec.pool,
-        weight=spec.weight,
-        vm_types_json=json.dumps(spec.vm_types, sort_keys=True) if spec.vm_types else "",
-        live_morph=spec.live_morph,
-        chunks=spec.chunks,
-    )
-
-
-def spec_from_pb(msg: Any) -> JobSpec:
-    """Inverse of :func:`spec_to_pb` (without the calibration); ``ValueError`` when invalid."""
-    try:
-        options = json.loads(msg.provider_options_json) if msg.provider_options_json else {}
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"jobspec: provider_options is not valid JSON: {exc.msg}") from None
-    try:
-        profile = json.loads(msg.profile_json) if msg.profile_json else {}
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"jobspec: profile is not valid JSON: {exc.msg}") from None
-    try:
-        vm_types = json.loads(msg.vm_types_json) if msg.vm_types_json else []
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"jobspec: vm_types is not valid JSON: {exc.msg}") from None
-    return JobSpec(
-        name=msg.name,
-        script=msg.script,
-        args=list(msg.args),
-        module=msg.module,
-        workdir=msg.workdir,
-        global_batch_size=int(msg.global_batch_size),
-        micro_batch_size=int(msg.micro_batch_size),
-        checkpoint_dir=msg.checkpoint_dir,
-        checkpoint_every=int(msg.checkpoint_every),
-        provider=msg.provider,
-        provider_options=options,
-        min_vms=int(msg.min_vms),
-        max_vms=int(msg.max_vms),
-        procs_per_vm=int(msg.procs_per_vm),
-        target_steps=int(msg.target_steps),
-        pipeline_depth=int(msg.pipeline_depth),
-        num_segments=int(msg.num_segments),
-        env=dict(msg.env),
-        gpu_memory_gib=msg.gpu_memory_bytes / 2**30,
-        profile=profile,
-        schedule=msg.schedule,
-        pool=msg.pool,
-        weight=msg.weight or 1.0,
-        vm_types=vm_types,
-        live_morph=msg.live_morph,
-        chunks=int(msg.chunks),
-    )

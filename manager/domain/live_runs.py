@@ -40,14 +40,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any
 
 from manager.domain import live_morph
 from manager.domain.context import ManagerContext
 from manager.domain.live_members import LiveMembers
-from manager.domain.morph_planner import MorphPlanner
 from manager.domain.policy import LayoutPlan
-from manager.domain.store import GenerationRecord, JobRecord, VMRecord
+from manager.domain.ports import Planner
+from manager.domain.records import GenerationRecord, JobRecord, VMRecord
+from varuna.launch.live_store import LiveStore
 from varuna.launch.supervisor import PEER_LOST_EXIT_CODE
 
 __all__ = ["LiveRuns", "PendingMorph"]
@@ -78,10 +78,10 @@ class LiveRuns:
         handled = live.on_lost(job, gen, lost_vms, now)   # False: kill + relaunch
     """
 
-    def __init__(self, ctx: ManagerContext, planner: MorphPlanner) -> None:
+    def __init__(self, ctx: ManagerContext, planner: Planner) -> None:
         self.ctx = ctx
         self.planner = planner
-        self._stores: dict[tuple[str, int], Any] = {}  # (job, generation) -> LiveStore
+        self._stores: dict[tuple[str, int], LiveStore] = {}  # (job, generation) -> its store
         self._pending: dict[tuple[str, int], PendingMorph] = {}
 
     @staticmethod
@@ -98,8 +98,6 @@ class LiveRuns:
 
     def open_store(self, job: JobRecord, generation: int) -> str:
         """Host generation ``generation``'s store; returns its ``host:port``."""
-        from varuna.launch.live_store import LiveStore  # torch: only for live-morph jobs
-
         key = (job.job_id, generation)
         if key not in self._stores:
             self._stores[key] = LiveStore(self.bind_host(self.ctx.config.advertise_address))

@@ -1,55 +1,38 @@
-"""Morph planning: which P×D to run on the usable VMs, whether growing onto new VMs pays, and
-what each VM of a generation runs (its workers' command lines and the run plan they get).
+"""Morph planning: which P×D to run on the usable VMs, and whether growing onto new VMs pays
+(what each VM of a generation then runs is :mod:`manager.domain.launches`').
 
 The decisions themselves are the pure functions of :mod:`manager.domain.policy` (the simulator's
 auto-config, for the schedule the job runs, or the fallback rule); this part feeds them the
-job's state and caches their answers per set of VMs.
+job's state and caches their answers per set of VMs. It is the :class:`~manager.domain.ports.Planner`
+of the other parts.
 
-    >>> _PlannedHost(address="10.0.0.4", slots=2).slots
-    2
+    >>> MorphPlanner.__name__
+    'MorphPlanner'
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from dataclasses import dataclass
 
-from manager.domain.calibration_orders import type_calibrations
 from manager.domain.context import ManagerContext
-from manager.domain.live_members import LiveMembers
 from manager.domain.policy import LayoutPlan, choose_layout, grow_gain
-from manager.domain.store import GenerationRecord, JobRecord, VMRecord
+from manager.domain.ports import Placement
+from manager.domain.records import GenerationRecord, JobRecord, VMRecord
 from manager.domain.vm_types import vm_type_of
-from manager.transport import varuna_manager_pb2 as pb
 from varuna.core.calibration import Calibration
-from varuna.core.env import RunPlan
-from varuna.launch.live_store import LIVE_JOIN_ENV, LIVE_NOTICE_ENV, LIVE_STORE_ENV
 from varuna.launch.mixed import place_ranks, plan_cluster
 
-__all__ = ["MorphPlanner", "Placement"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Placement:
-    """A generation to launch: its layout, the VMs in host order (rank 0's first) and, with mixed
-    VM types, where each rank goes and what the workers are told (``mixed``, stored as the
-    generation's ``mixed_json``)."""
-
-    plan: LayoutPlan
-    vms: list[VMRecord]
-    mixed: dict | None = None
+__all__ = ["MorphPlanner"]
 
 
 class MorphPlanner:
-    """P×D for a job on given VMs, the grow rule, and a generation's worker launches. Callers hold
-    ``ctx.lock``.
+    """P×D for a job on given VMs and the grow rule. Callers hold ``ctx.lock``.
 
     Example::
 
         planner = MorphPlanner(ctx)
         plan = planner.plan(job, [vm.slots for vm in usable])  # ValueError when nothing fits
-        launches = planner.launches(job, generation)            # vm_id -> [WorkerLaunch]
+        placement = planner.place(job, usable)                 # the layout and its VMs
     """
 
     def __init__(self, ctx: ManagerContext) -> None:
@@ -123,7 +106,7 @@ class MorphPlanner:
         speeds = {t.name: t.speed for t in spec.vm_type_specs}
         slot_types = [t for t, vm in zip(types, vms) for _ in range(vm.slots)]
         by_type = {t: Calibration.from_dict(d, source=f"calibration of VM type {t}")
-                   for t, d in type_calibrations(job).items()}
+                   for t, d in job.type_calibrations.items()}
         if cache.calibration is not None:
             mixed = plan_cluster(
                 slot_types,
@@ -188,7 +171,7 @@ class MorphPlanner:
         typed = bool(ctx.cache(job).spec.vm_type_specs)
         if typed and ctx.cache(job).profile is not None:
             # A type not calibrated yet joins at the next morph, after its calibration.
-            done = type_calibrations(job)
+            done = job.type_calibrations
             extra = [vm for vm in extra if vm_type_of(vm.ref) in done]
         if not extra:
             return None
@@ -216,106 +199,3 @@ class MorphPlanner:
                 f"{gain * 100:+.0f} % over P={gen.pipeline_depth} × D={gen.data_parallel}"
             )
         return None
-
-    def run_plan(self, job: JobRecord, gen: GenerationRecord) -> RunPlan:
-        """What the manager planned ``gen`` for, as the workers' ``VARUNA_*`` run plan: the job's
-        global batch, schedule and chunks, m when auto-config chose it (the spec did not fix it), and with
-        mixed VM types each replica's share and each stage's speed."""
-        spec = self.ctx.cache(job).spec
-        planned_m = gen.micro_batch_size if gen.micro_batch_size and not spec.micro_batch_size else None
-        mixed = json.loads(gen.mixed_json) if gen.mixed_json else {}
-        shares, speeds = mixed.get("replica_shares"), mixed.get("stage_speeds")
-        ranges = mixed.get("stage_ranges")
-        return RunPlan(
-            global_batch_size=spec.global_batch_size,
-            micro_batch_size=planned_m,
-            schedule=spec.schedule,
-            chunks=spec.chunks or None,
-            stage_ranges=tuple(tuple(r) for r in ranges) if ranges else None,
-            replica_shares=tuple(shares) if shares else None,
-            stage_speeds=tuple(speeds) if speeds else None,
-        )
-
-    def launches(self, job: JobRecord, gen: GenerationRecord) -> dict[str, list[pb.WorkerLaunch]]:
-        """This generation's workers per VM (deterministic from the stored generation, so a
-        restarted manager hands out the same ones)."""
-        from varuna.launch.spec import LaunchConfig, plan_workers
-
-        cache = self.ctx.cache(job)
-        if gen.generation in cache.launches:
-            return cache.launches[gen.generation]
-        spec = cache.spec
-        vms = [self.ctx.store.vm(v) for v in gen.vm_ids]
-        hosts = [
-            _PlannedHost(address=vm.address or "127.0.0.1", slots=vm.slots) for vm in vms if vm is not None
-        ]
-        env = dict(spec.env)
-        env.update(
-            {
-                "VARUNA_CHECKPOINT_DIR": spec.checkpoint_dir,
-                "VARUNA_RESUME": "auto",
-                "VARUNA_JOB_ID": job.job_id,
-                "VARUNA_GENERATION": str(gen.generation),
-            }
-        )
-        if spec.checkpoint_every:
-            env["VARUNA_CHECKPOINT_EVERY"] = str(spec.checkpoint_every)
-        address = self.ctx.live.address(job, gen.generation) if self.ctx.live_morph_job(job) else None
-        if address is not None:
-            env[LIVE_STORE_ENV] = address  # docs/live_morph.md, API for the launcher
-            env[LIVE_NOTICE_ENV] = MANAGER_NOTICE_SIGNAL
-        env.update(self.run_plan(job, gen).to_env())
-        config = LaunchConfig(
-            script=spec.script,
-            script_args=tuple(spec.args),
-            module=spec.module,
-            pipeline_depth=gen.pipeline_depth,
-            data_parallel=gen.data_parallel,
-            master_addr=gen.master_addr,
-            master_port=gen.master_port,
-            worker_env=env,
-            rank_hosts=json.loads(gen.mixed_json)["rank_hosts"] if gen.mixed_json else None,
-        )
-        specs = plan_workers(
-            config, hosts, master_port=gen.master_port, launcher_environ={}, cwd=spec.workdir
-        )
-        argv = ["-m", "manager.worker.shim", *(["-m"] if spec.module else []), spec.script, *spec.args]
-        out: dict[str, list[pb.WorkerLaunch]] = {}
-        for s in specs:
-            vm_id = gen.vm_ids[s.env.host_id]
-            out.setdefault(vm_id, []).append(
-                pb.WorkerLaunch(rank=s.env.rank, argv=argv, env=dict(s.set_vars), cwd=s.cwd or "")
-            )
-        if gen.live_json:
-            _as_joiners(out, LiveMembers.from_json(gen.live_json).joiners, live_store=address is not None)
-        cache.launches[gen.generation] = out
-        return out
-
-
-#: The notice signal of a live-morph job's workers (``$VARUNA_LIVE_NOTICE_SIGNAL``): SIGUSR1 is the
-#: manager's graceful stop of the whole job (STOP orders), so a per-worker hand-over needs another.
-MANAGER_NOTICE_SIGNAL = "SIGUSR2"
-
-
-def _as_joiners(
-    out: dict[str, list[pb.WorkerLaunch]], joiners: dict[str, list[int]], *, live_store: bool
-) -> None:
-    """The launches of VMs added to a running live-morph generation: one joiner per member id,
-    with it as ``RANK`` and ``VARUNA_LIVE_JOIN=1`` (docs/live_morph.md, API for the launcher), the
-    rest of the environment as every worker's. Without the generation's store (a restarted
-    manager: it died with the old process) they could not join, so they get no workers; the
-    generation falls back when its workers fail."""
-    template = next(launch for launches in out.values() for launch in launches)
-    for vm_id, ids in joiners.items():
-        out[vm_id] = []
-        for local, member in enumerate(ids if live_store else ()):
-            env = {**template.env, "RANK": str(member), "LOCAL_RANK": str(local), LIVE_JOIN_ENV: "1"}
-            out[vm_id].append(pb.WorkerLaunch(rank=member, argv=template.argv, env=env, cwd=template.cwd))
-
-
-@dataclass(frozen=True)
-class _PlannedHost:
-    """Just enough of a ``varuna.launch.spec.Host`` for ``plan_workers`` (address and slots)."""
-
-    address: str
-    slots: int

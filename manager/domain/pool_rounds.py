@@ -35,9 +35,10 @@ from manager.allocation.pool import PoolVM
 from manager.allocation.rounds import Placement, RoundScheduler
 from manager.allocation.throughput import JobProfile, ThroughputMatrix, ThroughputModel
 from manager.domain.context import ManagerContext
+from manager.domain.messages import PoolShare
 from manager.domain.pool_config import PoolConfig
 from manager.domain.pool_store import PoolJobState, PoolStore
-from manager.domain.store import GenerationRecord, JobRecord, VMRecord
+from manager.domain.records import GenerationRecord, JobRecord, VMRecord
 
 __all__ = ["PoolRounds", "cfg_key", "slots"]
 
@@ -84,9 +85,13 @@ class PoolRounds:
         self._dirty = True  # membership may have changed: run a round at once
         self.pstore.save(self.config_json, self.state)
 
-    # -- hooks for the manager's parts ---------------------------------------------------------
+    # -- hooks for the manager's parts (the context's SharedPool: manager/domain/ports.py) -------
+
+    #: A daemon with this object has a pool (without one, the context holds ``ports.NoPool``).
+    active = True
 
     def is_pool(self, job: JobRecord) -> bool:
+        """Whether ``job`` takes its VMs from the pool (``pool = true``)."""
         return bool(self.ctx.cache(job).spec.pool)
 
     def target(self, job: JobRecord) -> tuple[str, int] | None:
@@ -162,11 +167,10 @@ class PoolRounds:
             options["vm_slowdown"] = 1.0 / ptype.speed
         return t[1] - len([v for v in live if self.vm_type_of(v) == t[0]]), ptype.slots, options
 
-    def share(self, job: JobRecord) -> Any:
-        """The job's ``PoolShare`` for ``status``."""
-        from manager.transport import varuna_manager_pb2 as pb
+    def share(self, job: JobRecord) -> PoolShare:
+        """The job's place in the pool, for ``status``."""
         s = self.state.jobs.get(job.job_id) or PoolJobState()
-        return pb.PoolShare(
+        return PoolShare(
             vm_type=s.vm_type,
             vm_count=s.count,
             weight=float(self.ctx.cache(job).spec.weight),

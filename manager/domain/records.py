@@ -75,6 +75,18 @@ class JobRecord:
     def terminal(self) -> bool:
         return self.state in ("finished", "cancelled", "failed")
 
+    @property
+    def calibration_status(self) -> str:
+        """``calibration_state``, with rows written before calibration states existed read as
+        ``given`` or ``none`` (``"profiling"`` while a VM runs ``varuna-profile``)."""
+        return self.calibration_state or ("given" if self.calibration_json else "none")
+
+    @property
+    def type_calibrations(self) -> dict[str, dict]:
+        """Mixed VM types: each calibrated type's calibration document (insertion order: the order
+        they were profiled in)."""
+        return dict(json.loads(self.type_calibrations_json)) if self.type_calibrations_json else {}
+
 
 @dataclass(frozen=True, kw_only=True)
 class GenerationRecord:

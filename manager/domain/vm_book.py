@@ -14,16 +14,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import grpc
-
-from manager.domain.calibration_orders import CalibrationOrders
-from manager.domain.context import ManagerContext, ManagerError
-from manager.domain.generations import JobController
-from manager.domain.morph_planner import MorphPlanner
-from manager.domain.store import JobRecord, VMRecord
+from manager.domain.context import ManagerContext
+from manager.domain.errors import ErrorKind, ManagerError
+from manager.domain.messages import Action, Orders, Registered, RegisterVM, VMHeartbeat
+from manager.domain.ports import Calibrations, Launches
+from manager.domain.records import JobRecord, VMRecord
 from manager.domain.vm_types import type_options as options_of_type
 from manager.domain.vm_types import vm_type_of
-from manager.transport import varuna_manager_pb2 as pb
 
 __all__ = ["VMBook"]
 
@@ -33,26 +30,19 @@ class VMBook:
 
     Example::
 
-        book = VMBook(ctx, controller, calibration, planner)
-        reply = book.register(req)      # RegisterVMRequest from an agent
-        orders = book.heartbeat(beat)   # VMHeartbeatRequest -> Orders
+        book = VMBook(ctx, calibration, launches)
+        reply = book.register(req)      # RegisterVM from an agent
+        orders = book.heartbeat(beat)   # VMHeartbeat -> Orders
     """
 
-    def __init__(
-        self,
-        ctx: ManagerContext,
-        controller: JobController,
-        calibration: CalibrationOrders,
-        planner: MorphPlanner,
-    ) -> None:
+    def __init__(self, ctx: ManagerContext, calibration: Calibrations, launches: Launches) -> None:
         self.ctx = ctx
-        self.controller = controller
         self.calibration = calibration
-        self.planner = planner
+        self.launches = launches
 
     # -- RPCs from agents ----------------------------------------------------------------------
 
-    def register(self, req: pb.RegisterVMRequest) -> pb.RegisterVMReply:
+    def register(self, req: RegisterVM) -> Registered:
         """An agent (re)starting on a VM: a known VM, or one its provider named (scale set)."""
         ctx = self.ctx
         now = ctx.clock()
@@ -60,9 +50,7 @@ class VMBook:
             vm = ctx.store.vm(req.vm_id) or self._adopt(req, now)
             job = ctx.store.job(vm.job_id)
             if job is None or job.terminal or vm.state == "deleted":
-                raise ManagerError(
-                    grpc.StatusCode.FAILED_PRECONDITION, f"VM {req.vm_id} is not wanted any more"
-                )
+                raise ManagerError(ErrorKind.FAILED_PRECONDITION, f"VM {req.vm_id} is not wanted any more")
             if vm.agent_instance and vm.agent_instance != req.agent_instance:
                 self._agent_restarted(job, vm, now)
             was = vm.state
@@ -84,17 +72,15 @@ class VMBook:
                     f"{vm.vm_id} at {req.address} ({req.slots} slot(s))",
                     vm_id=vm.vm_id,
                 )
-        return pb.RegisterVMReply(
-            heartbeat_interval_s=ctx.config.heartbeat_interval_s, message=f"job {job.job_id}"
-        )
+        return Registered(heartbeat_interval_s=ctx.config.heartbeat_interval_s, message=f"job {job.job_id}")
 
-    def _adopt(self, req: pb.RegisterVMRequest, now: float) -> VMRecord:
+    def _adopt(self, req: RegisterVM, now: float) -> VMRecord:
         """A VM named by its provider (scale set): it takes the place of a placeholder."""
         ctx = self.ctx
         job = ctx.store.job(req.job_id) if req.job_id else None
         if job is None or job.terminal:
             raise ManagerError(
-                grpc.StatusCode.NOT_FOUND, f"unknown VM {req.vm_id!r} and no active job {req.job_id!r}"
+                ErrorKind.NOT_FOUND, f"unknown VM {req.vm_id!r} and no active job {req.job_id!r}"
             )
         # A scale set names its instances <scale set>_<n>: the placeholder of that scale set (of
         # the VM's type, with several types) gives the VM its type.
@@ -134,7 +120,7 @@ class VMBook:
         gen = ctx.live_generation(job)
         if gen is not None and vm.vm_id in gen.vm_set and gen.state != "killing":
             ctx.note_detection(job, f"agent restarted on {vm.vm_id}", now)
-            self.controller.begin_kill(job, gen, f"agent restarted on {vm.vm_id}", now)
+            ctx.begin_kill(job, gen, f"agent restarted on {vm.vm_id}", now)
         fresh = ctx.store.job(job.job_id) or job
         if fresh.calibration_state == "profiling" and fresh.calibration_vm == vm.vm_id:
             # The old agent's profiler died with it: this attempt will never report.
@@ -144,21 +130,21 @@ class VMBook:
         """The stored VM ``vm_id``; an RPC from a VM that never registered is NOT_FOUND."""
         vm = self.ctx.store.vm(vm_id)
         if vm is None:
-            raise ManagerError(grpc.StatusCode.NOT_FOUND, f"unknown VM {vm_id!r}; register first")
+            raise ManagerError(ErrorKind.NOT_FOUND, f"unknown VM {vm_id!r}; register first")
         return vm
 
-    def heartbeat(self, req: pb.VMHeartbeatRequest) -> pb.Orders:
+    def heartbeat(self, req: VMHeartbeat) -> Orders:
         """Record an agent's heartbeat; the reply is its VM's orders."""
         ctx = self.ctx
         now = ctx.clock()
         with ctx.lock:
             vm = self.registered_vm(req.vm_id)
             job = ctx.store.job(vm.job_id)
-            orders = pb.Orders(
+            orders = Orders(
                 heartbeat_interval_s=ctx.config.heartbeat_interval_s, stop_timeout_s=ctx.config.stop_timeout_s
             )
             if job is None or job.terminal or vm.state == "deleted":
-                orders.action = pb.Orders.SHUTDOWN
+                orders.action = Action.SHUTDOWN
                 return orders
             if vm.agent_instance and req.agent_instance and vm.agent_instance != req.agent_instance:
                 self._agent_restarted(job, vm, now)
@@ -175,7 +161,7 @@ class VMBook:
             return orders
 
     def _heartbeat_values(
-        self, job: JobRecord, vm: VMRecord, req: pb.VMHeartbeatRequest, now: float
+        self, job: JobRecord, vm: VMRecord, req: VMHeartbeat, now: float
     ) -> dict[str, Any]:
         """The values of the VM row that this heartbeat changes (state, workers, notice), with
         the events they are worth; {} when it only says the VM is alive."""
@@ -198,7 +184,7 @@ class VMBook:
             self.ctx.event(job.job_id, "vm-back", f"{vm.vm_id} heartbeats again", vm_id=vm.vm_id)
         elif vm.state == "requested":
             values["state"] = "up"
-        if req.has_notice and not vm.notice:
+        if req.notice is not None and not vm.notice:
             notice = {
                 "event_id": req.notice.event_id,
                 "event_type": req.notice.event_type,
@@ -218,43 +204,28 @@ class VMBook:
             )
         return values
 
-    def _fill_orders(self, orders: pb.Orders, job: JobRecord, vm: VMRecord) -> None:
+    def _fill_orders(self, orders: Orders, job: JobRecord, vm: VMRecord) -> None:
         gen = self.ctx.live_generation(job)
         if gen is None and job.calibration_state == "profiling" and vm.vm_id == job.calibration_vm:
-            orders.action = pb.Orders.PROFILE
-            orders.profile.CopyFrom(self.calibration.order(job))
+            orders.action = Action.PROFILE
+            orders.profile = self.calibration.order(job)
             return
         if gen is None or vm.vm_id not in gen.vm_set:
-            orders.action = pb.Orders.IDLE
+            orders.action = Action.IDLE
             return
         orders.generation = gen.generation
         if gen.state == "running":
-            orders.action = pb.Orders.RUN
-            orders.workers.extend(self.planner.launches(job, gen).get(vm.vm_id, []))
+            orders.action = Action.RUN
+            orders.workers.extend(self.launches.launches(job, gen).get(vm.vm_id, []))
             orders.training = gen.first_step_time is not None
-            if self.ctx.live is not None:
-                orders.leave = vm.vm_id in self.ctx.live.leaving(gen)
-                orders.kill.extend(self.ctx.live.to_kill(gen, vm.vm_id))  # declared frozen by their peers
+            orders.leave = vm.vm_id in self.ctx.live.leaving(gen)
+            orders.kill.extend(self.ctx.live.to_kill(gen, vm.vm_id))  # declared frozen by their peers
         elif gen.state == "stopping":
-            orders.action = pb.Orders.STOP
+            orders.action = Action.STOP
         else:
-            orders.action = pb.Orders.KILL
+            orders.action = Action.KILL
 
     # -- liveness ------------------------------------------------------------------------------
-
-    def health(self, vm: VMRecord, now: float) -> str:
-        """One word for ``status``: starting, healthy, silent, slow, preempting, gone, deleted."""
-        if vm.state == "requested":
-            return "starting"
-        if vm.state in ("gone", "deleted"):
-            return vm.state
-        if vm.notice:
-            return "preempting"
-        if vm.slow:
-            return "slow"
-        if self.ctx.age(vm, now) > self.ctx.config.heartbeat_timeout_s / 2:
-            return "silent"
-        return "healthy"
 
     def check_liveness(self, job: JobRecord, now: float) -> None:
         """Declare gone the VMs silent for T and those that never registered in time."""

@@ -36,20 +36,7 @@ from typing import Any
 
 from varuna.launch.mixed import check_type_name
 
-__all__ = [
-    "TYPE_PROVIDER_OPTIONS",
-    "VMTypeSpec",
-    "check_type_options",
-    "parse_vm_types",
-    "type_options",
-    "vm_type_of",
-]
-
-#: What a ``[[vm_types]]`` table's ``provider_options`` may set, per provider.
-TYPE_PROVIDER_OPTIONS: dict[str, tuple[str, ...]] = {
-    "local": ("max_created",),
-    "azure": ("vm_size", "max_price", "image"),
-}
+__all__ = ["VMTypeSpec", "parse_vm_types", "type_options", "vm_type_of"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,7 +49,8 @@ class VMTypeSpec:
     speed: float = 1.0
     """Relative speed (1.6: 1.6 times as fast as a type of speed 1)."""
     provider_options: dict[str, Any] = field(default_factory=dict)
-    """Provider options that differ for this type (azure: ``vm_size``; local: ``max_created``)."""
+    """Provider options that differ for this type (azure: ``vm_size``; local: ``max_created``):
+    the provider's registry entry says which (``type_options``) and the job spec checks them."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -102,28 +90,6 @@ def parse_vm_types(data: Any) -> tuple[VMTypeSpec, ...]:
     if not out:
         raise ValueError("jobspec: 'vm_types' is empty; list at least one type or leave it out")
     return tuple(out)
-
-
-def check_type_options(types: Sequence[VMTypeSpec], provider: str) -> None:
-    """``ValueError`` (one line) when a type sets a provider option its provider does not take
-    per type.
-
-    >>> check_type_options(parse_vm_types([{"name": "a", "max_vms": 1,
-    ...     "provider_options": {"vm_sise": "x"}}]), "azure")  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    ValueError: jobspec: vm_types a: provider_options vm_sise is not a per-type azure option; ...
-    """
-    allowed = TYPE_PROVIDER_OPTIONS.get(provider, ())
-    for t in types:
-        for key, value in t.provider_options.items():
-            if key not in allowed:
-                raise ValueError(
-                    f"jobspec: vm_types {t.name}: provider_options {key} is not a per-type {provider}"
-                    f" option; use {', '.join(allowed) or 'none'}"
-                )
-            if key == "max_created" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"jobspec: vm_types {t.name}: max_created must be a whole number >= 0")
 
 
 def type_options(vm_type: VMTypeSpec, types: Sequence[VMTypeSpec]) -> dict[str, Any]:

@@ -13,14 +13,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import grpc
-
-from manager.domain.calibration_orders import type_calibrations
-from manager.domain.context import ManagerContext, ManagerError
+from manager.domain.context import ManagerContext
+from manager.domain.errors import ErrorKind, ManagerError
+from manager.domain.messages import WorkerHeartbeat
 from manager.domain.policy import predicted_compute_s
-from manager.domain.store import GenerationRecord, JobRecord, ProgressRecord, WorkerStatRecord
+from manager.domain.records import GenerationRecord, JobRecord, ProgressRecord, WorkerStatRecord
 from manager.domain.vm_types import vm_type_of
-from manager.transport import varuna_manager_pb2 as pb
 from varuna.core.calibration import Calibration
 
 __all__ = ["WorkerReports"]
@@ -38,14 +36,14 @@ class WorkerReports:
     def __init__(self, ctx: ManagerContext) -> None:
         self.ctx = ctx
 
-    def heartbeat(self, req: pb.WorkerHeartbeatRequest) -> bool:
+    def heartbeat(self, req: WorkerHeartbeat) -> bool:
         """Record one worker heartbeat; False when the worker's generation has ended."""
         ctx = self.ctx
         now = ctx.clock()
         with ctx.lock:
             job = ctx.store.job(req.job_id)
             if job is None:
-                raise ManagerError(grpc.StatusCode.NOT_FOUND, f"unknown job {req.job_id!r}")
+                raise ManagerError(ErrorKind.NOT_FOUND, f"unknown job {req.job_id!r}")
             gen = ctx.store.generation(job.job_id, req.generation)
             if gen is None or gen.state == "ended":
                 return False  # a straggler of an older generation
@@ -55,9 +53,8 @@ class WorkerReports:
                 return True
             self._record_step(job, gen, req, now)
             self._advance(job, gen, req.step)
-            if ctx.live is not None:
-                layout = (req.pipeline_depth, req.data_parallel)
-                ctx.live.step_reported(job, gen.generation, req.step, now, layout)
+            layout = (req.pipeline_depth, req.data_parallel)
+            ctx.live.step_reported(job, gen.generation, req.step, now, layout)
             if gen.first_step_time is None and gen.state == "running":
                 self._training_resumed(job, gen, req, now)
             self._check_stutter(job, gen, req)
@@ -70,7 +67,7 @@ class WorkerReports:
             self.ctx.store.update_job(job.job_id, step=step)
 
     def _record_step(
-        self, job: JobRecord, gen: GenerationRecord, req: pb.WorkerHeartbeatRequest, now: float
+        self, job: JobRecord, gen: GenerationRecord, req: WorkerHeartbeat, now: float
     ) -> None:
         store = self.ctx.store
         store.put_worker_stat(
@@ -107,7 +104,7 @@ class WorkerReports:
             )
 
     def _training_resumed(
-        self, job: JobRecord, gen: GenerationRecord, req: pb.WorkerHeartbeatRequest, now: float
+        self, job: JobRecord, gen: GenerationRecord, req: WorkerHeartbeat, now: float
     ) -> None:
         """The generation's first step: a morph is over (its latency and redone steps logged)."""
         ctx = self.ctx
@@ -162,7 +159,7 @@ class WorkerReports:
         ctx.store.update_job(job.job_id, detection_time=None, detection_reason="")
 
     def _predicted_s(
-        self, job: JobRecord, req: pb.WorkerHeartbeatRequest, calibration: Calibration | None
+        self, job: JobRecord, req: WorkerHeartbeat, calibration: Calibration | None
     ) -> float | None:
         """``calibration``'s compute time for this worker's segments, when it can say.
 
@@ -188,7 +185,7 @@ class WorkerReports:
         cache = self.ctx.cache(job)
         vm = self.ctx.store.vm(vm_id) if cache.spec.vm_type_specs else None
         vm_type = vm_type_of(vm.ref) if vm is not None else ""
-        by_type = type_calibrations(job) if vm_type else {}
+        by_type = job.type_calibrations if vm_type else {}
         if vm_type not in by_type:
             return cache.calibration
         # Parsed once per stored calibration, not on every heartbeat.
@@ -199,7 +196,7 @@ class WorkerReports:
             seen = cache.type_calibrations[vm_type] = (text, parsed)
         return seen[1]
 
-    def _check_stutter(self, job: JobRecord, gen: GenerationRecord, req: pb.WorkerHeartbeatRequest) -> None:
+    def _check_stutter(self, job: JobRecord, gen: GenerationRecord, req: WorkerHeartbeat) -> None:
         """Fail-stutter rule (paper §4.6): compute time above the replicas' median (D ≥ 3) or the
         calibration's prediction by X % for N heartbeats in a row marks the worker's VM slow."""
         if gen.state != "running" or req.num_microbatches <= 0:
@@ -249,7 +246,7 @@ class WorkerReports:
         self,
         job: JobRecord,
         gen: GenerationRecord,
-        req: pb.WorkerHeartbeatRequest,
+        req: WorkerHeartbeat,
         compute_s: float,
         rule: str,
         reference_s: float | None,

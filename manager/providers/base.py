@@ -1,13 +1,13 @@
-"""Where VMs come from: the provider interface and its two implementations.
-
-- ``local`` (:mod:`manager.providers.local`): pretend VMs on this machine, one agent process group
-  each; ``kill -9`` of that group is a preemption.
-- ``azure`` (:mod:`manager.providers.azure`): spot VMs in a virtual machine scale set
-  (priority Spot, eviction policy Delete), through azure-identity and azure-mgmt-compute.
+"""What a provider is: the interface the manager's domain calls (:class:`Provider`), what it is
+given (:class:`ProviderContext`), what it returns (:class:`NewVM`) and what it sees of a VM
+(:class:`ProviderVM`). Providers declare themselves in :mod:`manager.providers.registry`.
 
 The manager calls providers outside its state lock (a cloud call can take seconds), and never
 relies on them for liveness: agents' heartbeats decide that; ``gone_vms`` only lets the manager
 notice an eviction sooner.
+
+    >>> NewVM(vm_id="job-vm1", ref={"pid": 42}).ref["pid"]
+    42
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from manager.domain.store import VMRecord
-
-__all__ = ["NewVM", "Provider", "ProviderContext", "make_provider"]
+__all__ = ["NewVM", "Provider", "ProviderContext", "ProviderVM"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +46,26 @@ class NewVM:
     their instances themselves)."""
 
 
+class ProviderVM(Protocol):
+    """What a provider sees of one of its VMs (the manager's ``VMRecord`` is one)."""
+
+    @property
+    def vm_id(self) -> str: ...
+
+    @property
+    def job_id(self) -> str: ...
+
+    @property
+    def state(self) -> str:
+        """``requested``, ``up``, ``gone`` or ``deleted``."""
+        ...
+
+    @property
+    def ref(self) -> Mapping[str, Any]:
+        """The :attr:`NewVM.ref` the provider returned (with ``vm_type`` for a typed VM)."""
+        ...
+
+
 class Provider(Protocol):
     """A source of VMs for one job."""
 
@@ -63,31 +81,17 @@ class Provider(Protocol):
         type_options: Mapping[str, Any] | None = None,
     ) -> list[NewVM]:
         """Start up to ``len(names)`` VMs (fewer when capacity is short; ``created_so_far`` VMs
-        were already created for this job). ``type_options``: the pool's VM type for a pool job
-        (``vm_type``, ``vm_slowdown`` and the type's ``provider_options``; docs/pool.md). Raises
-        ``RuntimeError`` on a provider failure."""
+        were already created for this job). ``type_options``: the VM type of a pool job or of a
+        job with ``[[vm_types]]`` (``vm_type``, ``vm_slowdown`` and the type's
+        ``provider_options``; docs/pool.md). Raises ``RuntimeError`` on a provider failure."""
         ...
 
-    def delete_vm(self, vm: VMRecord) -> None:
+    def delete_vm(self, vm: ProviderVM) -> None:
         """Release the VM (idempotent; a VM that is already gone is fine)."""
         ...
 
-    def gone_vms(self, vms: Sequence[VMRecord]) -> list[str]:
+    def gone_vms(self, vms: Sequence[ProviderVM]) -> list[str]:
         """The ids among ``vms`` the provider knows no longer exist (evicted, exited)."""
         ...
 
     def close(self) -> None: ...
-
-
-def make_provider(name: str, options: Mapping[str, Any], context: ProviderContext) -> Provider:
-    """The provider called ``name`` with the job's ``provider_options``; ``ValueError`` if the
-    name or an option is wrong."""
-    if name == "local":
-        from manager.providers.local import LocalProvider, LocalProviderOptions
-
-        return LocalProvider(LocalProviderOptions.from_dict(options), context)
-    if name == "azure":
-        from manager.providers.azure import AzureProvider, AzureProviderOptions
-
-        return AzureProvider(AzureProviderOptions.from_dict(options), context)
-    raise ValueError(f"unknown provider {name!r}; use local or azure")

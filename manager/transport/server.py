@@ -1,8 +1,10 @@
 """``varuna-manager serve``: the gRPC server around a :class:`~manager.domain.controller.Manager`.
 
-The server authenticates every call with :class:`~manager.transport.auth.TokenInterceptor` (and TLS when
-``tls_cert``/``tls_key`` are given), maps :class:`~manager.domain.context.ManagerError` to gRPC
-status codes, and runs the manager's control loop. Stopping it (SIGTERM/SIGINT) leaves VMs and
+The server authenticates every call with :class:`~manager.transport.auth.TokenInterceptor` (and
+TLS when ``tls_cert``/``tls_key`` are given), converts each request to the domain's messages and
+each answer back (:mod:`manager.transport.convert`), maps a refusal's
+:class:`~manager.domain.errors.ErrorKind` to its gRPC status code, and runs the manager's control
+loop. Stopping it (SIGTERM/SIGINT) leaves VMs and
 workers running: they keep training, and a manager started again on the same ``--db`` resumes.
 """
 
@@ -25,17 +27,19 @@ import grpc
 
 from manager.common.daemon_lock import DaemonLock
 from manager.common.wire import load_token
-from manager.domain.context import ManagerConfig, ManagerError
+from manager.domain.context import ManagerConfig
 from manager.domain.controller import Manager
+from manager.domain.errors import ErrorKind, ManagerError
 from manager.domain.pool_config import PoolConfig
 from manager.domain.store import Store
+from manager.transport import convert
 from manager.transport import varuna_manager_pb2 as pb
 from manager.transport import varuna_manager_pb2_grpc as pb_grpc
 from manager.transport.auth import TokenInterceptor, server_credentials
 from varuna.core.extras import MissingExtra, require_extra
 from varuna.launch.procs import is_loopback
 
-__all__ = ["MAX_MESSAGE_BYTES", "ManagerServer", "ServeConfig", "insecure_listen_warning"]
+__all__ = ["MAX_MESSAGE_BYTES", "STATUS_OF_ERROR", "ManagerServer", "ServeConfig", "insecure_listen_warning"]
 
 #: Largest request the server takes (agents keep calibration files below it:
 #: ``manager.agent.calibrate.MAX_CALIBRATION_BYTES``).
@@ -73,8 +77,17 @@ class ServeConfig:
     """The shared pool (``--pool``, docs/pool.md); None: none, or the one stored in ``db``."""
 
 
+#: The wire's status for each way the domain refuses a request (the domain never sees these).
+STATUS_OF_ERROR = {
+    ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorKind.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+
 class _Servicer(pb_grpc.VarunaManagerServicer):
-    """Thin adapter: unpack, call the manager, map errors to status codes."""
+    """Thin adapter: convert the request, call the manager, convert the answer, map a refusal to
+    its status code."""
 
     def __init__(self, manager: Manager) -> None:
         self.m = manager
@@ -84,43 +97,48 @@ class _Servicer(pb_grpc.VarunaManagerServicer):
         try:
             return fn()
         except ManagerError as exc:
-            context.abort(exc.code, exc.message)
+            context.abort(STATUS_OF_ERROR[exc.kind], exc.message)
         except Exception as exc:  # a bug: say so instead of dropping the connection
             traceback.print_exc(file=sys.stderr)
             context.abort(grpc.StatusCode.INTERNAL, f"manager error: {type(exc).__name__}: {exc}")
         raise AssertionError("unreachable: abort raises")
 
     def SubmitJob(self, request: pb.SubmitJobRequest, context: grpc.ServicerContext) -> pb.SubmitJobReply:
-        return pb.SubmitJobReply(job_id=self._guard(context, lambda: self.m.submit(request.spec)))
+        job_id = self._guard(context, lambda: self.m.submit(*convert.submission_from_pb(request.spec)))
+        return pb.SubmitJobReply(job_id=job_id)
 
     def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.GetStatusReply:
         jobs = self._guard(context, lambda: self.m.status(request.job_id, request.history or 20))
-        return pb.GetStatusReply(jobs=jobs)
+        return pb.GetStatusReply(jobs=[convert.status_to_pb(j) for j in jobs])
 
     def ListEvents(self, request: pb.ListEventsRequest, context: grpc.ServicerContext) -> pb.ListEventsReply:
         events = self._guard(context, lambda: self.m.events(request.job_id, request.after_id, request.limit))
-        return pb.ListEventsReply(events=events)
+        return pb.ListEventsReply(events=[convert.event_to_pb(e) for e in events])
 
     def CancelJob(self, request: pb.CancelJobRequest, context: grpc.ServicerContext) -> pb.CancelJobReply:
         return pb.CancelJobReply(state=self._guard(context, lambda: self.m.cancel(request.job_id)))
 
     def RegisterVM(self, request: pb.RegisterVMRequest, context: grpc.ServicerContext) -> pb.RegisterVMReply:
-        return self._guard(context, lambda: self.m.register_vm(request))
+        reply = self._guard(context, lambda: self.m.register_vm(convert.register_from_pb(request)))
+        return convert.registered_to_pb(reply)
 
     def VMHeartbeat(
         self, request: pb.VMHeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.VMHeartbeatReply:
-        return pb.VMHeartbeatReply(orders=self._guard(context, lambda: self.m.vm_heartbeat(request)))
+        orders = self._guard(context, lambda: self.m.vm_heartbeat(convert.heartbeat_from_pb(request)))
+        return pb.VMHeartbeatReply(orders=convert.orders_to_pb(orders))
 
     def ReportCalibration(
         self, request: pb.ReportCalibrationRequest, context: grpc.ServicerContext
     ) -> pb.ReportCalibrationReply:
-        return self._guard(context, lambda: self.m.report_calibration(request))
+        reply = self._guard(context, lambda: self.m.report_calibration(convert.report_from_pb(request)))
+        return convert.report_reply_to_pb(reply)
 
     def WorkerHeartbeat(
         self, request: pb.WorkerHeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.WorkerHeartbeatReply:
-        return pb.WorkerHeartbeatReply(ok=self._guard(context, lambda: self.m.worker_heartbeat(request)))
+        ok = self._guard(context, lambda: self.m.worker_heartbeat(convert.worker_heartbeat_from_pb(request)))
+        return pb.WorkerHeartbeatReply(ok=ok)
 
 
 class ManagerServer:
