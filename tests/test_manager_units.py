@@ -403,3 +403,28 @@ def test_worker_shim_fast_exit_keeps_what_a_normal_exit_keeps(tmp_path):
     run = subprocess.run([sys.executable, "-m", "manager.worker.shim", str(script)], env=env, timeout=60)
     assert run.returncode == 4
     assert out.read_text() == "buffered;thread;" and (tmp_path / "out.atexit").read_text() == "ran"
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "manager.common.wire",
+        "manager.domain.errors",
+        "manager.domain.messages",
+        "manager.domain.ports",
+        "manager.domain.launches",
+        "manager.domain.context",
+        "manager.providers.base",
+        "manager.providers.registry",
+        "manager.providers.agent_start",
+        "manager.agent.notices",
+        "manager.transport.convert",
+    ],
+)
+def test_seam_docstring_examples(module):
+    """The examples in the docstrings of the manager's seams (issue 28) run as written."""
+    import doctest
+    import importlib
+
+    failures, tried = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert failures == 0 and tried > 0

@@ -353,8 +353,8 @@ class JobSpec:
             raise ValueError("jobspec: 'provider_options' must be a table/object")
         if entry.check_job is not None:
             try:
-                entry.check_job(JobShape(max_vms=self.max_vms, procs_per_vm=self.procs_per_vm,
-                                         options=self.provider_options))
+                entry.check_job(JobShape(provider=self.provider, max_vms=self.max_vms,
+                                         procs_per_vm=self.procs_per_vm, options=self.provider_options))
             except ValueError as exc:
                 raise ValueError(f"jobspec: {str(exc).splitlines()[0]}") from None
 

@@ -48,7 +48,7 @@ from typing import Any
 from manager.common.procs import alive, process_start_time, reap, terminate_group
 from manager.providers.agent_start import SCHEDULED_EVENTS_SOURCE, AgentStart, agent_argv
 from manager.providers.base import NewVM, ProviderContext, ProviderVM
-from manager.providers.registry import JobShape, register_provider
+from manager.providers.registry import JobShape, provider_entry, register_provider
 from varuna.launch.spec import default_max_procs_per_host
 
 __all__ = ["SLOWDOWN_ENV", "LocalProvider", "LocalProviderOptions", "check_local_capacity", "read_capacity"]
@@ -114,7 +114,7 @@ def check_local_capacity(job: JobShape) -> None:
     limit = default_max_procs_per_host()
     if vms * job.procs_per_vm > limit:
         raise ValueError(
-            f"the local provider would run {vms} × {job.procs_per_vm} workers on this machine, more "
+            f"the {job.provider} provider would run {vms} × {job.procs_per_vm} workers on this machine, more "
             f"than its limit of {limit} (4 × its CPU cores, at least 8); lower max_vms (or set "
             "provider_options.max_created)"
         )
@@ -180,7 +180,7 @@ class LocalProvider:
         for vm_id in names[:count]:
             vm_dir = Path(self.context.state_dir) / job_id / vm_id
             vm_dir.mkdir(parents=True, exist_ok=True)
-            argv = self._agent_argv(job_id, vm_id, slots, vm_dir)
+            argv = agent_argv(self.agent_start(job_id, vm_id, slots, vm_dir))
             env = dict(os.environ)
             package_root = str(Path(__file__).resolve().parents[2])
             env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
@@ -212,10 +212,12 @@ class LocalProvider:
             )
         return out
 
-    def _agent_argv(self, job_id: str, vm_id: str, slots: int, vm_dir: Path) -> list[str]:
-        """The command line of a pretend VM's agent."""
+    def agent_start(self, job_id: str, vm_id: str, slots: int, vm_dir: Path) -> AgentStart:
+        """What a pretend VM's agent is started with: the notice source is the one this provider's
+        registry entry declares (a provider built on pretend VMs, registered under its own name,
+        gets its own; it may change the rest with ``dataclasses.replace``)."""
         o, c = self.options, self.context
-        return agent_argv(AgentStart(
+        return AgentStart(
             python=o.python,
             manager=c.manager_address,
             token_file=str(Path(c.token_file).resolve()),
@@ -227,14 +229,14 @@ class LocalProvider:
             heartbeat_interval_s=c.heartbeat_interval_s,
             orphan_timeout_s=c.orphan_timeout_s,
             tls_ca=str(Path(c.tls_ca).resolve()) if c.tls_ca else None,
-            notice_source=SCHEDULED_EVENTS_SOURCE if o.metadata_url else None,
+            notice_source=provider_entry(self.name).notice_source if o.metadata_url else None,
             notice_url=o.metadata_url,
             vm_name=vm_id,
             approve_notices=o.approve_notices,
             standby=slots if o.standby else 0,
             standby_delay_s=o.standby_delay_s,
             standby_priority=o.standby_priority,
-        ))
+        )
 
     def delete_vm(self, vm: ProviderVM) -> None:
         child = self._children.pop(vm.vm_id, None)

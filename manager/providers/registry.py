@@ -25,10 +25,10 @@ provider").
 
     >>> provider_entry("local").type_options
     ('max_created',)
-    >>> provider_entry("gcp")
+    >>> provider_entry("gcp")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: unknown provider 'gcp'; use one of local, azure
+    ValueError: unknown provider 'gcp'; use one of local, azure...
 """
 
 from __future__ import annotations
@@ -84,6 +84,8 @@ class ProviderExtra:
 class JobShape:
     """What a provider's :attr:`ProviderEntry.check_job` sees of a job spec."""
 
+    provider: str
+    """The provider's name as the job spec says it."""
     max_vms: int
     procs_per_vm: int
     options: Mapping[str, Any]
@@ -162,12 +164,17 @@ class _Registry:
     def entry(self, name: str) -> ProviderEntry:
         self.load()
         if name not in self._entries:
-            raise ValueError(f"unknown provider {name!r}; use one of {', '.join(self._entries)}")
+            raise ValueError(f"unknown provider {name!r}; use one of {', '.join(self.names())}")
         return self._entries[name]
 
     def names(self) -> tuple[str, ...]:
+        """Built-in providers first (in :data:`BUILTIN_MODULES` order), then the others as they
+        registered (a plug-in module may import a built-in one before the first lookup)."""
         self.load()
-        return tuple(self._entries)
+        builtin = {m: i for i, m in enumerate(BUILTIN_MODULES)}
+        order = {name: i for i, name in enumerate(self._entries)}
+        return tuple(sorted(self._entries, key=lambda n: (builtin.get(self._entries[n].module, len(builtin)),
+                                                           order[n])))
 
     def load(self) -> None:
         if self._loaded:
