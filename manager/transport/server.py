@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -38,6 +38,9 @@ from manager.transport import varuna_manager_pb2_grpc as pb_grpc
 from manager.transport.auth import TokenInterceptor, server_credentials
 from varuna.core.extras import MissingExtra, require_extra
 from varuna.launch.procs import is_loopback
+
+if TYPE_CHECKING:
+    from manager.dashboard.web import DashboardServer
 
 __all__ = ["MAX_MESSAGE_BYTES", "STATUS_OF_ERROR", "ManagerServer", "ServeConfig", "insecure_listen_warning"]
 
@@ -191,8 +194,8 @@ class ManagerServer:
         self.port = 0
         self._token = token
         self.manager: Manager | None = None
-        self.dashboard: Any = None
-        """The :class:`manager.dashboard.web.DashboardServer` once started (``dashboard`` set)."""
+        self.dashboard: DashboardServer | None = None
+        """The read-only dashboard once started (``dashboard`` set; aiohttp is imported then)."""
         self._stopped = threading.Event()
 
     @property
