@@ -265,7 +265,8 @@ _KINDS: Mapping[str, ScheduleKind] = MappingProxyType(
     }
 )
 
-#: The schedule a job runs when nobody names one (the paper's).
+#: The kind a job runs when nobody names one: the script, the launcher (``--schedule``), the
+#: manager's job spec and the simulator all default to it (one source for the default).
 DEFAULT_SCHEDULE = "varuna"
 #: Schedule kinds the runtime can execute. ``1f1b`` is PipeDream-Flush.
 SCHEDULE_KINDS: tuple[str, ...] = tuple(name for name, k in _KINDS.items() if k.runtime)
