@@ -428,3 +428,48 @@ def test_seam_docstring_examples(module):
 
     failures, tried = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert failures == 0 and tried > 0
+
+
+def _port_cases():
+    from manager.domain.calibration_orders import CalibrationOrders
+    from manager.domain.launches import WorkerLaunches
+    from manager.domain.live_runs import LiveRuns
+    from manager.domain.morph_planner import MorphPlanner
+    from manager.domain.pool_rounds import PoolRounds
+    from manager.domain.ports import (
+        Calibrations,
+        Launches,
+        LiveMorph,
+        NoLiveMorph,
+        NoPool,
+        Planner,
+        SharedPool,
+    )
+
+    return [
+        (Calibrations, CalibrationOrders),
+        (Planner, MorphPlanner),
+        (Launches, WorkerLaunches),
+        (LiveMorph, LiveRuns),
+        (LiveMorph, NoLiveMorph),
+        (SharedPool, PoolRounds),
+        (SharedPool, NoPool),
+    ]
+
+
+@pytest.mark.parametrize("port, impl", _port_cases(), ids=lambda c: c.__name__)
+def test_the_parts_implement_their_ports(port, impl):
+    """Every member of a port (manager/domain/ports.py) exists on each implementation, the real
+    one and the null one, with the same parameters: a method added to one side only breaks this."""
+    import inspect
+
+    members = [n for n in vars(port) if not n.startswith("_")]
+    assert members
+    for name in members:
+        want = vars(port)[name]
+        assert hasattr(impl, name), f"{impl.__name__} lacks {name}"
+        if isinstance(want, property):
+            continue  # a property on the port; a plain attribute may implement it (NoPool.active)
+        got = inspect.signature(getattr(impl, name))
+        params = [p for p in inspect.signature(want).parameters if p != "self"]
+        assert [p for p in got.parameters if p != "self"] == params, (impl.__name__, name)
