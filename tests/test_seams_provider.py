@@ -29,7 +29,13 @@ from manager.domain.jobspec import JobSpec, load_jobspec
 from manager.domain.store import Store
 from manager.providers.agent_start import agent_argv
 from manager.providers.base import ProviderContext
-from manager.providers.registry import PROVIDER_MODULES_ENV, make_provider, provider_entry, provider_names
+from manager.providers.registry import (
+    PROVIDER_MODULES_ENV,
+    make_provider,
+    provider_entry,
+    provider_names,
+    register_provider,
+)
 from manager.transport.convert import spec_from_pb, spec_to_pb
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,6 +56,16 @@ def test_the_provider_registers_from_its_own_module():
     assert entry.module == "throwaway_provider"
     with pytest.raises(ValueError, match="^unknown provider 'gcp'; use one of local, azure, .*gadget"):
         provider_entry("gcp")
+
+
+def test_a_second_provider_of_the_same_name_is_refused():
+    class Impostor:
+        pass
+
+    with pytest.raises(ValueError, match=r"provider 'gadget' is registered twice \(throwaway_provider and "
+                                         r"test_seams_provider\); rename one of them"):
+        register_provider(name="gadget", options=GadgetOptions)(Impostor)
+    assert provider_entry("gadget").factory is GadgetProvider  # the first one stands
 
 
 def test_its_job_specs_are_judged_by_its_own_rules(tmp_path):
