@@ -37,9 +37,10 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from manager.auth import load_token
-from manager.client import ClientConfig, ManagerClient
-from manager.jobspec import JobSpec, load_jobspec, spec_to_pb
+from manager.common.wire import load_token
+from manager.domain.jobspec import JobSpec, load_jobspec
+from manager.transport.client import ClientConfig, ManagerClient
+from manager.transport.convert import spec_to_pb
 from varuna.core.cli import OneLineParser
 from varuna.core.progress import Progress
 
@@ -228,8 +229,8 @@ def _add_client_parsers(sub: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from manager.policy import StutterConfig
-    from manager.server import ManagerServer, ServeConfig, insecure_listen_warning
+    from manager.domain.policy import StutterConfig
+    from manager.transport.server import ManagerServer, ServeConfig, insecure_listen_warning
 
     tuning = {
         "heartbeat_interval_s": args.heartbeat_interval,
@@ -249,7 +250,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise _UsageError("--heartbeat-timeout must exceed --heartbeat-interval (a few intervals)")
     pool = None
     if args.pool:
-        from manager.pool_config import load_pool_config
+        from manager.domain.pool_config import load_pool_config
 
         try:
             pool = load_pool_config(args.pool)

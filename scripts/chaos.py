@@ -41,9 +41,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from manager.client import ClientConfig, ManagerClient  # noqa: E402
-from manager.jobspec import load_jobspec, spec_to_pb  # noqa: E402
-from manager.procs import find_free_port  # noqa: E402
+from manager.common.procs import find_free_port  # noqa: E402
+from manager.domain.jobspec import load_jobspec  # noqa: E402
+from manager.transport.client import ClientConfig, ManagerClient  # noqa: E402
+from manager.transport.convert import spec_to_pb  # noqa: E402
 from varuna.runtime.checkpoint_store import (  # noqa: E402
     MANIFEST,
     list_checkpoints,

@@ -89,6 +89,44 @@ def test_import_contracts_catch_an_upward_import():
     assert run.returncode != 0 and "varuna.core._upward_probe" in run.stdout, run.stdout[-3000:]
 
 
+@pytest.mark.parametrize(
+    "probe, code, needle",
+    [
+        # The domain speaks dataclasses: a domain module importing grpc (or the generated modules)
+        # must break the domain contract...
+        ("manager/domain/_wire_probe.py", "import grpc  # noqa: F401\n",
+         "manager.domain._wire_probe -> grpc"),
+        ("manager/domain/_pb_probe.py", "from manager.transport import varuna_manager_pb2  # noqa: F401\n",
+         "manager.domain._pb_probe -> manager.transport.varuna_manager_pb2"),
+        # ... and what runs on a VM must not reach into the daemon.
+        ("manager/agent/_daemon_probe.py", "import manager.domain.store  # noqa: F401\n",
+         "manager.agent._daemon_probe -> manager.domain.store"),
+    ],
+)
+def test_manager_contracts_catch_the_wire_in_the_domain_and_the_daemon_on_a_vm(probe, code, needle):
+    # Negative controls for the manager's contracts in pyproject.toml (docs/ARCHITECTURE.md).
+    path = ROOT / probe
+    try:
+        path.write_text(code)
+        run = _lint_imports()
+    finally:
+        path.unlink()
+    assert run.returncode != 0 and needle in run.stdout, run.stdout[-3000:]
+
+
+def test_import_depth_counts_the_longest_chain_and_a_cycle_once():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from import_depth import depths, longest_chain
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    edges = {"top": {"mid", "leaf"}, "mid": {"a"}, "a": {"b"}, "b": {"a", "leaf"}, "leaf": set()}
+    depth, nxt, cycles = depths(edges)
+    # top -> mid -> {a <-> b} -> leaf: the cycle is one level.
+    assert longest_chain(depth, nxt)[:2] == ["top", "mid"] and depth["top"] == 4
+    assert cycles == [["a", "b"]] and depth["leaf"] == 1
+
+
 def test_ruff_complexity_rules_are_clean():
     exe = shutil.which("ruff")
     if exe is None:

@@ -161,7 +161,7 @@ def test_worker_shim_attaches_the_reporter_and_checkpoint_interval_without_patch
                                                 checkpoint_dir={str(tmp_path / "ckpt")!r}),
                             example_batch=make_batch("onecut", 4),
                             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
-        from manager.client import WorkerReporter
+        from manager.worker.reporter import WorkerReporter
         assert WorkerReporter.from_env(eng) is eng.manager_reporter is not None
         print("every", eng.checkpointer.every, "stop", eng.stop_requested, flush=True)
         eng.train_step(make_batch("onecut", 4))   # stops (checkpoint, exit 0) after this step
@@ -170,7 +170,7 @@ def test_worker_shim_attaches_the_reporter_and_checkpoint_interval_without_patch
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VARUNA_MANAGER": "127.0.0.1:1",
            "VARUNA_MANAGER_TOKEN_FILE": str(token), "VARUNA_CHECKPOINT_EVERY": "7"}
     env.pop("VARUNA_ENGINE_PLUGINS", None)
-    run = subprocess.run([sys.executable, "-m", "manager.worker_shim", str(script)], capture_output=True,
+    run = subprocess.run([sys.executable, "-m", "manager.worker.shim", str(script)], capture_output=True,
                          text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "every 7 stop True" in run.stdout and "not reached" not in run.stdout
@@ -193,6 +193,6 @@ def test_worker_shim_leaves_a_scripts_own_sigusr1_handler_working(tmp_path):
     """))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VARUNA_MANAGER": "127.0.0.1:1",
            "VARUNA_MANAGER_TOKEN_FILE": str(token)}
-    run = subprocess.run([sys.executable, "-m", "manager.worker_shim", str(script)], capture_output=True,
+    run = subprocess.run([sys.executable, "-m", "manager.worker.shim", str(script)], capture_output=True,
                          text=True, env=env, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "handled", run.stdout + run.stderr[-2000:]

@@ -2,7 +2,7 @@
 
 A heartbeat that only repeats what the manager knows commits nothing: its time and port are
 deferred and written once per control-loop tick (Note [Deferred writes] in
-manager/record_cache.py). A state change is on the file before the RPC returns. A manager killed
+manager/domain/record_cache.py). A state change is on the file before the RPC returns. A manager killed
 between two flushes loses only heartbeat times, and its successor declares no healthy VM gone
 for it.
 """
@@ -14,8 +14,8 @@ import sqlite3
 import pytest
 from test_manager_controller import FakeProvider, World
 
-from manager.records import GenerationRecord, ProgressRecord, VMRecord, WorkerStatRecord
-from manager.store import Store
+from manager.domain.records import GenerationRecord, ProgressRecord, VMRecord, WorkerStatRecord
+from manager.domain.store import Store
 
 
 @pytest.fixture

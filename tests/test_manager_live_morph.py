@@ -1,4 +1,4 @@
-"""The manager's live-morph decision (manager/live_morph.py): which ranks a lost VM took, whether
+"""The manager's live-morph decision (manager/domain/live_morph.py): which ranks a lost VM took, whether
 every stage still has a live replica, the simulator's P×D for the survivors, what it writes into
 the live run's store and the events it records."""
 
@@ -9,9 +9,9 @@ from datetime import timedelta
 
 import pytest
 
-from manager import live_morph
-from manager.policy import choose_layout
-from manager.store import Store
+from manager.domain import live_morph
+from manager.domain.policy import choose_layout
+from manager.domain.store import Store
 from varuna.core.calibration import Calibration
 
 

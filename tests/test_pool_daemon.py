@@ -1,4 +1,4 @@
-"""The shared pool inside the manager daemon (manager/pool_rounds.py, docs/pool.md), on the
+"""The shared pool inside the manager daemon (manager/domain/pool_rounds.py, docs/pool.md), on the
 simulated VMs and fake clock of tests/test_manager_controller.py: nothing sleeps, rounds run when
 the test moves the clock past the round length or a job arrives or leaves.
 
@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from manager.controller import Manager
-from manager.pool_config import PoolConfig, load_pool_config
-from manager.pool_store import PoolStore
-from manager.providers import NewVM
-from manager.store import Store
+from manager.domain.controller import Manager
+from manager.domain.pool_config import PoolConfig, load_pool_config
+from manager.domain.pool_store import PoolStore
+from manager.domain.store import Store
+from manager.providers.base import NewVM
 from varuna.core.calibration import Calibration
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -210,7 +210,7 @@ def test_capacity_change_preempts_and_restart_restores_pool_state(tmp_path):
 
 
 def test_pool_job_needs_a_pool_and_a_calibration(tmp_path):
-    from manager.context import ManagerError
+    from manager.domain.errors import ManagerError
 
     (tmp_path / "plain").mkdir()
     plain = World(tmp_path / "plain")

@@ -128,7 +128,7 @@ def predict_rates(
     >>> r[2] > r[1] > 0
     True
     """
-    # Imported here, as manager.policy does: the simulator is optional on a manager host, and a
+    # Imported here, as manager.domain.policy does: the simulator is optional on a manager host, and a
     # matrix given by hand (ThroughputModel.set_predicted) needs none.
     from simulator.autoconfig import autoconfigure
 

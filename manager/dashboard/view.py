@@ -1,12 +1,12 @@
 """What the dashboard shows, as JSON-ready dicts: a narrow, read-only view of the manager's state.
 
-Everything comes from :class:`manager.store.Store` reads that write nothing (rows the store keeps
+Everything comes from :class:`manager.domain.store.Store` reads that write nothing (rows the store keeps
 in memory, ``SELECT`` queries, and the deferred heartbeat values merged in with ``peek_*``
 rather than flushed), plus the manager's own health rule for a VM
-(:meth:`manager.vm_book.VMBook.health`). It never takes the manager's state lock, so a page
+(:meth:`manager.domain.context.ManagerContext.health`). It never takes the manager's state lock, so a page
 being watched cannot slow the control loop down.
 
-    >>> from manager.store import Store
+    >>> from manager.domain.store import Store
     >>> view = DashboardView(Store(":memory:"), health=lambda vm, now: "healthy")
     >>> view.jobs(), view.job("nope") is None
     ([], True)
@@ -17,14 +17,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from manager.dashboard.gantt import measured_timeline, timeline_json
-from manager.records import GenerationRecord, JobRecord, VMRecord
-from manager.store import Store
-
-if TYPE_CHECKING:
-    from manager.controller import Manager
+from manager.domain.records import GenerationRecord, JobRecord, VMRecord
+from manager.domain.store import Store
 
 __all__ = ["DashboardView"]
 
@@ -33,6 +30,18 @@ MAX_POINTS = 2000
 MAX_EVENTS = 300
 #: The Gantt chart is replayed (a simulation) at most this often per job.
 GANTT_EVERY_S = 10.0
+
+
+class ManagerState(Protocol):
+    """What the view reads of a running manager (``manager.domain.controller.Manager`` is one)."""
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
+
+    def vm_health(self, vm: VMRecord, now: float) -> str: ...
 
 
 def _pxd(p: int, d: int) -> str:
@@ -64,9 +73,9 @@ class DashboardView:
         self._gantt: dict[str, tuple[float, int, dict[str, Any] | None]] = {}
 
     @classmethod
-    def from_manager(cls, manager: Manager) -> DashboardView:
+    def from_manager(cls, manager: ManagerState) -> DashboardView:
         """The view of a running manager's state."""
-        return cls(manager.store, health=manager.vms.health, clock=manager.ctx.clock)
+        return cls(manager.store, health=manager.vm_health, clock=manager.clock)
 
     def jobs(self) -> list[dict[str, Any]]:
         """Every job, oldest first: id, name, state, step, P×D."""
