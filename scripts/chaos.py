@@ -44,7 +44,7 @@ import torch  # noqa: E402
 from manager.client import ClientConfig, ManagerClient  # noqa: E402
 from manager.jobspec import load_jobspec, spec_to_pb  # noqa: E402
 from manager.procs import find_free_port  # noqa: E402
-from varuna.runtime.checkpoint_store import (  # noqa: E402
+from varuna.runtime.checkpoint import (  # noqa: E402
     MANIFEST,
     list_checkpoints,
     read_manifest,

@@ -48,7 +48,7 @@ from varuna.cutting.batches import batch_size_of, slice_batch
 from varuna.cutting.cutpoint import CarryPlan, CutPoint, SplitState
 from varuna.cutting.loss import default_loss
 from varuna.cutting.split import ModelProfile, materialize_stage
-from varuna.runtime.checkpoint import Checkpointer, engine_state_dict, load_engine_state_dict
+from varuna.runtime.checkpoint import Checkpointer
 from varuna.runtime.config import StepResult, VarunaConfig, adopt_cut_env, adopt_plan
 from varuna.runtime.executor import ScheduleExecutor, StageModel
 from varuna.runtime.grad_sync import GradientSync, allreduce_scalars
@@ -56,12 +56,13 @@ from varuna.runtime.groups import ProcessGroups, StageLinks, build_groups
 from varuna.runtime.layout import Layout, init_distributed, pick_device
 from varuna.runtime.loss_scale import DynamicLossScale, NonFiniteLosses, NonFiniteLossStop
 from varuna.runtime.no_flush import MAX_WINDOW_STEPS, WindowFeed, no_flush_unsupported
+from varuna.runtime.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
 from varuna.runtime.peer_watch import PeerWatch, watching
 from varuna.runtime.plugins import run_plugins
 from varuna.runtime.stages import assign_stages, chunks_per_process, planning_profile
 from varuna.runtime.tensorboard import TensorBoardLog, adopt_tensorboard_env, require_tensorboard
 from varuna.runtime.timeline_gather import gather_timeline
-from varuna.runtime.weight_versions import stale_weights, weight_versions_for
+from varuna.runtime.weight_versions import add_previous, pop_previous, stale_weights, weight_versions_for
 
 __all__ = ["VarunaConfig", "Engine", "StepResult", "NonFiniteLossStop"]
 
@@ -445,18 +446,52 @@ class Engine:
 
     def state_dict(self) -> dict:
         """This stage's state by canonical parameter name: ``step``, ``params``, ``optimizer``
-        (name-keyed, see :func:`varuna.runtime.checkpoint.optimizer_state_by_name`), ``loss_scale``.
+        (name-keyed, see :func:`varuna.runtime.checkpoint.optimizer_state_by_name`; 2bw's stashed
+        weight version rides in it, Note [2BW]), ``loss_scale``. Tensors are references to the
+        live ones, like ``nn.Module.state_dict``.
 
         Example::
 
             sd = engine.state_dict()
             engine.load_state_dict(sd)
         """
-        return engine_state_dict(self)
+        return {
+            "step": self.step_count,
+            "params": {n: p.detach() for n, p in self.stage_params.items()},
+            "optimizer": add_previous(
+                optimizer_state_by_name(self.optimizer, dict(self.named_parameters())), self.weight_versions
+            ),
+            "loss_scale": self.scaler.state_dict(),
+        }
 
-    def load_state_dict(self, state: dict) -> None:
-        """Inverse of :meth:`state_dict`; ``state["params"]`` may hold the whole model's names."""
-        load_engine_state_dict(self, state)
+    def load_state_dict(self, state: dict, *, copy: bool = True) -> None:
+        """Inverse of :meth:`state_dict`; ``state["params"]`` may hold more names (e.g. the whole
+        model's), but must hold every parameter of this stage. ``copy=False`` hands the state
+        over: the optimizer adopts its tensors (nobody else may update them, e.g. a live morph's
+        received ones or a checkpoint's freshly read ones) and each parameter's entry leaves
+        ``state["params"]`` once copied in (no second set of weights stays alive)."""
+        params = state["params"]
+        missing = [n for n in self.stage_params if n not in params]
+        if missing:
+            raise ValueError(
+                f"state has no parameter {missing[0]!r} (and {len(missing) - 1} more) of this stage"
+            )
+        with torch.no_grad():
+            for n, p in self.stage_params.items():
+                if tuple(params[n].shape) != tuple(p.shape):
+                    raise ValueError(
+                        f"parameter {n!r}: shape {tuple(params[n].shape)} != the model's {tuple(p.shape)}"
+                    )
+                p.copy_(params[n] if copy else params.pop(n))
+        trainable = dict(self.named_parameters())
+        opt = dict(state["optimizer"])
+        opt["state"] = {n: v for n, v in opt.get("state", {}).items() if n in trainable}
+        previous = pop_previous(opt)
+        if self.weight_versions is not None:  # 2bw (Note [2BW]): the stashed version; others drop it
+            self.weight_versions.load(previous)
+        load_optimizer_state_by_name(self.optimizer, trainable, opt, copy=copy)
+        self.scaler.load_state_dict(state["loss_scale"])
+        self.step_count = int(state["step"])
 
 
 def _step_result(engine: Engine, outcome, timings, t_start: float, sync_s: float) -> StepResult:
