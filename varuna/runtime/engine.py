@@ -48,7 +48,7 @@ from varuna.cutting.batches import batch_size_of, slice_batch
 from varuna.cutting.cutpoint import CarryPlan, CutPoint, SplitState
 from varuna.cutting.loss import default_loss
 from varuna.cutting.split import ModelProfile, materialize_stage
-from varuna.runtime.checkpoint import Checkpointer
+from varuna.runtime.checkpoint import Checkpointer, checkpoint_format
 from varuna.runtime.config import StepResult, VarunaConfig, adopt_cut_env, adopt_plan
 from varuna.runtime.executor import ScheduleExecutor, StageModel
 from varuna.runtime.grad_sync import GradientSync, allreduce_scalars
@@ -98,6 +98,7 @@ class Engine:
         adopt_tensorboard_env(config)
         config.validate()
         require_tensorboard(config)  # before any group: a missing package stops every rank at once
+        checkpoint_format(config.checkpoint_format)  # an unknown format: one line, before any group
         self._tb: TensorBoardLog | None = None
         self.config = config
         self.loss_fn = loss_fn or default_loss
