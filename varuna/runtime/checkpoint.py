@@ -378,9 +378,16 @@ class Checkpointer:
         self.last_snapshot_in_memory = in_memory
         shares = take_shares(mine, sd, step=step, rank=self.rank, copy=in_memory)
         return SaveJob(
-            root=root, target=target, local=self._local() / f"{step_dir_name(step)}-{nonce:016x}",
-            step=step, nonce=nonce, rank=self.rank, format=self.format, shards=mine,
-            shares=list(shares), records=[None] * len(mine),
+            root=root,
+            target=target,
+            local=self._local() / f"{step_dir_name(step)}-{nonce:016x}",
+            step=step,
+            nonce=nonce,
+            rank=self.rank,
+            format=self.format,
+            shards=mine,
+            shares=list(shares),
+            records=[None] * len(mine),
             writers=sorted({L.rank_of(s.stage, s.replica) for s in plan}),
             expected_files=[s.name for s in plan],
             metadata=self._metadata(step, sd) if self.rank == 0 else None,
