@@ -528,8 +528,9 @@ class Engine:
         """Checkpoint the state after ``step_count`` steps; every rank calls it at the same step.
 
         Files go to local disk now and to ``directory`` (default ``config.checkpoint_dir``) in the
-        background; the checkpoint exists once rank 0 wrote its manifest (``wait=True`` blocks
-        until this rank's part is copied, rank 0 until the manifest is written). Returns the
+        background, in ``config.checkpoint_format``; the checkpoint exists once rank 0 wrote its
+        commit file (``wait=True`` blocks until this rank's part is copied, rank 0 until the commit
+        file is written: ``manifest.json`` for the default format). Returns the
         step directory, or None when skipped because the previous save is still being copied.
 
         Example::
