@@ -127,7 +127,9 @@ class StateShare:
     2bw's stashed weight version rides in ``state`` (Note [2BW])."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Named state dicts of the stage (plain containers and tensors), the same on each of its
-    replicas; empty today (issue 29: optimizer state outside ``state[param]``, LR schedulers)."""
+    replicas, handed to one file of the stage; a reader gets them back in
+    :attr:`LoadedShare.extra`. Empty today (issue 29: optimizer state outside ``state[param]``,
+    LR schedulers)."""
 
 
 @dataclass(frozen=True, kw_only=True)
