@@ -45,7 +45,7 @@ from manager.common.procs import find_free_port  # noqa: E402
 from manager.domain.jobspec import load_jobspec  # noqa: E402
 from manager.transport.client import ClientConfig, ManagerClient  # noqa: E402
 from manager.transport.convert import spec_to_pb  # noqa: E402
-from varuna.runtime.checkpoint_store import (  # noqa: E402
+from varuna.runtime.checkpoint import (  # noqa: E402
     MANIFEST,
     list_checkpoints,
     read_manifest,

@@ -1,27 +1,30 @@
 """Per-segment checkpoints that any P×D (and any micro-batch size) can load — paper §4.5.
 
-Every file is keyed by the original model's parameter names, never by stage-local indices, so a
-job that was preempted at 2×2 resumes at 4×1, 1×1 or anything else. Layout on disk (see
-docs/checkpoints.md for the manifest schema and the guarantees)::
+Every tensor is keyed by the original model's parameter names, never by stage-local indices, so a
+job that was preempted at 2×2 resumes at 4×1, 1×1 or anything else. What a step directory holds is
+its format's (Note [Checkpoint formats] in checkpoint_format.py; the default, ``"varuna"``, is
+per-segment ``torch.save`` shards and a ``manifest.json``: checkpoint_manifest.py, and
+docs/checkpoints.md for the schema and the guarantees); the :class:`Checkpointer` here owns when
+and with whom: scheduling, agreement across ranks, the host snapshot, the background copy,
+pruning::
 
     <checkpoint_dir>/step_00000300/
-        seg000-00.pt      params + name-keyed optimizer state of segment 0's own parameters
-        seg000-01.pt      segment 0's parameters that other segments also read (tied embedding)
-        seg001-00.pt      ...
-        manifest.json     written LAST, atomically: a checkpoint without it does not exist
+        ...               the format's files, each written by one replica of its stage
+        <commit file>     written LAST, atomically: a checkpoint without it does not exist
 
 How a save goes (Note [Save]): at a mini-batch boundary every rank agrees on a save id (one tiny
-all-reduce) and takes a host snapshot of the shard files assigned to it (:func:`plan_shards`: the
-D replicas of a stage split the stage's files) — the only part training waits for. A background
-thread serialises the snapshot to fast local disk (sha256 computed on the way), copies the files
-to the global store, fsyncs them and drops a small *marker* file. Rank 0's thread waits
-(bounded) for the markers of every writer, then writes the manifest (tmp + fsync +
-``os.replace``) and prunes old checkpoints. At most one save per rank is in flight.
+all-reduce) and takes a host snapshot of the files the format's plan assigns to it (the D
+replicas of a stage split the stage's files) — the only part training waits for. A background
+thread has the format serialise the snapshot to fast local disk, copies the files to the global
+store, fsyncs them and drops a small *marker* file. Rank 0's thread waits (bounded) for the
+markers of every writer, then has the format write its commit file (tmp + fsync + ``os.replace``)
+and prunes old checkpoints. At most one save per rank is in flight.
 
-How a load goes (Note [Load]): rank 0 lists the checkpoints that have a manifest, newest first,
-and broadcasts the list; each rank reads only the files holding its stage's parameters, checking
-size and sha256 and unpickling with ``torch.load(weights_only=True)``; one all-reduce agrees on
-the verdict, so every rank loads the same step or all skip it (with a warning naming the file).
+How a load goes (Note [Load]): rank 0 lists the complete checkpoints of every registered format,
+newest first, and broadcasts the list; each rank has the checkpoint's format read only what its
+stage holds, checked (for ``"varuna"``: size and sha256 of each file, unpickled with
+``torch.load(weights_only=True)``); one all-reduce agrees on the verdict, so every rank loads the
+same step or all skip it (with a warning naming the file).
 
 Example::
 
@@ -42,68 +45,65 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from varuna.cutting.split import ModelProfile
+from varuna.runtime.checkpoint_files import CheckpointError, UnsoundCheckpoint
+from varuna.runtime.checkpoint_format import CheckpointFormat, LoadedShare, LoadRequest, StateLayout
+from varuna.runtime.checkpoint_manifest import MANIFEST, read_manifest, read_shard
+from varuna.runtime.checkpoint_registry import checkpoint_format, format_of, register_format
 from varuna.runtime.checkpoint_shards import Shard, plan_shards
 from varuna.runtime.checkpoint_store import (
-    FORMAT,
-    MANIFEST,
-    VERSION,
-    CheckpointError,
     CheckpointInfo,
     list_checkpoints,
-    open_checked,
-    read_manifest,
-    read_shard,
+    retire,
     step_dir_name,
     verify_checkpoint,
 )
 from varuna.runtime.checkpoint_writer import (
     SaveJob,
-    build_shard_payloads,
     run_save_job,
     shard_state_bytes,
+    take_shares,
     takes_host_snapshot,
     write_local,
 )
 from varuna.runtime.config import VarunaConfig
 from varuna.runtime.layout import Layout
-from varuna.runtime.loss_scale import DynamicLossScale
 from varuna.runtime.optimizer_state import (
     load_optimizer_state_by_name,
     merge_optimizer_states,
     optimizer_state_by_name,
 )
-from varuna.runtime.weight_versions import add_previous, pop_previous
 
 # The checkpoint API in one place: what scripts and tests import from varuna.runtime.checkpoint.
 __all__ = [
+    "MANIFEST",
     "CheckpointError",
+    "CheckpointFormat",
     "CheckpointInfo",
     "CheckpointState",
     "Checkpointer",
     "Resumed",
     "Shard",
+    "checkpoint_format",
     "plan_shards",
     "optimizer_state_by_name",
     "load_optimizer_state_by_name",
     "merge_optimizer_states",
     "list_checkpoints",
     "read_manifest",
+    "register_format",
     "verify_checkpoint",
     "read_shard",
     "resolve_resume",
     "step_dir_name",
-    "engine_state_dict",
-    "load_engine_state_dict",
 ]
 
 log = logging.getLogger("varuna.runtime.checkpoint")
@@ -145,19 +145,22 @@ def resolve_resume(value: str | bool | None) -> str:
 
 @dataclass(frozen=True)
 class Resumed:
-    """The checkpoint a run resumed from: its step directory, its step, and the layout that wrote
-    it (None for a manifest without one). A different P×D than the run's own is a morph."""
+    """The checkpoint a run resumed from: its step directory, its step, the layout that wrote
+    it (None for a checkpoint without one) and its format. A different P×D than the run's own is
+    a morph."""
 
     path: Path
     step: int
     P: int | None
     D: int | None
+    format: str | None = None
 
 
 class CheckpointState(Protocol):
     """What the checkpointer needs from the training state it saves and restores (the engine
-    provides it): the run's config and layout, the stage's parameters, optimizer and loss scale,
-    the step counter (read on save, set on load), and a way to run a save on a graceful stop."""
+    provides it): the run's config and layout, the stage's parameters and optimizer (what a load
+    must fit), the step counter, the stage's state by name (``state_dict``, read on save, loaded
+    with ``load_state_dict`` on resume), and a way to run a save on a graceful stop."""
 
     config: VarunaConfig
     layout: Layout
@@ -167,10 +170,11 @@ class CheckpointState(Protocol):
     stage_params: Mapping[str, torch.Tensor]
     """Every parameter this stage holds, by canonical name (the trainable ones are optimised)."""
     optimizer: torch.optim.Optimizer
-    scaler: DynamicLossScale
     step_count: int
 
-    def named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]: ...
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict, *, copy: bool = True) -> None: ...
 
     def describe(self) -> dict: ...
 
@@ -182,7 +186,9 @@ class Checkpointer:
     or anything providing :class:`CheckpointState`).
 
     Settings come from the state's config, then the environment: ``checkpoint_dir`` or
-    ``$VARUNA_CHECKPOINT_DIR``; ``resume`` or ``$VARUNA_RESUME`` (1 / auto / 0). The engine calls
+    ``$VARUNA_CHECKPOINT_DIR``; ``resume`` or ``$VARUNA_RESUME`` (1 / auto / 0);
+    ``checkpoint_format`` or ``$VARUNA_CHECKPOINT_FORMAT`` (the format written, default
+    ``"varuna"``; resume reads any registered one: Note [Checkpoint formats]). The engine calls
     :meth:`attach` at the end of its ``__init__`` and :meth:`after_step` after each step.
 
     ``snapshot`` (Note [Snapshot to disk] in checkpoint_writer.py): ``"memory"`` takes a host copy
@@ -197,6 +203,7 @@ class Checkpointer:
         engine.save_checkpoint(wait=True)          # same as engine.checkpointer.save(wait=True)
         step = engine.load_checkpoint()            # newest complete one; any P×D
         engine.checkpointer.snapshot = "disk"      # never copy the state (VarunaConfig.checkpoint_snapshot)
+        engine.checkpointer.format.name            # "varuna" (VarunaConfig.checkpoint_format)
     """
 
     def __init__(self, state: CheckpointState) -> None:
@@ -210,6 +217,8 @@ class Checkpointer:
         local = cfg.local_checkpoint_dir
         self._local_base: Path | None = Path(local) if local else None
         self.timeout_s: float = float(cfg.comm_timeout_s)
+        #: the format saves write (an unknown name is one line naming the registered ones)
+        self.format: CheckpointFormat = checkpoint_format(cfg.checkpoint_format)
         self.set_every(int(cfg.checkpoint_every or 0))
         if self.keep < 1:
             raise ValueError(f"keep_checkpoints must be >= 1 (got {self.keep})")
@@ -295,7 +304,7 @@ class Checkpointer:
         """Checkpoint the state after ``step_count`` steps (a collective: every rank calls it at
         the same mini-batch boundary). Returns the step directory, or None when skipped because
         the previous save is still being copied. ``wait``: block until this rank's files are in
-        the global store (rank 0: until the manifest is written)."""
+        the global store (rank 0: until the commit file is written)."""
         root = Path(directory) if directory is not None else self.directory
         if root is None:
             raise ValueError(
@@ -313,11 +322,11 @@ class Checkpointer:
         # Backpressure: at most one save in flight per rank, so local disk does not fill up.
         busy = not self.wait(timeout_s=self.timeout_s)
         t_waited = time.perf_counter() - t0
-        if self.rank == 0 and not busy and (target / MANIFEST).exists():
+        if self.rank == 0 and not busy:
             # A complete checkpoint of this step from an abandoned lineage (we resumed from an
-            # older one): retire its manifest before anyone overwrites its files. Other ranks
-            # start writing only after the all-reduce below.
-            (target / MANIFEST).unlink(missing_ok=True)
+            # older one), in any format: retire its commit file before anyone overwrites its
+            # files. Other ranks start writing only after the all-reduce below.
+            retire(target)
         nonce, any_busy = self._agree_save(step, busy)
         if any_busy:
             log.warning(
@@ -354,29 +363,35 @@ class Checkpointer:
     def _save_job(self, root: Path, target: Path, step: int, nonce: int) -> SaveJob:
         """The snapshot of this rank's part and everything the background thread needs."""
         st, L = self.state, self.state.layout
-        plan = plan_shards(
-            param_segments=st.profile.param_segments,
-            param_bytes=st.profile.param_bytes,
+        layout = StateLayout(
+            tensor_segments=st.profile.param_segments,
+            tensor_bytes=st.profile.param_bytes,
             stage_ranges=st.stage_ranges,
+            pipeline_depth=L.P,
             data_parallel=L.D,
-            pipeline_depth=L.P,  # interleaved: P·v virtual stages, virtual stage j on process j % P
         )
+        plan = self.format.plan(layout)
         mine = [s for s in plan if (s.stage, s.replica) == (L.stage, L.replica)]
-        opt = optimizer_state_by_name(st.optimizer, dict(st.named_parameters())) if mine else None
-        if opt is not None:  # 2bw: the stashed weight version rides with the optimizer state
-            opt = add_previous(opt, getattr(st, "weight_versions", None))
-        in_memory = takes_host_snapshot(self.snapshot, shard_state_bytes(mine, st.stage_params, opt))
+        sd = st.state_dict()  # references to the live tensors (2bw: the stashed version rides along)
+        nbytes = shard_state_bytes(mine, sd["params"], sd["optimizer"])
+        in_memory = takes_host_snapshot(self.snapshot, nbytes)
         self.last_snapshot_in_memory = in_memory
-        files, payloads = build_shard_payloads(
-            mine, st.stage_params, opt, step=step, rank=self.rank, copy=in_memory
-        )
+        shares = take_shares(mine, sd, step=step, rank=self.rank, copy=in_memory)
         return SaveJob(
-            root=root, target=target, local=self._local() / f"{step_dir_name(step)}-{nonce:016x}",
-            step=step, nonce=nonce, rank=self.rank, files=files, payloads=payloads,
+            root=root,
+            target=target,
+            local=self._local() / f"{step_dir_name(step)}-{nonce:016x}",
+            step=step,
+            nonce=nonce,
+            rank=self.rank,
+            format=self.format,
+            shards=mine,
+            shares=list(shares),
+            records=[None] * len(mine),
             writers=sorted({L.rank_of(s.stage, s.replica) for s in plan}),
             expected_files=[s.name for s in plan],
-            manifest_base=self._manifest_base(step) if self.rank == 0 else None,
-            param_segments={n: list(v) for n, v in st.profile.param_segments.items()},
+            metadata=self._metadata(step, sd) if self.rank == 0 else None,
+            layout=layout,
             keep=self.keep,
             timeout_s=self.timeout_s,
             chunk_bytes=self.copy_chunk_bytes,
@@ -384,13 +399,11 @@ class Checkpointer:
             lost_writers=self.lost_writers,
         )
 
-    def _manifest_base(self, step: int) -> dict:
-        """Everything of the manifest but ``files`` and ``parameters`` (rank 0)."""
+    def _metadata(self, step: int, sd: dict) -> dict:
+        """The run's JSON-able metadata the format stores with the checkpoint (rank 0)."""
         st = self.state
         cfg, info = st.config, st.describe()
         return {
-            "format": FORMAT,
-            "version": VERSION,
             "step": step,
             "data_position": step,
             "created_unix_s": time.time(),
@@ -408,7 +421,7 @@ class Checkpointer:
             },
             "cutpoints": list(st.profile.cutpoint_names),
             "optimizer": type(st.optimizer).__name__,
-            "loss_scale": st.scaler.state_dict(),
+            "loss_scale": sd["loss_scale"],
         }
 
     def _run_job(self, job: SaveJob) -> None:
@@ -446,7 +459,7 @@ class Checkpointer:
             )
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        """Wait for the save in flight (rank 0: until its manifest is written). True when none
+        """Wait for the save in flight (rank 0: until its commit file is written). True when none
         is left running; see :attr:`last_ok` for whether it succeeded."""
         t = self._thread
         if t is None:
@@ -477,6 +490,7 @@ class Checkpointer:
     ) -> int | None:
         """Load the newest complete, sound checkpoint (or ``step``) into the engine: a collective.
 
+        Checkpoints of every registered format are candidates (Note [Checkpoint formats]).
         Incomplete or corrupt checkpoints are skipped with a warning naming the problem; a file
         that holds anything but tensors, or a checkpoint of a different model, is an error.
         Returns the step loaded (the next ``train_step`` is step + 1), or None when nothing was
@@ -501,7 +515,8 @@ class Checkpointer:
             if agreed == _OK:
                 self._apply(payload, root, s)
                 if self.rank == 0:
-                    log.info("varuna: resumed from %s (next step %d)", path, s + 1)
+                    fmt = self.resumed.format if self.resumed else None
+                    log.info("varuna: resumed from %s (format %s, next step %d)", path, fmt, s + 1)
                 return s
             if agreed == _FATAL:
                 raise CheckpointError(problem or f"another rank refused checkpoint {path} (see its output)")
@@ -522,32 +537,35 @@ class Checkpointer:
             log.warning("varuna: %s: starting from scratch", msg)
         return None
 
-    def _read_for_stage(self, path: Path) -> tuple[int, str | None, dict | None]:
-        """This rank's verdict on a checkpoint, and what it read (its stage's parameters)."""
+    def _read_for_stage(self, path: Path) -> tuple[int, str | None, LoadedShare | None]:
+        """This rank's verdict on a checkpoint, and what its format read (its stage's state)."""
+        st = self.state
+        request = LoadRequest(tensors=st.stage_params, optimizer_class=type(st.optimizer).__name__)
+        fmt = format_of(path)
+        if fmt is None:  # the commit file went away since rank 0 listed it
+            return _SKIP, f"{path}: no longer complete (no commit file of any registered format)", None
         try:
-            m = read_manifest(path)
-            return _read_stage_files(path, m, self.state)
-        except ValueError as e:
+            return _OK, None, fmt.read(path, request)
+        except CheckpointError as e:  # not one the format writes, or another model's: refuse
+            return _FATAL, str(e), None
+        except UnsoundCheckpoint as e:  # what a crash or a full disk leaves: an older one may do
             return _SKIP, str(e), None
-        except (KeyError, TypeError, AttributeError) as e:
-            return _SKIP, f"{path / MANIFEST}: malformed ({type(e).__name__}: {e})", None
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            return _SKIP, f"{path}: malformed for format {fmt.name} ({type(e).__name__}: {e})", None
 
-    def _apply(self, payload: dict, root: Path, step: int) -> None:
-        eng = self.state
-        m = payload["manifest"]
-        with torch.no_grad():
-            for n, p in eng.stage_params.items():
-                p.copy_(payload["params"].pop(n))  # each copy freed at once: no second set of weights
-        opt = payload["optimizer"]
-        trainable = dict(eng.named_parameters())
-        opt["state"] = {n: v for n, v in opt["state"].items() if n in trainable}
-        _load_previous(eng, pop_previous(opt))
-        load_optimizer_state_by_name(eng.optimizer, trainable, opt, copy=False)  # fresh from disk
-        eng.scaler.load_state_dict(m["loss_scale"])
-        eng.step_count = int(m["step"])
+    def _apply(self, loaded: LoadedShare, root: Path, step: int) -> None:
+        eng, m = self.state, loaded.metadata
+        state = {"step": m["step"], "params": loaded.tensors, "optimizer": loaded.optimizer,
+                 "loss_scale": m["loss_scale"]}
+        # copy=False: the loaded tensors are handed over, each freed once copied in (no second
+        # set of weights); the optimizer adopts its freshly read state.
+        eng.load_state_dict(state, copy=False)
         self._last_saved = (root, step)  # never rewrite the checkpoint we resumed from
         saved = m.get("config", {})
-        self.resumed = Resumed(root / step_dir_name(step), step, saved.get("P"), saved.get("D"))
+        fmt = format_of(root / step_dir_name(step))
+        self.resumed = Resumed(
+            root / step_dir_name(step), step, saved.get("P"), saved.get("D"), fmt.name if fmt else None
+        )
         saved_M = saved.get("global_batch_size")
         if saved_M is not None and saved_M != eng.config.global_batch_size and self.rank == 0:
             log.warning(
@@ -574,133 +592,3 @@ class Checkpointer:
         dist.all_reduce(v, op=dist.ReduceOp.MAX)
         return int(v)
 
-
-def _read_stage_files(path: Path, m: dict, state: CheckpointState) -> tuple[int, str | None, dict | None]:
-    """This rank's verdict on a checkpoint's files for its stage (Note [Load]), and what it read."""
-    eng = state
-    mine = eng.stage_params
-    params_meta = m["parameters"]
-    missing = [n for n in mine if n not in params_meta]
-    if missing:
-        return (
-            _FATAL,
-            (
-                f"checkpoint {path} has no parameter {missing[0]!r} (and {len(missing) - 1} "
-                "more) of this model: it was saved from a different model"
-            ),
-            None,
-        )
-    for n, p in mine.items():
-        shape = list(params_meta[n].get("shape", []))
-        if shape != list(p.shape):
-            return (
-                _FATAL,
-                (
-                    f"checkpoint {path}: parameter {n!r} has shape {tuple(shape)}, the model's "
-                    f"is {tuple(p.shape)}: it was saved from another model configuration"
-                ),
-                None,
-            )
-    saved_opt = m.get("optimizer")
-    if saved_opt and saved_opt != type(eng.optimizer).__name__:
-        return (
-            _FATAL,
-            (
-                f"checkpoint {path} holds {saved_opt} state but the engine's optimizer is "
-                f"{type(eng.optimizer).__name__}; build the optimizer the saving run used"
-            ),
-            None,
-        )
-    entries = {f["name"]: f for f in m["files"]}
-    needed = sorted({params_meta[n]["file"] for n in mine})
-    params: dict[str, torch.Tensor] = {}
-    opts = []
-    for name in needed:
-        if name not in entries:
-            return _SKIP, f"the manifest names file {name!r} for a parameter but does not list it", None
-        try:
-            opened, problem = open_checked(path / name, entries[name])
-            if problem:
-                return _SKIP, problem, None
-            with opened:  # unpickled from the verified file: never held whole in memory
-                shard = read_shard(path / name, opened)
-        except CheckpointError as e:  # a link, a FIFO, a device, or pickled code: not ours
-            return _FATAL, str(e), None
-        except Exception as e:  # checksum matched but torch cannot parse it: treat as corrupt
-            return _SKIP, f"{name}: unreadable ({e})", None
-        problem = _wrong_shape(path / name, shard["params"], mine)
-        if problem:
-            return _FATAL, problem, None
-        params.update(shard["params"])
-        opts.append(shard["optimizer"])
-    absent = [n for n in mine if n not in params]
-    if absent:
-        return _SKIP, f"parameter {absent[0]!r} is not in the file the manifest names", None
-    return _OK, None, {"manifest": m, "params": params, "optimizer": merge_optimizer_states(opts)}
-
-
-def _wrong_shape(
-    path: Path, saved: Mapping[str, torch.Tensor], mine: Mapping[str, torch.Tensor]
-) -> str | None:
-    """A tensor of the file whose shape is not its parameter's, or None.
-
-    ``copy_`` broadcasts (a ``[16]`` tensor would fill every row of a ``[16, 16]`` weight), so a
-    file whose tensors disagree with the manifest it matches must be refused, not loaded."""
-    for n, t in saved.items():
-        p = mine.get(n)
-        if p is not None and tuple(t.shape) != tuple(p.shape):
-            return (
-                f"{path}: parameter {n!r} has shape {tuple(t.shape)} in the file but {tuple(p.shape)} "
-                f"in the model and the manifest: the file was altered or written by another tool; "
-                f"delete {path.parent} to resume from an older checkpoint"
-            )
-    return None
-
-
-# ---------------------------------------------------------------------------------------------
-# In-memory state (Engine.state_dict / load_state_dict)
-
-
-def engine_state_dict(engine: CheckpointState) -> dict:
-    """This stage's state keyed by canonical names: ``step``, ``params``, ``optimizer`` (name-keyed),
-    ``loss_scale``. Tensors are references to the live ones, like ``nn.Module.state_dict``."""
-    return {
-        "step": engine.step_count,
-        "params": {n: p.detach() for n, p in engine.stage_params.items()},
-        "optimizer": add_previous(
-            optimizer_state_by_name(engine.optimizer, dict(engine.named_parameters())),
-            getattr(engine, "weight_versions", None),
-        ),
-        "loss_scale": engine.scaler.state_dict(),
-    }
-
-
-def _load_previous(engine: CheckpointState, previous: dict | None) -> None:
-    """2bw (Note [2BW]): restore the stashed weight version; a synchronous run drops it."""
-    versions = getattr(engine, "weight_versions", None)
-    if versions is not None:
-        versions.load(previous)
-
-
-def load_engine_state_dict(engine: CheckpointState, state: Mapping[str, Any], *, copy: bool = True) -> None:
-    """Inverse of :func:`engine_state_dict`; ``state["params"]`` may hold more names (e.g. the
-    whole model's), but must hold every parameter of this stage. ``copy=False``: the optimizer
-    adopts the state's tensors (nobody else may update them, e.g. a live morph's received ones)."""
-    params = state["params"]
-    missing = [n for n in engine.stage_params if n not in params]
-    if missing:
-        raise ValueError(f"state has no parameter {missing[0]!r} (and {len(missing) - 1} more) of this stage")
-    with torch.no_grad():
-        for n, p in engine.stage_params.items():
-            if tuple(params[n].shape) != tuple(p.shape):
-                raise ValueError(
-                    f"parameter {n!r}: shape {tuple(params[n].shape)} != the model's {tuple(p.shape)}"
-                )
-            p.copy_(params[n])
-    trainable = dict(engine.named_parameters())
-    opt = dict(state["optimizer"])
-    opt["state"] = {n: v for n, v in opt.get("state", {}).items() if n in trainable}
-    _load_previous(engine, pop_previous(opt))
-    load_optimizer_state_by_name(engine.optimizer, trainable, opt, copy=copy)
-    engine.scaler.load_state_dict(state["loss_scale"])
-    engine.step_count = int(state["step"])

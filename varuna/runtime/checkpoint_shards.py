@@ -1,5 +1,6 @@
-"""Which file of a checkpoint holds which parameters, and which rank writes it (Note [Save] in
-checkpoint.py). Pure Python: every rank computes the same plan.
+"""Which file of a checkpoint holds which parameters, and which rank writes it: the plan of the
+``varuna`` format (checkpoint_manifest.py), and :class:`Shard`, the file plan of every format
+(Note [Checkpoint formats] in checkpoint_format.py). Pure Python: every rank computes the same plan.
 
 Example::
 
@@ -19,11 +20,11 @@ __all__ = ["Shard", "plan_shards"]
 
 @dataclass(frozen=True, kw_only=True)
 class Shard:
-    """One checkpoint file: some parameters of one segment, written by one replica of its stage."""
+    """One file of a checkpoint's plan (any format's): some tensors of one stage, written by one
+    replica of it."""
 
     name: str
     """File name inside the step directory, e.g. ``seg003-00.pt``."""
-    segment: int
     stage: int
     """The pipeline stage (process) holding the segment; with interleaving, not the virtual stage."""
     replica: int
@@ -32,6 +33,9 @@ class Shard:
     """Canonical parameter names it holds (with their optimizer state)."""
     nbytes: int
     """Parameter bytes (the optimizer state is usually proportional)."""
+    segment: int | None = None
+    """The model segment whose parameters it holds, for a format that splits by segment
+    (:func:`plan_shards`, the ``varuna`` format's plan); None for others."""
 
 
 def plan_shards(

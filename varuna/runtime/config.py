@@ -119,6 +119,9 @@ class VarunaConfig:
     background), "disk" (written to local disk from the live tensors before training goes on: no
     extra copy, for a stage that fills its memory) or "auto" (memory when the copy fits in half of
     the free memory; docs/checkpoints.md)."""
+    checkpoint_format: str | None = None
+    """The checkpoint format saves write: a registered format's name (docs/checkpoints.md
+    "Formats"); None: $VARUNA_CHECKPOINT_FORMAT, else "varuna". Resume reads any registered one."""
     resume: str | bool | None = None
     """"1"/True: load the newest complete checkpoint (error if none); "auto": if there is one;
     "0"/False: never. None: $VARUNA_RESUME (default never)."""

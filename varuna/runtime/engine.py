@@ -48,7 +48,7 @@ from varuna.cutting.batches import batch_size_of, slice_batch
 from varuna.cutting.cutpoint import CarryPlan, CutPoint, SplitState
 from varuna.cutting.loss import default_loss
 from varuna.cutting.split import ModelProfile, materialize_stage
-from varuna.runtime.checkpoint import Checkpointer, engine_state_dict, load_engine_state_dict
+from varuna.runtime.checkpoint import Checkpointer, checkpoint_format
 from varuna.runtime.config import StepResult, VarunaConfig, adopt_cut_env, adopt_plan
 from varuna.runtime.executor import ScheduleExecutor, StageModel
 from varuna.runtime.grad_sync import GradientSync, allreduce_scalars
@@ -56,12 +56,13 @@ from varuna.runtime.groups import ProcessGroups, StageLinks, build_groups
 from varuna.runtime.layout import Layout, init_distributed, pick_device
 from varuna.runtime.loss_scale import DynamicLossScale, NonFiniteLosses, NonFiniteLossStop
 from varuna.runtime.no_flush import MAX_WINDOW_STEPS, WindowFeed, no_flush_unsupported
+from varuna.runtime.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
 from varuna.runtime.peer_watch import PeerWatch, watching
 from varuna.runtime.plugins import run_plugins
 from varuna.runtime.stages import assign_stages, chunks_per_process, planning_profile
 from varuna.runtime.tensorboard import TensorBoardLog, adopt_tensorboard_env, require_tensorboard
 from varuna.runtime.timeline_gather import gather_timeline
-from varuna.runtime.weight_versions import stale_weights, weight_versions_for
+from varuna.runtime.weight_versions import add_previous, pop_previous, stale_weights, weight_versions_for
 
 __all__ = ["VarunaConfig", "Engine", "StepResult", "NonFiniteLossStop"]
 
@@ -97,6 +98,7 @@ class Engine:
         adopt_tensorboard_env(config)
         config.validate()
         require_tensorboard(config)  # before any group: a missing package stops every rank at once
+        checkpoint_format(config.checkpoint_format)  # an unknown format: one line, before any group
         self._tb: TensorBoardLog | None = None
         self.config = config
         self.loss_fn = loss_fn or default_loss
@@ -128,7 +130,7 @@ class Engine:
         self.checkpointer.attach()  # a collective when resuming: every rank loads the same step
         self._nonfinite = NonFiniteLosses(limit=config.max_nonfinite_steps, rank=self.layout.rank)
         self._watch = PeerWatch.for_world(self.layout.rank, self.layout.world, config.peer_timeout_s)
-        _close_at_exit(self)
+        self._close_at_exit()
         self._tb = TensorBoardLog.attach(self)  # after a resume: it notes the resume and any morph
         run_plugins(self)
 
@@ -224,7 +226,7 @@ class Engine:
         )
         self.timeline = Timeline()
         self._executor = ScheduleExecutor(
-            stage=_stage_model(self),
+            stage=self._stage_model(),
             config=self.config,
             links=self._links,
             inbox=inbox,
@@ -241,6 +243,44 @@ class Engine:
             timeline=self.timeline,
             det=self._det,
         )
+
+    def _stage_model(self) -> StageModel:
+        """What the executor runs: the engine's materialised stage (its model chunks, interleaved)."""
+        stage = StageModel(
+            model=self.model,
+            loss_fn=self.loss_fn,
+            split=self._split,
+            cutpoints=self._order,
+            cutpoint_names=self.profile.cutpoint_names,
+            first_segment=self.first_segment,
+            last_segment=self.last_segment,
+            num_segments=self.profile.num_segments,
+            stage=self.stage,
+            replica=self.replica,
+            num_stages=self.layout.P,
+            device=self.device,
+            carry_plan=CarryPlan.for_stage(
+                self.profile.carried, self.first_segment, self.last_segment, self.is_last_stage
+            ),
+        )
+        stage.set_chunks(self.stage_ranges[self.stage :: self.layout.P], self.profile.carried)
+        return stage
+
+    def _close_at_exit(self) -> None:
+        """Note [Teardown at exit]: a process group's gloo worker threads live as long as its C++
+        object, which lives as long as any Python handle to it -- ``destroy_process_group`` only
+        unregisters it. A group still alive at interpreter finalisation is torn down there: a worker
+        thread that then needs the GIL (to free a tensor of its last work) is ended by
+        ``pthread_exit`` inside C++ code and libstdc++ aborts ("terminate called without an active
+        exception", exit -6; ~1 run in 14 of 1×2 worlds beside two CPU burners when the script did not
+        destroy its group; once in CI on a graceful stop whose engine still held its subgroups).
+        So ``Engine.close`` destroys the groups, drops every handle (``ProcessGroups.release``,
+        ``StageLinks.close``) and collects, and a script that returns (or raises) without closing gets
+        the same at exit: atexit runs while the interpreter is whole, closing the engine (peer watch,
+        link threads, subgroups), then the default group -- atexit is last-in first-out."""
+        atexit.unregister(_destroy_default_group)  # once per process, registered before any engine
+        atexit.register(_destroy_default_group)
+        atexit.register(self.close)  # Engine.close unregisters it
 
     @property
     def stage(self) -> int:
@@ -327,10 +367,39 @@ class Engine:
         sync_s = time.perf_counter() - t_sync
         self._uncommitted = False
         self.checkpointer.after_step()  # periodic checkpoint at this mini-batch boundary, if configured
-        result = _step_result(self, outcome, run.timings, t_start, sync_s)
-        _report(self, result)
-        _after_stop(self, outcome.stop, hook)
+        result = self._step_result(outcome, run.timings, t_start, sync_s)
+        self._report(result)
+        self._after_stop(outcome.stop, hook)
         return result
+
+    def _step_result(self, outcome, timings, t_start: float, sync_s: float) -> StepResult:
+        wall = time.perf_counter() - t_start
+        return StepResult(
+            step=self.step_count,
+            loss=outcome.loss,
+            grad_norm=outcome.grad_norm,
+            skipped=outcome.skipped,
+            loss_scale=self.scaler.scale,
+            samples_per_s=self.config.global_batch_size / wall,
+            wall_time=time.time(),
+            timings=dataclasses.replace(timings, sync_s=sync_s),
+            step_s=wall,
+        )
+
+    def _report(self, result: StepResult) -> None:
+        """Step callbacks, then the NaN/Inf loss policy."""
+        for fn in self._step_callbacks:
+            fn(result)
+        line = self._nonfinite.observe(result.step, result.loss)
+        if line is not None:  # every rank saw the same agreed loss: every rank stops here
+            self.close()
+            raise NonFiniteLossStop(line)
+
+    def _after_stop(self, stop: bool, hook) -> None:
+        if stop and hook is not None:
+            self.agreed_stop = True  # the live trainer decides: regroup, or stop (Engine._stop)
+        elif stop:
+            self._stop()
 
     def train_steps(self, batches: Iterable) -> list[StepResult]:
         """Train one step per mini-batch of ``batches`` (each M_total examples); their results.
@@ -340,7 +409,49 @@ class Engine:
         checkpoint step:
         the weights ``train_step`` would make, sooner. Other kinds: ``train_step`` on each.
         Example: ``results = engine.train_steps(batch_of(t) for t in range(1, 9))``."""
-        return _train_steps(self, list(batches))
+        batches = list(batches)
+        for b in batches:
+            _check_batch(b, self.config.global_batch_size)
+        if self.weight_versions is None:
+            return [self.train_step(b) for b in batches]
+        reason = no_flush_unsupported(self.config, self.layout.P)
+        if reason is not None:
+            raise ValueError(reason)
+        ckpt = self.checkpointer
+        every = ckpt.every if ckpt.directory is not None else 0
+        out: list[StepResult] = []
+        while batches:  # windows of at most MAX_WINDOW_STEPS, ending at the periodic checkpoint steps
+            n = min(len(batches), MAX_WINDOW_STEPS)
+            if every:
+                n = min(n, every - self.step_count % every)
+            out += self._train_window(batches[:n])
+            batches = batches[n:]
+        return out
+
+    def _train_window(self, batches: list) -> list[StepResult]:
+        """One no-flush window (Note [No-flush window]), drained at its end."""
+        t_start = time.perf_counter()
+        first = self.step_count + 1
+        self._uncommitted = True
+        self.optimizer.zero_grad(set_to_none=True)
+        mbs = self.micro_plan[self.replica]
+        if self._det is not None:
+            self._det.begin_step(mbs, sum(len(p) for p in self.micro_plan))
+        feed = WindowFeed(self, batches, first)
+        assert self.weight_versions is not None
+        try:
+            with watching(self._watch, first):
+                run = self._executor.run_window(feed, len(mbs), len(batches), scale=self.scaler.scale)
+        finally:
+            self.weight_versions.select(stale=False)  # the newest version in the parameters
+        self.executed_orders.append(run.executed)
+        results, stop = feed.results(run, t_start)
+        self._uncommitted = False
+        self.checkpointer.after_step()  # periodic checkpoint: windows end at its steps
+        for result in results:
+            self._report(result)
+        self._after_stop(stop, self.boundary_hook)
+        return results
 
     def _signal_stop(self, signum, frame) -> None:
         # Only a flag: the step in flight finishes, then all ranks agree (Note [Step]).
@@ -417,8 +528,9 @@ class Engine:
         """Checkpoint the state after ``step_count`` steps; every rank calls it at the same step.
 
         Files go to local disk now and to ``directory`` (default ``config.checkpoint_dir``) in the
-        background; the checkpoint exists once rank 0 wrote its manifest (``wait=True`` blocks
-        until this rank's part is copied, rank 0 until the manifest is written). Returns the
+        background, in ``config.checkpoint_format``; the checkpoint exists once rank 0 wrote its
+        commit file (``wait=True`` blocks until this rank's part is copied, rank 0 until the commit
+        file is written: ``manifest.json`` for the default format). Returns the
         step directory, or None when skipped because the previous save is still being copied.
 
         Example::
@@ -445,120 +557,52 @@ class Engine:
 
     def state_dict(self) -> dict:
         """This stage's state by canonical parameter name: ``step``, ``params``, ``optimizer``
-        (name-keyed, see :func:`varuna.runtime.checkpoint.optimizer_state_by_name`), ``loss_scale``.
+        (name-keyed, see :func:`varuna.runtime.checkpoint.optimizer_state_by_name`; 2bw's stashed
+        weight version rides in it, Note [2BW]), ``loss_scale``. Tensors are references to the
+        live ones, like ``nn.Module.state_dict``.
 
         Example::
 
             sd = engine.state_dict()
             engine.load_state_dict(sd)
         """
-        return engine_state_dict(self)
+        return {
+            "step": self.step_count,
+            "params": {n: p.detach() for n, p in self.stage_params.items()},
+            "optimizer": add_previous(
+                optimizer_state_by_name(self.optimizer, dict(self.named_parameters())), self.weight_versions
+            ),
+            "loss_scale": self.scaler.state_dict(),
+        }
 
-    def load_state_dict(self, state: dict) -> None:
-        """Inverse of :meth:`state_dict`; ``state["params"]`` may hold the whole model's names."""
-        load_engine_state_dict(self, state)
-
-
-def _step_result(engine: Engine, outcome, timings, t_start: float, sync_s: float) -> StepResult:
-    wall = time.perf_counter() - t_start
-    return StepResult(
-        step=engine.step_count,
-        loss=outcome.loss,
-        grad_norm=outcome.grad_norm,
-        skipped=outcome.skipped,
-        loss_scale=engine.scaler.scale,
-        samples_per_s=engine.config.global_batch_size / wall,
-        wall_time=time.time(),
-        timings=dataclasses.replace(timings, sync_s=sync_s),
-        step_s=wall,
-    )
-
-
-def _report(engine: Engine, result: StepResult) -> None:
-    """Step callbacks, then the NaN/Inf loss policy."""
-    for fn in engine._step_callbacks:
-        fn(result)
-    line = engine._nonfinite.observe(result.step, result.loss)
-    if line is not None:  # every rank saw the same agreed loss: every rank stops here
-        engine.close()
-        raise NonFiniteLossStop(line)
-
-
-def _after_stop(engine: Engine, stop: bool, hook) -> None:
-    if stop and hook is not None:
-        engine.agreed_stop = True  # the live trainer decides: regroup, or stop (Engine._stop)
-    elif stop:
-        engine._stop()
-
-
-def _train_steps(engine: Engine, batches: list) -> list[StepResult]:
-    """``Engine.train_steps``: windows of at most :data:`MAX_WINDOW_STEPS` mini-batches, ending
-    at the periodic checkpoint steps (2bw)."""
-    for b in batches:
-        _check_batch(b, engine.config.global_batch_size)
-    if engine.weight_versions is None:
-        return [engine.train_step(b) for b in batches]
-    reason = no_flush_unsupported(engine.config, engine.layout.P)
-    if reason is not None:
-        raise ValueError(reason)
-    ckpt = engine.checkpointer
-    every = ckpt.every if ckpt.directory is not None else 0
-    out: list[StepResult] = []
-    while batches:
-        n = min(len(batches), MAX_WINDOW_STEPS)
-        if every:
-            n = min(n, every - engine.step_count % every)
-        out += _train_window(engine, batches[:n])
-        batches = batches[n:]
-    return out
-
-
-def _train_window(e: Engine, batches: list) -> list[StepResult]:
-    """One no-flush window (Note [No-flush window]), drained at its end."""
-    t_start = time.perf_counter()
-    first = e.step_count + 1
-    e._uncommitted = True
-    e.optimizer.zero_grad(set_to_none=True)
-    mbs = e.micro_plan[e.replica]
-    if e._det is not None:
-        e._det.begin_step(mbs, sum(len(p) for p in e.micro_plan))
-    feed = WindowFeed(e, batches, first)
-    assert e.weight_versions is not None
-    try:
-        with watching(e._watch, first):
-            run = e._executor.run_window(feed, len(mbs), len(batches), scale=e.scaler.scale)
-    finally:
-        e.weight_versions.select(stale=False)  # the newest version in the parameters
-    e.executed_orders.append(run.executed)
-    results, stop = feed.results(run, t_start)
-    e._uncommitted = False
-    e.checkpointer.after_step()  # periodic checkpoint: windows end at its steps
-    for result in results:
-        _report(e, result)
-    _after_stop(e, stop, e.boundary_hook)
-    return results
-
-
-def _stage_model(engine: Engine) -> StageModel:
-    """What the executor runs: the engine's materialised stage (its model chunks, interleaved)."""
-    e = engine
-    stage = StageModel(
-        model=e.model,
-        loss_fn=e.loss_fn,
-        split=e._split,
-        cutpoints=e._order,
-        cutpoint_names=e.profile.cutpoint_names,
-        first_segment=e.first_segment,
-        last_segment=e.last_segment,
-        num_segments=e.profile.num_segments,
-        stage=e.stage,
-        replica=e.replica,
-        num_stages=e.layout.P,
-        device=e.device,
-        carry_plan=CarryPlan.for_stage(e.profile.carried, e.first_segment, e.last_segment, e.is_last_stage),
-    )
-    stage.set_chunks(e.stage_ranges[e.stage :: e.layout.P], e.profile.carried)
-    return stage
+    def load_state_dict(self, state: dict, *, copy: bool = True) -> None:
+        """Inverse of :meth:`state_dict`; ``state["params"]`` may hold more names (e.g. the whole
+        model's), but must hold every parameter of this stage. ``copy=False`` hands the state
+        over: the optimizer adopts its tensors (nobody else may update them, e.g. a live morph's
+        received ones or a checkpoint's freshly read ones) and each parameter's entry leaves
+        ``state["params"]`` once copied in (no second set of weights stays alive)."""
+        params = state["params"]
+        missing = [n for n in self.stage_params if n not in params]
+        if missing:
+            raise ValueError(
+                f"state has no parameter {missing[0]!r} (and {len(missing) - 1} more) of this stage"
+            )
+        with torch.no_grad():
+            for n, p in self.stage_params.items():
+                if tuple(params[n].shape) != tuple(p.shape):
+                    raise ValueError(
+                        f"parameter {n!r}: shape {tuple(params[n].shape)} != the model's {tuple(p.shape)}"
+                    )
+                p.copy_(params[n] if copy else params.pop(n))
+        trainable = dict(self.named_parameters())
+        opt = dict(state["optimizer"])
+        opt["state"] = {n: v for n, v in opt.get("state", {}).items() if n in trainable}
+        previous = pop_previous(opt)
+        if self.weight_versions is not None:  # 2bw (Note [2BW]): the stashed version; others drop it
+            self.weight_versions.load(previous)
+        load_optimizer_state_by_name(self.optimizer, trainable, opt, copy=copy)
+        self.scaler.load_state_dict(state["loss_scale"])
+        self.step_count = int(state["step"])
 
 
 def _on_stop_signals(names: tuple[str, ...], handler) -> None:
@@ -594,23 +638,6 @@ def _check_batch(batch, global_batch_size: int) -> None:
             f"train_step got a batch of {n} examples but global_batch_size is "
             f"{global_batch_size}; pass the whole mini-batch on every rank"
         )
-
-
-def _close_at_exit(engine: Engine) -> None:
-    """Note [Teardown at exit]: a process group's gloo worker threads live as long as its C++
-    object, which lives as long as any Python handle to it -- ``destroy_process_group`` only
-    unregisters it. A group still alive at interpreter finalisation is torn down there: a worker
-    thread that then needs the GIL (to free a tensor of its last work) is ended by
-    ``pthread_exit`` inside C++ code and libstdc++ aborts ("terminate called without an active
-    exception", exit -6; ~1 run in 14 of 1×2 worlds beside two CPU burners when the script did not
-    destroy its group; once in CI on a graceful stop whose engine still held its subgroups).
-    So ``Engine.close`` destroys the groups, drops every handle (``ProcessGroups.release``,
-    ``StageLinks.close``) and collects, and a script that returns (or raises) without closing gets
-    the same at exit: atexit runs while the interpreter is whole, closing the engine (peer watch,
-    link threads, subgroups), then the default group -- atexit is last-in first-out."""
-    atexit.unregister(_destroy_default_group)  # once per process, registered before any engine
-    atexit.register(_destroy_default_group)
-    atexit.register(engine.close)  # Engine.close unregisters it
 
 
 def _destroy_groups(groups: ProcessGroups, *, owns_default: bool, collect: bool = True) -> None:

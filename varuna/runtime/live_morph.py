@@ -54,7 +54,6 @@ from torch import nn
 
 from varuna.core.env import stage_and_replica
 from varuna.core.live_layout import plan_generation, transfer_plan
-from varuna.runtime.checkpoint import load_engine_state_dict
 from varuna.runtime.engine import Engine
 from varuna.runtime.live_transfer import describe_state, receive_targets
 from varuna.runtime.live_watch import DECLARED_DEAD_EXIT_CODE, LiveWatch, sever
@@ -580,8 +579,7 @@ def _form(live: LiveWorld, gen: int, closed: dict, held: Engine | None, build: C
         new.live_generation = gen
         received = _hand_over(live, gen, xfer, recs, held, new, on_phase)
         # copy=False: the optimizer adopts the received tensors and the held engine's (dropped now)
-        load_engine_state_dict(new, {"step": step, "loss_scale": ref["scale"], **received.pop("state")},
-                               copy=False)
+        new.load_state_dict({"step": step, "loss_scale": ref["scale"], **received.pop("state")}, copy=False)
     except BaseException:
         new.close()
         new = None  # no handle may keep the groups' sockets open (peers must fail, not hang)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from varuna.runtime.checkpoint_store import CheckpointError
+from varuna.runtime.checkpoint_files import CheckpointError
 
 __all__ = ["optimizer_state_by_name", "load_optimizer_state_by_name", "merge_optimizer_states"]
 
