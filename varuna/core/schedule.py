@@ -71,6 +71,7 @@ from varuna.core.tasks import BACKWARD, FORWARD, RECOMPUTE, Task, recomputed
 from varuna.core.zero_bubble import VarunaZBKind, ZBH1Kind, ZeroBubbleSchedule
 
 __all__ = [
+    "DEFAULT_SCHEDULE",
     "SCHEDULE_KINDS",
     "ALL_SCHEDULE_KINDS",
     "LIST_SCHEDULE_KINDS",
@@ -264,6 +265,9 @@ _KINDS: Mapping[str, ScheduleKind] = MappingProxyType(
     }
 )
 
+#: The kind a job runs when nobody names one: the script, the launcher (``--schedule``), the
+#: manager's job spec and the simulator all default to it (one source for the default).
+DEFAULT_SCHEDULE = "varuna"
 #: Schedule kinds the runtime can execute. ``1f1b`` is PipeDream-Flush.
 SCHEDULE_KINDS: tuple[str, ...] = tuple(name for name, k in _KINDS.items() if k.runtime)
 #: Every registered kind: the runtime's plus any simulation-only one.
