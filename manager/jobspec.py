@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from manager.vm_types import VMTypeSpec, check_type_options, parse_vm_types
-from varuna.core.schedule import SCHEDULE_KINDS, chunks_problem, schedule_kind
+from varuna.core.schedule import DEFAULT_SCHEDULE, SCHEDULE_KINDS, chunks_problem, schedule_kind
 from varuna.launch.spec import default_max_procs_per_host
 
 __all__ = [
@@ -262,7 +262,7 @@ class JobSpec:
     def __post_init__(self) -> None:
         self.validate()
         if not self.schedule:
-            self.schedule = script_schedule(self.args) or "varuna"
+            self.schedule = script_schedule(self.args) or DEFAULT_SCHEDULE
 
     def validate(self) -> None:
         """Raise ``ValueError`` (one line, with the fix) if the spec cannot run."""
@@ -311,7 +311,7 @@ class JobSpec:
         if self.vm_types:
             raise ValueError("jobspec: live_morph is not supported with several VM types ([[vm_types]]) "
                              "yet; drop one of them")
-        if schedule_kind(self.schedule or script_schedule(self.args) or "varuna").weight_versions > 1:
+        if schedule_kind(self.schedule or script_schedule(self.args) or DEFAULT_SCHEDULE).weight_versions > 1:
             raise ValueError(f"jobspec: live_morph does not carry the {self.schedule} schedule's second "
                              "weight version; use a synchronous schedule or drop live_morph")
         if self.chunks > 1:
@@ -413,7 +413,7 @@ class JobSpec:
         """``chunks`` against the schedule, a forced pipeline depth and the model's segments
         (:func:`varuna.core.schedule.chunks_problem`); an interleaved job also needs some way to
         get P >= 2 (the fallback rule without segments would run P = 1)."""
-        schedule = self.schedule or script_schedule(self.args) or "varuna"
+        schedule = self.schedule or script_schedule(self.args) or DEFAULT_SCHEDULE
         chunks = 1 if self.chunks == 0 else self.chunks
         problem = chunks_problem(
             schedule,

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from varuna.core.calibration import Calibration
+from varuna.core.schedule import DEFAULT_SCHEDULE
 
 __all__ = [
     "LayoutPlan",
@@ -126,7 +127,7 @@ def choose_layout(
     pipeline_depth: int = 0,
     num_segments: int = 0,
     gpu_memory_bytes: int = 0,
-    schedule: str = "varuna",
+    schedule: str = DEFAULT_SCHEDULE,
     chunks: int = 1,
 ) -> LayoutPlan:
     """P×D for VMs with ``slots`` workers each (Note [Choosing P×D] in the module docstring),

@@ -42,7 +42,7 @@ from varuna.core.batching import microbatch_counts
 from varuna.core.calibration import Calibration
 from varuna.core.partition import balanced_stages, candidate_maxima
 from varuna.core.progress import Progress
-from varuna.core.schedule import schedule_kind
+from varuna.core.schedule import DEFAULT_SCHEDULE, schedule_kind
 
 __all__ = [
     "Candidate",
@@ -335,7 +335,7 @@ def autoconfigure(
     gpus: int,
     global_batch_size: int,
     gpu_memory_bytes: int | None = None,
-    schedule: str = "varuna",
+    schedule: str = DEFAULT_SCHEDULE,
     recompute: bool = True,
     chunks: int = 2,
     micro_batch_size: int | None = None,
@@ -585,7 +585,7 @@ def sweep_gpus(
     *,
     global_batch_size: int,
     gpu_memory_bytes: int | None = None,
-    schedule: str = "varuna",
+    schedule: str = DEFAULT_SCHEDULE,
     recompute: bool = True,
     chunks: int = 2,
     micro_batch_size: int | None = None,

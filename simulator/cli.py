@@ -45,7 +45,7 @@ from simulator.mixed_plan import plan_mixed
 from varuna.core.calibration import Calibration
 from varuna.core.cli import OneLineParser
 from varuna.core.extras import MissingExtra, require_extra
-from varuna.core.schedule import schedule_kind
+from varuna.core.schedule import DEFAULT_SCHEDULE, schedule_kind
 
 PROG = "varuna-simulate"
 
@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--schedule",
-        default="varuna",
+        default=DEFAULT_SCHEDULE,
         metavar="KIND",
         help=f"one of {', '.join(SIM_SCHEDULE_KINDS)} (default varuna)",
     )

@@ -34,7 +34,7 @@ import sys
 
 from varuna.core.batching import microbatch_counts
 from varuna.core.cli import OneLineParser
-from varuna.core.schedule import SCHEDULE_KINDS, chunks_problem, schedule_kind
+from varuna.core.schedule import DEFAULT_SCHEDULE, SCHEDULE_KINDS, chunks_problem, schedule_kind
 from varuna.launch.hosts import HostEntry, assign_slots, check_types, parse_hosts_arg, select_hosts
 from varuna.launch.job import check_hosts_capacity, check_local_script, launch, launch_on_hosts
 from varuna.launch.layout import LAYOUT_REQUIRED, Layout, resolve_layout
@@ -354,13 +354,13 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
 def _chunks_problem(args: argparse.Namespace, pipeline_depth: int | None = None) -> str | None:
     """``--chunks`` against ``--schedule``, the pipeline depth (given, or chosen by auto-config)
     and ``--auto-cutpoints`` (the most cut-points the model will have), or None."""
-    if args.chunks is None and not schedule_kind(args.schedule or "varuna").chunked:
+    if args.chunks is None and not schedule_kind(args.schedule or DEFAULT_SCHEDULE).chunked:
         return None
     if args.live_morph and (args.chunks or 1) > 1:
         return (f"--live-morph does not carry interleaved stages (--chunks {args.chunks}) yet; drop "
                 "--live-morph (a lost worker then restarts the job from its checkpoint) or --chunks")
     return chunks_problem(
-        args.schedule or "varuna",
+        args.schedule or DEFAULT_SCHEDULE,
         args.chunks if args.chunks is not None else 1,
         pipeline_depth=pipeline_depth if pipeline_depth is not None else args.pipeline_depth,
         max_cutpoints=args.auto_cutpoints,
@@ -426,7 +426,7 @@ def _local_layout(args: argparse.Namespace) -> Layout:
         calibration=args.calibration,
         global_batch_size=args.global_batch_size,
         gpu_memory_bytes=_gpu_memory_bytes(args),
-        schedule=args.schedule or "varuna",
+        schedule=args.schedule or DEFAULT_SCHEDULE,
         progress=_progress(args),
         chunks=args.chunks or 1,
     )
@@ -506,7 +506,7 @@ def _main_hosts(args: argparse.Namespace, config: LaunchConfig) -> int:
             calibration=args.calibration,
             global_batch_size=args.global_batch_size,
             gpu_memory_bytes=_gpu_memory_bytes(args),
-            schedule=args.schedule or "varuna",
+            schedule=args.schedule or DEFAULT_SCHEDULE,
             progress=_progress(args),
             chunks=args.chunks or 1,
         )
@@ -598,7 +598,7 @@ def _place_by_type(
         micro_batch_size=layout.micro_batch_size if layout is not None else None,
         pipeline_depth=layout.pipeline_depth if layout is not None else args.pipeline_depth,
         data_parallel=layout.data_parallel if layout is not None else None,
-        schedule=args.schedule or "varuna",
+        schedule=args.schedule or DEFAULT_SCHEDULE,
         host_slots=max(e.slots or 1 for e in reachable),
         gpu_memory_bytes=_gpu_memory_bytes(args),
     )
@@ -612,7 +612,7 @@ def _place_by_type(
             data_parallel=plan.data_parallel,
             micro_batch_size=plan.micro_batch_size,
             stage_ranges=plan.stage_ranges,
-            schedule=args.schedule or "varuna",
+            schedule=args.schedule or DEFAULT_SCHEDULE,
             note=f"auto-config for mixed VM types: {plan.explanation}",
         )
     else:

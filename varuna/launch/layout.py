@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from varuna.core.env import RunPlan
+from varuna.core.schedule import DEFAULT_SCHEDULE
 
 __all__ = ["LAYOUT_REQUIRED", "Layout", "auto_configure", "resolve_layout"]
 
@@ -90,7 +91,7 @@ def auto_configure(
     global_batch_size: int,
     host_slots: Sequence[int],
     gpu_memory_bytes: int | None = None,
-    schedule: str = "varuna",
+    schedule: str = DEFAULT_SCHEDULE,
     progress: bool | None = False,
     chunks: int = 1,
 ) -> Layout:
@@ -147,7 +148,7 @@ def resolve_layout(
     calibration: str | None = None,
     global_batch_size: int | None = None,
     gpu_memory_bytes: int | None = None,
-    schedule: str = "varuna",
+    schedule: str = DEFAULT_SCHEDULE,
     progress: bool | None = False,
     chunks: int = 1,
 ) -> Layout:
