@@ -41,6 +41,7 @@ from simulator.engine import simulate
 from varuna.core.batching import microbatch_counts
 from varuna.core.calibration import Calibration
 from varuna.core.partition import balanced_stages, candidate_maxima
+from varuna.core.planning import PlanRequest
 from varuna.core.progress import Progress
 from varuna.core.schedule import DEFAULT_SCHEDULE, schedule_kind
 
@@ -48,6 +49,7 @@ __all__ = [
     "Candidate",
     "AutoConfigResult",
     "autoconfigure",
+    "autoconfigure_request",
     "autoconfigure_schedules",
     "choose_micro_batch_size",
     "sweep_gpus",
@@ -394,6 +396,38 @@ def autoconfigure(
         simulations=simulations,
         elapsed_s=time.perf_counter() - t0,
         notes=notes,
+    )
+
+
+def autoconfigure_request(
+    request: PlanRequest, *, progress: bool | None = False, exhaustive: bool = False
+) -> AutoConfigResult:
+    """:func:`autoconfigure` for a :class:`varuna.core.planning.PlanRequest` (the value object the
+    launcher, ``varuna-simulate`` and the manager's planner build); its calibration is loaded
+    here when it is a path. ``ValueError`` (one line) without a calibration or when nothing fits.
+
+    >>> from varuna.core.calibration import Calibration
+    >>> from varuna.core.planning import PlanRequest
+    >>> cal = Calibration.synthetic(0.01, num_segments=4, micro_batch_sizes=(1, 2))
+    >>> best = autoconfigure_request(PlanRequest(calibration=cal, global_batch_size=16, gpus=4)).best
+    >>> best.num_stages * best.num_replicas <= 4
+    True
+    """
+    cal = request.load_calibration()
+    if cal is None:
+        raise ValueError("auto-config needs a calibration (--calibration FILE, from varuna-profile)")
+    return autoconfigure(
+        cal,
+        gpus=request.gpus,
+        global_batch_size=request.global_batch_size,
+        gpu_memory_bytes=request.gpu_memory_bytes,
+        schedule=request.schedule,
+        recompute=request.recompute,
+        chunks=request.chunks,
+        micro_batch_size=request.micro_batch_size,
+        host_slots=request.host_slots,
+        exhaustive=exhaustive,
+        progress=progress,
     )
 
 
