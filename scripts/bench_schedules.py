@@ -265,8 +265,10 @@ def _run_ours(spec: WorldSpec, run: RunSpec, rank: int) -> tuple[list, list, dic
             varuna.VarunaConfig(
                 global_batch_size=spec.num_microbatches * spec.micro_batch_size,
                 micro_batch_size=spec.micro_batch_size, pipeline_depth=P, data_parallel=1,
-                schedule=run.schedule, recompute=run.recompute, stage_ranges=ranges, chunks=v,
-                record_timeline=True, comm_timeout_s=spec.comm_timeout_s, stop_signals=(),
+                schedule=run.schedule, stop_signals=(),
+                pipeline=varuna.PipelineConfig(recompute=run.recompute, stage_ranges=ranges, chunks=v),
+                metrics=varuna.MetricsConfig(record_timeline=True),
+                timeouts=varuna.TimeoutConfig(comm_s=spec.comm_timeout_s),
             ),
             example_batch=batch, optimizer=optimizer,
         )

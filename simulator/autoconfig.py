@@ -41,13 +41,15 @@ from simulator.engine import simulate
 from varuna.core.batching import microbatch_counts
 from varuna.core.calibration import Calibration
 from varuna.core.partition import balanced_stages, candidate_maxima
+from varuna.core.planning import PlanRequest
 from varuna.core.progress import Progress
-from varuna.core.schedule import schedule_kind
+from varuna.core.schedule import DEFAULT_SCHEDULE, schedule_kind
 
 __all__ = [
     "Candidate",
     "AutoConfigResult",
     "autoconfigure",
+    "autoconfigure_request",
     "autoconfigure_schedules",
     "choose_micro_batch_size",
     "sweep_gpus",
@@ -335,7 +337,7 @@ def autoconfigure(
     gpus: int,
     global_batch_size: int,
     gpu_memory_bytes: int | None = None,
-    schedule: str = "varuna",
+    schedule: str = DEFAULT_SCHEDULE,
     recompute: bool = True,
     chunks: int = 2,
     micro_batch_size: int | None = None,
@@ -394,6 +396,38 @@ def autoconfigure(
         simulations=simulations,
         elapsed_s=time.perf_counter() - t0,
         notes=notes,
+    )
+
+
+def autoconfigure_request(
+    request: PlanRequest, *, progress: bool | None = False, exhaustive: bool = False
+) -> AutoConfigResult:
+    """:func:`autoconfigure` for a :class:`varuna.core.planning.PlanRequest` (the value object the
+    launcher, ``varuna-simulate`` and the manager's planner build); its calibration is loaded
+    here when it is a path. ``ValueError`` (one line) without a calibration or when nothing fits.
+
+    >>> from varuna.core.calibration import Calibration
+    >>> from varuna.core.planning import PlanRequest
+    >>> cal = Calibration.synthetic(0.01, num_segments=4, micro_batch_sizes=(1, 2))
+    >>> best = autoconfigure_request(PlanRequest(calibration=cal, global_batch_size=16, gpus=4)).best
+    >>> best.num_stages * best.num_replicas <= 4
+    True
+    """
+    cal = request.load_calibration()
+    if cal is None:
+        raise ValueError("auto-config needs a calibration (--calibration FILE, from varuna-profile)")
+    return autoconfigure(
+        cal,
+        gpus=request.gpus,
+        global_batch_size=request.global_batch_size,
+        gpu_memory_bytes=request.gpu_memory_bytes,
+        schedule=request.schedule,
+        recompute=request.recompute,
+        chunks=request.chunks,
+        micro_batch_size=request.micro_batch_size,
+        host_slots=request.host_slots,
+        exhaustive=exhaustive,
+        progress=progress,
     )
 
 
@@ -585,7 +619,7 @@ def sweep_gpus(
     *,
     global_batch_size: int,
     gpu_memory_bytes: int | None = None,
-    schedule: str = "varuna",
+    schedule: str = DEFAULT_SCHEDULE,
     recompute: bool = True,
     chunks: int = 2,
     micro_batch_size: int | None = None,

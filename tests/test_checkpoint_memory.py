@@ -234,5 +234,5 @@ def test_the_snapshot_mode_is_a_config_field(tmp_path):
         assert eng.checkpointer.last_snapshot_in_memory is False
     finally:
         eng.close()
-    with pytest.raises(ValueError, match="checkpoint_snapshot must be 'auto', 'memory' or 'disk'"):
+    with pytest.raises(ValueError, match="checkpoints.snapshot must be 'auto', 'memory' or 'disk'"):
         varuna.VarunaConfig(global_batch_size=4, micro_batch_size=2, checkpoint_snapshot="ram").validate()

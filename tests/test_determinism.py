@@ -23,6 +23,7 @@ from varuna.cutting.split import materialize_stage, profile_model
 from varuna.runtime.comm import Arrival
 from varuna.runtime.determinism import DeterminismError, TreeAccumulator, combine_nodes, first_difference
 from varuna.runtime.executor import ScheduleExecutor, StageModel
+from varuna.testing.negative_controls import with_negative_controls
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 import det_attention_worker as attn  # noqa: E402
@@ -175,10 +176,15 @@ class _FakeDownstream:
         self.inbox.put(Arrival(BACKWARD, microbatch, tuple(torch.ones_like(t) for t in tensors)))
 
 
-def _first_stage(model: torch.nn.Module, batch, **config):
+def _first_stage(model: torch.nn.Module, batch, *, deterministic: bool, rng_keyed: bool = True):
     """``model``'s segment 0 as stage 0 of 2 under a real ScheduleExecutor (varuna schedule: every
-    forward recomputed), links faked by :class:`_FakeDownstream`."""
-    cfg = varuna.VarunaConfig(global_batch_size=attn.GLOBAL_BATCH, micro_batch_size=attn.MICRO, **config)
+    forward recomputed), links faked by :class:`_FakeDownstream`; ``rng_keyed=False``: the
+    negative control of varuna.testing.negative_controls."""
+    cfg = with_negative_controls(
+        varuna.VarunaConfig(global_batch_size=attn.GLOBAL_BATCH, micro_batch_size=attn.MICRO,
+                            schedule="varuna", determinism=varuna.DeterminismConfig(enabled=deterministic)),
+        rng_keyed=rng_keyed,
+    )
     loss = lambda out, data: out  # noqa: E731
     prof = profile_model(model, batch, loss, costs=False)
     state = SplitState()

@@ -100,6 +100,7 @@ def test_chunks_survive_the_wire_and_reach_the_run_plan(tmp_path):
 
 def test_fallback_layout_keeps_room_for_the_chunks():
     from manager.domain.policy import choose_layout, fallback_layout
+    from varuna.core.planning import PlanRequest
 
     # 8 segments, 2 chunks: P in {2, 4} (P·2 <= 8, P divides 8); 5 slots: 2×2 and 4×1 tie, the
     # smaller P wins.
@@ -111,6 +112,6 @@ def test_fallback_layout_keeps_room_for_the_chunks():
     from varuna.core.calibration import Calibration
 
     cal = Calibration.synthetic(0.01, num_segments=6, micro_batch_sizes=(1, 2))
-    auto = choose_layout(slots=[1] * 6, global_batch_size=24, calibration=cal, schedule="interleaved",
-                         chunks=3)
+    auto = choose_layout(slots=[1] * 6, request=PlanRequest(calibration=cal, global_batch_size=24,
+                                                            schedule="interleaved", chunks=3))
     assert auto.pipeline_depth >= 2 and auto.pipeline_depth * 3 <= 6

@@ -13,11 +13,13 @@ from manager.domain import live_morph
 from manager.domain.policy import choose_layout
 from manager.domain.store import Store
 from varuna.core.calibration import Calibration
+from varuna.core.planning import PlanRequest
 
 
 def simulator_plan():
     cal = Calibration.synthetic(0.002, num_segments=4, micro_batch_sizes=(1, 2, 4))
-    return lambda slots: choose_layout(slots=slots, global_batch_size=16, calibration=cal)
+    request = PlanRequest(calibration=cal, global_batch_size=16)
+    return lambda slots: choose_layout(slots=slots, request=request)
 
 
 def test_ranks_follow_the_launchers_placement() -> None:

@@ -21,6 +21,7 @@ from test_manager_controller import FakeProvider, World  # noqa: E402
 from manager.domain.jobspec import JobSpec  # noqa: E402
 from manager.domain.messages import Action, PreemptNotice, RegisterVM, WorkerHeartbeat  # noqa: E402
 from manager.domain.policy import choose_layout  # noqa: E402
+from varuna.core.planning import PlanRequest  # noqa: E402
 from varuna.launch.supervisor import PEER_LOST_EXIT_CODE  # noqa: E402
 
 dist = pytest.importorskip("torch.distributed")
@@ -87,8 +88,8 @@ def test_a_lost_vm_is_a_live_morph_in_place(tmp_path):
     detected = w.clock.now
     gen = w.gen(job)
     # The simulator's (here: the fallback rule's, P forced to 2) layout for three one-slot VMs.
-    ref = choose_layout(slots=[1, 1, 1], global_batch_size=24, calibration=None, micro_batch_size=2,
-                        pipeline_depth=2, num_segments=4)
+    ref = choose_layout(slots=[1, 1, 1], num_segments=4, request=PlanRequest(
+        calibration=None, global_batch_size=24, micro_batch_size=2, pipeline_depth=2))
     assert gen.generation == 1 and gen.state == "running", "no kill, no relaunch"
     assert (gen.pipeline_depth, gen.data_parallel) == (ref.pipeline_depth, ref.data_parallel)
     assert gen.vm_ids == [vm.vm_id for vm in w.running(job)] and len(gen.vm_ids) == 3
@@ -229,8 +230,8 @@ def test_a_notice_hands_over_live_and_nothing_is_relaunched(tmp_path):
     orders = {vm.vm_id: vm.beat() for vm in w.running(job)}
     assert [v for v, o in orders.items() if o.leave] == [noticed.vm_id], "only the noticed VM leaves"
     assert all(o.action == Action.RUN for o in orders.values()), "nobody is stopped"
-    ref = choose_layout(slots=[1, 1, 1], global_batch_size=24, calibration=None, micro_batch_size=2,
-                        pipeline_depth=2, num_segments=4)
+    ref = choose_layout(slots=[1, 1, 1], num_segments=4, request=PlanRequest(
+        calibration=None, global_batch_size=24, micro_batch_size=2, pipeline_depth=2))
     c = client(address)
     assert c.get(f"{ROOT}plan").decode() == f"{ref.pipeline_depth} {ref.data_parallel}", "before the leave"
     assert not c.check([f"{ROOT}dead/3"]), "a leaver is not dead before it handed over"
@@ -304,8 +305,8 @@ def grown(tmp_path):
 def test_new_vms_join_the_running_generation_live(tmp_path):
     w, job = grown(tmp_path)
     gen = w.gen(job)
-    ref = choose_layout(slots=[1, 1, 1, 1], global_batch_size=24, calibration=None, micro_batch_size=2,
-                        pipeline_depth=1, num_segments=4)
+    ref = choose_layout(slots=[1, 1, 1, 1], num_segments=4, request=PlanRequest(
+        calibration=None, global_batch_size=24, micro_batch_size=2, pipeline_depth=1))
     assert gen.generation == 1 and gen.state == "running", "no stop, no relaunch"
     assert (gen.pipeline_depth, gen.data_parallel) == (ref.pipeline_depth, ref.data_parallel)
     old, new = w.running(job)[:2], w.running(job)[2:]
@@ -512,8 +513,8 @@ def test_a_worker_exiting_76_was_dropped_by_its_peers_not_a_failure(tmp_path, mo
     assert b.workers[2]["running"], "the VM's other worker is not touched"
     [ev] = w.event(job, "live-frozen")
     assert ev.data["members"] == [3] and ev.data["vms"] == [b.vm_id] and "exited with 76" in ev.message
-    ref = choose_layout(slots=[2, 1], global_batch_size=24, calibration=None, micro_batch_size=2,
-                        pipeline_depth=2, num_segments=4)
+    ref = choose_layout(slots=[2, 1], num_segments=4, request=PlanRequest(
+        calibration=None, global_batch_size=24, micro_batch_size=2, pipeline_depth=2))
     assert (gen.pipeline_depth, gen.data_parallel) == (ref.pipeline_depth, ref.data_parallel)
     for _ in range(4):
         w.tick(0.5)

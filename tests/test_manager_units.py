@@ -22,6 +22,7 @@ from manager.domain.store import GenerationRecord, ProgressRecord, Store, VMReco
 from manager.transport.convert import spec_from_pb, spec_to_pb
 from manager.worker.reporter import compute_times
 from varuna.core.calibration import Calibration
+from varuna.core.planning import PlanRequest
 from varuna.core.timeline import Event
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,14 +198,15 @@ def test_fallback_layout():
 
 def test_choose_layout_uses_the_simulator_with_a_calibration():
     cal = Calibration.synthetic(0.01, num_segments=4, micro_batch_sizes=(1, 2, 4))
-    plan = choose_layout(slots=[1] * 6, global_batch_size=24, calibration=cal, micro_batch_size=2)
+    request = PlanRequest(calibration=cal, global_batch_size=24, micro_batch_size=2)
+    plan = choose_layout(slots=[1] * 6, request=request)
     assert plan.source.startswith("simulator") and plan.world_size <= 6
     assert plan.predicted_samples_per_s > 0 and plan.micro_batch_size == 2
     from simulator.autoconfig import autoconfigure
 
     best = autoconfigure(cal, gpus=6, global_batch_size=24, micro_batch_size=2).best
     assert (plan.pipeline_depth, plan.data_parallel) == (best.num_stages, best.num_replicas)
-    smaller = choose_layout(slots=[1] * 3, global_batch_size=24, calibration=cal, micro_batch_size=2)
+    smaller = choose_layout(slots=[1] * 3, request=request)
     assert grow_gain(smaller, plan) > 0
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 import varuna.runtime.engine
+from varuna.core.planning import PlanRequest
 from varuna.launch.hosts import (
     HostEntry,
     assign_slots,
@@ -376,6 +377,14 @@ def test_protocol_round_trip() -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+def _planning_args(argv: list[str]):
+    from varuna.core.cli import OneLineParser, add_planning_args
+
+    parser = OneLineParser(prog="test")
+    add_planning_args(parser)
+    return parser.parse_args(argv)
+
+
 def test_resolve_layout() -> None:
     assert resolve_layout(slots=[2, 2, 2], pipeline_depth=2) == Layout(pipeline_depth=2, data_parallel=3)
     assert resolve_layout(slots=[2, 2], pipeline_depth=2, data_parallel=1).data_parallel == 1
@@ -386,7 +395,7 @@ def test_resolve_layout() -> None:
     with pytest.raises(ValueError, match="required: --pipeline-depth"):
         resolve_layout(slots=[1, 1])
     with pytest.raises(ValueError, match="--calibration needs --global-batch-size"):
-        resolve_layout(slots=[1, 1], calibration="cal.json")
+        PlanRequest.from_args(_planning_args(["--calibration", "cal.json"]))
     entries = [HostEntry(host="a", slots=2), HostEntry(host="b", slots=2), HostEntry(host="c", slots=2)]
     assert [e.host for e in select_hosts(entries, 3)] == ["a", "b"]
     assert [e.host for e in select_hosts(entries, 4)] == ["a", "b"]
@@ -400,16 +409,17 @@ def test_auto_config_from_calibration(tmp_path: Path) -> None:
 
     cal = Calibration.synthetic(0.01, num_segments=4, micro_batch_sizes=(1, 2))
     cal.save(tmp_path / "cal.json")
-    layout = resolve_layout(slots=[2, 2], calibration=str(tmp_path / "cal.json"), global_batch_size=16)
+    request = PlanRequest(calibration=str(tmp_path / "cal.json"), global_batch_size=16)
+    layout = resolve_layout(slots=[2, 2], request=request)
     assert layout.pipeline_depth * layout.data_parallel <= 4
     assert layout.micro_batch_size in (1, 2) and layout.note.startswith("auto-config for G=4: ")
     # A model that needs more stages than there are slots: auto-config's reason is the error.
     big = Calibration.synthetic(0.01, num_segments=4, micro_batch_sizes=(1, 2))
     big.save(tmp_path / "big.json")
+    big_request = PlanRequest(calibration=str(tmp_path / "big.json"), global_batch_size=16,
+                              gpu_memory_bytes=1)
     with pytest.raises(ValueError, match="needs at least P=|does not fit"):
-        resolve_layout(
-            slots=[1], calibration=str(tmp_path / "big.json"), global_batch_size=16, gpu_memory_bytes=1
-        )
+        resolve_layout(slots=[1], request=big_request)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -43,14 +43,20 @@ FAMILIES = {
 }
 #: the byte corpus: one token per byte
 VOCAB = 256
+#: This script's own values for the planned fields it leaves to the launcher (Note [Run plan] in
+#: varuna/core/env.py): used only when neither the command line nor the run plan gives one.
+PLAN_DEFAULTS = {"global_batch_size": 16, "micro_batch_size": 4}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama", choices=sorted(FAMILIES))
     p.add_argument("--steps", type=int, default=20, help="total optimizer steps")
-    p.add_argument("--global-batch-size", type=int, default=16)
-    p.add_argument("--micro-batch-size", type=int, default=4)
+    # Planned fields default to None (unset): the launcher's plan then applies, else PLAN_DEFAULTS.
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="examples per step (default: the launcher's --global-batch-size, else 16)")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="examples per micro-batch (default: auto-config's choice, else 4)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
@@ -96,19 +102,20 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     data = ByteBatches(args.seq, seed=args.seed)
     model = build_model(args)
+    # Cut-points: VARUNA_CUT_AFTER / VARUNA_AUTO_CUTPOINTS from the launcher, or set
+    # cutting=varuna.CuttingConfig(cut_after=("model.layers.*",)) here. The batch sizes the command
+    # line left unset come from the launcher's run plan (else PLAN_DEFAULTS): the data needs them.
+    config = varuna.VarunaConfig(
+        global_batch_size=args.global_batch_size,
+        micro_batch_size=args.micro_batch_size,
+        seed=args.seed,
+        determinism=varuna.DeterminismConfig(enabled=args.deterministic, threads=args.threads),
+        checkpoints=varuna.CheckpointConfig(dir=args.checkpoint_dir, every=args.checkpoint_every),
+    ).with_plan(defaults=PLAN_DEFAULTS)
+    args.global_batch_size = config.global_batch_size
     engine = varuna.Engine(
         model,
-        # Cut-points: VARUNA_CUT_AFTER / VARUNA_AUTO_CUTPOINTS from the launcher, or set
-        # cut_after=("model.layers.*",) here.
-        varuna.VarunaConfig(
-            global_batch_size=args.global_batch_size,
-            micro_batch_size=args.micro_batch_size,
-            seed=args.seed,
-            deterministic=args.deterministic,
-            deterministic_threads=args.threads,
-            checkpoint_dir=args.checkpoint_dir,
-            checkpoint_every=args.checkpoint_every,
-        ),
+        config,
         example_batch=batch(data, "train", 0, args.global_batch_size),
         optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0),
         # no loss_fn: the engine takes the HF output's `loss`

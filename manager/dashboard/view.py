@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from manager.dashboard.gantt import measured_timeline, timeline_json
 from manager.domain.records import GenerationRecord, JobRecord, VMRecord
 from manager.domain.store import Store
+from varuna.core.schedule import DEFAULT_SCHEDULE
 
 __all__ = ["DashboardView"]
 
@@ -214,7 +215,7 @@ class DashboardView:
                 pipeline_depth=g.pipeline_depth,
                 data_parallel=g.data_parallel,
                 global_batch_size=int(spec["global_batch_size"]),
-                schedule=str(spec.get("schedule") or "varuna"),
+                schedule=str(spec.get("schedule") or DEFAULT_SCHEDULE),
             )
             if tl is not None:
                 chart = {

@@ -20,6 +20,7 @@ from manager.domain.ports import Placement
 from manager.domain.records import GenerationRecord, JobRecord, VMRecord
 from manager.domain.vm_types import vm_type_of
 from varuna.core.calibration import Calibration
+from varuna.core.planning import PlanRequest
 from varuna.launch.mixed import place_ranks, plan_cluster
 
 __all__ = ["MorphPlanner"]
@@ -46,17 +47,16 @@ class MorphPlanner:
         if key not in cache.plans:
             spec = cache.spec
             try:
-                cache.plans[key] = choose_layout(
-                    slots=slots,
-                    global_batch_size=spec.global_batch_size,
+                request = PlanRequest(
                     calibration=cache.calibration,
-                    micro_batch_size=spec.micro_batch_size,
-                    pipeline_depth=spec.pipeline_depth,
-                    num_segments=spec.num_segments,
-                    gpu_memory_bytes=int(spec.gpu_memory_gib * 2**30),
+                    global_batch_size=spec.global_batch_size,
+                    micro_batch_size=spec.micro_batch_size or None,
+                    pipeline_depth=spec.pipeline_depth or None,
+                    gpu_memory_bytes=int(spec.gpu_memory_gib * 2**30) or None,
                     schedule=spec.schedule,
                     chunks=spec.chunks or 1,
                 )
+                cache.plans[key] = choose_layout(slots=slots, request=request, num_segments=spec.num_segments)
             except ValueError as exc:
                 cache.plans[key] = str(exc)
         plan = cache.plans[key]

@@ -11,18 +11,21 @@ the largest P×D whose P divides the model's segment count (the stages then hold
 segments), preferring the shallower pipeline on ties (fewer bubbles, less activation traffic).
 The job can also force P.
 
-    >>> plan = choose_layout(slots=[1] * 6, global_batch_size=24, num_segments=4)
+    >>> plan = choose_layout(slots=[1] * 6, request=PlanRequest(calibration=None, global_batch_size=24),
+    ...                      num_segments=4)
     >>> (plan.pipeline_depth, plan.data_parallel)
     (1, 6)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from varuna.core.calibration import Calibration
+from varuna.core.planning import PlanRequest
 
 __all__ = [
     "LayoutPlan",
@@ -117,55 +120,38 @@ def fallback_layout(
     )
 
 
-def choose_layout(
-    *,
-    slots: Sequence[int],
-    global_batch_size: int,
-    calibration: Calibration | None = None,
-    micro_batch_size: int = 0,
-    pipeline_depth: int = 0,
-    num_segments: int = 0,
-    gpu_memory_bytes: int = 0,
-    schedule: str = "varuna",
-    chunks: int = 1,
-) -> LayoutPlan:
+def choose_layout(*, slots: Sequence[int], request: PlanRequest, num_segments: int = 0) -> LayoutPlan:
     """P×D for VMs with ``slots`` workers each (Note [Choosing P×D] in the module docstring),
-    for a job running the ``schedule`` kind (``varuna.core.schedule.SCHEDULE_KINDS``): the
-    simulator ranks the layouts by that schedule's speed (with ``chunks`` model chunks per process
-    for the interleaved kinds). ``ValueError`` (one line) when nothing fits."""
+    for the job ``request`` describes (a :class:`varuna.core.planning.PlanRequest`: global batch,
+    schedule kind, chunks, a fixed m or P, memory, calibration): the simulator ranks the layouts
+    by that schedule's speed. ``ValueError`` (one line) when nothing fits."""
     if not slots or sum(slots) < 1:
         raise ValueError("no usable slots")
+    calibration = request.load_calibration()
     segments = num_segments or (calibration.num_segments if calibration is not None else 0)
-    if calibration is None or pipeline_depth:
+    m, depth = request.micro_batch_size or 0, request.pipeline_depth or 0
+    if calibration is None or depth:
         return fallback_layout(
             slots=slots,
-            global_batch_size=global_batch_size,
+            global_batch_size=request.global_batch_size,
             num_segments=segments,
-            pipeline_depth=pipeline_depth,
-            micro_batch_size=micro_batch_size,
-            note="P forced by the job" if pipeline_depth else "no calibration",
-            chunks=chunks,
+            pipeline_depth=depth,
+            micro_batch_size=m,
+            note="P forced by the job" if depth else "no calibration",
+            chunks=request.chunks,
         )
     try:
-        from simulator.autoconfig import autoconfigure
+        from simulator.autoconfig import autoconfigure_request
     except ImportError as exc:  # the simulator is optional on a manager host
         return fallback_layout(
             slots=slots,
-            global_batch_size=global_batch_size,
+            global_batch_size=request.global_batch_size,
             num_segments=segments,
-            micro_batch_size=micro_batch_size,
+            micro_batch_size=m,
             note=f"simulator unavailable: {exc}",
         )
-    result = autoconfigure(
-        calibration,
-        gpus=sum(slots),
-        global_batch_size=global_batch_size,
-        gpu_memory_bytes=gpu_memory_bytes or None,
-        micro_batch_size=micro_batch_size or None,
-        host_slots=max(slots),
-        schedule=schedule,
-        chunks=chunks,
-    )
+    # Ranks are placed as if every VM had the most slots of any (Note [Choosing P×D]).
+    result = autoconfigure_request(dataclasses.replace(request, gpus=sum(slots), host_slots=max(slots)))
     best = result.best
     return LayoutPlan(
         pipeline_depth=best.num_stages,

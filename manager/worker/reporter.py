@@ -23,6 +23,7 @@ without the shim opts in with one line after building its engine::
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import queue
 import sys
@@ -66,7 +67,7 @@ class WorkerReporter:
 
     Each micro-batch's forward/backward time comes from the step result's ``timings`` (a
     ``varuna.Engine`` measures them). For an engine without them (no ``add_step_callback``), it
-    turns on the engine's task timeline (``config.record_timeline``) and, when it did so, empties
+    turns on the engine's task timeline (``config.metrics.record_timeline``) and, when it did so, empties
     the timeline after each step so memory stays flat.
     """
 
@@ -93,10 +94,10 @@ class WorkerReporter:
         # here would stay alive through atexit until the process ends: every engine a live morph
         # replaces (its model and optimizer state) would leak.
         self._engine = engine if self._uses_timeline else None
-        self._owns_timeline = self._uses_timeline and not engine.config.record_timeline
+        self._owns_timeline = self._uses_timeline and not engine.config.metrics.record_timeline
         self._seen = 0
         if self._uses_timeline:
-            engine.config.record_timeline = True
+            engine.config.metrics = dataclasses.replace(engine.config.metrics, record_timeline=True)
             self._seen = len(engine.timeline.events)
         self._queue: queue.Queue[pb.WorkerHeartbeatRequest | None] = queue.Queue(self.QUEUE_SIZE)
         self._errors = 0

@@ -102,7 +102,7 @@ def main() -> None:
     engine = varuna.Engine(
         model,
         varuna.VarunaConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO, seed=SEED,
-                            max_grad_norm=1.0, deterministic=True),
+                            max_grad_norm=1.0, determinism=varuna.DeterminismConfig(enabled=True)),
         example_batch=first,
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
         loss_fn=loss_fn,

@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from models import build_model  # noqa: E402
 
 import varuna  # noqa: E402
+from varuna.testing.negative_controls import with_negative_controls  # noqa: E402
 
 
 def batch_for(step: int, size: int, salt: int = 0):
@@ -47,11 +48,13 @@ def main() -> None:
     M = a.global_batch_size
     engine = varuna.Engine(
         model,
-        varuna.VarunaConfig(global_batch_size=M, micro_batch_size=a.micro_batch_size, seed=3,
-                            schedule=a.schedule,
-                            max_grad_norm=1.0, deterministic=not a.no_deterministic,
-                            canonical_reduction=not a.no_canonical, rng_keyed=not a.unkeyed_rng,
-                            replica_shares=shares),
+        with_negative_controls(
+            varuna.VarunaConfig(global_batch_size=M, micro_batch_size=a.micro_batch_size, seed=3,
+                                schedule=a.schedule, max_grad_norm=1.0,
+                                determinism=varuna.DeterminismConfig(enabled=not a.no_deterministic),
+                                pipeline=varuna.PipelineConfig(replica_shares=shares)),
+            canonical_reduction=not a.no_canonical, rng_keyed=not a.unkeyed_rng,
+        ),
         example_batch=batch_for(0, M),
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
     )

@@ -143,7 +143,8 @@ def train(name: str, a: argparse.Namespace, out: Path) -> None:
     engine = varuna.Engine(
         model,
         varuna.VarunaConfig(global_batch_size=z["global_batch"], micro_batch_size=z["micro"], seed=SEED,
-                            stage_ranges=T5_RANGES.get(P) if name == "t5" and t5_blocks == 2 else None),
+                            pipeline=varuna.PipelineConfig(
+                                stage_ranges=T5_RANGES.get(P) if name == "t5" and t5_blocks == 2 else None)),
         example_batch=step_batch(1, a.size, name), optimizer=make_optimizer, loss_fn=loss_of)
     rank = engine.layout.rank
     rec: dict[str, list] = {"loss": [], "entries": [], "rss": [], "step_s": []}

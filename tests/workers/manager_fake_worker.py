@@ -44,9 +44,14 @@ class _Layout:
         return self.rank // self.P
 
 
-@dataclass
-class _Config:
+@dataclass(frozen=True)
+class _Metrics:
     record_timeline: bool = False
+
+
+@dataclass
+class _Config:  # VarunaConfig's shape, as far as the reporter reads it
+    metrics: _Metrics = field(default_factory=_Metrics)
 
 
 @dataclass

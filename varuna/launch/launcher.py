@@ -33,8 +33,9 @@ import re
 import sys
 
 from varuna.core.batching import microbatch_counts
-from varuna.core.cli import OneLineParser
-from varuna.core.schedule import SCHEDULE_KINDS, chunks_problem, schedule_kind
+from varuna.core.cli import OneLineParser, add_planning_args, positive_int
+from varuna.core.planning import PlanRequest
+from varuna.core.schedule import DEFAULT_SCHEDULE, SCHEDULE_KINDS, chunks_problem, schedule_kind
 from varuna.launch.hosts import HostEntry, assign_slots, check_types, parse_hosts_arg, select_hosts
 from varuna.launch.job import check_hosts_capacity, check_local_script, launch, launch_on_hosts
 from varuna.launch.layout import LAYOUT_REQUIRED, Layout, resolve_layout
@@ -91,7 +92,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _add_placement_args(parser: argparse.ArgumentParser) -> None:
     where = parser.add_argument_group("where the workers run (one of)")
-    where.add_argument("--procs", type=int, default=None, metavar="N", help="N workers on this machine")
+    where.add_argument(
+        "--procs", type=positive_int, default=None, metavar="N", help="N workers on this machine"
+    )
     where.add_argument(
         "--hosts",
         default=None,
@@ -121,43 +124,22 @@ def _add_placement_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_layout_args(parser: argparse.ArgumentParser) -> None:
     layout = parser.add_argument_group("layout (P×D given, or chosen by the simulator's auto-config)")
-    layout.add_argument("--pipeline-depth", type=int, default=None, metavar="P", help="pipeline stages")
+    # P and D are checked here, where the user gives them (positive_int), and nowhere after.
+    layout.add_argument(
+        "--pipeline-depth", type=positive_int, default=None, metavar="P", help="pipeline stages"
+    )
     layout.add_argument(
         "--data-parallel",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="D",
         help="replicas per stage (default: N // P, or as many as the hosts' slots hold)",
     )
-    layout.add_argument(
-        "--calibration", default=None, metavar="FILE", help="calibration JSON: pick P×D with auto-config"
-    )
-    layout.add_argument(
-        "--global-batch-size",
-        type=int,
-        default=None,
-        metavar="M",
-        help="mini-batch size auto-config plans for; every worker's script must use it"
-        " (VARUNA_GLOBAL_BATCH_SIZE)",
-    )
-    layout.add_argument(
-        "--schedule",
-        default=None,
-        choices=SCHEDULE_KINDS,
-        help="pipeline schedule auto-config plans for (default varuna); when given, or when auto-config"
-        " planned for it, every worker's script must use it (VARUNA_SCHEDULE)",
-    )
-    layout.add_argument(
-        "--chunks",
-        type=int,
-        default=None,
-        metavar="V",
-        help="model chunks per process for the interleaved schedules (--schedule interleaved or"
-        " varuna-interleaved; V >= 2, the model then needs P·V - 1 cut-points): every worker's engine"
-        " runs with it (VARUNA_CHUNKS); docs/interleaved.md",
-    )
-    layout.add_argument(
-        "--gpu-memory-gib", type=float, default=None, metavar="GIB", help="accelerator memory for auto-config"
+    # The options auto-config shares with varuna-simulate; the planned ones reach every worker in
+    # its run plan, where a script that leaves them unset gets them (Note [Run plan]).
+    add_planning_args(
+        parser, title="the job's plan (auto-config with --calibration; every worker gets it)",
+        schedules=SCHEDULE_KINDS,
     )
 
 
@@ -354,13 +336,13 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
 def _chunks_problem(args: argparse.Namespace, pipeline_depth: int | None = None) -> str | None:
     """``--chunks`` against ``--schedule``, the pipeline depth (given, or chosen by auto-config)
     and ``--auto-cutpoints`` (the most cut-points the model will have), or None."""
-    if args.chunks is None and not schedule_kind(args.schedule or "varuna").chunked:
+    if args.chunks is None and not schedule_kind(args.schedule or DEFAULT_SCHEDULE).chunked:
         return None
     if args.live_morph and (args.chunks or 1) > 1:
         return (f"--live-morph does not carry interleaved stages (--chunks {args.chunks}) yet; drop "
                 "--live-morph (a lost worker then restarts the job from its checkpoint) or --chunks")
     return chunks_problem(
-        args.schedule or "varuna",
+        args.schedule or DEFAULT_SCHEDULE,
         args.chunks if args.chunks is not None else 1,
         pipeline_depth=pipeline_depth if pipeline_depth is not None else args.pipeline_depth,
         max_cutpoints=args.auto_cutpoints,
@@ -409,8 +391,12 @@ def _worker_env_from_args(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-def _gpu_memory_bytes(args: argparse.Namespace) -> int | None:
-    return None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * 2**30)
+def _plan_request(args: argparse.Namespace) -> PlanRequest | None:
+    """What auto-config plans (:class:`varuna.core.planning.PlanRequest`; the hosts' slots are
+    filled in by ``resolve_layout``), or None without ``--calibration``."""
+    if args.calibration is None:
+        return None
+    return PlanRequest.from_args(args)
 
 
 def _local_layout(args: argparse.Namespace) -> Layout:
@@ -418,17 +404,9 @@ def _local_layout(args: argparse.Namespace) -> Layout:
     if args.pipeline_depth is not None:
         data_parallel = resolve_data_parallel(args.procs, args.pipeline_depth, args.data_parallel)
         return Layout(pipeline_depth=args.pipeline_depth, data_parallel=data_parallel)
-    if args.procs < 1:
-        raise ValueError(f"--procs must be >= 1, got {args.procs}")
     return resolve_layout(
-        slots=[args.procs],
-        data_parallel=args.data_parallel,
-        calibration=args.calibration,
-        global_batch_size=args.global_batch_size,
-        gpu_memory_bytes=_gpu_memory_bytes(args),
-        schedule=args.schedule or "varuna",
+        slots=[args.procs], data_parallel=args.data_parallel, request=_plan_request(args),
         progress=_progress(args),
-        chunks=args.chunks or 1,
     )
 
 
@@ -443,7 +421,8 @@ def _with_layout(config: LaunchConfig, layout: Layout, args: argparse.Namespace)
     if layout.note:
         print(f"{PROG}: {layout.note}", file=sys.stderr, flush=True)
     plan = layout.run_plan(
-        global_batch_size=args.global_batch_size, schedule=args.schedule, chunks=args.chunks
+        global_batch_size=args.global_batch_size, schedule=args.schedule, chunks=args.chunks,
+        micro_batch_size=args.micro_batch_size,
     )
     problem = _chunks_problem(args, layout.pipeline_depth)  # P chosen by auto-config is known now
     if problem is not None:
@@ -503,12 +482,8 @@ def _main_hosts(args: argparse.Namespace, config: LaunchConfig) -> int:
             slots=[e.slots or 0 for e in reachable],
             pipeline_depth=args.pipeline_depth,
             data_parallel=args.data_parallel,
-            calibration=args.calibration,
-            global_batch_size=args.global_batch_size,
-            gpu_memory_bytes=_gpu_memory_bytes(args),
-            schedule=args.schedule or "varuna",
+            request=_plan_request(args),
             progress=_progress(args),
-            chunks=args.chunks or 1,
         )
     except ValueError as exc:
         _say(f"cannot launch: {exc}{left_out}")
@@ -598,9 +573,9 @@ def _place_by_type(
         micro_batch_size=layout.micro_batch_size if layout is not None else None,
         pipeline_depth=layout.pipeline_depth if layout is not None else args.pipeline_depth,
         data_parallel=layout.data_parallel if layout is not None else None,
-        schedule=args.schedule or "varuna",
+        schedule=args.schedule or DEFAULT_SCHEDULE,
         host_slots=max(e.slots or 1 for e in reachable),
-        gpu_memory_bytes=_gpu_memory_bytes(args),
+        gpu_memory_bytes=args.gpu_memory,
     )
     placed = place_ranks(plan, [(e.vm_type or "", e.slots or 0) for e in reachable])
     order = list(dict.fromkeys(placed))  # hosts in order of their first rank: rank 0's is host 0
@@ -612,7 +587,7 @@ def _place_by_type(
             data_parallel=plan.data_parallel,
             micro_batch_size=plan.micro_batch_size,
             stage_ranges=plan.stage_ranges,
-            schedule=args.schedule or "varuna",
+            schedule=args.schedule or DEFAULT_SCHEDULE,
             note=f"auto-config for mixed VM types: {plan.explanation}",
         )
     else:

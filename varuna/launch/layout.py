@@ -2,11 +2,12 @@
 auto-config from a calibration (:func:`resolve_layout`), and the run plan exported to every
 worker (:meth:`Layout.run_plan`, a :class:`varuna.core.env.RunPlan`).
 
-Auto-config (``--calibration FILE --global-batch-size M``, P not given) plans for a schedule kind
-(``--schedule``, default ``varuna``) and also picks the micro-batch size m and the
-segment→stage map; the workers' engine adopts both and refuses to start when the script's own
-global batch or schedule differs from the one planned for (Note [Run plan] in
-:mod:`varuna.core.env`).
+Auto-config (``--calibration FILE --global-batch-size M``, P not given: a
+:class:`varuna.core.planning.PlanRequest`) plans for a schedule kind (``--schedule``, default
+``varuna``) and also picks the micro-batch size m (unless ``--micro-batch-size`` fixes it) and the
+segment→stage map. Every worker's engine applies the plan rule (Note [Run plan] in
+:mod:`varuna.core.env`): a field the script leaves unset takes the plan's value, a different one is
+refused in one line.
 
 Example::
 
@@ -19,10 +20,12 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from varuna.core.env import RunPlan
+from varuna.core.planning import PlanRequest
 
 __all__ = ["LAYOUT_REQUIRED", "Layout", "auto_configure", "resolve_layout"]
 
@@ -59,12 +62,17 @@ class Layout:
     """How auto-config chose it, for the launcher's log."""
 
     def run_plan(
-        self, *, global_batch_size: int | None = None, schedule: str | None = None, chunks: int | None = None
+        self,
+        *,
+        global_batch_size: int | None = None,
+        schedule: str | None = None,
+        chunks: int | None = None,
+        micro_batch_size: int | None = None,
     ) -> RunPlan:
-        """The plan every worker gets: ``global_batch_size``, ``schedule`` and ``chunks`` (model
-        chunks per process, interleaved kinds) as the user gave them (the schedule auto-config
-        planned for when none is given), m and the stage ranges when auto-config chose them;
-        ``None`` fields are not exported.
+        """The plan every worker gets: ``global_batch_size``, ``schedule``, ``chunks`` (model
+        chunks per process, interleaved kinds) and ``micro_batch_size`` as the user gave them (the
+        schedule and m auto-config planned for when none is given), the stage ranges when
+        auto-config chose them; ``None`` fields are not exported.
 
         Example::
 
@@ -74,7 +82,7 @@ class Layout:
         """
         return RunPlan(
             global_batch_size=global_batch_size,
-            micro_batch_size=self.micro_batch_size,
+            micro_batch_size=micro_batch_size if micro_batch_size is not None else self.micro_batch_size,
             schedule=schedule if schedule is not None else self.schedule,
             chunks=chunks,
             stage_ranges=self.stage_ranges,
@@ -83,20 +91,11 @@ class Layout:
         )
 
 
-def auto_configure(
-    calibration: str,
-    *,
-    gpus: int,
-    global_batch_size: int,
-    host_slots: Sequence[int],
-    gpu_memory_bytes: int | None = None,
-    schedule: str = "varuna",
-    progress: bool | None = False,
-    chunks: int = 1,
-) -> Layout:
-    """The simulator's fastest P×D (and m) for ``gpus`` accelerators running ``schedule``
-    (``simulator.autoconfig``; ``chunks`` model chunks per process for the interleaved kinds, whose
-    stage ranges are then P·chunks virtual stages); ``progress``: its progress bar
+def auto_configure(request: PlanRequest, *, progress: bool | None = False) -> Layout:
+    """The simulator's fastest P×D (and m, and the stage ranges) for ``request`` (a
+    :class:`varuna.core.planning.PlanRequest`: G accelerators on hosts with their slots, running
+    its schedule; with ``chunks`` model chunks per process for the interleaved kinds, whose stage
+    ranges are then P·chunks virtual stages); ``progress``: its progress bar
     (``varuna.core.progress``).
 
     The simulator is imported here, not at module load: the launcher must work on hosts where
@@ -104,28 +103,13 @@ def auto_configure(
     auto-config's reason when nothing fits (e.g. the smallest P that fits in memory exceeds G).
     """
     try:
-        from simulator.autoconfig import autoconfigure
+        from simulator.autoconfig import autoconfigure_request
     except ImportError as exc:
         raise ValueError(
             f"--calibration needs the simulator (simulator/autoconfig.py), which cannot be imported here"
             f" ({exc}); give --pipeline-depth P instead"
         ) from None
-    from varuna.core.calibration import Calibration
-
-    try:
-        cal = Calibration.load(calibration)
-    except OSError as exc:
-        raise ValueError(f"cannot read calibration {calibration!r}: {exc.strerror or exc}") from None
-    result = autoconfigure(
-        cal,
-        gpus=gpus,
-        global_batch_size=global_batch_size,
-        gpu_memory_bytes=gpu_memory_bytes,
-        host_slots=tuple(host_slots),
-        schedule=schedule,
-        chunks=chunks,
-        progress=progress,
-    )
+    result = autoconfigure_request(request, progress=progress)
     best = result.best
     speed = f", simulated {best.examples_per_s:.3g} examples/s" if best.examples_per_s else ""
     return Layout(
@@ -133,8 +117,8 @@ def auto_configure(
         data_parallel=best.num_replicas,
         micro_batch_size=best.micro_batch_size,
         stage_ranges=tuple(tuple(r) for r in best.stage_segments),
-        schedule=schedule,
-        note=f"auto-config for G={gpus}: P={best.num_stages} D={best.num_replicas}"
+        schedule=request.schedule,
+        note=f"auto-config for G={request.gpus}: P={best.num_stages} D={best.num_replicas}"
         f" m={best.micro_batch_size}{speed}",
     )
 
@@ -144,17 +128,14 @@ def resolve_layout(
     slots: Sequence[int],
     pipeline_depth: int | None = None,
     data_parallel: int | None = None,
-    calibration: str | None = None,
-    global_batch_size: int | None = None,
-    gpu_memory_bytes: int | None = None,
-    schedule: str = "varuna",
+    request: PlanRequest | None = None,
     progress: bool | None = False,
-    chunks: int = 1,
 ) -> Layout:
     """P×D for the available ``slots`` (one count per host): P and D as given; P given, D the
-    most replicas that fit; or neither, from auto-config on ``calibration`` planning for
-    ``schedule`` with ``chunks`` (``progress``: its bar, see :func:`auto_configure`). ``ValueError`` says why
-    nothing fits.
+    most replicas that fit; or neither, from auto-config on ``request`` (a
+    :class:`~varuna.core.planning.PlanRequest` with a calibration, planned for these hosts;
+    ``progress``: its bar, see :func:`auto_configure`). P and D were checked where they were
+    given (the command line, ``PlanRequest``); ``ValueError`` says why nothing fits.
 
     Example::
 
@@ -165,8 +146,6 @@ def resolve_layout(
     """
     capacity = sum(slots)
     if pipeline_depth is not None:
-        if pipeline_depth < 1:
-            raise ValueError(f"--pipeline-depth must be >= 1, got {pipeline_depth}")
         if capacity < pipeline_depth:
             raise ValueError(
                 f"the hosts hold {capacity} slot(s), fewer than the {pipeline_depth} stages of"
@@ -174,8 +153,6 @@ def resolve_layout(
             )
         if data_parallel is None:
             return Layout(pipeline_depth=pipeline_depth, data_parallel=capacity // pipeline_depth)
-        if data_parallel < 1:
-            raise ValueError(f"--data-parallel must be >= 1, got {data_parallel}")
         if pipeline_depth * data_parallel > capacity:
             raise ValueError(
                 f"P={pipeline_depth} × D={data_parallel} needs {pipeline_depth * data_parallel} slots but the"
@@ -184,17 +161,7 @@ def resolve_layout(
         return Layout(pipeline_depth=pipeline_depth, data_parallel=data_parallel)
     if data_parallel is not None:
         raise ValueError("--data-parallel needs --pipeline-depth")
-    if calibration is None:
+    if request is None or request.calibration is None:
         raise ValueError(LAYOUT_REQUIRED)
-    if global_batch_size is None:
-        raise ValueError("--calibration needs --global-batch-size M (the mini-batch size to plan for)")
-    return auto_configure(
-        calibration,
-        gpus=capacity,
-        global_batch_size=global_batch_size,
-        host_slots=slots,
-        gpu_memory_bytes=gpu_memory_bytes,
-        schedule=schedule,
-        progress=progress,
-        chunks=chunks,
-    )
+    return auto_configure(dataclasses.replace(request, gpus=capacity, host_slots=tuple(slots)),
+                          progress=progress)

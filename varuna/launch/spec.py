@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import IO, Protocol
 
 from varuna.core.env import CONTRACT_VARS, PASSTHROUGH_PREFIX, WorkerEnv, is_passthrough
+from varuna.core.planning import check_count
 
 __all__ = [
     "MAX_PROCS_PER_HOST_CEILING",
@@ -129,10 +130,9 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if not self.script:
             raise ValueError("no script given; pass the training script (or -m MODULE) to run")
-        if self.pipeline_depth < 1:
-            raise ValueError(f"--pipeline-depth must be >= 1, got {self.pipeline_depth}")
-        if self.data_parallel < 1:
-            raise ValueError(f"--data-parallel must be >= 1, got {self.data_parallel}")
+        # The launcher's command line checked them (positive_int); a library caller gets the same check.
+        check_count("--pipeline-depth", self.pipeline_depth)
+        check_count("--data-parallel", self.data_parallel)
         if self.master_port is not None and not 0 <= self.master_port < 65536:
             raise ValueError(f"--master-port {self.master_port} is not a TCP port; use 1..65535 or 0 for any")
         if not math.isfinite(self.stop_timeout_s) or self.stop_timeout_s < 0:
@@ -185,11 +185,7 @@ def resolve_data_parallel(num_procs: int, pipeline_depth: int, data_parallel: in
         ...
         ValueError: --procs 6 is not --pipeline-depth 4 × --data-parallel D for any D; use ...
     """
-    if num_procs < 1:
-        raise ValueError(f"--procs must be >= 1, got {num_procs}")
-    if pipeline_depth < 1:
-        raise ValueError(f"--pipeline-depth must be >= 1, got {pipeline_depth}")
-    if data_parallel is None:
+    if data_parallel is None:  # N, P (and D) >= 1: checked where given (the command line)
         if num_procs % pipeline_depth == 0:
             return num_procs // pipeline_depth
         below = (num_procs // pipeline_depth) * pipeline_depth

@@ -28,8 +28,9 @@ same step or all skip it (with a warning naming the file).
 
 Example::
 
+    checkpoints = varuna.CheckpointConfig(dir="/mnt/blob/run1", every=100, resume="auto")
     engine = varuna.Engine(model, varuna.VarunaConfig(global_batch_size=32, micro_batch_size=4,
-                           checkpoint_dir="/mnt/blob/run1", checkpoint_every=100, resume="auto"),
+                                                      checkpoints=checkpoints),
                            example_batch=batch, optimizer=make_optimizer)
     for step in range(engine.step_count + 1, total_steps + 1):   # continues after the checkpoint
         engine.train_step(get_batch(step))
@@ -38,7 +39,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import shutil
 import tempfile
@@ -53,6 +53,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from varuna.core.env import WorkerSettings
 from varuna.cutting.split import ModelProfile
 from varuna.runtime.checkpoint_files import CheckpointError, UnsoundCheckpoint
 from varuna.runtime.checkpoint_format import CheckpointFormat, LoadedShare, LoadRequest, StateLayout
@@ -134,7 +135,7 @@ def resolve_resume(value: str | bool | None) -> str:
     ('always', 'auto', 'never')
     """
     if value is None:
-        value = os.environ.get("VARUNA_RESUME", "")
+        value = WorkerSettings.from_env().resume or ""
     if isinstance(value, bool):
         return "always" if value else "never"
     mode = _RESUME_MODES.get(str(value).strip().lower())
@@ -185,9 +186,9 @@ class Checkpointer:
     """Saves and loads the checkpoints of one training state (an :class:`~varuna.runtime.engine.Engine`,
     or anything providing :class:`CheckpointState`).
 
-    Settings come from the state's config, then the environment: ``checkpoint_dir`` or
+    Settings come from the state's config (``checkpoints``), then the environment: ``dir`` or
     ``$VARUNA_CHECKPOINT_DIR``; ``resume`` or ``$VARUNA_RESUME`` (1 / auto / 0);
-    ``checkpoint_format`` or ``$VARUNA_CHECKPOINT_FORMAT`` (the format written, default
+    ``format`` or ``$VARUNA_CHECKPOINT_FORMAT`` (the format written, default
     ``"varuna"``; resume reads any registered one: Note [Checkpoint formats]). The engine calls
     :meth:`attach` at the end of its ``__init__`` and :meth:`after_step` after each step.
 
@@ -202,35 +203,36 @@ class Checkpointer:
 
         engine.save_checkpoint(wait=True)          # same as engine.checkpointer.save(wait=True)
         step = engine.load_checkpoint()            # newest complete one; any P×D
-        engine.checkpointer.snapshot = "disk"      # never copy the state (VarunaConfig.checkpoint_snapshot)
-        engine.checkpointer.format.name            # "varuna" (VarunaConfig.checkpoint_format)
+        engine.checkpointer.snapshot = "disk"      # never copy the state (VarunaConfig.checkpoints.snapshot)
+        engine.checkpointer.format.name            # "varuna" (VarunaConfig.checkpoints.format)
     """
 
     def __init__(self, state: CheckpointState) -> None:
         cfg = state.config
         self.state = state
-        d = cfg.checkpoint_dir or os.environ.get("VARUNA_CHECKPOINT_DIR") or None
+        ck = cfg.checkpoints
+        d = ck.dir or WorkerSettings.from_env().checkpoint_dir
         self.directory: Path | None = Path(d) if d else None
         self.every: int = 0
-        self.keep: int = int(cfg.keep_checkpoints)
-        self.resume_mode: str = resolve_resume(cfg.resume)
-        local = cfg.local_checkpoint_dir
+        self.keep: int = int(ck.keep)
+        self.resume_mode: str = resolve_resume(ck.resume)
+        local = ck.local_dir
         self._local_base: Path | None = Path(local) if local else None
-        self.timeout_s: float = float(cfg.comm_timeout_s)
+        self.timeout_s: float = float(cfg.timeouts.comm_s)
         #: the format saves write (an unknown name is one line naming the registered ones)
-        self.format: CheckpointFormat = checkpoint_format(cfg.checkpoint_format)
-        self.set_every(int(cfg.checkpoint_every or 0))
+        self.format: CheckpointFormat = checkpoint_format(ck.format)
+        self.set_every(int(ck.every or 0))
         if self.keep < 1:
             raise ValueError(f"keep_checkpoints must be >= 1 (got {self.keep})")
         if self.directory is None and self.resume_mode == "always":
             raise ValueError(
                 "resume needs a checkpoint directory: set --checkpoint-dir, "
-                "VarunaConfig.checkpoint_dir or $VARUNA_CHECKPOINT_DIR"
+                "VarunaConfig.checkpoints.dir or $VARUNA_CHECKPOINT_DIR"
             )
         # Test hooks: called from the writer thread at each named point of a save; copy granularity.
         self.progress_hook: Callable[[str], None] | None = None
         self.copy_chunk_bytes = 8 << 20
-        self.snapshot = cfg.checkpoint_snapshot
+        self.snapshot = ck.snapshot
         #: whether the latest save took a host snapshot (else it was written before training went on)
         self.last_snapshot_in_memory: bool | None = None
         self._local_root: Path | None = None
@@ -260,7 +262,7 @@ class Checkpointer:
         if every > 0 and self.directory is None:
             raise ValueError(
                 "checkpoint_every needs a checkpoint directory: set --checkpoint-dir, "
-                "VarunaConfig.checkpoint_dir or $VARUNA_CHECKPOINT_DIR"
+                "VarunaConfig.checkpoints.dir or $VARUNA_CHECKPOINT_DIR"
             )
         self.every = every
 
@@ -309,7 +311,7 @@ class Checkpointer:
         if root is None:
             raise ValueError(
                 "no checkpoint directory: pass one, or set --checkpoint-dir, "
-                "VarunaConfig.checkpoint_dir or $VARUNA_CHECKPOINT_DIR"
+                "VarunaConfig.checkpoints.dir or $VARUNA_CHECKPOINT_DIR"
             )
         step = self.state.step_count
         target = root / step_dir_name(step)

@@ -20,11 +20,11 @@ Example::
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TypeVar
 
+from varuna.core.env import WorkerSettings
 from varuna.runtime.checkpoint_format import CheckpointFormat
 from varuna.runtime.checkpoint_manifest import ManifestFormat
 
@@ -79,9 +79,9 @@ def register_format(cls: F) -> F:
     return cls
 
 
-def _import_listed(environ: Mapping[str, str]) -> None:
+def _import_listed(environ: Mapping[str, str] | None) -> None:
     """Import the modules of ``$VARUNA_CHECKPOINT_FORMAT_MODULES`` (each registers its formats)."""
-    for module in (m.strip() for m in environ.get(MODULES_VAR, "").split(",")):
+    for module in WorkerSettings.from_env(environ).checkpoint_format_modules:
         if not module:
             continue
         try:
@@ -96,20 +96,19 @@ def format_names(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
     >>> format_names()[0]
     'varuna'
     """
-    _import_listed(os.environ if environ is None else environ)
+    _import_listed(environ)
     return tuple(_FORMATS)
 
 
 def checkpoint_format(name: str | None = None, environ: Mapping[str, str] | None = None) -> CheckpointFormat:
     """The format named ``name`` (None: ``$VARUNA_CHECKPOINT_FORMAT``, else ``"varuna"``); an
     unknown name is one ``ValueError`` line naming the registered ones and how to add one."""
-    env = os.environ if environ is None else environ
-    names = format_names(env)
-    chosen = name or env.get(FORMAT_VAR, "").strip() or DEFAULT_FORMAT
+    names = format_names(environ)
+    chosen = name or WorkerSettings.from_env(environ).checkpoint_format or DEFAULT_FORMAT
     cls = _FORMATS.get(chosen)
     if cls is None:
         raise ValueError(
-            f"unknown checkpoint format {chosen!r} (VarunaConfig.checkpoint_format / ${FORMAT_VAR}); "
+            f"unknown checkpoint format {chosen!r} (VarunaConfig.checkpoints.format / ${FORMAT_VAR}); "
             f"registered: {', '.join(names)}; a format registers itself when its module is imported: "
             f"import it in the script or name the module in ${MODULES_VAR}"
         )

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import resource
 import shutil
 import time
@@ -37,6 +36,7 @@ from typing import Any
 
 import torch
 
+from varuna.core.env import ProcessEnv
 from varuna.core.progress import Progress
 from varuna.runtime.checkpoint_files import (
     JSON_MAX_BYTES,
@@ -132,7 +132,7 @@ def memory_headroom() -> int | None:
 
         room = memory_headroom()     # e.g. 5_400_000_000 on a host with 21 GB free and 4 ranks
     """
-    sharers = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    sharers = ProcessEnv.from_env().local_world_size
     room: list[int] = []
     try:
         with open("/proc/meminfo") as f:

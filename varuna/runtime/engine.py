@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from varuna.core.batching import plan_microbatches
-from varuna.core.env import RunPlan
+from varuna.core.env import ProcessEnv
 from varuna.core.partition import check_speeds
 from varuna.core.schedule import Task, schedule_kind
 from varuna.core.timeline import Timeline
@@ -49,7 +49,7 @@ from varuna.cutting.cutpoint import CarryPlan, CutPoint, SplitState
 from varuna.cutting.loss import default_loss
 from varuna.cutting.split import ModelProfile, materialize_stage
 from varuna.runtime.checkpoint import Checkpointer, checkpoint_format
-from varuna.runtime.config import StepResult, VarunaConfig, adopt_cut_env, adopt_plan
+from varuna.runtime.config import StepResult, VarunaConfig, adopt_plan, adopt_settings
 from varuna.runtime.executor import ScheduleExecutor, StageModel
 from varuna.runtime.grad_sync import GradientSync, allreduce_scalars
 from varuna.runtime.groups import ProcessGroups, StageLinks, build_groups
@@ -60,7 +60,7 @@ from varuna.runtime.optimizer_state import load_optimizer_state_by_name, optimiz
 from varuna.runtime.peer_watch import PeerWatch, watching
 from varuna.runtime.plugins import run_plugins
 from varuna.runtime.stages import assign_stages, chunks_per_process, planning_profile
-from varuna.runtime.tensorboard import TensorBoardLog, adopt_tensorboard_env, require_tensorboard
+from varuna.runtime.tensorboard import TensorBoardLog, adopt_tensorboard_settings, require_tensorboard
 from varuna.runtime.timeline_gather import gather_timeline
 from varuna.runtime.weight_versions import add_previous, pop_previous, stale_weights, weight_versions_for
 
@@ -92,19 +92,23 @@ class Engine:
         loss_fn: Callable | None = None,
         param_init: Callable[[str, nn.Module], None] | None = None,
     ) -> None:
-        config = dataclasses.replace(config)  # the caller's object stays as it was
-        plan_note = adopt_plan(config, RunPlan.from_env())
-        adopt_cut_env(config)
-        adopt_tensorboard_env(config)
+        config = dataclasses.replace(config)  # the caller's object stays as it was (groups are frozen)
+        env = ProcessEnv.from_env()  # the one read of this process's environment (Note [One parser])
+        plan_note = adopt_plan(config, env.plan)  # Note [Run plan] in varuna/core/env.py
+        config.fill_planned_defaults()
+        adopt_settings(config, env.settings)
+        adopt_tensorboard_settings(config, env.settings)
         config.validate()
         require_tensorboard(config)  # before any group: a missing package stops every rank at once
-        checkpoint_format(config.checkpoint_format)  # an unknown format: one line, before any group
+        checkpoint_format(config.checkpoints.format)  # an unknown format: one line, before any group
         self._tb: TensorBoardLog | None = None
         self.config = config
+        self.env = env
         self.loss_fn = loss_fn or default_loss
         self.layout: Layout
         self.layout, self._owns_pg = init_distributed(
-            config.pipeline_depth, config.data_parallel, device=config.device, timeout_s=config.comm_timeout_s
+            config.pipeline_depth, config.data_parallel, device=config.device,
+            timeout_s=config.timeouts.comm_s, env=env,
         )
         if plan_note and self.layout.rank == 0:
             print(plan_note, flush=True)
@@ -128,11 +132,11 @@ class Engine:
         _on_stop_signals(config.stop_signals, self._signal_stop)
         self.checkpointer = Checkpointer(self)  # save on stop, periodic saves, resume
         self.checkpointer.attach()  # a collective when resuming: every rank loads the same step
-        self._nonfinite = NonFiniteLosses(limit=config.max_nonfinite_steps, rank=self.layout.rank)
-        self._watch = PeerWatch.for_world(self.layout.rank, self.layout.world, config.peer_timeout_s)
+        self._nonfinite = NonFiniteLosses(limit=config.numerics.max_nonfinite_steps, rank=self.layout.rank)
+        self._watch = PeerWatch.for_world(self.layout.rank, self.layout.world, config.timeouts.peer_s)
         self._close_at_exit()
         self._tb = TensorBoardLog.attach(self)  # after a resume: it notes the resume and any morph
-        run_plugins(self)
+        run_plugins(self, env.settings.engine_plugins)
 
     # ------------------------------------------------------------------ setup
 
@@ -141,7 +145,7 @@ class Engine:
         config, P = self.config, self.layout.P
         _place_cutpoints(model, example_batch, config, self.loss_fn, self.layout)  # before the dry run
         self.micro_plan = _plan_step(config, self.layout)
-        self.device = pick_device(config.device)
+        self.device = pick_device(config.device, local_rank=self.env.local_rank)
         self._split = SplitState()
         first = slice_batch(example_batch, 0, min(config.micro_batch_size, batch_size_of(example_batch)))
         self.profile: ModelProfile = planning_profile(model, first, self.loss_fn, config, self.layout)
@@ -157,9 +161,9 @@ class Engine:
             self.layout,
             self.profile,
             schedule=config.schedule,
-            recompute=config.recompute,
-            explicit=config.stage_ranges,
-            speeds=config.stage_speeds,
+            recompute=config.pipeline.recompute,
+            explicit=config.pipeline.stage_ranges,
+            speeds=config.pipeline.stage_speeds,
             chunks=v,
         )
         mine = self.stage_ranges[self.stage :: P]  # interleaved: virtual stages stage, stage + P, ...
@@ -185,12 +189,12 @@ class Engine:
     def _build_training(self, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
         config = self.config
         self._det = None
-        if config.deterministic:
+        if config.determinism.enabled:
             from varuna.runtime.determinism import DeterministicGrads
 
             torch.use_deterministic_algorithms(True)
-            torch.set_num_threads(config.deterministic_threads)
-            if config.canonical_reduction:
+            torch.set_num_threads(config.determinism.threads)
+            if config._negative_controls.canonical_reduction:
                 self._det = DeterministicGrads(
                     model=self.model,
                     profile=self.profile,
@@ -203,8 +207,8 @@ class Engine:
         self.optimizer = optimizer(list(self._trainable.values()))
         self.weight_versions = weight_versions_for(config, self._trainable, self.layout.P, self.micro_plan)
         self.scaler = DynamicLossScale(
-            scale=config.loss_scale if config.precision == "fp16" else 1.0,
-            growth_interval=config.loss_scale_growth_interval,
+            scale=config.numerics.loss_scale if config.precision == "fp16" else 1.0,
+            growth_interval=config.numerics.loss_scale_growth_interval,
         )
 
     def _build_comm(self) -> None:
@@ -216,13 +220,13 @@ class Engine:
         if self.layout.world > 1:
             from varuna.testing.netem import NetworkConfig, emulate_network
 
-            netcfg = NetworkConfig.from_env()
+            netcfg = NetworkConfig.from_setting(self.env.settings.netem)
             if netcfg is not None:  # $VARUNA_NETEM: emulate a slow network for this process
                 self._netem = emulate_network(netcfg)
                 self._netem.__enter__()
         inbox: queue.Queue = queue.Queue()
         self._links = StageLinks.start(
-            self.layout, self._groups, self.device, inbox, self.config.comm_timeout_s, chunks=self.chunks
+            self.layout, self._groups, self.device, inbox, self.config.timeouts.comm_s, chunks=self.chunks
         )
         self.timeline = Timeline()
         self._executor = ScheduleExecutor(
@@ -331,7 +335,7 @@ class Engine:
     def describe(self) -> dict:
         """The resolved configuration (P, D, m, Nm, stage ranges...), JSON-serialisable."""
         return {
-            **asdict(self.config),
+            **{k: v for k, v in asdict(self.config).items() if not k.startswith("_")},
             "P": self.layout.P,
             "D": self.layout.D,
             "m": self.config.micro_batch_size,
@@ -488,7 +492,7 @@ class Engine:
             self.model.train(was_training)
 
     def gather_timeline(self) -> Timeline | None:
-        """Every rank's recorded task events (``record_timeline=True``), merged on rank 0.
+        """Every rank's recorded task events (``metrics.record_timeline=True``), merged on rank 0.
 
         A collective: call it on every rank; rank 0 gets the :class:`Timeline`, others None.
         Times are ``time.perf_counter()`` seconds, comparable across processes of one host (a
@@ -527,8 +531,8 @@ class Engine:
     def save_checkpoint(self, directory: str | os.PathLike | None = None, *, wait: bool = False):
         """Checkpoint the state after ``step_count`` steps; every rank calls it at the same step.
 
-        Files go to local disk now and to ``directory`` (default ``config.checkpoint_dir``) in the
-        background, in ``config.checkpoint_format``; the checkpoint exists once rank 0 wrote its
+        Files go to local disk now and to ``directory`` (default ``config.checkpoints.dir``) in the
+        background, in ``config.checkpoints.format``; the checkpoint exists once rank 0 wrote its
         commit file (``wait=True`` blocks until this rank's part is copied, rank 0 until the commit
         file is written: ``manifest.json`` for the default format). Returns the
         step directory, or None when skipped because the previous save is still being copied.
@@ -617,15 +621,15 @@ def _plan_step(config: VarunaConfig, layout: Layout) -> list[list]:
     """Each replica's micro-batches (``replica_shares`` when set), after checking that the shares
     fit D and the schedule kind, and the stage speeds fit P (one line each, on every rank)."""
     plan = plan_microbatches(
-        config.global_batch_size, config.micro_batch_size, layout.D, config.replica_shares
+        config.global_batch_size, config.micro_batch_size, layout.D, config.pipeline.replica_shares
     )
     kind = schedule_kind(config.schedule)
     for d, mbs in enumerate(plan):
         reason = kind.unsupported(layout.P, len(mbs))
         if reason is not None:
             raise ValueError(f"replica {d}'s {len(mbs)} micro-batch(es) cannot run at P={layout.P}: {reason}")
-    if config.stage_speeds is not None:
-        problem = check_speeds(config.stage_speeds, layout.P)
+    if config.pipeline.stage_speeds is not None:
+        problem = check_speeds(config.pipeline.stage_speeds, layout.P)
         if problem is not None:
             raise ValueError(problem)
     return plan
@@ -656,16 +660,17 @@ def _destroy_groups(groups: ProcessGroups, *, owns_default: bool, collect: bool 
 def _place_cutpoints(
     model: nn.Module, example_batch, config: VarunaConfig, loss_fn: Callable, layout: Layout
 ) -> None:
-    """``config.cut_after`` (by name) or ``config.auto_cutpoints`` (a plan from rank 0)."""
-    if config.cut_after:
+    """``config.cutting.cut_after`` (by name) or ``cutting.auto_cutpoints`` (a plan from rank 0)."""
+    cuts = config.cutting
+    if cuts.cut_after:
         from varuna.cutting.routing import CUT_ATTR, insert_cutpoints, match_modules
 
         # Modules cut already (an earlier Engine on this model, or apply_cutpoints with the same
         # names) keep their cut: asking again is the same request, not an error.
         mods = dict(model.named_modules())
-        names = [n for n in match_modules(model, config.cut_after) if CUT_ATTR not in mods[n]._modules]
+        names = [n for n in match_modules(model, cuts.cut_after) if CUT_ATTR not in mods[n]._modules]
         insert_cutpoints(model, names, auto=False)
-    if config.auto_cutpoints is not None:
+    if cuts.auto_cutpoints is not None:
         from varuna.cutting.autocut import engine_auto_cutpoints
         from varuna.cutting.routing import check_no_cutpoints
 
@@ -673,12 +678,12 @@ def _place_cutpoints(
         engine_auto_cutpoints(
             model,
             example_batch,
-            config.auto_cutpoints,
+            cuts.auto_cutpoints,
             loss_fn=loss_fn,
             micro_batch_size=config.micro_batch_size,
             rank=layout.rank,
             world=layout.world,
-            cost=config.plan_cost,
+            cost=cuts.plan_cost,
         )
 
 

@@ -181,7 +181,7 @@ class GradientSync:
             self.det.reduce()
         else:
             self._reduce_grads()
-        if self.config.record_timeline:
+        if self.config.metrics.record_timeline:
             self.timeline.add(self.layout.stage, self.layout.replica, "AR", None, t0, time.perf_counter())
 
     def local_norms(self) -> tuple[torch.Tensor, float]:
@@ -231,6 +231,6 @@ class GradientSync:
         if coef != 1.0 and grads:
             torch._foreach_mul_(grads, coef)
         self.optimizer.step()
-        if cfg.record_timeline:
+        if cfg.metrics.record_timeline:
             self.timeline.add(self.layout.stage, self.layout.replica, "OPT", None, t_ar, time.perf_counter())
         return StepOutcome(grad_norm=norm, skipped=False, stop=stop, loss=loss)

@@ -13,7 +13,6 @@ Example::
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from varuna.core.env import rank_of, stage_and_replica
+from varuna.core.env import ProcessEnv, rank_of, stage_and_replica
 
 __all__ = ["Layout", "init_distributed", "pick_device"]
 
@@ -48,25 +47,11 @@ class Layout:
         return rank_of(stage=stage, replica=replica, pipeline_depth=self.P)
 
 
-#: Set by torchrun (``torch.distributed.run``) in every worker, never by varuna-launch.
-TORCHRUN_VAR = "TORCHELASTIC_RUN_ID"
-
-
-def _env_int(environ: Mapping[str, str], name: str) -> int | None:
-    v = environ.get(name)
-    if v in (None, ""):
-        return None
-    try:
-        return int(v)
-    except ValueError:
-        raise ValueError(f"{name}={v!r} is not an integer; set it to a whole number or unset it") from None
-
-
-def _pipeline_depth(pipeline_depth: int | None, env: Mapping[str, str], world: int) -> int:
+def _pipeline_depth(pipeline_depth: int | None, env: ProcessEnv, world: int) -> int:
     """P from the argument, else ``$VARUNA_PIPELINE_DEPTH``, else 1; under torchrun with several
     processes P must be stated, since P=1 silently replicates the whole model on every process."""
-    P = pipeline_depth or _env_int(env, "VARUNA_PIPELINE_DEPTH")
-    if P is None and world > 1 and env.get(TORCHRUN_VAR):
+    P = pipeline_depth or env.pipeline_depth
+    if P is None and world > 1 and env.torchrun:
         raise ValueError(
             f"torchrun started {world} processes but no pipeline depth is set: export "
             "VARUNA_PIPELINE_DEPTH=P (P=1: data parallelism only) or pass VarunaConfig(pipeline_depth=P)"
@@ -80,30 +65,30 @@ def init_distributed(
     *,
     device: str | None,
     timeout_s: float,
+    env: ProcessEnv | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> tuple[Layout, bool]:
     """Resolve P and D (arguments, else ``$VARUNA_PIPELINE_DEPTH`` / ``$VARUNA_DATA_PARALLEL``) and
     join the default process group when there are several processes and nobody joined it yet.
     The rest comes from torchrun's variables (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``, ...),
     which varuna-launch sets too, so a script runs under either (docs/launch.md, "Under torchrun").
-    Returns the layout and whether this call created the process group (the engine then destroys
-    it on close).
+    ``env``: this process's parsed environment (default: ``ProcessEnv.from_env(environ)``; P and
+    D there, and in the engine's config, were checked where they were read). Returns the layout
+    and whether this call created the process group (the engine then destroys it on close).
 
     Example::
 
         layout, owns = init_distributed(None, None, device="cpu", timeout_s=60.0, environ={})
         # Layout(world=1, rank=0, P=1, D=1), False
     """
-    env = os.environ if environ is None else environ
-    world = dist.get_world_size() if dist.is_initialized() else (_env_int(env, "WORLD_SIZE") or 1)
+    env = ProcessEnv.from_env(environ) if env is None else env
+    world = dist.get_world_size() if dist.is_initialized() else env.world_size
     P = _pipeline_depth(pipeline_depth, env, world)
-    D = data_parallel or _env_int(env, "VARUNA_DATA_PARALLEL") or max(world // P, 1)
-    if P < 1 or D < 1:
-        raise ValueError(f"pipeline depth and data parallelism must be >= 1 (got P={P}, D={D})")
+    D = data_parallel or env.data_parallel or max(world // P, 1)
     if world != P * D:
         how = (
             f"torchrun --nproc-per-node {P * D} on one node"
-            if env.get(TORCHRUN_VAR)
+            if env.torchrun
             else f"varuna-launch --procs {P * D} --pipeline-depth {P}"
         )
         raise ValueError(
@@ -122,8 +107,9 @@ def init_distributed(
     return Layout(world=world, rank=rank, P=P, D=D), owns
 
 
-def pick_device(device: str | None, environ: Mapping[str, str] | None = None) -> torch.device:
-    """``device`` if given, else ``cuda:$LOCAL_RANK`` (made current) when CUDA is available, else cpu.
+def pick_device(device: str | None, *, local_rank: int | None = None) -> torch.device:
+    """``device`` if given, else ``cuda:local_rank`` (default ``$LOCAL_RANK``; made current) when
+    CUDA is available, else cpu.
 
     Example::
 
@@ -132,8 +118,7 @@ def pick_device(device: str | None, environ: Mapping[str, str] | None = None) ->
     if device:
         return torch.device(device)
     if torch.cuda.is_available():
-        env = os.environ if environ is None else environ
-        dev = torch.device("cuda", _env_int(env, "LOCAL_RANK") or 0)
+        dev = torch.device("cuda", ProcessEnv.from_env().local_rank if local_rank is None else local_rank)
         torch.cuda.set_device(dev)
         return dev
     return torch.device("cpu")

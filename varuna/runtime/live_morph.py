@@ -39,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import os
 import sys
 import threading
 import time
@@ -52,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from varuna.core.env import stage_and_replica
+from varuna.core.env import ProcessEnv, stage_and_replica
 from varuna.core.live_layout import plan_generation, transfer_plan
 from varuna.runtime.engine import Engine
 from varuna.runtime.live_transfer import describe_state, receive_targets
@@ -217,7 +216,8 @@ class LiveWorld:
 
             live = LiveWorld.join("10.0.0.4:29400", member=3, world=4)
         """
-        address = address or os.environ.get(LIVE_STORE_ENV, "")
+        env = ProcessEnv.from_env()  # Note [One parser] in varuna/core/env.py
+        address = address or env.settings.live_store or ""
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"live morph needs the rendezvous store as host:port (got {address!r}); "
@@ -226,8 +226,8 @@ class LiveWorld:
         # the collector that walk covers only what the run made since (docs/live_morph.md,
         # Benchmark: the full collections were most of the tear down).
         gc.freeze()
-        member = int(os.environ["RANK"]) if member is None else member
-        joining = os.environ.get(LIVE_JOIN_ENV) == "1" if joining is None else joining
+        member = env.rank if member is None else member
+        joining = env.settings.live_join if joining is None else joining
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
         beats = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
         if joining:
@@ -236,7 +236,7 @@ class LiveWorld:
             i = store.add(f"{ROOT}joins", 1)
             store.set(f"{ROOT}join/{i}", str(member))
             return live
-        world = int(os.environ["WORLD_SIZE"]) if world is None else world
+        world = env.world_size if world is None else world
         live = cls(store=store, member=member, members=list(range(world)), timeout_s=timeout_s,
                    expected=list(range(world)))
         live.start_watch(freeze_s, beats)

@@ -73,7 +73,7 @@ class LiveTrainer:
         wait_s: float = 3600.0, on_phase: Phase | None = None, backend: str = "gloo",
         freeze_s: float = 30.0,
     ) -> None:
-        unsupported = _live_unsupported(config)
+        unsupported = _live_unsupported(config.with_plan(announce=False))  # the engine adopts it again
         if unsupported is not None:
             raise ValueError(unsupported)
         # LiveWorld.join freezes the imports out of the garbage collector (a morph's collection
@@ -85,7 +85,7 @@ class LiveTrainer:
         # heartbeat watch, which severs the groups so that the step fails (Note [Live watch]).
         config = dataclasses.replace(config, stop_signals=tuple(s for s in config.stop_signals
                                                                  if s not in notice_signals),
-                                     peer_timeout_s=0)
+                                     timeouts=dataclasses.replace(config.timeouts, peer_s=0))
         self._build_model, self.config = build_model, config
         self._engine_args = {"example_batch": example_batch, "optimizer": optimizer, "loss_fn": loss_fn,
                              "param_init": param_init}
@@ -174,12 +174,14 @@ class LiveTrainer:
         return engine
 
     def _build(self, P: int, D: int) -> Engine:
-        cfg = dataclasses.replace(self.config, pipeline_depth=P, data_parallel=D, resume=False)
+        cfg = dataclasses.replace(self.config, pipeline_depth=P, data_parallel=D,
+                                  checkpoints=dataclasses.replace(self.config.checkpoints, resume=False))
         if (P, D) != self._planned:
             # The run plan's stage ranges, shares and speeds were sized for the launch layout
             # (Note [Run plan]); a new P×D balances its own split. The engine reads the plan from
             # the environment, so this process drops those variables too.
-            cfg = dataclasses.replace(cfg, stage_ranges=None, replica_shares=None, stage_speeds=None)
+            cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(
+                cfg.pipeline, stage_ranges=None, replica_shares=None, stage_speeds=None))
             for name in _LAYOUT_PLAN_ENV:
                 os.environ.pop(name, None)
             self._planned = (P, D)
@@ -266,7 +268,7 @@ def _live_unsupported(config: VarunaConfig) -> str | None:
     if schedule_kind(config.schedule).weight_versions > 1:
         return (f"live morph does not carry the {config.schedule} schedule's second weight version yet; "
                 "use a synchronous schedule (varuna, 1f1b, ...) or the restart path (no live morph)")
-    if config.chunks > 1:
-        return (f"live morph does not support interleaved stages (chunks={config.chunks}) yet; use chunks=1 "
-                "or the restart path (no live morph)")
+    if config.pipeline.chunks > 1:
+        return (f"live morph does not support interleaved stages (chunks={config.pipeline.chunks}) yet; "
+                "use chunks=1 or the restart path (no live morph)")
     return None

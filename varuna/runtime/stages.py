@@ -44,15 +44,17 @@ def chunks_per_process(config: VarunaConfig, P: int, num_cutpoints: int, micro_p
 
     Example::
 
-        chunks_per_process(VarunaConfig(8, 1, schedule="interleaved", chunks=2), 4, 7, plan)  # 2
+        cfg = VarunaConfig(global_batch_size=8, micro_batch_size=1, schedule="interleaved",
+                           pipeline=PipelineConfig(chunks=2))
+        chunks_per_process(cfg.with_plan(RunPlan(), announce=False), 4, 7, plan)  # 2
     """
     check_pipeline_depth(P, num_cutpoints)
     kind = schedule_kind(config.schedule)
-    v = kind.chunks_per_device(config.chunks)
+    v = kind.chunks_per_device(config.pipeline.chunks)
     if v > 1:
         check_chunks_fit(P, v, num_cutpoints)
         for plan in micro_plan:  # Nm must suit the kind (interleaved: a multiple of P)
-            kind.pipeline(P, len(plan), recompute=config.recompute, chunks=v)
+            kind.pipeline(P, len(plan), recompute=config.pipeline.recompute, chunks=v)
     return v
 
 
@@ -100,7 +102,7 @@ def planning_profile(model: nn.Module, micro_batch, loss_fn: Callable, config: V
                      layout: Layout) -> ModelProfile:
     """The engine's dry run (:func:`varuna.cutting.split.profile_model`) with the segment costs
     the stage split needs: counted only on rank 0 (it broadcasts the split) and only when it
-    splits; FLOPs unless ``config.plan_cost == "time"`` (measured), because a plan must not change
+    splits; FLOPs unless ``config.cutting.plan_cost == "time"`` (measured), because a plan must not change
     between identical runs (docs/annotating.md, "Stable plans").
 
     Example::
@@ -108,13 +110,13 @@ def planning_profile(model: nn.Module, micro_batch, loss_fn: Callable, config: V
         prof = planning_profile(model, first_micro_batch, loss_fn, config, layout)
         prof.cost_unit   # "flop" on rank 0 of a P > 1 job by default
     """
-    costs = layout.rank == 0 and config.stage_ranges is None and layout.P > 1
+    costs = layout.rank == 0 and config.pipeline.stage_ranges is None and layout.P > 1
     prof = profile_model(
         model,
         micro_batch,
         loss_fn,
-        timing_reps=config.dry_run_reps,
-        measure=costs and config.plan_cost == "time",
+        timing_reps=config.cutting.timing_reps,
+        measure=costs and config.cutting.plan_cost == "time",
         costs=costs,
     )
     if costs and prof.cost_unit == "flop" and not any(prof.fwd_cost) and not any(
@@ -124,7 +126,7 @@ def planning_profile(model: nn.Module, micro_batch, loss_fn: Callable, config: V
         # segments, so measure after all (and say so: this plan may vary between runs).
         print("varuna: the model's segments count no FLOPs; balancing stages on measured time", flush=True)
         prof = profile_model(
-            model, micro_batch, loss_fn, timing_reps=config.dry_run_reps, measure=True, costs=True
+            model, micro_batch, loss_fn, timing_reps=config.cutting.timing_reps, measure=True, costs=True
         )
     return prof
 
