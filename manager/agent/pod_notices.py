@@ -85,10 +85,12 @@ def _notice_dir(url: str | None) -> Path:
     """The directory a ``--notice-url`` names: a path or a ``file://`` URL (``ValueError``)."""
     text = url or DEFAULT_NOTICE_DIR
     if text.startswith("file://"):
-        text = text[len("file://"):]
+        text = text[len("file://") :]
     if "://" in text or not os.path.isabs(text):
-        raise ValueError(f"pod notices: --notice-url {url!r} is not an absolute directory path "
-                         "(the emptyDir the pod's preStop hook writes to)")
+        raise ValueError(
+            f"pod notices: --notice-url {url!r} is not an absolute directory path "
+            "(the emptyDir the pod's preStop hook writes to)"
+        )
     return Path(text)
 
 
@@ -114,8 +116,10 @@ class PodTerminationNotices:
             self._say(str(exc) + "; this VM will see no termination notice")
             return
         if not self.dir.is_dir():
-            self._say(f"pod notices: {self.dir} is not a directory (the pod's notice emptyDir is not "
-                      "mounted there); this VM sees no termination notice until it is")
+            self._say(
+                f"pod notices: {self.dir} is not a directory (the pod's notice emptyDir is not "
+                "mounted there); this VM sees no termination notice until it is"
+            )
 
     def _say(self, line: str) -> None:
         """One line on stderr, once per distinct problem (the agent polls every second)."""
@@ -195,8 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     hook = sub.add_parser("pre-stop", help="announce the pod's termination and wait for the agent")
     hook.add_argument("--dir", default=DEFAULT_NOTICE_DIR, help="the notice emptyDir")
-    hook.add_argument("--wait", type=float, required=True, metavar="S",
-                      help="longest wait for the agent's approval (less than the pod's grace period)")
+    hook.add_argument(
+        "--wait",
+        type=float,
+        required=True,
+        metavar="S",
+        help="longest wait for the agent's approval (less than the pod's grace period)",
+    )
     hook.add_argument("--pod", default="", help="the pod's name (default: the hostname)")
     args = parser.parse_args(argv)
     try:

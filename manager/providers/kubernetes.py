@@ -98,8 +98,18 @@ LOG_DIR = "/var/log/varuna"
 #: reach the agent before the kubelet's SIGKILL).
 PRE_STOP_MARGIN_S = 2
 #: Per-type options (``[[vm_types]]`` / a pool type's ``provider_options``).
-TYPE_OPTION_KEYS = ("image", "cpu", "memory", "gpus", "gpu_resource", "node_selector", "tolerations",
-                    "priority_class", "grace_period_s", "labels")
+TYPE_OPTION_KEYS = (
+    "image",
+    "cpu",
+    "memory",
+    "gpus",
+    "gpu_resource",
+    "node_selector",
+    "tolerations",
+    "priority_class",
+    "grace_period_s",
+    "labels",
+)
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
@@ -200,11 +210,14 @@ class KubernetesProviderOptions:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"provider_options: unknown kubernetes option(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
+            raise ValueError(
+                f"provider_options: unknown kubernetes option(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
+            )
         if not data.get("image") or not isinstance(data.get("image"), str):
-            raise ValueError("provider_options: kubernetes needs image (a container image with "
-                             "varuna[manager] installed)")
+            raise ValueError(
+                "provider_options: kubernetes needs image (a container image with varuna[manager] installed)"
+            )
         opts = cls(**dict(data))
         opts._check()
         return opts
@@ -226,19 +239,23 @@ class KubernetesProviderOptions:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{where}.{name} must be an integer number of seconds >= 0, got {value!r}")
         if self.grace_period_s <= PRE_STOP_MARGIN_S:
-            raise ValueError(f"{where}.grace_period_s must exceed {PRE_STOP_MARGIN_S} s (the agent stops its "
-                             f"workers within it), got {self.grace_period_s}")
+            raise ValueError(
+                f"{where}.grace_period_s must exceed {PRE_STOP_MARGIN_S} s (the agent stops its "
+                f"workers within it), got {self.grace_period_s}"
+            )
         for name in ("node_selector", "labels"):
             value = getattr(self, name)
-            if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                       for k, v in value.items()):
+            if not isinstance(value, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+            ):
                 raise ValueError(f"{where}.{name} must be a table of strings, got {value!r}")
         for name in ("tolerations", "volumes", "volume_mounts"):
             value = getattr(self, name)
             if not isinstance(value, list) or not all(isinstance(x, dict) for x in value):
                 raise ValueError(f"{where}.{name} must be a list of tables (Kubernetes JSON), got {value!r}")
-        if not isinstance(self.preemption_taints, list) or not all(isinstance(x, str)
-                                                                   for x in self.preemption_taints):
+        if not isinstance(self.preemption_taints, list) or not all(
+            isinstance(x, str) for x in self.preemption_taints
+        ):
             raise ValueError(f"{where}.preemption_taints must be a list of taint keys")
         for name in ("api_timeout_s", "sweep_interval_s"):
             value = getattr(self, name)
@@ -257,8 +274,9 @@ class KubernetesProviderOptions:
 
 #: What needs the kubernetes extra, as its one-line error names it.
 KUBERNETES_WHAT = "the kubernetes provider (on the manager's host)"
-KUBERNETES_EXTRA = ProviderExtra(name="kubernetes", packages={"kubernetes": "kubernetes"},
-                                 what=KUBERNETES_WHAT)
+KUBERNETES_EXTRA = ProviderExtra(
+    name="kubernetes", packages={"kubernetes": "kubernetes"}, what=KUBERNETES_WHAT
+)
 
 
 def api_client(options: KubernetesProviderOptions) -> Any:
@@ -276,16 +294,21 @@ def api_client(options: KubernetesProviderOptions) -> Any:
             configuration = client.Configuration()
             config.load_incluster_config(client_configuration=configuration)
             return client.ApiClient(configuration)
-        return config.new_client_from_config(config_file=options.kubeconfig, context=options.context,
-                                             persist_config=False)
+        return config.new_client_from_config(
+            config_file=options.kubeconfig, context=options.context, persist_config=False
+        )
     except (config.ConfigException, OSError, ValueError, TypeError) as exc:
-        where = "the in-cluster service account" if in_cluster else (
-            f"kubeconfig {options.kubeconfig or '$KUBECONFIG or ~/.kube/config'}")
+        where = (
+            "the in-cluster service account"
+            if in_cluster
+            else (f"kubeconfig {options.kubeconfig or '$KUBECONFIG or ~/.kube/config'}")
+        )
         raise RuntimeError(f"kubernetes: cannot use {where}: {exc}".splitlines()[0]) from None
 
 
 def api_error(exc: BaseException, what: str) -> str:
-    """One line for a failed API call: the API's own message when it sent one."""
+    """One line for a failed API call: the API's own message when it sent one, else why the API
+    server could not be reached."""
     import json
 
     status = getattr(exc, "status", None)
@@ -297,7 +320,8 @@ def api_error(exc: BaseException, what: str) -> str:
         except (ValueError, AttributeError):
             pass
         return f"kubernetes: {what}: {status} {message}".splitlines()[0]
-    return f"kubernetes: {what}: cannot reach the API server ({type(exc).__name__}: {exc})".splitlines()[0]
+    reason = getattr(exc, "reason", None) or exc  # urllib3's MaxRetryError wraps the cause
+    return f"kubernetes: {what}: cannot reach the API server: {reason}".splitlines()[0]
 
 
 @dataclass
@@ -326,8 +350,15 @@ class KubernetesProvider:
 
     name = "kubernetes"
 
-    def __init__(self, options: KubernetesProviderOptions, context: ProviderContext, *,
-                 client: Any = None, token: str | None = None, say: Any = None) -> None:
+    def __init__(
+        self,
+        options: KubernetesProviderOptions,
+        context: ProviderContext,
+        *,
+        client: Any = None,
+        token: str | None = None,
+        say: Any = None,
+    ) -> None:
         if client is None:
             KUBERNETES_EXTRA.require()
         self.options = options
@@ -342,6 +373,7 @@ class KubernetesProvider:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._last_sweep = time.monotonic()
+        self._said: set[str] = set()
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -362,7 +394,12 @@ class KubernetesProvider:
             self._say_fn(text)
         else:
             stamp = time.strftime("%H:%M:%S")
-            print(f"{stamp} varuna-manager kubernetes: {text}", file=sys.stderr, flush=True)
+            print(f"{stamp} varuna-manager: {text}", file=sys.stderr, flush=True)
+
+    def _say_once(self, text: str) -> None:
+        if text not in self._said:
+            self._said.add(text)
+            self._say(text)
 
     def _read_token(self) -> str:
         if self._token is None:
@@ -382,8 +419,9 @@ class KubernetesProvider:
             out[TYPE_LABEL] = label_value(vm_type)
         return out
 
-    def agent_start(self, job_id: str, vm_id: str, slots: int,
-                    options: KubernetesProviderOptions) -> AgentStart:
+    def agent_start(
+        self, job_id: str, vm_id: str, slots: int, options: KubernetesProviderOptions
+    ) -> AgentStart:
         """What the pod's agent is started with (paths inside the pod)."""
         c = self.context
         return AgentStart(
@@ -404,8 +442,14 @@ class KubernetesProvider:
             standby=slots if options.standby else 0,
         )
 
-    def pod_manifest(self, job_id: str, vm_id: str, slots: int, options: KubernetesProviderOptions,
-                     type_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def pod_manifest(
+        self,
+        job_id: str,
+        vm_id: str,
+        slots: int,
+        options: KubernetesProviderOptions,
+        type_options: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """The pod of one VM (Kubernetes JSON; module docstring)."""
         name = pod_name(vm_id)
         vm_type = str((type_options or {}).get("vm_type", "") or "")
@@ -433,10 +477,24 @@ class KubernetesProvider:
                 {"name": "varuna-logs", "mountPath": LOG_DIR},
                 *options.volume_mounts,
             ],
-            "lifecycle": {"preStop": {"exec": {"command": [
-                options.python, "-m", PRE_STOP_MODULE, "pre-stop", "--dir", NOTICE_DIR,
-                "--wait", str(wait_s), "--pod", name,
-            ]}}},
+            "lifecycle": {
+                "preStop": {
+                    "exec": {
+                        "command": [
+                            options.python,
+                            "-m",
+                            PRE_STOP_MODULE,
+                            "pre-stop",
+                            "--dir",
+                            NOTICE_DIR,
+                            "--wait",
+                            str(wait_s),
+                            "--pod",
+                            name,
+                        ]
+                    }
+                }
+            },
         }
         if options.image_pull_policy:
             container["imagePullPolicy"] = options.image_pull_policy
@@ -493,8 +551,9 @@ class KubernetesProvider:
             "data": {k: base64.b64encode(v.encode("utf-8")).decode("ascii") for k, v in data.items()},
         }
         if meta.get("uid"):
-            out["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod", "name": meta["name"],
-                                                   "uid": meta["uid"]}]
+            out["metadata"]["ownerReferences"] = [
+                {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "uid": meta["uid"]}
+            ]
         return out
 
     # -- Provider interface --------------------------------------------------------------------
@@ -512,6 +571,13 @@ class KubernetesProvider:
         from urllib3.exceptions import HTTPError
 
         options = self.options.typed(type_options)
+        try:
+            self._read_token()
+        except (OSError, ValueError) as exc:
+            raise RuntimeError(
+                f"kubernetes: cannot read the manager's token: {exc}".splitlines()[0]
+            ) from None
+        _ = self.client  # RuntimeError (one line) when the cluster's configuration is unusable
         self._start_watches(job_id)
         out: list[NewVM] = []
         for vm_id in names:
@@ -519,13 +585,16 @@ class KubernetesProvider:
             name = manifest["metadata"]["name"]
             try:
                 pod = self.client.sanitize_for_serialization(
-                    self.core.create_namespaced_pod(options.namespace, manifest,
-                                                    _request_timeout=options.api_timeout_s))
+                    self.core.create_namespaced_pod(
+                        options.namespace, manifest, _request_timeout=options.api_timeout_s
+                    )
+                )
                 with self._lock:
                     self._created[name] = time.monotonic()
                 secret = self.secret_manifest(job_id, vm_id, pod)
-                self.core.create_namespaced_secret(options.namespace, secret,
-                                                   _request_timeout=options.api_timeout_s)
+                self.core.create_namespaced_secret(
+                    options.namespace, secret, _request_timeout=options.api_timeout_s
+                )
             except (ApiException, HTTPError, OSError) as exc:
                 # Half made (the Secret failed), or a pod of that name left by a manager that died
                 # mid-request (409): delete it; the manager asks again after its back-off.
@@ -563,6 +632,11 @@ class KubernetesProvider:
     def gone_vms(self, vms: Sequence[ProviderVM]) -> list[str]:
         if not vms:
             return []
+        try:
+            _ = self.client
+        except RuntimeError as exc:  # once: gone_vms is asked every tick
+            self._say_once(str(exc))
+            return []
         self._start_watches(vms[0].job_id)
         with self._lock:
             cache = self._cache
@@ -594,11 +668,18 @@ class KubernetesProvider:
         wanted = {str(vm.ref.get("pod") or pod_name(vm.vm_id)) for vm in vms}
         with self._lock:
             recent = {n for n, t in self._created.items() if now - t < 2 * self.options.sweep_interval_s}
-            strays = [n for n in self._cache.pods if n not in wanted and n not in recent
-                      and not (self._cache.pods[n].get("metadata") or {}).get("deletionTimestamp")]
+            strays = [
+                n
+                for n in self._cache.pods
+                if n not in wanted
+                and n not in recent
+                and not (self._cache.pods[n].get("metadata") or {}).get("deletionTimestamp")
+            ]
         for name in strays:
-            self._say(f"deleting pod {self.options.namespace}/{name}: no live VM of job {self._job_id} "
-                      "names it")
+            self._say(
+                f"kubernetes: deleting pod {self.options.namespace}/{name}: no live VM of job "
+                f"{self._job_id} names it"
+            )
             self._delete(name, self.options.delete_grace_s)
 
     def close(self) -> None:
@@ -642,8 +723,13 @@ class KubernetesProvider:
                     rv = self._list(kind)
                 failures = 0
                 w = watch.Watch()
-                for event in w.stream(self._list_call(kind), **self._list_kwargs(kind), resource_version=rv,
-                                      deserialize=False, _request_timeout=(o.api_timeout_s, o.api_timeout_s)):
+                for event in w.stream(
+                    self._list_call(kind),
+                    **self._list_kwargs(kind),
+                    resource_version=rv,
+                    deserialize=False,
+                    _request_timeout=(o.api_timeout_s, o.api_timeout_s),
+                ):
                     if self._stop.is_set():
                         w.stop()
                         break
@@ -652,9 +738,14 @@ class KubernetesProvider:
                 if "timed out" in str(exc).lower():
                     continue
                 if getattr(exc, "status", None) == 403 and kind == "nodes":
-                    self._say(api_error(exc, "cannot watch nodes (RBAC: see the ClusterRole in "
-                                        "docs/manager.md); preemption taints go unseen, pod "
-                                        "deletions are still seen"))
+                    self._say(
+                        api_error(
+                            exc,
+                            "cannot watch nodes (RBAC: see the ClusterRole in "
+                            "docs/manager.md); preemption taints go unseen, pod "
+                            "deletions are still seen",
+                        )
+                    )
                     return
                 rv = None
                 failures += 1
@@ -673,8 +764,9 @@ class KubernetesProvider:
     def _list(self, kind: str) -> str:
         """Replace the cache of ``kind`` with a fresh list; its resourceVersion."""
         started = time.monotonic()
-        reply = self._list_call(kind)(**self._list_kwargs(kind), _preload_content=False,
-                                      _request_timeout=self.options.api_timeout_s)
+        reply = self._list_call(kind)(
+            **self._list_kwargs(kind), _preload_content=False, _request_timeout=self.options.api_timeout_s
+        )
         import json
 
         doc = json.loads(reply.data)
@@ -694,8 +786,9 @@ class KubernetesProvider:
         if kind != "pods":
             return True
         labels = (obj.get("metadata") or {}).get("labels") or {}
-        return (labels.get(MANAGED_BY[0]) == MANAGED_BY[1]
-                and labels.get(JOB_LABEL) == label_value(self._job_id))
+        return labels.get(MANAGED_BY[0]) == MANAGED_BY[1] and labels.get(JOB_LABEL) == label_value(
+            self._job_id
+        )
 
     def _on_event(self, kind: str, event: Mapping[str, Any]) -> str:
         """Apply one watch event to the cache; the object's resourceVersion ("" if none)."""
@@ -735,6 +828,8 @@ class KubernetesProvider:
                     self._cache.noticed.add(name)
                     doomed.append((name, node, why))
         for name, node, why in doomed:
-            self._say(f"node {node}: {why}: deleting pod {o.namespace}/{name} with its grace period "
-                      f"({o.grace_period_s} s; its agent gets the notice)")
+            self._say(
+                f"kubernetes: node {node}: {why}: deleting pod {o.namespace}/{name} with its grace period "
+                f"({o.grace_period_s} s; its agent gets the notice)"
+            )
             self._delete(name, None, secret=False)  # its volume stays mounted until it ends
