@@ -229,6 +229,9 @@ def test_gpt_on_kubernetes_pods_notice_loss_growth_and_cleanup(tmp_path):
         assert len(made) == 6 and all(deleted for _, _, deleted in made), made  # 4 + 2 replacements
         assert all(deleted for _, _, deleted in cluster.server.objects("secrets"))
         wait_for(lambda: not processes_mentioning(job), 60, "every agent and worker to exit")
+        for r in _resumed(mp, job):
+            print(f"\n{r['reason']}: {r['previous_P']}x{r['previous_D']} -> {r['P']}x{r['D']}, "
+                  f"morph {r['morph_latency_s']:.1f} s, {r['redone_steps']} step(s) redone")
     except BaseException:
         print("\n".join(cluster.kubelet.log[-80:]))
         for log in sorted(tmp_path.glob("manager-*.log")):
