@@ -19,6 +19,7 @@ import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from manager.common.wire import MAX_RECONNECT_BACKOFF_S
@@ -29,6 +30,7 @@ from manager.domain.ports import LiveMorph, NoLiveMorph, NoPool, SharedPool
 from manager.domain.records import GenerationRecord, JobRecord, VMRecord
 from manager.domain.store import Store
 from manager.providers.base import Provider, ProviderContext
+from manager.providers.registry import provider_entry
 from varuna.core.calibration import Calibration
 
 __all__ = ["LIVE_GENERATION_STATES", "JobCache", "ManagerConfig", "ManagerContext"]
@@ -81,6 +83,8 @@ class JobCache:
     calibration: Calibration | None
     profile: ProfileSpec | None = None
     provider: Provider | None = None
+    other_providers: dict[str, Provider] = field(default_factory=dict)
+    """Providers of pool types that name their own (Note [Providers in a pool]), by their key."""
     plans: dict[tuple[Any, ...], Any] = field(default_factory=dict)
     """Layouts per slot tuple (LayoutPlan or why nothing fits); with mixed VM types also the mixed
     placement per (slots, types) (``manager.domain.morph_planner.MorphPlanner.place``)."""
@@ -173,21 +177,35 @@ class ManagerContext:
         """Whether ``job`` takes its VMs from the shared pool (docs/pool.md)."""
         return self.pool.is_pool(job)
 
-    def provider(self, job: JobRecord) -> Provider:
-        """The job's provider (made on first use, closed by :meth:`close_providers`)."""
+    def provider(self, job: JobRecord, vm_type: str = "") -> Provider:
+        """The job's provider, or the one of pool type ``vm_type`` when that type names its own
+        (Note [Providers in a pool]); made on first use, closed by :meth:`close_providers`."""
         cache = self.cache(job)
+        own = self.pool.type_provider(vm_type) if vm_type and self.pool_job(job) else None
+        if own is not None and own[0] != cache.spec.provider:
+            name, options = own
+            per_type = provider_entry(name).type_options  # the same provider for a pool's types
+            key = json.dumps([name, {k: v for k, v in options.items() if k not in per_type}], sort_keys=True)
+            if key not in cache.other_providers:
+                cache.other_providers[key] = self._provider_factory(name, options, self.provider_context)
+            return cache.other_providers[key]
         if cache.provider is None:
             cache.provider = self._provider_factory(
                 cache.spec.provider, cache.spec.provider_options, self.provider_context
             )
         return cache.provider
 
+    def provider_of(self, job: JobRecord, vm: VMRecord) -> Provider:
+        """The provider that made ``vm`` (its pool type's, else the job's)."""
+        return self.provider(job, str(vm.ref.get("vm_type", "")))
+
     def close_providers(self) -> None:
         """Close every provider made so far (the manager is stopping)."""
         with self.lock:
             for cache in self._jobs.values():
-                if cache.provider is not None:
-                    cache.provider.close()
+                for provider in [cache.provider, *cache.other_providers.values()]:
+                    if provider is not None:
+                        provider.close()
 
     # -- shared primitives ---------------------------------------------------------------------
 
@@ -273,10 +291,9 @@ class ManagerContext:
         self.event(job.job_id, state, message, data={"step": fresh.step})
         self.live.close(job.job_id)
         # Delete every VM (their agents get SHUTDOWN meanwhile, should they heartbeat).
-        provider = self.provider(job)
         for vm in self.store.vms(job.job_id, states=["requested", "up", "gone"]):
             self.store.update_vm(vm.vm_id, state="deleted")
-            self.actions.append(lambda vm=vm: provider.delete_vm(vm))
+            self.actions.append(partial(self.provider_of(job, vm).delete_vm, vm))
 
     def begin_stop(self, job: JobRecord, gen: GenerationRecord, reason: str, now: float) -> None:
         """Ask ``gen``'s workers to checkpoint and exit (SIGUSR1 through the agents' orders)."""

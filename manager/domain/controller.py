@@ -251,14 +251,18 @@ class Manager:
             with ctx.lock:
                 ctx.pool.tick(ctx.clock())  # a round when one is due: placements for this pass
         for job in ctx.store.jobs(active_only=True):
-            with ctx.lock:
-                provider = ctx.provider(job)
+            with ctx.lock:  # each provider sees its own VMs (a pool type may name its own)
+                by_provider: dict[int, tuple[Any, list]] = {id(ctx.provider(job)): (ctx.provider(job), [])}
+                for vm in ctx.store.vms(job.job_id, states=["requested", "up"]):
+                    provider = ctx.provider_of(job, vm)
+                    by_provider.setdefault(id(provider), (provider, []))[1].append(vm)
             # Provider news first, outside the lock (a cloud listing takes time).
             gone: list[str] = []
-            try:
-                gone = provider.gone_vms(ctx.store.vms(job.job_id, states=["requested", "up"]))
-            except Exception as exc:  # provider trouble must not stop supervision
-                self.vms.provider_error(job, f"listing VMs failed: {exc}")
+            for provider, vms in by_provider.values():
+                try:
+                    gone += provider.gone_vms(vms)
+                except Exception as exc:  # provider trouble must not stop supervision
+                    self.vms.provider_error(job, f"listing VMs failed: {exc}")
             with ctx.lock:
                 ctx.actions = []
                 fresh = ctx.store.job(job.job_id)

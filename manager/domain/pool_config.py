@@ -1,6 +1,14 @@
 """The shared pool's configuration (``varuna-manager serve --pool POOL.toml``, docs/pool.md):
-the VM types with their price, size, relative speed and capacity, how the capacity changes, the
-policy and the round length.
+the VM types with their price, size, relative speed, capacity and provider, how the capacity
+changes, the policy and the round length.
+
+Note [Providers in a pool]: a pool type may name its own ``provider`` (a spot pool on Kubernetes
+beside pretend VMs, Azure beside Kubernetes...): its VMs then come from that provider, made with
+the type's ``provider_options``, whatever the job's own provider is (``ManagerContext.provider``
+with the VM's type; one provider per job and provider, the per-type options going with each
+request), and every later call for such a VM (listing, deleting) goes to the provider that made
+it (``ManagerContext.provider_of``). Without ``provider`` a type's VMs come from each job's
+provider, its ``provider_options`` merged over the job's.
 
     >>> cfg = PoolConfig.from_dict({"policy": "las", "round_s": 60,
     ...     "types": [{"name": "fast", "price_per_hour": 0.9, "capacity": 2},
@@ -20,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from manager.allocation.pool import VMType
+from manager.providers.registry import provider_entry
 
 __all__ = ["POLICIES", "CapacityChange", "PoolConfig", "PoolType", "load_pool_config"]
 
@@ -72,7 +81,11 @@ class PoolType:
     throughput is the calibration's prediction × speed. On the local provider a type with
     speed < 1 is emulated: its pretend VMs' workers take 1/speed as long per step."""
     provider_options: dict[str, Any] = field(default_factory=dict)
-    """Merged over a job's ``provider_options`` for VMs of this type (e.g. azure ``vm_size``)."""
+    """Merged over a job's ``provider_options`` for VMs of this type (e.g. azure ``vm_size``); with
+    ``provider``, that provider's options for this type (checked when the pool is loaded)."""
+    provider: str = ""
+    """Where this type's VMs come from: a registered provider (Note [Providers in a pool]); empty:
+    each job's own provider."""
 
     def __post_init__(self) -> None:
         where = f"pool type {self.name!r}"
@@ -85,6 +98,15 @@ class PoolType:
         _number(self.speed, f"{where}: speed", low=0, strict=True)
         if not isinstance(self.provider_options, dict):
             raise ValueError(f"{where}: provider_options must be a table/object")
+        if self.provider:
+            try:
+                provider_entry(str(self.provider)).parse_options(self.provider_options)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"{where}: {str(exc).splitlines()[0]}") from None
+
+    def base_options(self) -> dict[str, Any]:
+        """The options this type's own ``provider`` is made with."""
+        return dict(self.provider_options)
 
     def vm_type(self) -> VMType:
         """The allocation package's view of this type."""

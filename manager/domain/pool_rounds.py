@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 from manager.allocation.policies import Allocation, AllocationProblem, Job, solve
@@ -151,13 +152,12 @@ class PoolRounds:
         in_gen = gen.vm_set if gen is not None else frozenset()
         live = [vm for vm in vms if vm.state in ("requested", "up") and not vm.slow and not vm.notice]
         keep = {vm.vm_id for vm in self.usable(job, live)}
-        provider = ctx.provider(job)
         for vm in vms:
             if vm.state in ("requested", "up") and vm.vm_id not in keep and vm.vm_id not in in_gen:
                 ctx.store.update_vm(vm.vm_id, state="deleted", gone_reason="released to the pool")
                 ctx.event(job.job_id, "vm-released", f"{vm.vm_id} ({self.vm_type_of(vm) or '?'}): not in the "
                           "job's pool placement", vm_id=vm.vm_id)
-                ctx.actions.append(lambda vm=vm: provider.delete_vm(vm))
+                ctx.actions.append(partial(ctx.provider_of(job, vm).delete_vm, vm))
         t = self.target(job)
         if t is None:
             return 0, 1, None
@@ -166,6 +166,14 @@ class PoolRounds:
         if ptype.speed < 1.0:
             options["vm_slowdown"] = 1.0 / ptype.speed
         return t[1] - len([v for v in live if self.vm_type_of(v) == t[0]]), ptype.slots, options
+
+    def type_provider(self, vm_type: str) -> tuple[str, dict[str, Any]] | None:
+        """(provider, options) of a pool type that names its own provider (Note [Providers in a
+        pool]); None: its VMs come from each job's provider."""
+        ptype = next((t for t in self.config.types if t.name == vm_type), None)
+        if ptype is None or not ptype.provider:
+            return None
+        return ptype.provider, ptype.base_options()
 
     def share(self, job: JobRecord) -> PoolShare:
         """The job's place in the pool, for ``status``."""

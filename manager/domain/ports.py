@@ -209,6 +209,10 @@ class SharedPool(Protocol):
         """The job's place in the pool, for ``status``."""
         ...
 
+    def type_provider(self, vm_type: str) -> tuple[str, dict[str, Any]] | None:
+        """(provider, its options) of a pool type that names its own provider; None: the job's."""
+        ...
+
 
 class NoLiveMorph:
     """The :class:`LiveMorph` of a daemon without live morph: no job is live, nothing is open."""
@@ -289,3 +293,6 @@ class NoPool:
 
     def share(self, job: JobRecord) -> PoolShare:
         raise RuntimeError("no shared pool in this manager")
+
+    def type_provider(self, vm_type: str) -> tuple[str, dict[str, Any]] | None:
+        return None

@@ -252,8 +252,8 @@ class VMBook:
         if in_gen and gen is not None and gen.state == "running":
             ctx.note_detection(job, f"{vm.vm_id} lost ({reason})", now)
         gone_vm = ctx.store.vm(vm.vm_id)
-        provider = ctx.provider(job)
         if gone_vm is not None:
+            provider = ctx.provider_of(job, gone_vm)
             ctx.actions.append(lambda: provider.delete_vm(gone_vm))
 
     # -- the provider --------------------------------------------------------------------------
@@ -310,7 +310,9 @@ class VMBook:
         ctx = self.ctx
         cache = ctx.cache(job)
         spec = cache.spec
-        provider = ctx.provider(job)
+        vm_type = str((type_options or {}).get("vm_type", ""))
+        provider = ctx.provider(job, vm_type)  # a pool type may name its own (Note [Providers in a pool])
+        source = getattr(provider, "name", spec.provider)
         new: list = []
         try:
             extra = {"type_options": type_options} if type_options else {}
@@ -333,7 +335,7 @@ class VMBook:
                         VMRecord(
                             vm_id=nv.vm_id,
                             job_id=job.job_id,
-                            provider=spec.provider,
+                            provider=source,
                             seq=seqs.get(nv.vm_id, 0),
                             state="requested",
                             slots=slots,
@@ -349,7 +351,7 @@ class VMBook:
                 ctx.event(
                     job.job_id,
                     "vm-requested",
-                    f"{len(new)} VM(s){kind} from {spec.provider}: {', '.join(nv.vm_id for nv in new)}",
+                    f"{len(new)} VM(s){kind} from {source}: {', '.join(nv.vm_id for nv in new)}",
                 )
             if len(new) == len(seqs):
                 cache.create_after = 0.0  # got everything: no back-off
@@ -357,6 +359,6 @@ class VMBook:
                 ctx.event(
                     job.job_id,
                     "capacity",
-                    f"{spec.provider} gave {len(new)} of {len(seqs)} VM(s); "
+                    f"{source} gave {len(new)} of {len(seqs)} VM(s); "
                     f"retrying every {ctx.config.create_retry_s:g} s",
                 )
