@@ -61,7 +61,7 @@ PROVIDER_MODULES_ENV = "VARUNA_PROVIDER_MODULES"
 #: imports the module, which registers).
 ENTRY_POINT_GROUP = "varuna.providers"
 #: The providers that ship with varuna.
-BUILTIN_MODULES = ("manager.providers.local", "manager.providers.azure")
+BUILTIN_MODULES = ("manager.providers.local", "manager.providers.azure", "manager.providers.aws")
 
 
 @dataclass(frozen=True, kw_only=True)
