@@ -43,7 +43,8 @@ class _Server:
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name=type(self).__name__, daemon=True)
+        self._thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), name=type(self).__name__,
+                                        daemon=True)
         self._thread.start()
 
     def close(self) -> None:
@@ -178,6 +179,7 @@ class FakeGCPMetadata(_Server):
         self.flavor_header = True
         """Whether answers carry ``Metadata-Flavor: Google`` (False: a server that is not GCP's)."""
         self._changed = threading.Condition()
+        self._closing = False
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -188,6 +190,12 @@ class FakeGCPMetadata(_Server):
                 pass
 
         super().__init__(Handler)
+
+    def close(self) -> None:
+        with self._changed:  # a long poll still waiting answers now
+            self._closing = True
+            self._changed.notify_all()
+        super().close()
 
     def preempt(self) -> None:
         with self._changed:
@@ -215,7 +223,7 @@ class FakeGCPMetadata(_Server):
             timeout = min(float(query.get("timeout_sec", "300")), 300.0)
             last = query.get("last_etag", "")
             with self._changed:
-                self._changed.wait_for(lambda: self._etag(self._value()) != last, timeout)
+                self._changed.wait_for(lambda: self._closing or self._etag(self._value()) != last, timeout)
         value = self._value()
         body = self.broken if isinstance(self.broken, str) else value
         headers = {"ETag": self._etag(value), "Content-Type": "application/text"}

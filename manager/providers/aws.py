@@ -424,7 +424,7 @@ class AWSProvider:
             session = self._session or boto3.session.Session(region_name=self.options.region)
             config = Config(
                 region_name=self.options.region,
-                retries={"mode": "standard", "max_attempts": 5 if retries else 1},
+                retries={"mode": "standard", "total_max_attempts": 5 if retries else 1},
                 connect_timeout=10,
                 read_timeout=30,
             )
