@@ -167,6 +167,8 @@ class FakeAWS:
     def __init__(self) -> None:
         self.capacity: int | None = None
         self.calls: list[Call] = []
+        self._clients: dict[tuple[str, str], object] = {}
+        self._image = ""
         self._failures: dict[str, list[tuple[int, str, str]]] = {}
         self._failures_lock = threading.Lock()
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # not a line per request
@@ -193,11 +195,12 @@ class FakeAWS:
         self.proxy.close()
         self.moto.stop()
 
-    def client(self, service: str, key: str = TEST_KEY, *, via_proxy: bool = False):
-        """A boto3 client straight to moto (the test's own calls are not recorded), or through
-        the proxy."""
-        return boto3.client(service, region_name=REGION, endpoint_url=self.url if via_proxy else self.moto_url,
-                            aws_access_key_id=key, aws_secret_access_key="secret")
+    def client(self, service: str, key: str = TEST_KEY):
+        """A boto3 client straight to moto (the test's own calls are not recorded); made once."""
+        if (service, key) not in self._clients:
+            self._clients[service, key] = boto3.client(service, region_name=REGION, endpoint_url=self.moto_url,
+                                                       aws_access_key_id=key, aws_secret_access_key="secret")
+        return self._clients[service, key]
 
     def env(self, key: str) -> dict[str, str]:
         """Environment for a process whose boto3 should reach the proxy as ``key``, and nothing
@@ -247,7 +250,9 @@ class FakeAWS:
         iam.create_role(RoleName="varuna-agent", AssumeRolePolicyDocument="{}")
         iam.create_instance_profile(InstanceProfileName="varuna-agent")
         iam.add_role_to_instance_profile(InstanceProfileName="varuna-agent", RoleName="varuna-agent")
-        image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+        if not self._image:  # one of moto's own AMIs (the same after a reset); listing them is slow
+            self._image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+        image = self._image
         return {
             "region": REGION,
             "image_id": image,
