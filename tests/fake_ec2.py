@@ -123,8 +123,8 @@ class CapacityProxy:
                     return self._reply(h, 500, {"Content-Type": "text/xml"}, _error_xml(
                         "InsufficientInstanceCapacity",
                         f"We currently do not have sufficient {params.get('InstanceType')} capacity in the "
-                        "Availability Zone you requested (us-east-1a). Our system will be working on provisioning "
-                        "additional capacity."))
+                        "Availability Zone you requested (us-east-1a). Our system will be working on "
+                        "provisioning additional capacity."))
                 return self._forward(h, body)
         self._forward(h, body)
 
@@ -145,14 +145,15 @@ class CapacityProxy:
             conn.request(h.command, h.path, body=body, headers=headers)
             resp = conn.getresponse()
             data = resp.read()
-            keep = {k: v for k, v in resp.getheaders()
-                    if k.lower() not in ("content-length", "transfer-encoding", "connection", "server", "date")}
+            hop = ("content-length", "transfer-encoding", "connection", "server", "date")
+            keep = {k: v for k, v in resp.getheaders() if k.lower() not in hop}
             self._reply(h, resp.status, keep, data)
         finally:
             conn.close()
 
     @staticmethod
-    def _reply(h: http.server.BaseHTTPRequestHandler, status: int, headers: Mapping[str, str], data: bytes) -> None:
+    def _reply(h: http.server.BaseHTTPRequestHandler, status: int, headers: Mapping[str, str],
+               data: bytes) -> None:
         h.send_response(status)
         for k, v in headers.items():
             h.send_header(k, v)
@@ -198,8 +199,9 @@ class FakeAWS:
     def client(self, service: str, key: str = TEST_KEY):
         """A boto3 client straight to moto (the test's own calls are not recorded); made once."""
         if (service, key) not in self._clients:
-            self._clients[service, key] = boto3.client(service, region_name=REGION, endpoint_url=self.moto_url,
-                                                       aws_access_key_id=key, aws_secret_access_key="secret")
+            self._clients[service, key] = boto3.client(
+                service, region_name=REGION, endpoint_url=self.moto_url, aws_access_key_id=key,
+                aws_secret_access_key="secret")
         return self._clients[service, key]
 
     def env(self, key: str) -> dict[str, str]:
@@ -266,7 +268,8 @@ class InstanceRunner:
     """Plays the instances (module docstring): a thread that looks at moto's instances every
     ``poll_s`` and starts or kills their process groups. ``close()`` kills every group."""
 
-    def __init__(self, fake: FakeAWS, imds: FakeIMDS, root: Path, env: Mapping[str, str], poll_s: float = 0.2):
+    def __init__(self, fake: FakeAWS, imds: FakeIMDS, root: Path, env: Mapping[str, str],
+                 poll_s: float = 0.2) -> None:
         self.fake, self.imds, self.root, self.poll_s = fake, imds, root, poll_s
         self.env = dict(env)
         self.procs: dict[str, subprocess.Popen] = {}

@@ -20,13 +20,12 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
-import os
 import re
 import secrets
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -89,8 +88,8 @@ def ctx(tmp_path: Path) -> ProviderContext:
     token = tmp_path / "token"
     token.write_text(secrets.token_urlsafe(32))
     token.chmod(0o600)
-    return ProviderContext(manager_address="127.0.0.1:9", token_file=str(token), state_dir=str(tmp_path / "state"),
-                           heartbeat_interval_s=0.5, orphan_timeout_s=120)
+    return ProviderContext(manager_address="127.0.0.1:9", token_file=str(token),
+                           state_dir=str(tmp_path / "state"), heartbeat_interval_s=0.5, orphan_timeout_s=120)
 
 
 def make(fake: FakeAWS, ctx: ProviderContext, **over: Any) -> AWSProvider:
@@ -160,8 +159,8 @@ def test_user_data_is_valid_bash_and_keeps_the_token_out_unless_asked(ctx, tmp_p
     ca = tmp_path / "ca.pem"
     ca.write_text("-----BEGIN CERTIFICATE-----\nMIIB'x\n-----END CERTIFICATE-----\n")
     tls = dataclasses.replace(ctx, tls_ca=str(ca))
-    for options, context in [(ssm, ctx), (ssm, tls), (AWSProviderOptions.from_dict({**REQUIRED, "token_delivery":
-                                                                                    "user_data"}), ctx)]:
+    in_user_data = AWSProviderOptions.from_dict({**REQUIRED, "token_delivery": "user_data"})
+    for options, context in [(ssm, ctx), (ssm, tls), (in_user_data, ctx)]:
         script = agent_user_data(options, context, "job1", ["job1-vm1", "job1-vm2"], 2,
                                  token=token if options.token_delivery == "user_data" else None)
         check = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True, timeout=30)
@@ -249,7 +248,8 @@ def test_create_asks_for_spot_instances_and_names_them_by_launch_index(fake, ctx
     assert req["InstanceMarketOptions.SpotOptions.SpotInstanceType"] == "one-time"
     assert req["InstanceMarketOptions.SpotOptions.InstanceInterruptionBehavior"] == "terminate"
     assert "InstanceMarketOptions.SpotOptions.MaxPrice" not in req  # up to the on-demand price
-    assert (req["MetadataOptions.HttpTokens"], req["MetadataOptions.HttpPutResponseHopLimit"]) == ("required", "1")
+    metadata = (req["MetadataOptions.HttpTokens"], req["MetadataOptions.HttpPutResponseHopLimit"])
+    assert metadata == ("required", "1")
     assert req["IamInstanceProfile.Name"] == "varuna-agent" and req["KeyName"] == "ops"
     assert req["InstanceInitiatedShutdownBehavior"] == "terminate"
     assert req["BlockDeviceMapping.1.Ebs.VolumeSize"] == "200"
@@ -275,14 +275,16 @@ def test_a_vm_type_launches_its_own_instance_type_in_its_own_subnet(fake, ctx):
     provider = make(fake, ctx)
     ec2 = fake.client("ec2")
     vpc = ec2.describe_subnets(SubnetIds=[provider.options.subnet_id])["Subnets"][0]["VpcId"]
-    other = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.2.0/24", AvailabilityZone="us-east-1b")["Subnet"]["SubnetId"]
+    other = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.2.0/24",
+                              AvailabilityZone="us-east-1b")["Subnet"]["SubnetId"]
     type_options = {"vm_type": "big", "vm_slowdown": 1.0, "instance_type": "p4d.24xlarge", "subnet_id": other,
                     "max_price": "12.5"}
     [vm] = provider.create_vms("job1", ["job1-vm1"], 8, created_so_far=0, type_options=type_options)
     [req] = launches(fake)
     assert (req["InstanceType"], req["SubnetId"], req["InstanceMarketOptions.SpotOptions.MaxPrice"]) == (
         "p4d.24xlarge", other, "12.5")
-    assert vm.ref["instance_type"] == "p4d.24xlarge" and fake.instances()[vm.ref["instance_id"]]["SubnetId"] == other
+    assert vm.ref["instance_type"] == "p4d.24xlarge"
+    assert fake.instances()[vm.ref["instance_id"]]["SubnetId"] == other
 
 
 def test_short_capacity_gives_fewer_or_no_vms_in_one_attempt(fake, ctx):
@@ -299,11 +301,12 @@ def test_short_capacity_gives_fewer_or_no_vms_in_one_attempt(fake, ctx):
 
 
 @pytest.mark.parametrize("code, status, message, needle", [
-    ("MaxSpotInstanceCountExceeded", 400, "Max spot instance count exceeded", "spot instance quota is reached"),
+    ("MaxSpotInstanceCountExceeded", 400, "Max spot instance count exceeded",
+     "spot instance quota is reached"),
     ("VcpuLimitExceeded", 400, "You have requested more vCPU capacity than your current vCPU limit",
      "vCPU quota for this instance family"),
-    ("SpotMaxPriceTooLow", 400, "Your Spot request price of 0.01 is lower than the minimum required Spot request "
-     "fulfillment price of 0.3.", "raise it, or leave it unset"),
+    ("SpotMaxPriceTooLow", 400, "Your Spot request price of 0.01 is lower than the minimum required Spot "
+     "request fulfillment price of 0.3.", "raise it, or leave it unset"),
     ("Unsupported", 400, "Your requested instance type (g5.xlarge) is not supported in your requested "
      "Availability Zone (us-east-1e).", "use a subnet in another zone"),
     ("UnauthorizedOperation", 403, "You are not authorized to perform this operation.",
@@ -316,7 +319,7 @@ def test_other_launch_errors_are_one_line_naming_the_fix(fake, ctx, code, status
     with pytest.raises(RuntimeError) as failed:
         provider.create_vms("job1", ["job1-vm1"], 1, created_so_far=0)
     line = one_line(failed.value)
-    assert line.startswith(f"aws: cannot start 1 g5.xlarge spot instance(s) in subnet-") and needle in line
+    assert line.startswith("aws: cannot start 1 g5.xlarge spot instance(s) in subnet-") and needle in line
     assert f"{code}: {message}" in line
     assert len(launches(fake)) == 1 and fake.instances() == {}
 
@@ -331,9 +334,10 @@ def test_moto_refuses_a_bad_subnet_and_no_credentials_is_one_line(fake, ctx, mon
     stranger = make(fake, ctx)
     with pytest.raises(RuntimeError) as none:
         stranger.create_vms("job1", ["job1-vm1"], 1, created_so_far=0)
-    assert one_line(none.value) == ("aws: cannot store the agents' token in SSM parameter /varuna/job1/token: "
-                                    "NoCredentialsError: Unable to locate credentials; configure credentials for "
-                                    "boto3 (environment, ~/.aws, or the host's role)")
+    assert one_line(none.value) == (
+        "aws: cannot store the agents' token in SSM parameter /varuna/job1/token: NoCredentialsError: "
+        "Unable to locate credentials; configure credentials for boto3 (environment, ~/.aws, or the "
+        "host's role)")
 
 
 def test_user_data_over_ec2s_limit_is_one_line(fake, ctx):

@@ -27,7 +27,9 @@ from manager.agent.aws_imds import ACTION_PATH, InstanceActionClient, parse_inst
 from manager.agent.gcp_metadata import PreemptedClient, parse_preempted
 from manager.agent.metadata_http import MetadataError
 from manager.agent.notices import load_notice_source
-from manager.providers.registry import provider_entry
+from manager.providers.agent_start import agent_argv
+from manager.providers.base import ProviderContext
+from manager.providers.registry import make_provider, provider_entry
 
 UNREACHABLE = "http://127.0.0.1:1"  # nothing listens on port 1
 
@@ -148,11 +150,13 @@ def test_a_bad_answer_is_one_line_then_it_recovers(imds, broken, why):
     imds.broken = None
     clock.now += 1
     assert [n.event_type for n in client.poll()] == ["spot-terminate"]
-    assert said[1] == f"notice source AWS IMDS at {imds.base('i-0abc')}: answers again after 1 failed request(s)"
+    base = imds.base("i-0abc")
+    assert said[1] == f"notice source AWS IMDS at {base}: answers again after 1 failed request(s)"
 
 
 def test_parse_refuses_what_aws_does_not_document():
-    for body in ("", "[]", '{"action": "reboot", "time": "x"}', '{"time": "x"}', '{"action": "stop", "time": 5}'):
+    bodies = ("", "[]", '{"action": "reboot", "time": "x"}', '{"time": "x"}', '{"action": "stop", "time": 5}')
+    for body in bodies:
         with pytest.raises(MetadataError, match="spot/instance-action is not"):
             parse_instance_action(body)
 
@@ -197,11 +201,13 @@ def test_the_flavor_header_is_sent_and_required_back(gcp):
     gcp.preempted = True
     client = PreemptedClient(gcp.url, "vm-1", say=said.append, clock=Clock())
     assert client.poll() == []
-    assert said == [f"notice source GCP metadata at {gcp.url}: the answer has no 'Metadata-Flavor: Google' header: "
-                    "not a GCP metadata server; no notice can be seen until it answers (retrying with back-off)"]
+    assert said == [
+        f"notice source GCP metadata at {gcp.url}: the answer has no 'Metadata-Flavor: Google' header: "
+        "not a GCP metadata server; no notice can be seen until it answers (retrying with back-off)"]
 
 
-@pytest.mark.parametrize("broken, why", [(503, "answered HTTP 503"), ("maybe", "is not TRUE or FALSE: 'maybe'")])
+@pytest.mark.parametrize("broken, why", [(503, "answered HTTP 503"),
+                                         ("maybe", "is not TRUE or FALSE: 'maybe'")])
 def test_a_bad_gcp_answer_is_one_line_and_back_off(gcp, broken, why):
     said: list[str] = []
     clock = Clock()
@@ -238,3 +244,23 @@ def test_agents_load_them_by_the_names_the_registry_and_docs_give():
     assert isinstance(aws, InstanceActionClient) and aws.url == "http://169.254.169.254"
     gcp = load_notice_source("manager.agent.gcp_metadata:PreemptedClient", url=None, vm_name="vm-1")
     assert isinstance(gcp, PreemptedClient) and gcp.url == "http://metadata.google.internal"
+
+
+def test_pretend_vms_take_another_clouds_notice_source(tmp_path):
+    """The local provider's ``notice_source``: a provider's name or a ``module:Class``; its agents
+    get it on their command line (default: Azure's, the local provider's own)."""
+    ctx = ProviderContext(manager_address="127.0.0.1:1", token_file="/t", state_dir=str(tmp_path))
+    gcp_source = "manager.agent.gcp_metadata:PreemptedClient"
+    for value, source in [(gcp_source, gcp_source), ("aws", provider_entry("aws").notice_source),
+                          (None, provider_entry("local").notice_source)]:
+        options = {"metadata_url": "http://127.0.0.1:1", **({"notice_source": value} if value else {})}
+        argv = agent_argv(make_provider("local", options, ctx).agent_start("j", "j-vm1", 1, tmp_path))
+        assert argv[argv.index("--notice-source") + 1] == source
+        assert argv[argv.index("--notice-url") + 1] == "http://127.0.0.1:1"
+    for bad, needle in [("gcp", "provider_options.notice_source: unknown provider 'gcp'; use one of local, "),
+                        ("kubectl:", "unknown provider 'kubectl:'")]:
+        with pytest.raises(ValueError) as refused:
+            make_provider("local", {"notice_source": bad}, ctx)
+        line = str(refused.value)
+        assert line.startswith("provider_options.notice_source: ") and needle in line, line
+        assert line.endswith("; or name a module:Class") and "\n" not in line

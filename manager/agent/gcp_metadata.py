@@ -73,7 +73,9 @@ class PreemptedClient:
         self.wait_s = int(wait_s)
         self.timeout_s = timeout_s
         extra = {"say": say} if say is not None else {}
-        self.endpoint = MetadataEndpoint(f"GCP metadata at {self.url}", timeout_s=timeout_s, clock=clock, **extra)
+        self.endpoint = MetadataEndpoint(
+            f"GCP metadata at {self.url}", timeout_s=timeout_s, clock=clock, **extra
+        )
         self._etag = ""
         self._notice: Notice | None = None
 
@@ -93,7 +95,9 @@ class PreemptedClient:
         if resp.status != 200:
             raise MetadataError(f"GET {PREEMPTED_PATH} answered HTTP {resp.status}")
         if resp.header(FLAVOR[0]) != FLAVOR[1]:
-            raise MetadataError(f"the answer has no '{FLAVOR[0]}: {FLAVOR[1]}' header: not a GCP metadata server")
+            raise MetadataError(
+                f"the answer has no '{FLAVOR[0]}: {FLAVOR[1]}' header: not a GCP metadata server"
+            )
         preempted = parse_preempted(resp.text())
         self._etag = resp.header("ETag")
         return preempted

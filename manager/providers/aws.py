@@ -93,7 +93,9 @@ __all__ = [
 #: The agents' notice source: IMDS ``spot/instance-action`` (manager/agent/aws_imds.py).
 AWS_IMDS_SOURCE = "manager.agent.aws_imds:InstanceActionClient"
 #: What a ``[[vm_types]]`` table may set per type.
-TYPE_OPTION_KEYS = ("instance_type", "image_id", "subnet_id", "security_group_ids", "max_price", "root_volume_gb")
+TYPE_OPTION_KEYS = (
+    "instance_type", "image_id", "subnet_id", "security_group_ids", "max_price", "root_volume_gb",
+)
 #: Tags on every instance (and its volumes): the job, this manager, the manager's VM name.
 JOB_TAG, MANAGER_TAG, VM_TAG = "varuna-job", "varuna-manager", "varuna-vm"
 #: Instance states in which a VM no longer runs its agent.
@@ -204,7 +206,8 @@ class AWSProviderOptions:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(
-                f"provider_options: unknown aws option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+                f"provider_options: unknown aws option(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
             )
         required = ("region", "instance_type", "image_id", "subnet_id")
         missing = [k for k in required if not data.get(k)]
@@ -224,18 +227,22 @@ class AWSProviderOptions:
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"provider_options.{name} must be a string, got {getattr(self, name)!r}")
         if self.token_delivery not in ("ssm", "user_data"):
-            raise ValueError(f"provider_options.token_delivery must be ssm or user_data, got {self.token_delivery!r}")
+            raise ValueError(
+                f"provider_options.token_delivery must be ssm or user_data, got {self.token_delivery!r}"
+            )
         if self.token_delivery == "ssm" and not self.instance_profile:
             raise ValueError(
-                "provider_options: token_delivery ssm needs instance_profile (a role that may ssm:GetParameter "
-                "the token; docs/manager.md, AWS), or set token_delivery = \"user_data\""
+                "provider_options: token_delivery ssm needs instance_profile (a role that may "
+                "ssm:GetParameter the token; docs/manager.md, AWS), or set token_delivery = \"user_data\""
             )
         if not re.fullmatch(r"(/[A-Za-z0-9_.-]+)+", str(self.token_parameter_prefix)):
             raise ValueError(
-                f"provider_options.token_parameter_prefix must be a path like /varuna, got {self.token_parameter_prefix!r}"
+                "provider_options.token_parameter_prefix must be a path like /varuna, "
+                f"got {self.token_parameter_prefix!r}"
             )
-        if not isinstance(self.root_volume_gb, int) or isinstance(self.root_volume_gb, bool) or self.root_volume_gb < 0:
-            raise ValueError(f"provider_options.root_volume_gb must be an integer >= 0, got {self.root_volume_gb!r}")
+        size = self.root_volume_gb
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"provider_options.root_volume_gb must be an integer >= 0, got {size!r}")
         if not isinstance(self.list_interval_s, (int, float)) or self.list_interval_s < 0:
             raise ValueError(f"provider_options.list_interval_s must be >= 0, got {self.list_interval_s!r}")
         if not isinstance(self.tags, dict) or not all(
@@ -243,7 +250,8 @@ class AWSProviderOptions:
             for k, v in self.tags.items()
         ):
             raise ValueError(
-                f"provider_options.tags must map names to strings, none starting with aws: or varuna-, got {self.tags!r}"
+                "provider_options.tags must map names to strings, none starting with aws: or varuna-, "
+                f"got {self.tags!r}"
             )
 
     def spot_options(self) -> dict[str, Any]:
@@ -339,7 +347,8 @@ def agent_user_data(
         "  local t",
         "  t=$(curl -sf --retry 5 --noproxy '*' -X PUT -H 'X-aws-ec2-metadata-token-ttl-seconds: 300' "
         '"$IMDS/latest/api/token")',
-        "  curl -sf --retry 5 --noproxy '*' -H \"X-aws-ec2-metadata-token: $t\" \"$IMDS/latest/meta-data/$1\"",
+        "  curl -sf --retry 5 --noproxy '*' -H \"X-aws-ec2-metadata-token: $t\" "
+        '"$IMDS/latest/meta-data/$1"',
         "}",
         f"NAMES=({' '.join(q(n) for n in names)})",
         "INDEX=$(imds ami-launch-index)",
@@ -355,7 +364,8 @@ def agent_user_data(
     else:
         name = token_parameter(options, job_id)
         lines += [
-            f"(umask 077; {q(options.python)} - {q(name)} {q(options.region)} > \"$ETC/token.new\" <<'VARUNA_PY'",
+            f"(umask 077; {q(options.python)} - {q(name)} {q(options.region)} "
+            "> \"$ETC/token.new\" <<'VARUNA_PY'",
             _FETCH_TOKEN.rstrip("\n"),
             "VARUNA_PY",
             ")",
@@ -524,7 +534,9 @@ class AWSProvider:
             "InstanceMarketOptions": {"MarketType": "spot", "SpotOptions": o.spot_options()},
             "InstanceInitiatedShutdownBehavior": "terminate",
             # IMDSv2 only; one hop: the agent runs on the host, containers on it cannot reach IMDS.
-            "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 1},
+            "MetadataOptions": {
+                "HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 1,
+            },
             "TagSpecifications": [
                 {"ResourceType": "instance", "Tags": self._tags(job_id, type_tag)},
                 {"ResourceType": "volume", "Tags": self._tags(job_id, type_tag)},
@@ -627,7 +639,8 @@ class AWSProvider:
                 for reservation in page.get("Reservations", []):
                     for inst in reservation.get("Instances", []):
                         tags = {t["Key"]: t["Value"] for t in inst.get("Tags", [])}
-                        out[inst["InstanceId"]] = (str(inst.get("State", {}).get("Name", "")), tags.get(VM_TAG, ""))
+                        state = str(inst.get("State", {}).get("Name", ""))
+                        out[inst["InstanceId"]] = (state, tags.get(VM_TAG, ""))
         except (BotoCoreError, ClientError) as exc:
             raise self._fail(f"cannot list the instances of job {job_id}", exc) from exc
         return out
@@ -663,7 +676,8 @@ class AWSProvider:
             try:
                 self.client("ec2").terminate_instances(InstanceIds=orphans)
             except (BotoCoreError, ClientError) as exc:
-                raise self._fail(f"cannot terminate unrecorded instance(s) {', '.join(orphans)}", exc) from exc
+                what = f"cannot terminate unrecorded instance(s) {', '.join(orphans)}"
+                raise self._fail(what, exc) from exc
 
     def close(self) -> None:
         for client in self._clients.values():

@@ -252,11 +252,7 @@ class LocalProvider:
             heartbeat_interval_s=c.heartbeat_interval_s,
             orphan_timeout_s=c.orphan_timeout_s,
             tls_ca=str(Path(c.tls_ca).resolve()) if c.tls_ca else None,
-            notice_source=(
-                (_notice_source(o.notice_source) if o.notice_source else provider_entry(self.name).notice_source)
-                if o.metadata_url
-                else None
-            ),
+            notice_source=self._notice_source() if o.metadata_url else None,
             notice_url=o.metadata_url,
             vm_name=vm_id,
             approve_notices=o.approve_notices,
@@ -264,6 +260,12 @@ class LocalProvider:
             standby_delay_s=o.standby_delay_s,
             standby_priority=o.standby_priority,
         )
+
+    def _notice_source(self) -> str | None:
+        """``notice_source``'s class, default this provider's own (its registry entry)."""
+        if self.options.notice_source:
+            return _notice_source(self.options.notice_source)
+        return provider_entry(self.name).notice_source
 
     def delete_vm(self, vm: ProviderVM) -> None:
         child = self._children.pop(vm.vm_id, None)
