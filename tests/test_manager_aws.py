@@ -172,6 +172,7 @@ def test_user_data_is_valid_bash_and_keeps_the_token_out_unless_asked(ctx, tmp_p
         assert ('--tls-ca "$ETC/ca.pem"' in script) == (context.tls_ca is not None)
 
 
+@pytest.mark.slow  # processes: the user data's bash, python and agents
 def test_the_user_data_fetches_the_token_and_starts_each_agent_under_its_name(fake, ctx, tmp_path):
     """Two instances run their user data for real (tests/fake_ec2.py's runner: a local process
     group each, its own IMDS): the token comes from SSM with the instance role's key into a file
