@@ -154,12 +154,15 @@ class CapacityProxy:
     @staticmethod
     def _reply(h: http.server.BaseHTTPRequestHandler, status: int, headers: Mapping[str, str],
                data: bytes) -> None:
-        h.send_response(status)
-        for k, v in headers.items():
-            h.send_header(k, v)
-        h.send_header("Content-Length", str(len(data)))
-        h.end_headers()
-        h.wfile.write(data)
+        try:
+            h.send_response(status)
+            for k, v in headers.items():
+                h.send_header(k, v)
+            h.send_header("Content-Length", str(len(data)))
+            h.end_headers()
+            h.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client gave up waiting
 
 
 class FakeAWS:
@@ -227,6 +230,11 @@ class FakeAWS:
             queue = self._failures.get(action)
             return queue.pop(0) if queue else None
 
+    def launch_index(self, instance_id: str) -> int:
+        """The instance's ``AmiLaunchIndex`` (what IMDS's ``ami-launch-index`` says)."""
+        reply = self.client("ec2").describe_instances(InstanceIds=[instance_id])
+        return int(reply["Reservations"][0]["Instances"][0]["AmiLaunchIndex"])
+
     def instances(self) -> dict[str, dict]:
         """Every instance moto knows: id → its DescribeInstances entry."""
         out = {}
@@ -269,7 +277,7 @@ class InstanceRunner:
     ``poll_s`` and starts or kills their process groups. ``close()`` kills every group."""
 
     def __init__(self, fake: FakeAWS, imds: FakeIMDS, root: Path, env: Mapping[str, str],
-                 poll_s: float = 0.2) -> None:
+                 poll_s: float = 0.5) -> None:
         self.fake, self.imds, self.root, self.poll_s = fake, imds, root, poll_s
         self.env = dict(env)
         self.procs: dict[str, subprocess.Popen] = {}

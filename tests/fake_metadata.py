@@ -56,12 +56,15 @@ class _Server:
 def _reply(handler: http.server.BaseHTTPRequestHandler, status: int, body: bytes | str = b"",
            headers: dict[str, str] | None = None) -> None:
     data = body.encode() if isinstance(body, str) else body
-    handler.send_response(status)
-    for k, v in (headers or {}).items():
-        handler.send_header(k, v)
-    handler.send_header("Content-Length", str(len(data)))
-    handler.end_headers()
-    handler.wfile.write(data)
+    try:
+        handler.send_response(status)
+        for k, v in (headers or {}).items():
+            handler.send_header(k, v)
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        handler.wfile.write(data)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the client gave up waiting (its timeout): what a real server sees too
 
 
 @dataclass
@@ -107,10 +110,12 @@ class FakeIMDS(_Server):
 
     def instance(self, instance_id: str) -> Instance:
         with self._lock:
-            if instance_id not in self.instances:
-                index = self.lookup(instance_id) if self.lookup else 0
-                self.instances[instance_id] = Instance(instance_id, launch_index=index)
-            return self.instances[instance_id]
+            known = self.instances.get(instance_id)
+        if known is not None:
+            return known
+        index = self.lookup(instance_id) if self.lookup else 0  # not under the lock: may be slow
+        with self._lock:
+            return self.instances.setdefault(instance_id, Instance(instance_id, launch_index=index))
 
     def interrupt(self, instance_id: str, doc: dict | None = None) -> None:
         """Arm ``spot/instance-action`` for the instance (AWS's example document by default)."""

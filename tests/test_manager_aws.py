@@ -179,7 +179,7 @@ def test_the_user_data_fetches_the_token_and_starts_each_agent_under_its_name(fa
     only its owner reads, and each agent gets the VM name of its launch index; a terminated
     instance's group is killed."""
     provider = make(fake, ctx, setup_command="true", python=sys.executable)
-    imds = FakeIMDS(lookup=lambda iid: fake.instances()[iid]["AmiLaunchIndex"])
+    imds = FakeIMDS(lookup=fake.launch_index)
     runner = InstanceRunner(fake, imds, tmp_path / "instances", base_env(fake, ROOT))
     try:
         new = provider.create_vms("job1", ["job1-vm1", "job1-vm2"], 2, created_so_far=0)

@@ -107,7 +107,7 @@ def training_on(mp: ManagerProcess, job: str, n: int, past: int) -> bool:
 
 def test_gpt_on_fake_ec2_spot_survives_a_notice_a_loss_and_grows_back(tmp_path, monkeypatch):
     fake = FakeAWS()
-    imds = FakeIMDS(lookup=lambda iid: fake.instances()[iid]["AmiLaunchIndex"])
+    imds = FakeIMDS(lookup=fake.launch_index)
     runner = InstanceRunner(fake, imds, tmp_path / "instances", base_env(fake, ROOT))
     for key, value in fake.env(MANAGER_KEY).items():  # the manager daemon inherits them
         monkeypatch.setenv(key, value)
