@@ -40,7 +40,7 @@ say "installed in $((SECONDS - start)) s"
 
 # Nothing but the core's dependencies (and theirs): no extra, no CUDA.
 "$BIN/python" -m pip list --format=freeze > "$WORK/pip-list.txt"
-extras=$(grep -iE '^(grpcio|grpcio-tools|protobuf|azure-[a-z-]+|transformers|scipy|matplotlib|tqdm|tensorboard|nvidia-[a-z0-9-]+)==' \
+extras=$(grep -iE '^(grpcio|grpcio-tools|protobuf|azure-[a-z-]+|boto3|botocore|transformers|scipy|matplotlib|tqdm|tensorboard|nvidia-[a-z0-9-]+)==' \
     "$WORK/pip-list.txt" || true)
 [ -z "$extras" ] || fail "the light install pulled in: $(echo "$extras" | tr '\n' ' ')"
 grep -qE '^torch==2\.13\.0\+cpu$' "$WORK/pip-list.txt" || fail "torch is not the 2.13.0 CPU build: $(grep -i '^torch==' "$WORK/pip-list.txt")"

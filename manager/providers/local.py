@@ -12,6 +12,11 @@ Options (the job spec's ``provider_options``):
 ``metadata_url``
     Scheduled Events endpoint every agent polls (tests serve a recorded document locally): the
     notice source this provider declares is Azure's (:data:`SCHEDULED_EVENTS_SOURCE`).
+``notice_source``
+    Which notice source the agents poll at ``metadata_url``: a provider's name (``aws``: the
+    agents read AWS IMDS ``spot/instance-action``) or a ``module:Class``
+    (``manager.agent.gcp_metadata:PreemptedClient``: GCP's ``preempted``); default: this
+    provider's own (Azure's Scheduled Events), so tests play any cloud's metadata service.
 ``approve_notices``
     Agents approve eviction events once their workers stopped.
 ``max_created``
@@ -66,6 +71,7 @@ class LocalProviderOptions:
     """``provider_options`` of a local job (module docstring)."""
 
     metadata_url: str | None = None
+    notice_source: str | None = None
     approve_notices: bool = False
     max_created: int | None = None
     capacity_file: str | None = None
@@ -99,11 +105,28 @@ class LocalProviderOptions:
             raise ValueError(
                 f"provider_options.capacity_file must be an absolute path, got {opts.capacity_file!r}"
             )
+        if opts.notice_source is not None:
+            _notice_source(opts.notice_source)  # ValueError: one line
         if opts.standby_priority not in ("idle", "normal"):
             raise ValueError(
                 f"provider_options.standby_priority must be idle or normal, got {opts.standby_priority!r}"
             )
         return opts
+
+
+def _notice_source(value: Any) -> str:
+    """``provider_options.notice_source`` as ``module:Class``: a provider's name stands for the
+    source its registry entry declares."""
+    if isinstance(value, str) and ":" in value and all(value.partition(":")[::2]):
+        return value
+    try:
+        source = provider_entry(value).notice_source if isinstance(value, str) else None
+    except ValueError as exc:
+        raise ValueError(f"provider_options.notice_source: {exc}; or name a module:Class") from None
+    if source is None:
+        raise ValueError(f"provider_options.notice_source {value!r} names no notice source; use a provider "
+                         "that has one, or a module:Class")
+    return source
 
 
 def check_local_capacity(job: JobShape) -> None:
@@ -229,7 +252,7 @@ class LocalProvider:
             heartbeat_interval_s=c.heartbeat_interval_s,
             orphan_timeout_s=c.orphan_timeout_s,
             tls_ca=str(Path(c.tls_ca).resolve()) if c.tls_ca else None,
-            notice_source=provider_entry(self.name).notice_source if o.metadata_url else None,
+            notice_source=self._notice_source() if o.metadata_url else None,
             notice_url=o.metadata_url,
             vm_name=vm_id,
             approve_notices=o.approve_notices,
@@ -237,6 +260,12 @@ class LocalProvider:
             standby_delay_s=o.standby_delay_s,
             standby_priority=o.standby_priority,
         )
+
+    def _notice_source(self) -> str | None:
+        """``notice_source``'s class, default this provider's own (its registry entry)."""
+        if self.options.notice_source:
+            return _notice_source(self.options.notice_source)
+        return provider_entry(self.name).notice_source
 
     def delete_vm(self, vm: ProviderVM) -> None:
         child = self._children.pop(vm.vm_id, None)
