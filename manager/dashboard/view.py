@@ -93,7 +93,7 @@ class DashboardView:
         return {
             "job": self._summary(job),
             "now": now,
-            "vms": [self._vm(vm, current, job.spec, now) for vm in self._store.vms(job_id)],
+            "vms": [self._vm(vm, current, _spec_of(job), now) for vm in self._store.vms(job_id)],
             "generations": [self._generation(g) for g in gens],
             "morphs": self._morphs(job_id),
             "progress": [
@@ -124,7 +124,7 @@ class DashboardView:
     # -- parts ---------------------------------------------------------------------------------
 
     def _summary(self, job: JobRecord) -> dict[str, Any]:
-        spec = job.spec
+        spec = _spec_of(job)
         gen = self._store.generation(job.job_id, job.generation) if job.generation else None
         return {
             "job_id": job.job_id,
@@ -206,9 +206,9 @@ class DashboardView:
             cached = self._gantt.get(job.job_id)
             if cached is not None and now - cached[0] < GANTT_EVERY_S and cached[1] == job.generation:
                 return cached[2]
-        spec = job.spec
+        spec = _spec_of(job)
         chart = None
-        for g in reversed(gens):
+        for g in reversed(gens if isinstance(spec.get("global_batch_size"), int) else []):
             stats = self._store.peek_worker_stats(job.job_id, g.generation)
             tl = measured_timeline(
                 stats,
@@ -227,3 +227,13 @@ class DashboardView:
         with self._gantt_lock:
             self._gantt[job.job_id] = (now, job.generation, chart)
         return chart
+
+
+def _spec_of(job: JobRecord) -> dict[str, Any]:
+    """The job's stored spec, or {} when it cannot be read (a quarantined row: Note [Corrupt rows]
+    in manager/domain/store_schema.py): one such job must not blank the whole dashboard."""
+    try:
+        spec = job.spec
+    except (ValueError, TypeError):
+        return {}
+    return spec if isinstance(spec, dict) else {}

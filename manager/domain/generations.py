@@ -19,9 +19,9 @@ from typing import Any
 from manager.domain.context import ManagerContext
 from manager.domain.live_members import LiveMembers
 from manager.domain.ports import Calibrations, Placement, Planner
-from manager.domain.records import GenerationRecord, JobRecord, VMRecord
+from manager.domain.records import GenerationRecord, JobRecord, VMRecord, WorkerStatRecord
 
-__all__ = ["JobController", "vm_progress"]
+__all__ = ["JobController", "stopped_at", "vm_progress"]
 
 
 def vm_progress(vm: VMRecord, g: int) -> tuple[bool, bool, bool]:
@@ -41,6 +41,16 @@ def vm_progress(vm: VMRecord, g: int) -> tuple[bool, bool, bool]:
     done = all(not w["running"] for w in workers)
     failed = any(not w["running"] and w["exit_code"] != 0 for w in workers)
     return done, failed, done and not failed
+
+
+def stopped_at(gen: GenerationRecord, stats: list[WorkerStatRecord]) -> int:
+    """The step every worker of ``gen`` reached: the lowest of the ranks' latest steps (``stats``:
+    the generation's worker rows), or ``gen.last_step`` when no worker reported a step past the
+    one it resumed from (Note [Trusted progress] in manager/domain/worker_reports.py). Ranks at
+    or above the current P × D (members a live morph let go) do not count."""
+    world = gen.pipeline_depth * gen.data_parallel
+    steps = [s.step for s in stats if 0 <= s.rank < world]
+    return min(steps) if steps else gen.last_step
 
 
 class JobController:
@@ -130,8 +140,12 @@ class JobController:
             self.end_generation(job, gen, now, graceful=True, reason=why)
             return
         spec = self.ctx.cache(job).spec
-        last = max(gen.last_step, job.step)
-        if last < spec.target_steps and gen.last_step > (gen.resumed_from or 0):
+        progressed = gen.last_step > (gen.resumed_from or 0)
+        # What every worker reached, not the highest step anyone claimed (Note [Trusted progress]
+        # in manager/domain/worker_reports.py); a generation that trained nothing stopped where
+        # the job already was.
+        last = self._stopped_at(job, gen) if progressed else max(gen.last_step, job.step)
+        if last < spec.target_steps and progressed:
             # Every worker stopped cleanly short of the target (a graceful stop this manager did
             # not ask for, e.g. one asked by a manager process that has since been restarted):
             # relaunch and resume. A generation that makes no progress at all ends the job below
@@ -156,12 +170,16 @@ class JobController:
         fresh = self.ctx.store.job(job.job_id) or job
         gen = self.ctx.store.generation(job.job_id, gen.generation) or gen
         spec = self.ctx.cache(fresh).spec
-        last = max(gen.last_step, fresh.step)
+        last = self._stopped_at(fresh, gen)
         if fresh.terminal or fresh.cancel_requested or last < spec.target_steps:
             return
         self.ctx.finish_job(
             fresh, "finished", f"reached step {last} (generation {gen.generation} stopped at the target)"
         )
+
+    def _stopped_at(self, job: JobRecord, gen: GenerationRecord) -> int:
+        """:func:`stopped_at` of ``gen`` from its workers' rows (the deferred ones included)."""
+        return stopped_at(gen, self.ctx.store.peek_worker_stats(job.job_id, gen.generation))
 
     def _graceful_trigger(
         self, job: JobRecord, gen: GenerationRecord, gen_vms: list[VMRecord], vms: list[VMRecord], now: float
