@@ -127,7 +127,8 @@ class Engine:
         self.checkpointer = Checkpointer(self)  # save on stop, periodic saves, resume
         self.checkpointer.attach()  # a collective when resuming: every rank loads the same step
         self._nonfinite = NonFiniteLosses(limit=config.max_nonfinite_steps, rank=self.layout.rank)
-        self._watch = PeerWatch.for_world(self.layout.rank, self.layout.world, config.peer_timeout_s)
+        self._watch = PeerWatch.for_world(self.layout.rank, self.layout.world, config.peer_timeout_s,
+                                          stop_signals=config.stop_signals)
         _close_at_exit(self)
         self._tb = TensorBoardLog.attach(self)  # after a resume: it notes the resume and any morph
         run_plugins(self)

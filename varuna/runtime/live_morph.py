@@ -56,6 +56,7 @@ from varuna.core.env import stage_and_replica
 from varuna.core.live_layout import plan_generation, transfer_plan
 from varuna.runtime.checkpoint import load_engine_state_dict
 from varuna.runtime.engine import Engine
+from varuna.runtime.layout import choose_gloo_interface
 from varuna.runtime.live_transfer import describe_state, receive_targets
 from varuna.runtime.live_watch import DECLARED_DEAD_EXIT_CODE, LiveWatch, sever
 from varuna.runtime.optimizer_state import merge_optimizer_states, optimizer_state_by_name
@@ -229,6 +230,8 @@ class LiveWorld:
         gc.freeze()
         member = int(os.environ["RANK"]) if member is None else member
         joining = os.environ.get(LIVE_JOIN_ENV) == "1" if joining is None else joining
+        # Every generation's gloo group binds to the interface towards the job's rendezvous host.
+        choose_gloo_interface(os.environ.get("MASTER_ADDR") or host)
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
         beats = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
         if joining:
