@@ -126,6 +126,14 @@ def _assert_nothing_left(job_id: str, pids: list[int], sshd: Sshd | None = None)
         ) from None
 
 
+def _next_message(stream) -> dict:
+    """The agent's next protocol message that is not a beat (it beats every second)."""
+    while True:
+        msg = decode_message(stream.readline())
+        if msg["type"] != "beat":
+            return msg
+
+
 def _kill_leftovers(job_id: str, pids: list[int]) -> None:
     """Test hygiene after a failed assertion."""
     for pid in pids + [p for p, _ in _processes_mentioning(job_id)]:
@@ -650,7 +658,9 @@ def test_agent_kills_its_workers_when_the_launcher_goes_away(tmp_path: Path) -> 
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     agent = subprocess.Popen(
-        [sys.executable, "-m", "varuna.launch.agent", "--job-id", "agenttest", "--host-id", "0"],
+        # No pings from this test: the agent must not give up on it (0: no heartbeat timeout).
+        [sys.executable, "-m", "varuna.launch.agent", "--job-id", "agenttest", "--host-id", "0",
+         "--heartbeat-timeout", "0"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env=env,
@@ -660,6 +670,7 @@ def test_agent_kills_its_workers_when_the_launcher_goes_away(tmp_path: Path) -> 
         assert agent.stdin is not None and agent.stdout is not None
         ready = decode_message(agent.stdout.readline())
         assert ready["type"] == "ready" and ready["pid"] == agent.pid and 0 < ready["free_port"] < 65536
+        beats = [agent.stdout.readline() for _ in range(2)]  # idle: beats every second
         worker_env = {
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": "1234",
@@ -672,10 +683,10 @@ def test_agent_kills_its_workers_when_the_launcher_goes_away(tmp_path: Path) -> 
         agent.stdin.write(encode_message({"type": "spawn", "workers": [{**request, "cwd": str(tmp_path)}]}))
         agent.stdin.write(b"this is not json\n")  # must be reported, not fatal
         agent.stdin.flush()
-        spawned = decode_message(agent.stdout.readline())
+        spawned = _next_message(agent.stdout)
         assert spawned["type"] == "spawned" and spawned["failed"] is None
         pids = [spawned["started"][0]["pid"]]
-        seen = [decode_message(agent.stdout.readline()) for _ in range(2)]
+        seen = [_next_message(agent.stdout) for _ in range(2)]
         assert {"type": "out", "rank": 0, "stream": "stdout", "line": "ready 0\n"} in seen
         assert any(m["type"] == "message" and "bad request" in m["text"] for m in seen)
         agent.stdin.close()  # the launcher is gone
@@ -683,6 +694,7 @@ def test_agent_kills_its_workers_when_the_launcher_goes_away(tmp_path: Path) -> 
         assert rest[-1] == {"type": "bye"} and {"type": "exit", "rank": 0, "code": -9} in rest
         assert agent.wait(timeout=10) == 1
         assert not _alive(pids[0])
+        assert {"type": "beat"} in [decode_message(line) for line in beats], "the agent beats (protocol 2)"
     finally:
         agent.kill()
         agent.wait()
@@ -716,14 +728,14 @@ def test_agent_heartbeat_timeout_and_spawn_failure(tmp_path: Path) -> None:
     pids: list[int] = []
     try:
         assert agent.stdin is not None and agent.stdout is not None
-        assert decode_message(agent.stdout.readline())["type"] == "ready"
+        assert _next_message(agent.stdout)["type"] == "ready"
         env = {"MASTER_ADDR": "h", "MASTER_PORT": "1", "RANK": "0", "WORLD_SIZE": "2"}
         env |= {"VARUNA_PIPELINE_DEPTH": "2", "VARUNA_DATA_PARALLEL": "1"}
         good = {"rank": 0, "argv": [sys.executable, str(script), str(out), "block"], "env": env}
         bad = {"rank": 1, "argv": ["/no/such/python"], "env": {**env, "RANK": "1"}}
         agent.stdin.write(encode_message({"type": "spawn", "workers": [good, bad]}))
         agent.stdin.flush()  # ... and nothing more: no pings
-        spawned = decode_message(agent.stdout.readline())
+        spawned = _next_message(agent.stdout)
         assert [w["rank"] for w in spawned["started"]] == [0]
         assert spawned["failed"]["rank"] == 1 and "No such file" in spawned["failed"]["error"]
         pids = [spawned["started"][0]["pid"]]
