@@ -167,7 +167,7 @@ class LiveWorld:
         watch]); replaces an earlier guard of the same name."""
         refs = [weakref.ref(g) for g in groups if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER]
         with self._lock:
-            self._guards[name] = (frozenset(members), refs)
+            self._guards[name] = (tuple(members), refs)
 
     def unguard(self, name: str) -> None:
         with self._lock:
@@ -177,10 +177,14 @@ class LiveWorld:
         """Sever the guarded groups spanning a member of ``dead`` (None: all of them), and forget
         them. Under the lock: the main thread swaps groups only after unguarding the old ones."""
         with self._lock:
-            hit = [n for n, (ms, _) in self._guards.items() if dead is None or ms & dead]
-            groups = [ref() for n in hit for ref in self._guards.pop(n)[1]]
-            sever(g for g in groups if g is not None)
-            del groups
+            hit = [n for n, (ms, _) in self._guards.items() if dead is None or set(ms) & dead]
+            for name in hit:
+                members, refs = self._guards.pop(name)
+                # The dead's ranks in that generation: the pair to a silent one must be closed.
+                ranks = [members.index(m) for m in dead or () if m in members]
+                groups = [ref() for ref in refs]
+                sever((g for g in groups if g is not None), dead=ranks)
+                del groups
 
     def close(self) -> None:
         """Stop and join the heartbeat thread (it beats ``exit``) and forget the guards.
