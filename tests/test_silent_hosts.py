@@ -354,3 +354,76 @@ def test_a_silent_host_is_named_within_5s_and_the_job_recovers(chaos_reference, 
         assert "live morph: the 3 other worker(s) regroup" in err
     assert outcome.identical is True and outcome.orphans == 0
     assert outcome.fenced_s and outcome.fenced_s[0] < 4.0 + chaos.LOAD_MARGIN_S
+
+
+# ---------------------------------------------------------------- blame and restarts on one machine
+
+BLAME_WORKER = """
+import os, signal, sys, time
+from pathlib import Path
+out, mode = Path(sys.argv[1]), sys.argv[2]
+rank = int(os.environ["RANK"])
+if rank == 1:
+    print("varuna: rank 1 (host h) stopped waiting in step 2: rank 0 (host h, pid 1) has shown no sign of"
+          " life for 10s", file=sys.stderr, flush=True)
+    (out / "symptom").write_text("")
+    os._exit(75)
+while not (out / "symptom").exists():  # rank 0 dies only once rank 1 has exited (no sleep as a clock)
+    time.sleep(0.01)
+if mode == "cause":
+    os.kill(os.getpid(), signal.SIGKILL)
+signal.pause()  # "symptom only": rank 0 stays blocked until the launcher stops it
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["cause", "symptom"])
+def test_the_last_line_names_the_cause_not_a_survivor_that_exited_75(tmp_path: Path, mode: str):
+    """Note [Blame]: rank 1 exits 75 first (its peer watch saw rank 0 go); rank 0's own death,
+    reported just after, is the cause the last line names. Without a cause, rank 1's exit is
+    named with the peer it reported."""
+    from varuna.launch.job import launch
+
+    worker = tmp_path / "blame.py"
+    worker.write_text(BLAME_WORKER)
+    err = io.StringIO()
+    code = launch(LaunchConfig(script=str(worker), script_args=(str(tmp_path), mode), pipeline_depth=2,
+                               data_parallel=1, stop_timeout_s=5), stderr=err)
+    assert code == 1
+    last = err.getvalue().strip().splitlines()[-1]
+    if mode == "cause":
+        assert last == "varuna-launch: job failed: rank 0 stage 0 replica 0 was killed by SIGKILL (9)", last
+    else:
+        assert last.startswith("varuna-launch: job failed: rank 1 stage 1 replica 0 exited with code 75:"
+                               " rank 1 (host h) stopped waiting in step 2: rank 0 (host h, pid 1)"), last
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_procs_max_restarts_relaunches_and_ends_bit_identical(chaos_reference, tmp_path: Path):
+    """--procs 4 --max-restarts 1: a worker killed -9 mid-run; the launcher relaunches all four from
+    the newest checkpoint and the final state equals the undisturbed run's bit for bit."""
+    chaos = _chaos_hosts()
+    opts, ref = chaos_reference
+    logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "varuna.launch", "--procs", "4", "--pipeline-depth", "2", "--quiet",
+           "--max-restarts", "1", "--checkpoint-dir", str(ckpt), "--log-dir", str(logs),
+           *chaos.train_args(opts)]
+    with open(tmp_path / "out", "wb") as out, open(tmp_path / "err", "wb") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=tmp_path, env=chaos._env())
+    try:
+        _wait(lambda: [s for s in chaos.STEP_RE.findall((tmp_path / "out").read_text()) if int(s) >= 3],
+              180, "step 3")
+        workers = chaos.json.loads((logs / "launch.json").read_text())["workers"]
+        pid = {w["rank"]: w["pid"] for w in workers}[3]
+        os.kill(pid, signal.SIGKILL)
+        assert proc.wait(timeout=300) == 0, (tmp_path / "err").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    text = (tmp_path / "err").read_text()
+    assert "launch 1 failed: rank 3 stage 1 replica 1 was killed by SIGKILL (9)" in text, text[-3000:]
+    assert "restarting all 4 workers from the newest checkpoint (restart 1 of 1)" in text
+    assert chaos.bit_identical(chaos.final_state(ckpt, opts.steps), ref) == ""
