@@ -114,6 +114,8 @@ def _kill_and_delete(names: Sequence[str], spare: Sequence[int] = ()) -> None:
         time.sleep(0.05)  # the kernel needs a moment to tear a killed process down
     for name in names:
         _run(["ip", "netns", "del", name], check=False)
+        with contextlib.suppress(OSError):  # a set made with loopback_hostname
+            shutil.rmtree(Path("/etc/netns") / name)
 
 
 def remove_stale_sets() -> list[str]:
@@ -321,9 +323,6 @@ class NetHosts:
         for proc in self._sshd.values():
             stop_sshd(proc, timeout_s=5.0)
         _kill_and_delete(self._namespaces)
-        for ns in self._namespaces:
-            with contextlib.suppress(OSError):
-                shutil.rmtree(Path("/etc/netns") / ns)
         self._namespaces.clear()
 
     def __enter__(self) -> NetHosts:
