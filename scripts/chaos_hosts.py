@@ -255,7 +255,8 @@ def strike(job: Job, outcome: Outcome, victim: int, *, since: int = 0) -> float:
     wait_for(lambda: [s for s in job.steps(since) if s >= trial.step] or job.proc.poll() is not None,
              180.0, f"step {trial.step}")
     if job.proc.poll() is not None:
-        raise TrialError(f"the job ended before step {trial.step}")
+        last = _read(job.err).strip().splitlines()[-3:]
+        raise TrialError(f"the job ended (exit {job.proc.returncode}) before step {trial.step}: {last}")
     pid = job.launched().get(job.net.address(victim))
     if trial.fault == "kill":
         at = time.time()
