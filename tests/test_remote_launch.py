@@ -18,7 +18,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -46,9 +45,9 @@ from varuna.launch.layout import Layout, resolve_layout
 from varuna.launch.protocol import decode_message, encode_message
 from varuna.launch.spec import LaunchConfig
 from varuna.launch.ssh import SshOptions, probe_hosts, remote_agent_command
+from varuna.testing.sshd import SshKeys, sshd_unavailable, start_sshd, stop_sshd
 
 ROOT = Path(__file__).resolve().parent.parent
-SSHD = "/usr/sbin/sshd"
 PREFIX_RE = re.compile(r"^\[h(\d+)=(\S+) rank (\d+) stage (\d+) replica (\d+)\] (.*)$")
 
 
@@ -191,59 +190,24 @@ class Sshd:
 
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
-    if not os.path.exists(SSHD):
-        pytest.skip(f"{SSHD} not installed (apt-get install -y openssh-server, or scripts/setup.sh --tests)")
-    if shutil.which("ssh") is None or shutil.which("ssh-keygen") is None:
-        pytest.skip("the OpenSSH client (ssh, ssh-keygen) is not installed")
-    if not os.path.isdir("/run/sshd"):
-        # sshd insists on its privilege separation directory (the Debian package creates it at
-        # boot through systemd, which containers lack).
-        if os.geteuid() != 0:
-            pytest.skip("sshd needs /run/sshd, which only root can create here")
-        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
-    d = tmp_path_factory.mktemp("sshd")
-    for name in ("host_key", "user_key"):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)
-    (d / "authorized_keys").write_text((d / "user_key.pub").read_text())
+    why = sshd_unavailable()
+    if why is not None:
+        pytest.skip(why)
+    keys = SshKeys.generate(tmp_path_factory.mktemp("sshd"))
     port = _free_port()
-    (d / "sshd_config").write_text(
-        textwrap.dedent(
-            f"""
-            Port {port}
-            ListenAddress 127.0.0.1
-            ListenAddress 127.0.0.2
-            HostKey {d / "host_key"}
-            AuthorizedKeysFile {d / "authorized_keys"}
-            PidFile {d / "sshd.pid"}
-            StrictModes no
-            UsePAM no
-            PasswordAuthentication no
-            KbdInteractiveAuthentication no
-            PermitRootLogin prohibit-password
-            MaxStartups 50
-            """
-        )
-    )
-    log = open(d / "sshd.log", "wb")
-    proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(d / "sshd_config")], stdout=log, stderr=log)
+    proc = start_sshd(keys, port=port, listen=["127.0.0.1", "127.0.0.2"], name="loopback")
     try:
 
         def listening() -> bool:
             if proc.poll() is not None:
-                raise AssertionError(f"sshd exited: {(d / 'sshd.log').read_text()}")
+                raise AssertionError(f"sshd exited: {(keys.directory / 'sshd-loopback.log').read_text()}")
             with socket.socket() as sock:
                 return sock.connect_ex(("127.0.0.2", port)) == 0
 
         _wait_until(listening, timeout_s=10.0, what="sshd to listen")
-        yield Sshd(port=port, pid=proc.pid, key=d / "user_key", known_hosts=d / "known_hosts")
+        yield Sshd(port=port, pid=proc.pid, key=keys.user_key, known_hosts=keys.known_hosts)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        stop_sshd(proc)
 
 
 # ----------------------------------------------------------------------------------------------

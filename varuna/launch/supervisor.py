@@ -145,6 +145,39 @@ class _CppFrames:
         return False
 
 
+def _joined(threads: Sequence[threading.Thread], timeout_s: float) -> bool:
+    """Join ``threads`` within ``timeout_s`` in all; whether they all ended."""
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in threads)
+
+
+class _Suspects:
+    """Workers that exited with PEER_LOST_EXIT_CODE, waiting for a primary cause (Note [Blame])."""
+
+    def __init__(self) -> None:
+        self.workers: list[tuple[WorkerHandle, str]] = []
+        self.since = 0.0
+
+    def add(self, worker: WorkerHandle, detail: str) -> None:
+        if not self.workers:
+            self.since = time.monotonic()
+        self.workers.append((worker, detail))
+
+    def due(self, now: float, hosts: Sequence[Host], force: bool) -> tuple[WorkerHandle, str] | None:
+        """The first suspect once the wait is over (a host still quiet may yet be declared
+        silent: wait for it, at most its silence timeout), else None."""
+        if not self.workers:
+            return None
+        quiet = [q for q in (getattr(h, "quiet_s", lambda: None)() for h in hosts) if q is not None]
+        patience = max([BLAME_WINDOW_S, *(getattr(h, "silence_timeout_s", 0.0) for h in hosts)])
+        waited = now - self.since
+        if not force and (waited < BLAME_WINDOW_S or (quiet and waited < patience + 1.0)):
+            return None
+        return self.workers[0]
+
+
 class Supervisor:
     """Starts the planned workers, relays their output, and stops them all on failure or on a
     signal. ``notify_signal`` may be called from a signal handler or another thread.
@@ -185,8 +218,7 @@ class Supervisor:
         #: the signals handled (a job stopped by one is never restarted)
         self.received_signals: list[int] = []
         self._last_note: dict[int, str] = {}  # rank -> its last "varuna: ..." output line
-        self._suspects: list[tuple[WorkerHandle, str]] = []  # Note [Blame]
-        self._blame_from = 0.0
+        self._suspects = _Suspects()  # Note [Blame]
         self._readers_of: dict[int, list[threading.Thread]] = {}
         self._progress = progress  # a bar while the workers start (varuna.core.progress)
         self._hosts = list(hosts)
@@ -316,7 +348,9 @@ class Supervisor:
         if unreaped:
             ranks = ", ".join(str(w.spec.env.rank) for w in self._running())
             self._message(f"rank(s) {ranks} still exist {KILL_REAP_TIMEOUT_S:g} s after SIGKILL; giving up")
-        self._drain_output()
+        if not _joined(self._readers, OUTPUT_DRAIN_TIMEOUT_S):
+            self._message("some worker output may be missing: a pipe is still held open by a process"
+                          " outside the job")
         return self._finish()
 
     def close(self) -> None:
@@ -350,9 +384,7 @@ class Supervisor:
         if code != 0 and self._cause is None:
             detail = getattr(worker, "exit_detail", None) or _describe_exit(code)
             if self._on_lost is None and code == PEER_LOST_EXIT_CODE:
-                if not self._suspects:
-                    self._blame_from = time.monotonic()
-                self._suspects.append((worker, detail))  # Note [Blame]
+                self._suspects.add(worker, detail)  # Note [Blame]
             elif self._on_lost is None:
                 self._fail(f"{_where(worker)} {detail}")
             elif code == PEER_LOST_EXIT_CODE:
@@ -363,14 +395,10 @@ class Supervisor:
     def _blame(self, now: float, *, force: bool = False) -> None:
         """Note [Blame]: the first suspect becomes the cause once no primary cause can come
         (``force``: every worker has exited, none can)."""
-        if not self._suspects or self._cause is not None:
+        due = None if self._cause is not None else self._suspects.due(now, self._hosts, force)
+        if due is None:
             return
-        quiet = [q for q in (getattr(h, "quiet_s", lambda: None)() for h in self._hosts) if q is not None]
-        patience = max([BLAME_WINDOW_S, *(getattr(h, "silence_timeout_s", 0.0) for h in self._hosts)])
-        waited = now - self._blame_from
-        if not force and (waited < BLAME_WINDOW_S or (quiet and waited < patience + 1.0)):
-            return
-        worker, detail = self._suspects[0]
+        worker, detail = due
         rank = worker.spec.env.rank
         for thread in self._readers_of.get(rank, []):  # its last line (the reason) relayed first
             thread.join(timeout=LAST_WORDS_TIMEOUT_S)
@@ -549,12 +577,3 @@ class Supervisor:
     def _message(self, text: str) -> None:
         with self._out_lock:
             self._write(self._stderr, f"{PROG}: {text}\n")
-
-    def _drain_output(self) -> None:
-        deadline = time.monotonic() + OUTPUT_DRAIN_TIMEOUT_S
-        for thread in self._readers:
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        if any(t.is_alive() for t in self._readers):
-            self._message(
-                "some worker output may be missing: a pipe is still held open by a process outside the job"
-            )
