@@ -12,6 +12,11 @@ a property (docs/reliability.md).
 
     python scripts/chaos.py                      # 20 + 20 trials (about 40 s a trial on 2 cores)
     python scripts/chaos.py --trials 2 --ckpt-trials 2 --seed 7
+    python scripts/chaos.py --launcher --trials 10   # varuna-launch on hosts whose packets vanish
+
+``--launcher`` runs the launcher's trials instead (``scripts/chaos_hosts.py``: silent hosts at any
+rank, a partition that heals mid-recovery, two faults in a row, under ``varuna-launch --hosts``
+on network namespaces; root only); the options after it are that script's.
 
 Every wait has a timeout; every manager, agent and worker the script started is killed on any
 exit (the trial directories are removed unless ``--keep``).
@@ -575,6 +580,16 @@ def trial_root(opts: Options) -> Iterator[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     """Reference run, then the trials; 0 when every trial kept every property."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--launcher" in argv:  # varuna-launch's faults on real network hosts (scripts/chaos_hosts.py)
+        import importlib.util
+
+        path = Path(__file__).with_name("chaos_hosts.py")
+        spec = importlib.util.spec_from_file_location("varuna_chaos_hosts", path)
+        hosts = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = hosts
+        spec.loader.exec_module(hosts)
+        return hosts.main([a for a in argv if a != "--launcher"])
     opts = parse_args(argv)
     results: list[TrialResult] = []
     with trial_root(opts) as root:

@@ -78,7 +78,8 @@ def test_every_plan_variable_round_trips():
 # The runtime's reads of the environment go through varuna/core/env.py (Note [One parser]). Writes
 # stay where they are: the live trainer drops plan variables sized for an old layout, the local-world
 # spawner builds its children's environment.
-_WRITERS = {"varuna/runtime/live_trainer.py": {"pop"}, "varuna/testing/emulated.py": {"get"}}
+_WRITERS = {"varuna/runtime/live_trainer.py": {"pop"}, "varuna/testing/emulated.py": {"get"},
+            "varuna/runtime/layout.py": {"update"}}
 
 
 def test_the_runtime_reads_its_environment_only_through_the_one_parser():

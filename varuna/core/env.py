@@ -612,6 +612,12 @@ class ProcessEnv:
     """``VARUNA_DATA_PARALLEL``, None when unset."""
     torchrun: bool = False
     """Started by torchrun (``TORCHELASTIC_RUN_ID`` set; varuna-launch never sets it)."""
+    master_addr: str | None = None
+    """``MASTER_ADDR``: the rendezvous host (None when unset)."""
+    master_port: str | None = None
+    """``MASTER_PORT`` as given (None when unset; torch checks it)."""
+    gloo_ifname: str | None = None
+    """``GLOO_SOCKET_IFNAME`` when the user chose gloo's interface (Note [Interface towards a host])."""
     plan: RunPlan = field(default_factory=RunPlan)
     """The run plan (Note [Run plan])."""
     settings: WorkerSettings = field(default_factory=WorkerSettings)
@@ -650,6 +656,9 @@ class ProcessEnv:
             pipeline_depth=get_int("VARUNA_PIPELINE_DEPTH", None),
             data_parallel=get_int("VARUNA_DATA_PARALLEL", None),
             torchrun=bool(environ.get(TORCHRUN_VAR)),
+            master_addr=environ.get("MASTER_ADDR") or None,
+            master_port=environ.get("MASTER_PORT") or None,
+            gloo_ifname=environ.get("GLOO_SOCKET_IFNAME") or None,
             plan=RunPlan.from_env(environ),
             settings=WorkerSettings.from_env(environ),
         )

@@ -17,7 +17,7 @@ Command line::
 This module is the command line only; the pieces it drives: :func:`varuna.launch.layout.resolve_layout`
 picks P×D (auto-config from a calibration when P is not given) and the run plan every worker
 gets; :func:`varuna.launch.job.launch` runs the job here, and with ``--hosts``
-:func:`varuna.launch.job.launch_on_hosts` runs it through per-host agents after the host entries
+:func:`varuna.launch.recovery.run_with_restarts` runs it through per-host agents after the host entries
 are validated (:mod:`varuna.launch.hosts`) and the ssh hosts probed (:mod:`varuna.launch.ssh`).
 
 Exit codes: 0 all workers exited 0; 1 a worker failed or the job could not start; 2 bad usage;
@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import math
 import os
 import re
 import sys
@@ -37,10 +39,12 @@ from varuna.core.cli import OneLineParser, add_planning_args, positive_int
 from varuna.core.planning import PlanRequest
 from varuna.core.schedule import DEFAULT_SCHEDULE, SCHEDULE_KINDS, chunks_problem, schedule_kind
 from varuna.launch.hosts import HostEntry, assign_slots, check_types, parse_hosts_arg, select_hosts
-from varuna.launch.job import check_hosts_capacity, check_local_script, launch, launch_on_hosts
+from varuna.launch.job import check_hosts_capacity, check_local_script, launch
 from varuna.launch.layout import LAYOUT_REQUIRED, Layout, resolve_layout
 from varuna.launch.mixed import parse_type_speeds, place_ranks, plan_cluster
 from varuna.launch.procs import is_loopback
+from varuna.launch.protocol import SILENCE_TIMEOUT_S
+from varuna.launch.recovery import CannotPlace, Placement, run_with_restarts
 from varuna.launch.spec import (
     MAX_PROCS_PER_HOST_CEILING,
     LaunchConfig,
@@ -183,14 +187,16 @@ def _add_job_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a lost worker does not stop the job: the survivors regroup in their processes and go on"
         " (docs/live_morph.md; the script must use varuna.runtime.live_morph); when a stage lost every"
-        " replica, the job restarts from its newest checkpoint. Needs --checkpoint-dir and --procs",
+        " replica, the job restarts from its newest checkpoint. Needs --checkpoint-dir",
     )
     parser.add_argument(
         "--max-restarts",
         type=int,
-        default=3,
+        default=None,
         metavar="N",
-        help="with --live-morph: restarts from a checkpoint allowed before the job fails (default 3)",
+        help="relaunch after a failed worker or a lost host (on the hosts still reachable, P×D planned"
+        " again), resuming from the newest checkpoint, at most N times (default 0; 3 with --live-morph,"
+        " where only a stage that lost every replica restarts). Needs --checkpoint-dir",
     )
     parser.add_argument(
         "--tensorboard-dir",
@@ -255,6 +261,15 @@ def _add_ssh_args(parser: argparse.ArgumentParser) -> None:
     )
     remote.add_argument(
         "--job-id", default=None, metavar="ID", help="names the agents' command lines (default: random)"
+    )
+    remote.add_argument(
+        "--host-timeout",
+        type=float,
+        default=SILENCE_TIMEOUT_S,
+        metavar="S",
+        help="a host whose agent says nothing for S seconds (a partition, a dead VM) is declared silent"
+        " and its ranks lost; its agent stops its workers after the same silence"
+        f" (default {SILENCE_TIMEOUT_S:g})",
     )
 
 
@@ -325,8 +340,9 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
     problem = _chunks_problem(args)
     if problem is not None:
         return problem
-    if args.live_morph and args.hosts is not None:
-        return "--live-morph runs with --procs N (this machine) for now; several hosts: use varuna-manager"
+    if args.max_restarts and args.checkpoint_dir is None:
+        return (f"--max-restarts {args.max_restarts} needs --checkpoint-dir DIR: a restart resumes from the"
+                " newest checkpoint there")
     if args.live_morph and args.checkpoint_dir is None:
         return ("--live-morph needs --checkpoint-dir DIR: when a stage loses every replica the job restarts"
                 " from its newest checkpoint there")
@@ -462,6 +478,8 @@ def _main_hosts(args: argparse.Namespace, config: LaunchConfig) -> int:
     if any(e.is_local for e in entries):
         check_local_script(config)
 
+    if not math.isfinite(args.host_timeout) or args.host_timeout <= 0:
+        raise ValueError(f"--host-timeout must be > 0 seconds, got {args.host_timeout}")
     reachable, unreachable = probe_hosts(entries, ssh)
     for entry, why in unreachable:
         _say(f"host {entry.display} ({entry.origin}) is unreachable, leaving it out: {why}")
@@ -469,54 +487,46 @@ def _main_hosts(args: argparse.Namespace, config: LaunchConfig) -> int:
     if not reachable:
         _say(f"cannot launch: no host is reachable{left_out}")
         return EXIT_WORKER_FAILED
-    if speeds is not None and args.data_parallel is None and args.calibration and args.global_batch_size:
-        # Auto-config on hosts of several types: the mixed planner picks P×D, m, the map, the shares.
-        try:
-            layout, used, config = _place_by_type(None, reachable, speeds, config, args)
-        except ValueError as exc:
-            _say(f"cannot launch: {exc}{left_out}")
-            return EXIT_WORKER_FAILED
-        return _launch_hosts(args, config, layout, used, ssh, unreachable)
-    try:
-        layout = resolve_layout(
-            slots=[e.slots or 0 for e in reachable],
-            pipeline_depth=args.pipeline_depth,
-            data_parallel=args.data_parallel,
-            request=_plan_request(args),
-            progress=_progress(args),
-        )
-    except ValueError as exc:
-        _say(f"cannot launch: {exc}{left_out}")
-        return EXIT_WORKER_FAILED
-    if speeds is not None:
-        try:
-            layout, used, config = _place_by_type(layout, reachable, speeds, config, args)
-        except ValueError as exc:
-            _say(f"cannot launch: {exc}{left_out}")
-            return EXIT_WORKER_FAILED
-    else:
-        used = select_hosts(reachable, layout.pipeline_depth * layout.data_parallel)
-    return _launch_hosts(args, config, layout, used, ssh, unreachable)
+    plan = functools.partial(_plan_hosts, args, config, speeds, left_out)
+    return run_with_restarts(
+        config, reachable, plan, ssh=ssh, job_id=args.job_id, unreachable=unreachable,
+        host_timeout_s=args.host_timeout, progress=_progress(args),
+    )
 
 
-def _launch_hosts(
+def _plan_hosts(
     args: argparse.Namespace,
     config: LaunchConfig,
-    layout: Layout,
-    used: list[HostEntry],
-    ssh: SshOptions,
-    unreachable: list[tuple[HostEntry, str]],
-) -> int:
-    """Start the agents on ``used`` for ``layout`` (the run plan in every worker's environment)."""
+    speeds: dict[str, float] | None,
+    left_out: str,
+    reachable: list[HostEntry],
+) -> Placement:
+    """P×D and placement for ``reachable`` (at start, and again for what is left after a lost
+    host: Note [Restarts on hosts] in varuna/launch/recovery.py). ``CannotPlace`` when they
+    cannot hold the job; another ``ValueError`` for a usage error."""
+    try:
+        if speeds is not None and args.data_parallel is None and args.calibration and args.global_batch_size:
+            # Auto-config on hosts of several types: the mixed planner picks P×D, m, the map, the shares.
+            layout, used, config = _place_by_type(None, reachable, speeds, config, args)
+        else:
+            layout = resolve_layout(
+                slots=[e.slots or 0 for e in reachable],
+                pipeline_depth=args.pipeline_depth,
+                data_parallel=args.data_parallel,
+                request=_plan_request(args),
+                progress=_progress(args),
+            )
+            if speeds is not None:
+                layout, used, config = _place_by_type(layout, reachable, speeds, config, args)
+            else:
+                used = select_hosts(reachable, layout.pipeline_depth * layout.data_parallel)
+    except ValueError as exc:
+        raise CannotPlace(f"{exc}{left_out}") from None
     config = _with_layout(config, layout, args)
     problem = _unreachable_master(config, used)
     if problem is not None:
-        _say(f"cannot launch: {problem}")
-        return EXIT_WORKER_FAILED
-    _say(_placement_line(config, used))
-    return launch_on_hosts(
-        config, used, ssh=ssh, job_id=args.job_id, unreachable=unreachable, progress=_progress(args)
-    )
+        raise CannotPlace(problem)
+    return Placement(config, used, _placement_line(config, used))
 
 
 def _type_speeds(args: argparse.Namespace, entries: list[HostEntry]) -> dict[str, float] | None:

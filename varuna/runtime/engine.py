@@ -133,7 +133,8 @@ class Engine:
         self.checkpointer = Checkpointer(self)  # save on stop, periodic saves, resume
         self.checkpointer.attach()  # a collective when resuming: every rank loads the same step
         self._nonfinite = NonFiniteLosses(limit=config.numerics.max_nonfinite_steps, rank=self.layout.rank)
-        self._watch = PeerWatch.for_world(self.layout.rank, self.layout.world, config.timeouts.peer_s)
+        self._watch = PeerWatch.for_world(self.layout.rank, self.layout.world, config.timeouts.peer_s,
+                                          stop_signals=config.stop_signals)
         self._close_at_exit()
         self._tb = TensorBoardLog.attach(self)  # after a resume: it notes the resume and any morph
         run_plugins(self, env.settings.engine_plugins)

@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,8 +22,12 @@ import torch
 import torch.distributed as dist
 
 from varuna.core.env import ProcessEnv, rank_of, stage_and_replica
+from varuna.core.netif import interface_towards
 
-__all__ = ["Layout", "init_distributed", "pick_device"]
+__all__ = ["GLOO_IFNAME_VAR", "Layout", "choose_gloo_interface", "init_distributed", "pick_device"]
+
+#: gloo binds to this interface when set; else to what the host name resolves to.
+GLOO_IFNAME_VAR = "GLOO_SOCKET_IFNAME"
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,40 @@ def _pipeline_depth(pipeline_depth: int | None, env: ProcessEnv, world: int) -> 
             "VARUNA_PIPELINE_DEPTH=P (P=1: data parallelism only) or pass VarunaConfig(pipeline_depth=P)"
         )
     return P or 1
+
+
+def choose_gloo_interface(toward: str | None, env: ProcessEnv | None = None,
+                          environ: dict[str, str] | None = None) -> str | None:
+    """Set ``GLOO_SOCKET_IFNAME`` in ``environ`` (default ``os.environ``, which gloo reads) to the
+    interface that routes to ``toward`` (the rendezvous address), unless the user set it (Note
+    [Interface towards a host] in varuna/core/netif.py: gloo would otherwise bind to what the host
+    name resolves to, often a loopback address that no other host can reach). ``env``: this
+    process's parsed environment (default: parsed from ``environ``). Returns the interface chosen,
+    None when left as it was; raises ``ValueError`` (one line naming ``GLOO_SOCKET_IFNAME``) when
+    no interface reaches it.
+
+    Example::
+
+        >>> env = {}
+        >>> choose_gloo_interface("127.0.0.1", environ=env), env
+        ('lo', {'GLOO_SOCKET_IFNAME': 'lo'})
+    """
+    env = ProcessEnv.from_env(environ) if env is None else env
+    if env.gloo_ifname or not toward:
+        return None
+    try:
+        name, _ = interface_towards(toward)
+    except OSError as e:
+        raise ValueError(
+            f"cannot tell which network interface reaches the rendezvous address {toward} ({e}); set "
+            f"{GLOO_IFNAME_VAR} to the interface gloo should use on this host (e.g. {GLOO_IFNAME_VAR}=eth0)"
+        ) from None
+    # gloo reads the process environment (as init_process_group does MASTER_ADDR): the choice goes there.
+    if environ is None:
+        os.environ.update({GLOO_IFNAME_VAR: name})
+    else:
+        environ[GLOO_IFNAME_VAR] = name
+    return name
 
 
 def init_distributed(
@@ -101,6 +140,7 @@ def init_distributed(
         # (the end-of-step agreement's scalars, the engine's small control all-reduces), which
         # NCCL alone refuses.
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and device != "cpu" else "gloo"
+        choose_gloo_interface(env.master_addr, env, environ)
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         owns = True
     rank = dist.get_rank() if dist.is_initialized() else 0

@@ -54,6 +54,7 @@ from torch import nn
 from varuna.core.env import ProcessEnv, stage_and_replica
 from varuna.core.live_layout import plan_generation, transfer_plan
 from varuna.runtime.engine import Engine
+from varuna.runtime.layout import choose_gloo_interface
 from varuna.runtime.live_transfer import describe_state, receive_targets
 from varuna.runtime.live_watch import DECLARED_DEAD_EXIT_CODE, LiveWatch, sever
 from varuna.runtime.optimizer_state import merge_optimizer_states, optimizer_state_by_name
@@ -164,7 +165,7 @@ class LiveWorld:
         watch]); replaces an earlier guard of the same name."""
         refs = [weakref.ref(g) for g in groups if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER]
         with self._lock:
-            self._guards[name] = (frozenset(members), refs)
+            self._guards[name] = (tuple(members), refs)
 
     def unguard(self, name: str) -> None:
         with self._lock:
@@ -174,10 +175,14 @@ class LiveWorld:
         """Sever the guarded groups spanning a member of ``dead`` (None: all of them), and forget
         them. Under the lock: the main thread swaps groups only after unguarding the old ones."""
         with self._lock:
-            hit = [n for n, (ms, _) in self._guards.items() if dead is None or ms & dead]
-            groups = [ref() for n in hit for ref in self._guards.pop(n)[1]]
-            sever(g for g in groups if g is not None)
-            del groups
+            hit = [n for n, (ms, _) in self._guards.items() if dead is None or set(ms) & dead]
+            for name in hit:
+                members, refs = self._guards.pop(name)
+                # The dead's ranks in that generation: the pair to a silent one must be closed.
+                ranks = [members.index(m) for m in dead or () if m in members]
+                groups = [ref() for ref in refs]
+                sever((g for g in groups if g is not None), dead=ranks)
+                del groups
 
     def close(self) -> None:
         """Stop and join the heartbeat thread (it beats ``exit``) and forget the guards.
@@ -228,6 +233,8 @@ class LiveWorld:
         gc.freeze()
         member = env.rank if member is None else member
         joining = env.settings.live_join if joining is None else joining
+        # Every generation's gloo group binds to the interface towards the job's rendezvous host.
+        choose_gloo_interface(env.master_addr or host, env)
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
         beats = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
         if joining:
