@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "examples" / "resnet"))
 from model import ResNet, ResNetConfig  # noqa: E402
 
 import varuna  # noqa: E402
-from varuna.runtime.buffers import stage_buffer_names  # noqa: E402
+from varuna.cutting.split import persistent_buffers  # noqa: E402
 from varuna.runtime.stateful_data import StatefulBatches  # noqa: E402
 
 GLOBAL_BATCH, MICRO_BATCH, IMAGE, SAMPLES = 8, 2, 8, 48
@@ -110,7 +110,8 @@ def engine_args(a: argparse.Namespace) -> dict:
     return {
         "example_batch": step_batch(1),
         "optimizer": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
-        "lr_scheduler": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=total + 1),
+        "lr_scheduler": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1,
+                                                                        total_steps=total + 1),
     }
 
 
@@ -122,10 +123,10 @@ def record(engine, batch, step: int) -> dict:
 def dump(engine, out: Path, name: str, rows: list, extra: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if engine is not None:
-        # The stage's buffers read from the model itself (with --old-buffers the engine keeps none).
-        segments = [s for a, b in engine.stage_ranges[engine.stage :: engine.layout.P] for s in range(a, b + 1)]
-        model_buffers = dict(engine.model.named_buffers())
-        buffers = {n: model_buffers[n] for n in stage_buffer_names(engine.profile, segments)}
+        # The stage's buffers read from the model itself (with --old-buffers the engine keeps none):
+        # those of the BatchNorm modules whose weights the stage holds.
+        buffers = {n: b for n, b in persistent_buffers(engine.model).items()
+                   if f"{n.rpartition('.')[0]}.weight" in engine.stage_params}
         tensors = {n: t.detach().clone() for n, t in {**engine.stage_params, **buffers}.items()}
         torch.save(tensors, out / f"{name}.pt")
         extra = {**extra, "P": engine.layout.P, "D": engine.layout.D, "stage": engine.stage,
@@ -134,10 +135,15 @@ def dump(engine, out: Path, name: str, rows: list, extra: dict) -> None:
 
 
 def old_buffers() -> None:
-    """The engine before issue 29: no buffers kept, saved or synchronised (negative control)."""
+    """The engine before issue 29 (negative control): no buffer kept, saved or synchronised (the
+    dry run records none), BatchNorm updates itself, the dry runs move the statistics."""
+    import contextlib
+
+    import varuna.cutting.split as split
     import varuna.runtime.engine as engine_module
 
-    engine_module.stage_buffer_names = lambda profile, segments: []
+    split._buffer_segments = lambda *args: {}
+    engine_module.preserved_buffers = lambda model: contextlib.nullcontext()
 
 
 def run_plain(a: argparse.Namespace) -> None:

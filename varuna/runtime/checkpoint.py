@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from varuna.cutting.split import ModelProfile
+from varuna.runtime.checkpoint_convert import check_resumable, resolve_step_dir, weights_format
 from varuna.runtime.checkpoint_files import CheckpointError, UnsoundCheckpoint
 from varuna.runtime.checkpoint_format import CheckpointFormat, LoadedShare, LoadRequest, StateLayout
 from varuna.runtime.checkpoint_manifest import MANIFEST, read_manifest, read_shard
@@ -84,6 +85,7 @@ from varuna.runtime.optimizer_state import (
     optimizer_state_by_name,
 )
 from varuna.runtime.state_codec import from_json, json_bytes, to_json
+from varuna.runtime.weight_versions import pop_previous
 
 # The checkpoint API in one place: what scripts and tests import from varuna.runtime.checkpoint.
 __all__ = [
@@ -277,15 +279,54 @@ class Checkpointer:
     # ---- wiring
 
     def attach(self) -> None:
-        """Register the save-on-stop callback and resume when asked (a collective then)."""
+        """Register the save-on-stop callback and resume when asked (a collective then); else start
+        from ``config.init_from``'s weights when set."""
         if self.directory is not None:
             self.state.add_stop_callback(lambda _state: self.save_on_stop())
+        resumed = None
         if self.resume_mode != "never":
             if self.directory is None:
                 raise ValueError(
                     "resume needs a checkpoint directory: set --checkpoint-dir or $VARUNA_CHECKPOINT_DIR"
                 )
-            self.load(required=self.resume_mode == "always")
+            resumed = self.load(required=self.resume_mode == "always")
+        init_from = getattr(self.state.config, "init_from", None)
+        if resumed is None and init_from:
+            self.load_weights(init_from)
+
+    def load_weights(self, path: str | Path) -> None:
+        """Load only the weights (parameters and buffers) of ``path`` into this stage (a
+        collective): a checkpoint of any registered format, a checkpoint root, a Hugging Face model
+        directory or a DCP checkpoint (:func:`~varuna.runtime.checkpoint_convert.weights_format`).
+        Each rank reads only its stage's tensors. The optimizer, step and registered state stay as
+        they are; any rank's failure is every rank's ``CheckpointError``.
+
+        Example::
+
+            engine.checkpointer.load_weights("/models/llama-hf")      # = VarunaConfig.init_from
+        """
+        st = self.state
+        buffers = st.extras.buffers.named()
+        request = LoadRequest(tensors={**buffers, **st.stage_params}, optimizer_class=None,
+                              optional=frozenset(buffers))
+        loaded, problem = None, None
+        try:
+            root = Path(path)
+            source = resolve_step_dir(root) if format_of(root) is None and list_checkpoints(root) else root
+            loaded = weights_format(source).read(source, request)
+        except (CheckpointError, UnsoundCheckpoint, ValueError, OSError) as e:
+            problem = f"init_from {path}: {' '.join(str(e).split())}"
+        if self._agree_verdict(_FATAL if problem else _OK) != _OK:
+            raise CheckpointError(problem or f"init_from {path}: another rank could not read it")
+        assert loaded is not None
+        sd = st.state_dict()
+        pop_previous(sd["optimizer"])  # 2bw: the stash becomes the loaded weights, like a first step
+        tensors = loaded.tensors
+        st.load_state_dict({**sd, "params": {n: t for n, t in tensors.items() if n not in buffers},
+                            "buffers": {n: t for n, t in tensors.items() if n in buffers}, "extra": None},
+                           copy=False)
+        if self.rank == 0:
+            log.info("varuna: started from the weights of %s", path)
 
     def after_step(self) -> None:
         """Periodic save at the mini-batch boundary that just completed."""
@@ -597,7 +638,9 @@ class Checkpointer:
         if fmt is None:  # the commit file went away since rank 0 listed it
             return _SKIP, f"{path}: no longer complete (no commit file of any registered format)", None
         try:
-            return _OK, None, fmt.read(path, request)
+            loaded = fmt.read(path, request)
+            check_resumable(path, loaded.metadata)
+            return _OK, None, loaded
         except CheckpointError as e:  # not one the format writes, or another model's: refuse
             return _FATAL, str(e), None
         except UnsoundCheckpoint as e:  # what a crash or a full disk leaves: an older one may do

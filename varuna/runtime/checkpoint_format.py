@@ -72,6 +72,8 @@ __all__ = [
     "as_saved",
     "check_model_fits",
     "snapshot",
+    "tensor_meta",
+    "tensor_table",
 ]
 
 
@@ -221,6 +223,12 @@ class CheckpointFormat(ABC):
     def verify(self, path: Path) -> list[str]:
         """Problems with a step directory of this format, without unpickling; empty when sound."""
 
+    def describe(self, path: Path) -> tuple[dict[str, dict], dict]:
+        """Every saved tensor (name -> ``{"shape", "dtype", "segments"}``, ``"buffer": True`` for
+        buffers) and the checkpoint's metadata: what ``varuna-checkpoint export`` needs to plan a
+        conversion. Optional: the default refuses."""
+        raise CheckpointError(f"checkpoint format {self.name!r} cannot describe its tensors (no export)")
+
     def is_complete(self, path: Path) -> bool:
         """Whether ``path`` holds a committed checkpoint of this format."""
         return (path / self.commit_file).is_file()
@@ -266,6 +274,33 @@ def check_model_fits(
             f"checkpoint {path} holds {saved_optimizer} state but the engine's optimizer is "
             f"{request.optimizer_class}; build the optimizer the saving run used"
         )
+
+
+def tensor_table(records: Sequence[dict], layout: StateLayout) -> dict[str, dict]:
+    """name -> ``{"shape", "dtype", "segments", "file"}`` (and ``"buffer": True``) of every tensor
+    the writers' ``records`` hold (each record's ``tensors``: name -> shape and dtype), checked to
+    cover the layout: what a commit file lists so that a reader finds a tensor's file.
+
+    >>> lay = StateLayout(tensor_segments={"w": (0,)}, tensor_bytes={}, stage_ranges=[(0, 0)],
+    ...                   pipeline_depth=1, data_parallel=1)
+    >>> tensor_table([{"name": "f", "tensors": {"w": {"shape": [2], "dtype": "float32"}}}], lay)
+    {'w': {'shape': [2], 'dtype': 'float32', 'segments': [0], 'file': 'f'}}
+    """
+    table: dict[str, dict] = {}
+    for r in records:
+        for n, meta in r.get("tensors", {}).items():
+            kind = {"buffer": True} if n in layout.buffers else {}
+            segments = list(layout.tensor_segments.get(n, []))
+            table[n] = {**meta, "segments": segments, "file": r["name"], **kind}
+    missing = set(layout.tensor_segments) - set(table)
+    if missing:
+        raise CheckpointError(f"no file holds tensor(s) {sorted(missing)[:5]}")
+    return table
+
+
+def tensor_meta(t: torch.Tensor) -> dict:
+    """``{"shape", "dtype"}`` of a tensor, JSON-able (what :func:`tensor_table` records)."""
+    return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
 
 
 # ---------------------------------------------------------------------------------------------

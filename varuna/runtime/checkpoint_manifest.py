@@ -165,6 +165,11 @@ class ManifestFormat(CheckpointFormat):
             metadata=metadata, tensors=tensors, optimizer=merge_optimizer_states(opts), extra=extra
         )
 
+    def describe(self, path: Path) -> tuple[dict[str, dict], dict]:
+        m = read_manifest(path)
+        metadata = {k: v for k, v in m.items() if k not in ("format", "version", "parameters", "files")}
+        return m["parameters"], metadata
+
     def verify(self, path: Path) -> list[str]:
         """No/bad manifest, missing, truncated or altered files (size and sha256 of every file;
         nothing is unpickled)."""

@@ -125,6 +125,12 @@ class VarunaConfig:
     resume: str | bool | None = None
     """"1"/True: load the newest complete checkpoint (error if none); "auto": if there is one;
     "0"/False: never. None: $VARUNA_RESUME (default never)."""
+    init_from: str | None = None
+    """Start from these weights when the run does not resume: a checkpoint directory of any
+    registered format (or a checkpoint root: its newest), a Hugging Face model directory
+    (``save_pretrained``: ``model.safetensors`` or sharded with its index) or a DCP checkpoint.
+    Each stage reads only its own tensors (a model built on ``meta`` never holds the whole one);
+    the optimizer, step and data start fresh (docs/checkpoints.md "Formats")."""
     cut_after: tuple[str, ...] | None = None
     """Put a cut-point after each module these names or patterns select (``("model.layers.*",)``:
     after every decoder layer; ``*`` matches one level of a dotted name, see

@@ -60,7 +60,7 @@ def _encode(x: Any, tensor: Callable[[torch.Tensor], Any], path: str) -> Any:
     if hasattr(x, "item") and hasattr(x, "dtype"):  # a numpy scalar
         return x.item()
     raise StateCodecError(
-        f"{path or 'state'} is a {type(x).__module__}.{type(x).__qualname__}: a saved state may hold "
+        f"{path} is a {type(x).__module__}.{type(x).__qualname__}: a saved state may hold "
         "only tensors, numbers, strings, bytes, lists, tuples and dicts (varuna never pickles objects); "
         "return plain data from state_dict()"
     )
@@ -106,7 +106,7 @@ def to_json(tree: Any) -> Any:
         return {"@tensor": {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                             "data": base64.b64encode(raw).decode()}}
 
-    return _encode(tree, tensor, "")
+    return _encode(tree, tensor, "state")
 
 
 def from_json(data: Any) -> Any:
@@ -145,7 +145,7 @@ def flatten(tree: Any, prefix: str = "t") -> tuple[Any, dict[str, torch.Tensor]]
         tensors[key] = t
         return {"@t": key}
 
-    return _encode(tree, tensor, ""), tensors
+    return _encode(tree, tensor, "state"), tensors
 
 
 def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor]) -> Any:

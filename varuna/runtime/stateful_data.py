@@ -82,11 +82,13 @@ class StatefulBatches:
         self._it: Iterator | None = None
         self._history: OrderedDict[int, dict] = OrderedDict()
         self._keep = history
+        self._generators = _generators(loader)
         self._remember()
 
     def _remember(self) -> None:
         self._history[self.position] = {"position": self.position, "epoch": self.epoch,
-                                        "loader": self.loader.state_dict()}
+                                        "loader": self.loader.state_dict(),
+                                        "generators": [g.get_state() for g in self._generators]}
         while len(self._history) > self._keep:
             self._history.popitem(last=False)
 
@@ -137,7 +139,28 @@ class StatefulBatches:
         """Continue after ``state``'s position (the next batch is ``position + 1``)."""
         self.loader.load_state_dict(state["loader"])
         self.position, self.epoch = int(state["position"]), int(state["epoch"])
-        self._it = None  # a StatefulDataLoader resumes inside its epoch on the next iter()
+        # A StatefulDataLoader rebuilds the epoch's order when its iterator is made, drawing from
+        # its generator on the way (torchdata 0.11 draws once more than the saving run did, and the
+        # next epoch came out in another order): make the iterator now, then put the generators
+        # where the saving run had them, so the next epoch draws what it drew.
+        self._it = iter(self.loader)
+        for g, saved in zip(self._generators, state.get("generators", [])):
+            g.set_state(saved)
         for p in [p for p in self._history if p > self.position]:
             del self._history[p]
         self._history[self.position] = state
+
+
+def _generators(loader: Any) -> list:
+    """The torch generators a loader shuffles with (its own, its sampler's, its batch sampler's
+    sampler's), each once."""
+    import torch
+
+    found, seen = [], set()
+    for obj in (loader, getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None),
+                                                               "sampler", None)):
+        g = getattr(obj, "generator", None)
+        if isinstance(g, torch.Generator) and id(g) not in seen:
+            seen.add(id(g))
+            found.append(g)
+    return found

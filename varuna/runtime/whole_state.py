@@ -94,7 +94,9 @@ def state_dict(engine) -> dict:
         "optimizer": add_previous(optimizer_state_by_name(engine.optimizer, named), engine.weight_versions),
         "loss_scale": engine.scaler.state_dict(),
         "buffers": engine.extras.buffers.named(),
-        "extra": engine.extras.registered.state_dicts(engine.step_count),
+        # committed_step: inside a failed step (a live morph's hand-over) a loader already gave out
+        # the step's batch; its state after the last committed step is what must travel
+        "extra": engine.extras.registered.state_dicts(engine.committed_step),
     }
 
 
@@ -126,7 +128,7 @@ def load_state_dict(engine, state: dict, *, copy: bool = True) -> None:
         log.warning("varuna: the loaded state has no buffer %r (and %d more) of stage %d (a checkpoint "
                     "written before buffers were saved): they keep their current values",
                     lacking[0], len(lacking) - 1, engine.stage)
-    extra = state.get("extra")
+    extra = state.get("extra")  # None: leave the registered objects as they are (init_from)
     if extra is not None:
         engine.extras.registered.load(extra, rank_state="rank" in extra)
 
