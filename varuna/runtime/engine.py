@@ -77,7 +77,10 @@ class Engine:
     used, for the dry run). ``optimizer``: builds the stage's optimizer from its parameters.
     ``loss_fn(output, microbatch)``: the scalar *mean* loss of a micro-batch; default: the model returns
     it. ``param_init(module_name, module)``: how a ``meta`` model's modules are initialised (default:
-    ``reset_parameters``).
+    ``reset_parameters``). ``lr_scheduler(optimizer)``: builds the stage's learning-rate scheduler
+    (e.g. ``lambda opt: CosineAnnealingLR(opt, 1000)``), stepped after every mini-batch and saved
+    with the whole state (docs/checkpoints.md "Whole state"); :meth:`register_state` adds your own
+    stateful objects.
 
     Hooks: :meth:`add_step_callback` (after every step, with its :class:`StepResult`),
     :meth:`add_stop_callback` (before a graceful stop exits), and the plugins named in
