@@ -32,7 +32,7 @@ from varuna.runtime.stateful_data import StatefulBatches
 
 WORKER = Path(__file__).parent / "workers" / "state_worker.py"
 sys.path.insert(0, str(WORKER.parent))
-from state_worker import GLOBAL_BATCH, SAMPLES, Images, Indexed  # noqa: E402
+from state_worker import GLOBAL_BATCH, SAMPLES, Images, Indexed, step_batch  # noqa: E402
 
 STEPS = 8  # 6 mini-batches an epoch: the runs cross an epoch boundary
 
@@ -299,6 +299,28 @@ def test_a_checkpoint_holds_buffers_scheduler_and_data_and_an_old_one_still_load
         old = _engine(tmp_path, resume="1")
     assert old.step_count == 3 and "has no buffer" in caplog.text
     old.close()
+
+
+def test_a_2bw_window_updates_buffers_and_the_schedule_per_mini_batch_like_train_step(tmp_path):
+    """No flush (``train_steps`` with 2bw): each mini-batch's statistics are applied at its own
+    update inside the window, so the buffers, weights and LR schedule equal four ``train_step``s."""
+    def run(window: bool):
+        eng = _engine(tmp_path, schedule="2bw", deterministic=True)
+        batches = [step_batch(s) for s in range(1, 5)]
+        if window:
+            eng.train_steps(batches)
+        else:
+            for b in batches:
+                eng.train_step(b)
+        sd = eng.state_dict()
+        out = {**sd["params"], **sd["buffers"]}, eng.extras.scheduler.scheduler.last_epoch
+        eng.close()
+        return out
+
+    (w_window, e_window), (w_steps, e_steps) = run(True), run(False)
+    assert e_window == e_steps == 4
+    assert any(int(v) == 16 for n, v in w_window.items() if n.endswith("num_batches_tracked"))
+    assert _differences(w_window, w_steps) == []
 
 
 # ---------------------------------------------------------------------------------- processes
