@@ -81,7 +81,7 @@ def test_an_unknown_format_is_refused_in_one_line(tmp_path):
         )
     msg = str(e.value)
     assert "\n" not in msg and "unknown checkpoint format 'safetensor'" in msg
-    assert "registered: varuna, toy" in msg and "VARUNA_CHECKPOINT_FORMAT_MODULES" in msg
+    assert "registered: varuna, hf, dcp, toy" in msg and "VARUNA_CHECKPOINT_FORMAT_MODULES" in msg
 
 
 def test_a_taken_name_or_a_missing_module_is_refused():
