@@ -201,6 +201,20 @@ def test_registered_state_waits_for_its_object_and_scopes_are_explicit():
     assert reg.state_dicts(0) == {"global": {"data": {"value": 7}}, "rank": {"rng": {"value": 5}}}
 
 
+def test_rng_state_round_trips_through_the_checkpoint_codec():
+    import random
+
+    import numpy as np
+
+    from varuna.runtime.extra_state import RNGState
+
+    rng = RNGState()
+    saved = json.loads(json.dumps(to_json(rng.state_dict())))
+    want = (random.random(), float(np.random.rand()), float(torch.rand(())))
+    rng.load_state_dict(from_json(saved))
+    assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == want
+
+
 def test_optimizer_state_outside_state_param_round_trips_by_name():
     w = nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)

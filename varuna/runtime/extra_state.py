@@ -39,14 +39,16 @@ Example::
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Mapping
 from typing import Any
 
+import numpy
 import torch
 
 from varuna.runtime.state_codec import json_bytes
 
-__all__ = ["MAX_STATE_BYTES", "SCHEDULER", "SCOPES", "ExtraState", "SchedulerState"]
+__all__ = ["MAX_STATE_BYTES", "SCHEDULER", "SCOPES", "ExtraState", "RNGState", "SchedulerState"]
 
 SCOPES = ("global", "rank")
 #: The engine's learning-rate scheduler's name among the registered states.
@@ -107,6 +109,39 @@ def _with_group_values(state: Any, groups: list[dict]) -> Any:
         if isinstance(out.get(key), list) and all(group_key in g for g in groups):
             out[key] = [g[group_key] for g in groups]
     return out
+
+
+class RNGState:
+    """This process's global random generators (Python's ``random``, NumPy's legacy global one,
+    torch's default CPU generator) as registered state, for a script that draws from them outside
+    the engine (augmentation, sampling). Register it with scope ``"global"`` when every rank draws
+    the same numbers (every rank builds the whole mini-batch, so usually), else ``"rank"``. Dropout
+    does not need it: the engine keys its draws by work and restores torch's stream after.
+
+    >>> rng = RNGState()
+    >>> saved = rng.state_dict(); a = random.random()
+    >>> rng.load_state_dict(saved); a == random.random()
+    True
+    """
+
+    def state_dict(self) -> dict:
+        kind, keys, pos, has_gauss, gauss = numpy.random.get_state()
+        return {"python": random.getstate(), "torch": torch.get_rng_state(),
+                "numpy": {"kind": kind, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+                          "gauss": float(gauss)}}
+
+    def load_state_dict(self, state: dict) -> None:
+        random.setstate(_tuples(state["python"]))
+        torch.set_rng_state(state["torch"])
+        n = state["numpy"]
+        numpy.random.set_state((n["kind"], numpy.array(n["keys"], dtype=numpy.uint32), n["pos"],
+                                n["has_gauss"], n["gauss"]))
+
+
+def _tuples(x: Any) -> Any:
+    """Lists back to tuples (``random.setstate`` wants tuples; a JSON round trip keeps them as the
+    codec's tuples, an in-memory copy as they were)."""
+    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 class ExtraState:
