@@ -159,7 +159,10 @@ class HFFormat(CheckpointFormat):
             raise UnsoundCheckpoint(f"{path / INDEX}: malformed ({type(e).__name__}: {e})") from None
         tensors: dict[str, torch.Tensor] = {}
         for name, names in by_file.items():
-            tensors.update(_tensors_of(path, name, files.get(name), names))
+            if name not in files:  # every file a varuna index names is checked: no unlisted one is read
+                raise UnsoundCheckpoint(f"{path / INDEX}: names file {name!r} for {names[0]!r} but does not "
+                                        "list it")
+            tensors.update(_tensors_of(path, name, files[name], names))
         opts = []
         if not request.weights_only:
             mine = set(wanted)
