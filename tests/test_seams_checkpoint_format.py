@@ -106,7 +106,8 @@ def test_list_and_prune_recognise_every_registered_format(tmp_path):
     assert [(c.step, c.format) for c in list_checkpoints(tmp_path)] == [
         (1, "varuna"), (2, "toy"), (3, "varuna"), (4, None)]
     assert verify_checkpoint(tmp_path / step_dir_name(4)) == [
-        f"{tmp_path / step_dir_name(4)}: no manifest.json or toy-index.json (an incomplete checkpoint)"]
+        f"{tmp_path / step_dir_name(4)}: no manifest.json or model.safetensors.index.json or .metadata or "
+        "toy-index.json (an incomplete checkpoint)"]
     prune(tmp_path, 3, keep=2)
     # The toy checkpoint counts as complete: kept as the second newest (an unrecognised one
     # would have been removed as an incomplete leftover, and step 1 kept instead).
