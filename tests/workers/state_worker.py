@@ -15,6 +15,7 @@ the tests' negative control.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -26,9 +27,21 @@ import torch.distributed as dist
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "examples" / "resnet"))
 
-from model import ResNet, ResNetConfig  # noqa: E402
+
+def _resnet_module():
+    """examples/resnet/model.py under its own module name: tests import the GPT example as
+    ``model`` (examples/gpt2 on sys.path), so this one must not take that name."""
+    path = ROOT / "examples" / "resnet" / "model.py"
+    spec = importlib.util.spec_from_file_location("varuna_resnet_example", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+_resnet = sys.modules.get("varuna_resnet_example") or _resnet_module()
+ResNet, ResNetConfig = _resnet.ResNet, _resnet.ResNetConfig
 
 import varuna  # noqa: E402
 from varuna.cutting.split import persistent_buffers  # noqa: E402
