@@ -50,7 +50,7 @@ cd "$WORK"  # not the checkout: `python -m` would put its varuna/ first on sys.p
 where=$("$BIN/python" -c 'import varuna; print(varuna.__file__)')
 case "$where" in "$WORK"/venv/*) ;; *) fail "varuna imported from $where, not the venv" ;; esac
 
-for cmd in varuna-launch varuna-simulate varuna-profile varuna-trace; do
+for cmd in varuna-launch varuna-simulate varuna-profile varuna-trace varuna-checkpoint; do
     timeout 120 "$BIN/$cmd" --help > /dev/null || fail "$cmd --help failed"
 done
 

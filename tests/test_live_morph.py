@@ -174,19 +174,21 @@ def test_live_watch_declares_only_a_silent_member_dead_and_a_declared_one_learns
 def run_live_world(out: Path, ckpt: Path, *, world: int = 4, P: int = 2, args: tuple[str, ...] = (),
                    joiners: tuple[int, ...] = (), plan: tuple[int, int] | None = None,
                    timeout_s: float = 240.0, frozen: tuple[int, ...] = (),
-                   states: dict[int, str] | None = None) -> tuple[dict[int, int], dict[int, int | None]]:
+                   states: dict[int, str] | None = None, worker: Path = WORKER,
+                   steps: int = STEPS) -> tuple[dict[int, int], dict[int, int | None]]:
     """``world`` workers at P×(world/P) around a store this process hosts (the supervisor's role):
     a thread per worker waits for its exit and declares it dead; ``joiners`` start (with
     $VARUNA_LIVE_JOIN) once member 0 set ``test/joiners``; ``frozen`` members (they SIGSTOP
     themselves) get SIGCONT once every other member exited, their process state just before it
-    goes to ``states``. Returns pids and exit codes by member."""
+    goes to ``states``. ``worker``: the script (tests/workers/state_worker.py runs the BatchNorm
+    model). Returns pids and exit codes by member."""
     from varuna.runtime.live_morph import declare_dead, request_layout
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
     if plan:
         request_layout(store, *plan)
-    cmd = [sys.executable, str(WORKER), "--out", str(out), "--ckpt-dir", str(ckpt), "--steps", str(STEPS),
+    cmd = [sys.executable, str(worker), "--out", str(out), "--ckpt-dir", str(ckpt), "--steps", str(steps),
            "--timeout", "60", *args]
     out.mkdir(parents=True)
     procs: dict[int, subprocess.Popen] = {}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import io
+import json
 import os
 import stat
 from collections.abc import Callable
@@ -35,8 +36,10 @@ __all__ = [
     "atomic_write",
     "copy_file",
     "fsync_dir",
+    "hash_file",
     "open_checked",
     "open_regular",
+    "read_json",
     "read_regular",
     "save_hashed",
 ]
@@ -200,6 +203,28 @@ def save_hashed(obj: Any, path: Path) -> tuple[int, str]:
         w = _HashingWriter(f)
         torch.save(obj, w)
     return w.nbytes, w.sha.hexdigest()
+
+
+def hash_file(path: Path, chunk_bytes: int = 8 << 20) -> tuple[int, str]:
+    """(bytes, sha256 hex) of a file another library wrote (safetensors, DCP), streamed."""
+    sha, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while b := f.read(chunk_bytes):
+            sha.update(b)
+            n += len(b)
+    return n, sha.hexdigest()
+
+
+def read_json(path: Path, max_bytes: int | None = None) -> Any:
+    """A JSON file read with :func:`read_regular` (a regular file in place, bounded); raises
+    :class:`UnsoundCheckpoint` when it is missing or unreadable (a crash's leftover or an
+    incomplete directory)."""
+    try:
+        return json.loads(read_regular(path, JSON_MAX_BYTES if max_bytes is None else max_bytes).decode())
+    except FileNotFoundError:
+        raise UnsoundCheckpoint(f"{path}: missing") from None
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise UnsoundCheckpoint(f"{path}: unreadable ({e})") from None
 
 
 def copy_file(src: Path, dst: Path, chunk_bytes: int, on_chunk: Callable[[int], None]) -> None:

@@ -106,18 +106,19 @@ class SaveJob:
 
 
 def shard_state_bytes(
-    shards: Sequence[Shard], stage_params: Mapping[str, torch.Tensor], opt: dict | None
+    shards: Sequence[Shard], stage_tensors: Mapping[str, torch.Tensor], opt: dict | None
 ) -> int:
-    """Bytes of tensor data a snapshot of ``shards`` would copy (parameters and optimizer state).
+    """Bytes of tensor data a snapshot of ``shards`` would copy (tensors and optimizer state).
 
     Example::
 
         nbytes = shard_state_bytes(my_shards, engine.stage_params, optimizer_state_by_name(opt, params))
     """
-    names = {n for s in shards for n in s.params}
-    total = sum(stage_params[n].numel() * stage_params[n].element_size() for n in names)
+    tensors = {n for s in shards if s.holds != "optimizer" for n in s.params}
+    states = {n for s in shards if s.holds != "tensors" for n in s.params}
+    total = sum(stage_tensors[n].numel() * stage_tensors[n].element_size() for n in tensors)
     for n, v in (opt or {}).get("state", {}).items():
-        if n in names:
+        if n in states:
             total += sum(t.numel() * t.element_size() for t in v.values() if isinstance(t, torch.Tensor))
     return total
 
@@ -179,15 +180,16 @@ def take_shares(
 ) -> list[StateShare]:
     """This rank's part of the state, one :class:`StateShare` per file of ``shards``.
 
-    ``state``: the stage's state in ``Engine.state_dict`` form (``params``, name-keyed
+    ``state``: the stage's state in ``Engine.state_dict`` form (``params``, ``buffers``, name-keyed
     ``optimizer``). ``copy``: host snapshots (training goes on updating the originals);
     False: the shares reference the live tensors and must be written (:func:`write_local`)
     before training changes them (Note [Snapshot to disk])."""
     take = snapshot if copy else detached
-    params, opt = state["params"], state["optimizer"]
+    tensors_of = {**state.get("buffers", {}), **state["params"]}
+    opt = state["optimizer"]
     shares = []
     for shard in shards:
-        keep = set(shard.params)
+        keep = set(shard.params) if shard.holds != "tensors" else set()
         # The synchronous part of a save (Note [Save]): a host snapshot of this rank's part.
         # Serialising it (to local disk) and copying it (to the global store) happen in the
         # background thread; the snapshot is freed once it is on local disk.
@@ -203,7 +205,8 @@ def take_shares(
                 if any(n in keep for n in g["params"])
             ],
         }
-        tensors = {n: take(params[n]) for n in shard.params}
+        names = shard.params if shard.holds != "optimizer" else ()
+        tensors = {n: take(tensors_of[n]) for n in names}
         shares.append(StateShare(step=step, rank=rank, tensors=tensors, optimizer=optimizer))
     return shares
 

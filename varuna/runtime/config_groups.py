@@ -139,6 +139,12 @@ class CheckpointConfig:
     resume: str | bool | None = None
     """"1"/True: load the newest complete checkpoint (error if none); "auto": if there is one;
     "0"/False: never. None: $VARUNA_RESUME (default never)."""
+    init_from: str | None = None
+    """Start from these weights when the run does not resume: a checkpoint directory of any
+    registered format (or a checkpoint root: its newest), a Hugging Face model directory
+    (``save_pretrained``: ``model.safetensors`` or sharded with its index) or a DCP checkpoint.
+    Each stage reads only its own tensors (a model built on ``meta`` never holds the whole one);
+    the optimizer, step and data start fresh (docs/checkpoints.md "Formats")."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -251,6 +257,7 @@ FLAT_FIELDS: Mapping[str, tuple[str, str]] = MappingProxyType(
         "checkpoint_snapshot": ("checkpoints", "snapshot"),
         "checkpoint_format": ("checkpoints", "format"),
         "resume": ("checkpoints", "resume"),
+        "init_from": ("checkpoints", "init_from"),
         "deterministic": ("determinism", "enabled"),
         "deterministic_threads": ("determinism", "threads"),
         "comm_timeout_s": ("timeouts", "comm_s"),

@@ -48,6 +48,8 @@ from varuna.cutting.batches import batch_size_of, slice_batch
 from varuna.cutting.cutpoint import CarryPlan, CutPoint, SplitState
 from varuna.cutting.loss import default_loss
 from varuna.cutting.split import ModelProfile, materialize_stage
+from varuna.runtime import whole_state
+from varuna.runtime.buffers import stage_buffer_names
 from varuna.runtime.checkpoint import Checkpointer, checkpoint_format
 from varuna.runtime.config import StepResult, VarunaConfig, adopt_plan, adopt_settings
 from varuna.runtime.executor import ScheduleExecutor, StageModel
@@ -56,13 +58,13 @@ from varuna.runtime.groups import ProcessGroups, StageLinks, build_groups
 from varuna.runtime.layout import Layout, init_distributed, pick_device
 from varuna.runtime.loss_scale import DynamicLossScale, NonFiniteLosses, NonFiniteLossStop
 from varuna.runtime.no_flush import MAX_WINDOW_STEPS, WindowFeed, no_flush_unsupported
-from varuna.runtime.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
 from varuna.runtime.peer_watch import PeerWatch, watching
 from varuna.runtime.plugins import run_plugins
 from varuna.runtime.stages import assign_stages, chunks_per_process, planning_profile
 from varuna.runtime.tensorboard import TensorBoardLog, adopt_tensorboard_settings, require_tensorboard
 from varuna.runtime.timeline_gather import gather_timeline
-from varuna.runtime.weight_versions import add_previous, pop_previous, stale_weights, weight_versions_for
+from varuna.runtime.weight_versions import stale_weights, weight_versions_for
+from varuna.runtime.whole_state import StageExtras, preserved_buffers
 
 __all__ = ["VarunaConfig", "Engine", "StepResult", "NonFiniteLossStop"]
 
@@ -75,7 +77,10 @@ class Engine:
     used, for the dry run). ``optimizer``: builds the stage's optimizer from its parameters.
     ``loss_fn(output, microbatch)``: the scalar *mean* loss of a micro-batch; default: the model returns
     it. ``param_init(module_name, module)``: how a ``meta`` model's modules are initialised (default:
-    ``reset_parameters``).
+    ``reset_parameters``). ``lr_scheduler(optimizer)``: builds the stage's learning-rate scheduler
+    (e.g. ``lambda opt: CosineAnnealingLR(opt, 1000)``), stepped after every mini-batch and saved
+    with the whole state (docs/checkpoints.md "Whole state"); :meth:`register_state` adds your own
+    stateful objects.
 
     Hooks: :meth:`add_step_callback` (after every step, with its :class:`StepResult`),
     :meth:`add_stop_callback` (before a graceful stop exits), and the plugins named in
@@ -91,6 +96,7 @@ class Engine:
         optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
         loss_fn: Callable | None = None,
         param_init: Callable[[str, nn.Module], None] | None = None,
+        lr_scheduler: Callable[[torch.optim.Optimizer], object] | None = None,
     ) -> None:
         config = dataclasses.replace(config)  # the caller's object stays as it was (groups are frozen)
         env = ProcessEnv.from_env()  # the one read of this process's environment (Note [One parser])
@@ -117,10 +123,10 @@ class Engine:
         self.model = model
         #: what a live morph needs to build this engine again on a fresh model (live_morph.py)
         self.rebuild_args = {"example_batch": example_batch, "optimizer": optimizer, "loss_fn": loss_fn,
-                             "param_init": param_init}
+                             "param_init": param_init, "lr_scheduler": lr_scheduler}
         self._build_stage(model, example_batch, param_init)
         self._build_training(optimizer)
-        self._build_comm()
+        self._build_comm(lr_scheduler)
         self.step_count = 0
         self._uncommitted = False  # inside a step whose optimizer step has not run yet
         self.executed_orders: list[list[Task]] = []
@@ -144,20 +150,9 @@ class Engine:
     def _build_stage(self, model: nn.Module, example_batch, param_init) -> None:
         """Dry run, stage assignment and materialisation of this process's stage."""
         config, P = self.config, self.layout.P
-        _place_cutpoints(model, example_batch, config, self.loss_fn, self.layout)  # before the dry run
-        self.micro_plan = _plan_step(config, self.layout)
-        self.device = pick_device(config.device, local_rank=self.env.local_rank)
-        self._split = SplitState()
-        first = slice_batch(example_batch, 0, min(config.micro_batch_size, batch_size_of(example_batch)))
-        self.profile: ModelProfile = planning_profile(model, first, self.loss_fn, config, self.layout)
-        self.chunks = v = chunks_per_process(config, P, self.profile.num_cutpoints, self.micro_plan)
-        if P > 1:  # refuse hidden dependencies (values crossing a boundary outside a CutPoint)
-            from varuna.cutting.tracer import carry_specs, check_splittable
-
-            report = check_splittable(model, first, self.loss_fn, warn=self.layout.rank == 0)
-            if report is not None:  # e.g. a rotary embedding every layer reads runs on every stage
-                self.profile.glue_modules = set(report.replicated_modules)
-                self.profile.carried = carry_specs(report)  # e.g. T5's encoder output, read by the decoder
+        with preserved_buffers(model):  # the dry runs must not move BatchNorm's statistics
+            self._dry_runs(model, example_batch)
+        v = self.chunks
         self.stage_ranges = assign_stages(
             self.layout,
             self.profile,
@@ -187,6 +182,24 @@ class Engine:
         )
         self._trainable = {n: p for n, p in self.stage_params.items() if p.requires_grad}
 
+    def _dry_runs(self, model: nn.Module, example_batch) -> None:
+        """Cut-points, the micro-batch plan, the dry run's profile, the hidden-dependency check."""
+        config, P = self.config, self.layout.P
+        _place_cutpoints(model, example_batch, config, self.loss_fn, self.layout)  # before the dry run
+        self.micro_plan = _plan_step(config, self.layout)
+        self.device = pick_device(config.device, local_rank=self.env.local_rank)
+        self._split = SplitState()
+        first = slice_batch(example_batch, 0, min(config.micro_batch_size, batch_size_of(example_batch)))
+        self.profile: ModelProfile = planning_profile(model, first, self.loss_fn, config, self.layout)
+        self.chunks = chunks_per_process(config, P, self.profile.num_cutpoints, self.micro_plan)
+        if P > 1:  # refuse hidden dependencies (values crossing a boundary outside a CutPoint)
+            from varuna.cutting.tracer import carry_specs, check_splittable
+
+            report = check_splittable(model, first, self.loss_fn, warn=self.layout.rank == 0)
+            if report is not None:  # e.g. a rotary embedding every layer reads runs on every stage
+                self.profile.glue_modules = set(report.replicated_modules)
+                self.profile.carried = carry_specs(report)  # e.g. T5's encoder output, read by the decoder
+
     def _build_training(self, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
         config = self.config
         self._det = None
@@ -212,9 +225,13 @@ class Engine:
             growth_interval=config.numerics.loss_scale_growth_interval,
         )
 
-    def _build_comm(self) -> None:
-        """Process groups (a collective), network emulation, links, executor and gradient sync."""
+    def _build_comm(self, lr_scheduler=None) -> None:
+        """Process groups (a collective), network emulation, links, buffers, executor, gradient sync."""
         self._groups = build_groups(self.layout, self.stage_ranges, self.profile.shared_params())
+        segments = [s for a, b in self.stage_ranges[self.stage :: self.layout.P] for s in range(a, b + 1)]
+        self.extras = StageExtras(self.model, stage_buffer_names(self.profile, segments), groups=self._groups,
+                                  layout=self.layout, micro_plan=self.micro_plan, optimizer=self.optimizer,
+                                  lr_scheduler=lr_scheduler)
         if self._det is not None:
             self._det.groups = self._groups
         self._netem = None
@@ -237,6 +254,7 @@ class Engine:
             inbox=inbox,
             timeline=self.timeline,
             det=self._det,
+            stats=self.extras.buffers.stats,
         )
         self._sync = GradientSync(
             layout=self.layout,
@@ -365,10 +383,12 @@ class Engine:
         self.executed_orders.append(run.executed)
         t_sync = time.perf_counter()
         hook = self.boundary_hook
+        pending = self.extras.before_commit(self.step_count)  # Note [Buffers across replicas]
         outcome = self._sync.finish(
             run.loss_sum, stop_requested=self.stop_requested or (hook is not None and hook()),
             micro_plan=self.micro_plan,
         )
+        self.extras.after_commit(pending, skipped=outcome.skipped, loss=outcome.loss)
         sync_s = time.perf_counter() - t_sync
         self._uncommitted = False
         self.checkpointer.after_step()  # periodic checkpoint at this mini-batch boundary, if configured
@@ -520,6 +540,7 @@ class Engine:
             self._netem = None
         _destroy_groups(self._groups, owns_default=self._owns_pg, collect=collect)
         self._owns_pg = False
+        self.extras.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -560,55 +581,44 @@ class Engine:
         """
         return self.checkpointer.load(directory, step=step)
 
+    def register_state(self, name: str, obj, *, scope: str = "global") -> None:
+        """Save and restore ``obj`` (with ``state_dict()``/``load_state_dict()``) with the model:
+        in checkpoints, live morphs and resumes (Note [Registered state] in extra_state.py). ``scope``
+        "global": one state for the job, the same on every rank, restored at any P×D (a loader of
+        whole mini-batches: ``StatefulBatches``); "rank": this process's own, restored only at the
+        P×D that saved it. A state resumed before the call is loaded into ``obj`` now.
+
+        Example::
+
+            data = StatefulBatches(StatefulDataLoader(ds, batch_size=32, shuffle=True, drop_last=True))
+            engine.register_state("data", data)            # resumed: continues after the saved step
+        """
+        self.extras.registered.register(name, obj, scope)
+
     def state_dict(self) -> dict:
-        """This stage's state by canonical parameter name: ``step``, ``params``, ``optimizer``
-        (name-keyed, see :func:`varuna.runtime.checkpoint.optimizer_state_by_name`; 2bw's stashed
-        weight version rides in it, Note [2BW]), ``loss_scale``. Tensors are references to the
-        live ones, like ``nn.Module.state_dict``.
+        """This stage's whole state by canonical name (Note [Whole state] in whole_state.py):
+        ``step``, ``params``, ``optimizer`` (name-keyed, see
+        :func:`varuna.runtime.checkpoint.optimizer_state_by_name`; 2bw's stashed weight version
+        rides in it, Note [2BW]), ``loss_scale``, ``buffers`` (persistent ones), ``extra`` (the LR
+        scheduler and registered objects: ``{"global": {...}, "rank": {...}}``). Tensors are
+        references to the live ones, like ``nn.Module.state_dict``.
 
         Example::
 
             sd = engine.state_dict()
             engine.load_state_dict(sd)
         """
-        return {
-            "step": self.step_count,
-            "params": {n: p.detach() for n, p in self.stage_params.items()},
-            "optimizer": add_previous(
-                optimizer_state_by_name(self.optimizer, dict(self.named_parameters())), self.weight_versions
-            ),
-            "loss_scale": self.scaler.state_dict(),
-        }
+        return whole_state.state_dict(self)
 
     def load_state_dict(self, state: dict, *, copy: bool = True) -> None:
         """Inverse of :meth:`state_dict`; ``state["params"]`` may hold more names (e.g. the whole
         model's), but must hold every parameter of this stage. ``copy=False`` hands the state
         over: the optimizer adopts its tensors (nobody else may update them, e.g. a live morph's
         received ones or a checkpoint's freshly read ones) and each parameter's entry leaves
-        ``state["params"]`` once copied in (no second set of weights stays alive)."""
-        params = state["params"]
-        missing = [n for n in self.stage_params if n not in params]
-        if missing:
-            raise ValueError(
-                f"state has no parameter {missing[0]!r} (and {len(missing) - 1} more) of this stage"
-            )
-        with torch.no_grad():
-            for n, p in self.stage_params.items():
-                if tuple(params[n].shape) != tuple(p.shape):
-                    raise ValueError(
-                        f"parameter {n!r}: shape {tuple(params[n].shape)} != the model's {tuple(p.shape)}"
-                    )
-                p.copy_(params[n] if copy else params.pop(n))
-        trainable = dict(self.named_parameters())
-        opt = dict(state["optimizer"])
-        opt["state"] = {n: v for n, v in opt.get("state", {}).items() if n in trainable}
-        previous = pop_previous(opt)
-        if self.weight_versions is not None:  # 2bw (Note [2BW]): the stashed version; others drop it
-            self.weight_versions.load(previous)
-        load_optimizer_state_by_name(self.optimizer, trainable, opt, copy=copy)
-        self.scaler.load_state_dict(state["loss_scale"])
-        self.step_count = int(state["step"])
-
+        ``state["params"]`` once copied in (no second set of weights stays alive). ``buffers``
+        and ``extra`` may be absent (older checkpoints): buffers keep their values, with a
+        warning."""
+        whole_state.load_state_dict(self, state, copy=copy)
 
 def _on_stop_signals(names: tuple[str, ...], handler) -> None:
     """Install ``handler`` for the signals ``names`` (only possible from the main thread)."""

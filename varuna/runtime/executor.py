@@ -201,8 +201,11 @@ class ScheduleExecutor:
         inbox: queue.Queue,
         timeline: Timeline,
         det=None,
+        stats=None,
     ) -> None:
         self.s = stage
+        #: BatchNorm running statistics recorded per micro-batch (Note [Buffers across replicas])
+        self.stats = stats
         self.config = config
         self.links = links
         self.inbox = inbox
@@ -476,6 +479,8 @@ class ScheduleExecutor:
             carry_plan=carry,
         )
         s.split.run = run
+        if self.stats is not None:
+            self.stats.current = (self._step, mb.index)
         try:
             with torch.set_grad_enabled(with_grad), self._autocast():
                 on_segment(0)
@@ -492,5 +497,7 @@ class ScheduleExecutor:
                 return s.loss_fn(out, data)
         finally:
             s.split.run = None
+            if self.stats is not None:
+                self.stats.current = None
             if self.det is not None:
                 self.det.restore()

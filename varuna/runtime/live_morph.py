@@ -58,6 +58,7 @@ from varuna.runtime.layout import choose_gloo_interface
 from varuna.runtime.live_transfer import describe_state, receive_targets
 from varuna.runtime.live_watch import DECLARED_DEAD_EXIT_CODE, LiveWatch, sever
 from varuna.runtime.optimizer_state import merge_optimizer_states, optimizer_state_by_name
+from varuna.runtime.state_codec import from_json, to_json
 
 __all__ = ["DECLARED_DEAD_EXIT_CODE", "LIVE_JOIN_ENV", "LIVE_STORE_ENV", "DeclaredDead", "LiveMorphFailed",
            "LiveWorld", "MorphReport", "WaitExpired", "declare_dead", "end_job", "morph", "recover",
@@ -389,11 +390,15 @@ def _record(held: Engine | None, leaving: bool) -> dict:
     if held is None:
         return {"holds": False, "leaving": leaving}
     L = held.layout
+    sd = held.state_dict()  # the state beyond tensors travels in the record (Note [Whole state])
+    stage = sd["optimizer"].get("stage_state")
     return {"holds": True, "leaving": leaving, "step": held.committed_step,
             "sgen": getattr(held, "live_generation", 0),
-            "rank": L.rank, "P": L.P, "D": L.D, "names": sorted(held.stage_params),
+            "rank": L.rank, "P": L.P, "D": L.D, "names": sorted(_stage_tensors(held)),
             "scale": held.scaler.state_dict(), "max_stages": held.profile.num_segments,
-            "max_replicas": sum(len(p) for p in held.micro_plan)}
+            "max_replicas": sum(len(p) for p in held.micro_plan),
+            "extra": to_json(sd["extra"]["global"]), "segments": _segments(held),
+            "stage_state": to_json(stage) if stage else None}
 
 
 def _init_group(live: LiveWorld, backend: str) -> None:
@@ -585,8 +590,15 @@ def _form(live: LiveWorld, gen: int, closed: dict, held: Engine | None, build: C
         new._owns_pg = True  # the live world made this group; the engine destroys it on close
         new.live_generation = gen
         received = _hand_over(live, gen, xfer, recs, held, new, on_phase)
+        state = received.pop("state")
+        first = min(_segments(new))  # the optimizer's state outside state[param]: its old stage's
+        stage = next((r["stage_state"] for r in recs.values() if r.get("holds") and r.get("stage_state")
+                      and first in r.get("segments", [])), None)
+        if stage is not None:
+            state["optimizer"]["stage_state"] = from_json(stage)
         # copy=False: the optimizer adopts the received tensors and the held engine's (dropped now)
-        new.load_state_dict({"step": step, "loss_scale": ref["scale"], **received.pop("state")}, copy=False)
+        new.load_state_dict({"step": step, "loss_scale": ref["scale"], **state,
+                             "extra": {"global": from_json(ref.get("extra", {}))}}, copy=False)
     except BaseException:
         new.close()
         new = None  # no handle may keep the groups' sockets open (peers must fail, not hang)
@@ -623,9 +635,21 @@ def _check_stages(recs: dict, holders: list[int]) -> None:
                                   "are gone); the run must restart from its newest checkpoint")
 
 
+def _stage_tensors(engine: Engine) -> dict[str, torch.Tensor]:
+    """The stage's parameters and persistent buffers by name (what a transfer moves)."""
+    return {**engine.extras.buffers.named(), **engine.stage_params}
+
+
+def _segments(engine: Engine) -> list[int]:
+    P = engine.layout.P
+    return [s for a, b in engine.stage_ranges[engine.stage :: P] for s in range(a, b + 1)]
+
+
 def _stage_state(engine: Engine, names: list[str]) -> dict:
     trainable = dict(engine.named_parameters())
-    return {"params": {n: engine.stage_params[n].detach() for n in names},
+    buffers = engine.extras.buffers.named()
+    return {"params": {n: engine.stage_params[n].detach() for n in names if n not in buffers},
+            "buffers": {n: buffers[n] for n in names if n in buffers},
             "optimizer": optimizer_state_by_name(engine.optimizer, trainable,
                                                  only=[n for n in names if n in trainable])}
 
@@ -639,7 +663,7 @@ def _hand_over(live: LiveWorld, gen: int, xfer: list[int], recs: dict, held_engi
     store, pre, me = live.store, f"{ROOT}gen{gen}/", xfer.index(live.member)
     working = len(live.members)
     if new is not None:
-        store.set(f"{pre}needs/{live.member}", json.dumps(sorted(new.stage_params)))
+        store.set(f"{pre}needs/{live.member}", json.dumps(sorted(_stage_tensors(new))))
     keys = [f"{pre}needs/{m}" for m in xfer[:working]]
     _wait_for(live, keys, xfer[:working])
     needs = [json.loads(v) for v in store.multi_get(keys)] + [[] for _ in xfer[working:]]
@@ -670,10 +694,13 @@ def _hand_over(live: LiveWorld, gen: int, xfer: list[int], recs: dict, held_engi
         on_phase("transfer", gen)
     if new is None:
         return {}
-    mine = [n for n in new.stage_params if held_engine is not None and n in held_engine.stage_params]
+    held_names = _stage_tensors(held_engine) if held_engine is not None else {}
+    mine = [n for n in _stage_tensors(new) if n in held_names]
     parts = ([_stage_state(held_engine, mine)] if mine else []) + parts
     params = {n: t for part in parts for n, t in part["params"].items()}
-    return {"state": {"params": params, "optimizer": merge_optimizer_states(p["optimizer"] for p in parts)},
+    buffers = {n: t for part in parts for n, t in part.get("buffers", {}).items()}
+    return {"state": {"params": params, "buffers": buffers,
+                      "optimizer": merge_optimizer_states(p["optimizer"] for p in parts)},
             "bytes": nbytes}
 
 
@@ -691,7 +718,7 @@ def _exchange(live: LiveWorld, pre: str, pg: dist.ProcessGroup, xfer: list[int],
         live.store.set(f"{pre}xfer/{xfer[me]}-{xfer[dst]}", meta)
         keep += tensors
         works += [pg.send([t], dst, tag) for tag, t in enumerate(tensors)]
-    into = new.stage_params if new is not None else {}
+    into = _stage_tensors(new) if new is not None else {}
     parts, nbytes = [], 0
     for src in recvs:
         key = f"{pre}xfer/{xfer[src]}-{live.member}"

@@ -127,9 +127,11 @@ class WindowFeed(Feed):
         slots = e._sync.agreement_slots(sumsq, nonfinite, loss, e.stop_requested)
         handle = dist.all_reduce(slots, async_op=True) if e.layout.world > 1 else None
         t_opt = time.perf_counter()
+        pending = e.extras.before_commit(self.first_step + s)  # Note [Buffers across replicas]
         if nonfinite == 0:
             e.optimizer.step()
         e.optimizer.zero_grad(set_to_none=True)
+        e.extras.after_commit(pending, skipped=nonfinite != 0, loss=None)  # not agreed yet
         end = time.perf_counter()
         if e.config.metrics.record_timeline:
             e.timeline.add(e.stage, e.replica, "OPT", None, t_opt, end)
