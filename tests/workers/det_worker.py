@@ -40,6 +40,9 @@ def main() -> None:
     p.add_argument("--no-deterministic", action="store_true")
     p.add_argument("--schedule", default="varuna")
     p.add_argument("--replica-shares", default=None, help="micro-batches per replica, e.g. 5,1")
+    p.add_argument("--shard", action="store_true", help="optimizer state sharded over the replicas")
+    p.add_argument("--offload", action="store_true", help="optimizer state in a host buffer")
+    p.add_argument("--grad-reduce", default="auto")
     a = p.parse_args()
     shares = tuple(int(x) for x in a.replica_shares.split(",")) if a.replica_shares else None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -52,7 +55,9 @@ def main() -> None:
             varuna.VarunaConfig(global_batch_size=M, micro_batch_size=a.micro_batch_size, seed=3,
                                 schedule=a.schedule, max_grad_norm=1.0,
                                 determinism=varuna.DeterminismConfig(enabled=not a.no_deterministic),
-                                pipeline=varuna.PipelineConfig(replica_shares=shares)),
+                                pipeline=varuna.PipelineConfig(replica_shares=shares),
+                                optimizer_state=varuna.OptimizerStateConfig(
+                                    shard=a.shard, offload=a.offload, grad_reduce=a.grad_reduce)),
             canonical_reduction=not a.no_canonical, rng_keyed=not a.unkeyed_rng,
         ),
         example_batch=batch_for(0, M),

@@ -28,12 +28,14 @@ from varuna.core.env import PLAN_COSTS, ProcessEnv, RunPlan, WorkerSettings
 from varuna.core.schedule import DEFAULT_SCHEDULE, SCHEDULE_KINDS, schedule_kind
 from varuna.runtime.config_groups import (
     FLAT_FIELDS,
+    GRAD_REDUCES,
     GROUPS,
     CheckpointConfig,
     CuttingConfig,
     DeterminismConfig,
     MetricsConfig,
     NumericsConfig,
+    OptimizerStateConfig,
     PipelineConfig,
     TimeoutConfig,
 )
@@ -41,7 +43,7 @@ from varuna.testing.negative_controls import NegativeControls
 
 __all__ = ["PLAN_COSTS", "PRECISIONS", "PLANNED_FIELDS", "VarunaConfig", "StepResult", "StepTimings",
            "adopt_plan", "adopt_cut_env", "CheckpointConfig", "CuttingConfig", "DeterminismConfig",
-           "MetricsConfig", "NumericsConfig", "PipelineConfig", "TimeoutConfig"]
+           "MetricsConfig", "NumericsConfig", "OptimizerStateConfig", "PipelineConfig", "TimeoutConfig"]
 
 #: Autocast dtype per ``VarunaConfig.precision`` (None: plain fp32).
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -171,6 +173,8 @@ class VarunaConfig:
     """fp16 loss scaling and the non-finite loss policy."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """TensorBoard events and task timelines."""
+    optimizer_state: OptimizerStateConfig = field(default_factory=OptimizerStateConfig)
+    """Optimizer state sharded over the replicas and/or offloaded to host memory (docs/memory.md)."""
     _negative_controls: NegativeControls = field(default_factory=NegativeControls, repr=False)
     """Test-only (varuna.testing.negative_controls): not part of the public configuration."""
 
@@ -213,6 +217,8 @@ class VarunaConfig:
             self.schedule = DEFAULT_SCHEDULE
         if self.pipeline.chunks is None:
             self.pipeline = dataclasses.replace(self.pipeline, chunks=1)
+        if self.optimizer_state.shard is None:
+            self.optimizer_state = dataclasses.replace(self.optimizer_state, shard=False)
 
     def validate(self) -> None:
         """Raise ``ValueError`` (one line) for a setting the engine cannot run with; the batch
@@ -250,6 +256,22 @@ class VarunaConfig:
                 f"(got {self.numerics.max_nonfinite_steps})"
             )
         self._validate_mixed()
+        self._validate_optimizer_state()
+
+    def _validate_optimizer_state(self) -> None:
+        o = self.optimizer_state
+        if o.grad_reduce not in GRAD_REDUCES:
+            raise ValueError(
+                f"unknown optimizer_state.grad_reduce {o.grad_reduce!r}; choose {', '.join(GRAD_REDUCES)}"
+            )
+        schedule = DEFAULT_SCHEDULE if self.schedule is None else self.schedule
+        versions = schedule_kind(schedule).weight_versions
+        if (o.shard or o.offload) and versions > 1:
+            raise ValueError(
+                f"schedule {schedule} keeps {versions} weight versions and steps inside a window; sharded or "
+                "offloaded optimizer state is not supported with it: pick a synchronous schedule or turn "
+                "optimizer_state.shard/offload off"
+            )
 
     def _validate_plan(self) -> None:
         if self.global_batch_size is None:

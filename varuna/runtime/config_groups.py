@@ -34,6 +34,7 @@ __all__ = [
     "GROUPS",
     "MetricsConfig",
     "NumericsConfig",
+    "OptimizerStateConfig",
     "PipelineConfig",
     "TimeoutConfig",
 ]
@@ -158,6 +159,40 @@ class DeterminismConfig:
     """Intra-op threads in deterministic mode (kernels may sum in a thread-count-dependent order)."""
 
 
+GRAD_REDUCES = ("auto", "all_reduce", "reduce_scatter")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerStateConfig:
+    """Where the optimizer state lives (varuna/runtime/sharded_optimizer.py, docs/memory.md):
+    sharded over each stage's D replicas (ZeRO-1), offloaded to host memory, or (default) whole
+    beside the weights on every replica.
+
+    Example::
+
+        >>> OptimizerStateConfig(shard=True).grad_reduce
+        'auto'
+    """
+
+    shard: bool | None = None
+    """Each of a stage's D replicas keeps and steps the optimizer state of 1/D of the stage's
+    parameters (flat, aligned shards), then the updated weights are all-gathered: the optimizer
+    state per replica shrinks by D (Adam: 8 of ~16 bytes per parameter). Bit-identical in
+    deterministic mode; checkpoints stay by parameter name, so any layout resumes them. Needs an
+    elementwise optimizer (Adam, AdamW, SGD, ...: ``ELEMENTWISE_OPTIMIZERS``). None: the run
+    plan's (auto-config's choice, ``$VARUNA_SHARD_OPTIMIZER``), else off."""
+    offload: bool = False
+    """Keep this replica's optimizer state (and a copy of the parameters it steps) in host memory,
+    pinned when the model is on an accelerator, and step it there; only the updated weights go
+    back. Combines with ``shard``."""
+    grad_reduce: str = "auto"
+    """How sharded gradients are summed over the replicas: "reduce_scatter" (each replica gets its
+    shard's sum: half an all-reduce's traffic), "all_reduce" (every replica gets every sum, then
+    reads its shard), or "auto": reduce-scatter on NCCL, all-reduce on gloo (whose reduce-scatter
+    measured slower than its all-reduce here: docs/memory.md). Deterministic mode always sums
+    canonically (all-reduce form)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TimeoutConfig:
     """How long the engine waits on other processes (every wait has one).
@@ -225,6 +260,7 @@ GROUPS: Mapping[str, type] = MappingProxyType(
         "timeouts": TimeoutConfig,
         "numerics": NumericsConfig,
         "metrics": MetricsConfig,
+        "optimizer_state": OptimizerStateConfig,
     }
 )
 

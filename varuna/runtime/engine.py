@@ -59,6 +59,7 @@ from varuna.runtime.no_flush import MAX_WINDOW_STEPS, WindowFeed, no_flush_unsup
 from varuna.runtime.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
 from varuna.runtime.peer_watch import PeerWatch, watching
 from varuna.runtime.plugins import run_plugins
+from varuna.runtime.sharded_optimizer import FlatParameters, ShardedOptimizer
 from varuna.runtime.stages import assign_stages, chunks_per_process, planning_profile
 from varuna.runtime.tensorboard import TensorBoardLog, adopt_tensorboard_settings, require_tensorboard
 from varuna.runtime.timeline_gather import gather_timeline
@@ -188,6 +189,10 @@ class Engine:
 
     def _build_training(self, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
         config = self.config
+        ost = config.optimizer_state
+        self._flat = self._shards = None
+        if ost.shard or ost.offload:  # before anything else holds the parameters' storage
+            self._flat = FlatParameters(self._trainable, self.layout.D if ost.shard else 1)
         self._det = None
         if config.determinism.enabled:
             from varuna.runtime.determinism import DeterministicGrads
@@ -216,6 +221,8 @@ class Engine:
         self._groups = build_groups(self.layout, self.stage_ranges, self.profile.shared_params())
         if self._det is not None:
             self._det.groups = self._groups
+        if self._flat is not None:
+            self._shards = self._shard_optimizer(self._flat)
         self._netem = None
         if self.layout.world > 1:
             from varuna.testing.netem import NetworkConfig, emulate_network
@@ -246,6 +253,25 @@ class Engine:
             config=self.config,
             timeline=self.timeline,
             det=self._det,
+            shards=self._shards,
+        )
+
+    def _shard_optimizer(self, flat: FlatParameters) -> ShardedOptimizer:
+        """This replica's shard of the optimizer (``optimizer_state``: shard and/or offload)."""
+        L, ost = self.layout, self.config.optimizer_state
+        sharded = ost.shard and L.D > 1
+        reduce = ost.grad_reduce
+        if reduce == "auto":  # measured: gloo's reduce-scatter is slower than its all-reduce (docs/memory.md)
+            reduce = "reduce_scatter" if self.device.type == "cuda" else "all_reduce"
+        return ShardedOptimizer(
+            flat,
+            self.optimizer,
+            index=L.replica if sharded else 0,
+            group=self._groups.dp_group if sharded else None,
+            ranks=[L.rank_of(L.stage, d) for d in range(L.D)] if sharded else [L.rank],
+            offload=ost.offload,
+            reduce_scatter=sharded and reduce == "reduce_scatter" and self._det is None,
+            shared=self._groups.shared_names(),
         )
 
     def _stage_model(self) -> StageModel:
@@ -355,7 +381,7 @@ class Engine:
             return self._train_step(batch, t_start)
 
     def _train_step(self, batch, t_start: float) -> StepResult:
-        self.optimizer.zero_grad(set_to_none=True)
+        self._sync.zero_grad()
         mbs = self.micro_plan[self.replica]
         if self._det is not None:
             self._det.begin_step(mbs, sum(len(p) for p in self.micro_plan))
@@ -437,7 +463,7 @@ class Engine:
         t_start = time.perf_counter()
         first = self.step_count + 1
         self._uncommitted = True
-        self.optimizer.zero_grad(set_to_none=True)
+        self._sync.zero_grad()
         mbs = self.micro_plan[self.replica]
         if self._det is not None:
             self._det.begin_step(mbs, sum(len(p) for p in self.micro_plan))
@@ -573,11 +599,19 @@ class Engine:
         return {
             "step": self.step_count,
             "params": {n: p.detach() for n, p in self.stage_params.items()},
-            "optimizer": add_previous(
-                optimizer_state_by_name(self.optimizer, dict(self.named_parameters())), self.weight_versions
-            ),
+            "optimizer": add_previous(self.optimizer_state(), self.weight_versions),
             "loss_scale": self.scaler.state_dict(),
         }
+
+    def optimizer_state(self, only: Iterable[str] | None = None) -> dict:
+        """The optimizer state by canonical parameter name, whole tensors shaped as the
+        parameters (:func:`varuna.runtime.optimizer_state.optimizer_state_by_name`), whatever
+        ``optimizer_state`` says: sharded state is gathered (a collective over the stage's
+        replicas then; ``only``: the parameters this rank needs), offloaded state comes from host
+        memory. Example: ``engine.optimizer_state()["state"]["wte.weight"]["exp_avg"]``."""
+        if self._shards is not None:
+            return self._shards.state_by_name(only)
+        return optimizer_state_by_name(self.optimizer, dict(self.named_parameters()), only=only)
 
     def load_state_dict(self, state: dict, *, copy: bool = True) -> None:
         """Inverse of :meth:`state_dict`; ``state["params"]`` may hold more names (e.g. the whole
@@ -604,7 +638,10 @@ class Engine:
         previous = pop_previous(opt)
         if self.weight_versions is not None:  # 2bw (Note [2BW]): the stashed version; others drop it
             self.weight_versions.load(previous)
-        load_optimizer_state_by_name(self.optimizer, trainable, opt, copy=copy)
+        if self._shards is not None:
+            self._shards.load_state_by_name(opt, copy=copy)  # this replica's pieces of each tensor
+        else:
+            load_optimizer_state_by_name(self.optimizer, trainable, opt, copy=copy)
         self.scaler.load_state_dict(state["loss_scale"])
         self.step_count = int(state["step"])
 
