@@ -71,7 +71,10 @@ def main() -> None:
     digests = {n: hashlib.sha256(q.detach().contiguous().numpy().tobytes()).hexdigest()
                for n, q in engine.named_parameters()}
     a.out.mkdir(parents=True, exist_ok=True)
+    opt_elems = sum(v.numel() for st in engine.optimizer.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0)
     report = {"losses": losses, "digests": digests, "Nm": [len(p) for p in engine.micro_plan],
+              "opt_elems": opt_elems, "stage_elems": sum(q.numel() for _, q in engine.named_parameters()),
               "stage_ranges": engine.stage_ranges}
     (a.out / f"rank{engine.layout.rank}.json").write_text(json.dumps(report))
     engine.close()

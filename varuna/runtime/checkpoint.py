@@ -45,7 +45,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -173,7 +173,7 @@ class CheckpointState(Protocol):
     optimizer: torch.optim.Optimizer
     step_count: int
 
-    def state_dict(self) -> dict: ...
+    def state_dict(self, *, optimizer_for: Iterable[str] | None = None) -> dict: ...
 
     def load_state_dict(self, state: dict, *, copy: bool = True) -> None: ...
 
@@ -374,7 +374,9 @@ class Checkpointer:
         )
         plan = self.format.plan(layout)
         mine = [s for s in plan if (s.stage, s.replica) == (L.stage, L.replica)]
-        sd = st.state_dict()  # references to the live tensors (2bw: the stashed version rides along)
+        # References to the live tensors (2bw: the stashed version rides along); sharded optimizer
+        # state is gathered for the parameters of this rank's files only (a collective then).
+        sd = st.state_dict(optimizer_for=[n for s in mine for n in s.params])
         nbytes = shard_state_bytes(mine, sd["params"], sd["optimizer"])
         in_memory = takes_host_snapshot(self.snapshot, nbytes)
         self.last_snapshot_in_memory = in_memory

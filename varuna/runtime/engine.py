@@ -585,11 +585,15 @@ class Engine:
         """
         return self.checkpointer.load(directory, step=step)
 
-    def state_dict(self) -> dict:
+    def state_dict(self, *, optimizer_for: Iterable[str] | None = None) -> dict:
         """This stage's state by canonical parameter name: ``step``, ``params``, ``optimizer``
         (name-keyed, see :func:`varuna.runtime.checkpoint.optimizer_state_by_name`; 2bw's stashed
         weight version rides in it, Note [2BW]), ``loss_scale``. Tensors are references to the
-        live ones, like ``nn.Module.state_dict``.
+        live ones, like ``nn.Module.state_dict``. With sharded optimizer state
+        (``optimizer_state.shard``) the optimizer part is gathered whole from the stage's
+        replicas: a collective, every replica of the stage calls it; ``optimizer_for`` names the
+        parameters whose optimizer state this rank needs (a checkpoint's writer: the files it
+        writes), so no replica holds the whole stage's state at once; None: all.
 
         Example::
 
@@ -599,7 +603,7 @@ class Engine:
         return {
             "step": self.step_count,
             "params": {n: p.detach() for n, p in self.stage_params.items()},
-            "optimizer": add_previous(self.optimizer_state(), self.weight_versions),
+            "optimizer": add_previous(self.optimizer_state(optimizer_for), self.weight_versions),
             "loss_scale": self.scaler.state_dict(),
         }
 
@@ -612,6 +616,20 @@ class Engine:
         if self._shards is not None:
             return self._shards.state_by_name(only)
         return optimizer_state_by_name(self.optimizer, dict(self.named_parameters()), only=only)
+
+    @property
+    def optimizer_state_sharded(self) -> bool:
+        """Whether this stage's optimizer state is split over its replicas (D > 1 and
+        ``optimizer_state.shard``): no replica holds all of it."""
+        return self._shards is not None and self._shards.layout.num_shards > 1
+
+    def gather_optimizer_state(self) -> None:
+        """Gather sharded optimizer state whole, by name, on every replica of the stage (a
+        collective), so that :meth:`optimizer_state` still answers after the groups are gone
+        (a live morph gathers at its step boundary, then tears the groups down). Nothing to do
+        when the state is not sharded."""
+        if self.optimizer_state_sharded:
+            self._shards.gather_for_transfer()
 
     def load_state_dict(self, state: dict, *, copy: bool = True) -> None:
         """Inverse of :meth:`state_dict`; ``state["params"]`` may hold more names (e.g. the whole
