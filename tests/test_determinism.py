@@ -122,6 +122,24 @@ def test_sharded_optimizer_state_is_bit_identical_to_one_process(tmp_path, one_p
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("P,D,common,layout", [
+    # 3 overflowing steps skipped (agreed by every rank), then 3 taken
+    (2, 2, ("--precision", "fp16", "--loss-scale", str(2**23)), ()),
+    # mixed VM types: replica 0 runs 5 of the 6 micro-batches
+    (1, 2, (), ("--replica-shares", "5,1")),
+])
+def test_sharded_state_with_fp16_scaling_and_mixed_shares_is_bit_identical(tmp_path, P, D, common, layout):
+    """Issue #32: sharding keeps fp16's overflow skips and the mixed replica shares
+    bit-identical to one process with the same settings."""
+    ref = run(tmp_path, 1, 1, "--steps", "6", *common)
+    flags = ("--steps", "6", *common, *layout, "--shard")
+    assert run(tmp_path, P, D, *flags) == ref
+    if common:
+        skipped = reports_of(tmp_path, P, D, *flags)[0]["skipped"]
+        assert True in skipped and False in skipped, f"the scale was meant to overflow some steps: {skipped}"
+
+
+@pytest.mark.slow
 def test_sharded_run_without_canonical_reduction_is_not_bit_identical(tmp_path, one_process):
     """Negative control for the sharded comparison: the same 2×2 sharded run with the
     ring all-reduce instead of the canonical tree differs from the one-process bits."""
