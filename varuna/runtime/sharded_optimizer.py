@@ -71,8 +71,6 @@ def unshardable(optimizer: torch.optim.Optimizer) -> str | None:
         return (f"optimizer {type(optimizer).__name__} is not elementwise, so its state cannot be sharded "
                 f"or offloaded bit for bit; use one of {names}, or turn optimizer_state.shard and "
                 "optimizer_state.offload off")
-    if optimizer.state:
-        return "the optimizer factory returned an optimizer that has already stepped; return a fresh one"
     return None
 
 
@@ -151,10 +149,15 @@ class ShardedOptimizer:
                 host.copy_(view)
                 view = host
             self.by_name[pc.name] = nn.Parameter(view, requires_grad=True)
+        # State the optimizer made in its constructor (Adagrad's sums) goes to the pieces too.
+        made = {name_of[id(p)]: optimizer.state.pop(p) for p in list(optimizer.state)}
         for g, names in zip(optimizer.param_groups, self.group_names):
             g["params"] = [self.by_name[n] for n in names if n in self.by_name]
             if "param_names" in g:
                 g["param_names"] = [n for n in names if n in self.by_name]
+        for pc in self.pieces:
+            if pc.name in made:
+                optimizer.state[self.by_name[pc.name]] = self._slice_state(pc, made[pc.name], copy=True)
         self._grad_shard: torch.Tensor | None = None
         self._gathered: dict | None = None
 
@@ -367,27 +370,29 @@ class ShardedOptimizer:
             elif pc.start == 0:  # a per-parameter value: from the replica holding its first element
                 out[pc.name][key] = buf[i].clone()
 
+    def _slice_state(self, pc: Piece, st: Mapping, *, copy: bool) -> dict:
+        """Piece ``pc``'s part of a whole parameter's state: per-element tensors (shaped as the
+        parameter) sliced to the piece, a copy so the whole tensor can go; the rest as it is
+        (cloned with ``copy``)."""
+        shape = tuple(self.flat.params[pc.name].shape)
+        whole = pc.numel == self.flat.params[pc.name].numel()
+        out = {}
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and tuple(v.shape) == shape and not whole:
+                v = v.reshape(-1)[pc.start : pc.stop].clone()
+            elif isinstance(v, torch.Tensor) and copy:
+                v = v.clone()
+            out[k] = v
+        return out
+
     def load_state_by_name(self, state: dict, *, copy: bool = True) -> None:
         """Load a whole, name-keyed optimizer state (saved with or without sharding, at any
         layout): each piece takes its elements (a copy unless the piece is the whole parameter and
         ``copy`` is False), hyper-parameters go to the groups as without sharding."""
         self._gathered = None
         pieces = {pc.name: pc for pc in self.pieces}
-        params = self.flat.params
-        sliced: dict[str, dict] = {}
-        for n, st in state.get("state", {}).items():
-            pc = pieces.get(n)
-            if pc is None:
-                continue
-            whole = pc.numel == params[n].numel()
-            entry = {}
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(params[n].shape) and not whole:
-                    v = v.reshape(-1)[pc.start : pc.stop].clone()
-                elif isinstance(v, torch.Tensor) and copy:
-                    v = v.clone()
-                entry[k] = v
-            sliced[n] = entry
+        sliced = {n: self._slice_state(pieces[n], st, copy=copy)
+                  for n, st in state.get("state", {}).items() if n in pieces}
         groups = _only_groups(state.get("param_groups", []), set(pieces))
         translated = {**state, "state": sliced, "param_groups": groups}
         load_optimizer_state_by_name(self.optimizer, self.by_name, translated, copy=False)
