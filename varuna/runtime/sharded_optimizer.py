@@ -263,8 +263,10 @@ class ShardedOptimizer:
                     self._view(pc).copy_(self.by_name[pc.name], non_blocking=True)
         self.zero_grad()
         if self.group is not None and self.layout.num_shards > 1:
+            # In place, no shard-sized copy: the input is this rank's own slot of the output
+            # (NCCL's in-place all-gather; gloo copies those bytes onto themselves).
             buf = self.flat.buffer
-            dist.all_gather_single(buf, buf[self.lo : self.hi].clone(), group=self.group)
+            dist.all_gather_single(buf, buf[self.lo : self.hi], group=self.group)
 
     # -- state by parameter name (checkpoints, live morph)
 
