@@ -129,8 +129,8 @@ class VarunaConfig:
         >>> cfg = VarunaConfig(global_batch_size=32, micro_batch_size=4, schedule="1f1b",
         ...                    checkpoints=CheckpointConfig(dir="/ckpt", every=100),
         ...                    determinism=DeterminismConfig(enabled=True))
-        >>> cfg.checkpoints.every, cfg.determinism.enabled, cfg.pipeline.recompute
-        (100, True, True)
+        >>> cfg.checkpoints.every, cfg.determinism.enabled, cfg.optimizer_state.offload
+        (100, True, False)
     """
 
     global_batch_size: int | None = None
@@ -219,6 +219,8 @@ class VarunaConfig:
             self.pipeline = dataclasses.replace(self.pipeline, chunks=1)
         if self.optimizer_state.shard is None:
             self.optimizer_state = dataclasses.replace(self.optimizer_state, shard=False)
+        if self.pipeline.recompute is None:
+            self.pipeline = dataclasses.replace(self.pipeline, recompute=True)
 
     def validate(self) -> None:
         """Raise ``ValueError`` (one line) for a setting the engine cannot run with; the batch
@@ -372,6 +374,8 @@ PLANNED_FIELDS: Mapping[str, tuple[str, ...]] = {
     "stage_ranges": ("pipeline", "stage_ranges"),
     "replica_shares": ("pipeline", "replica_shares"),
     "stage_speeds": ("pipeline", "stage_speeds"),
+    "recompute": ("pipeline", "recompute"),
+    "shard_optimizer": ("optimizer_state", "shard"),
 }
 
 # Per planned field: its variable and how to make script and plan agree (the refusal's fix).
@@ -388,6 +392,9 @@ _HOW_TO_AGREE = {
                      "--pipeline-depth instead of auto-config"),
     "replica_shares": ("VARUNA_REPLICA_SHARES", "to run the shares planned for the cluster's VM types"),
     "stage_speeds": ("VARUNA_STAGE_SPEEDS", "to run the speeds planned for the cluster's VM types"),
+    "recompute": ("VARUNA_RECOMPUTE", "to run what auto-config chose for the memory it planned with"),
+    "shard_optimizer": ("VARUNA_SHARD_OPTIMIZER", "to run what auto-config chose for the memory it "
+                        "planned with"),
 }
 
 
@@ -422,6 +429,8 @@ def _shown(name: str, value: Any) -> str:
     """A value as its variable writes it (``0-1,2-3`` for ranges, ``3,1`` for shares)."""
     if name == "stage_ranges":
         return ",".join(f"{a}-{b}" for a, b in value)
+    if isinstance(value, bool):
+        return str(int(value))
     if isinstance(value, (tuple, list)):
         return ",".join(str(v) for v in value)
     return str(value)

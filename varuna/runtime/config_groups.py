@@ -49,16 +49,18 @@ class PipelineConfig:
 
     Example::
 
-        >>> PipelineConfig(chunks=2).recompute
-        True
+        >>> PipelineConfig(chunks=2).stash_headroom
+        4
     """
 
     chunks: int | None = None
     """v: model chunks per process for the interleaved kinds (>= 2; the model then needs P·v - 1
     cut-points and ``stage_ranges``, if given, P·v ranges in virtual-stage order); 1 otherwise.
     None: the run plan's (``varuna-launch --chunks``), else 1."""
-    recompute: bool = True
-    """Activation recompute for gpipe/1f1b (varuna always recomputes except on its last stage)."""
+    recompute: bool | None = None
+    """Activation recompute for gpipe/1f1b (varuna always recomputes except on its last stage).
+    None: the run plan's (auto-config's choice: off wherever memory allows, ``$VARUNA_RECOMPUTE``),
+    else on."""
     stash_headroom: int = DEFAULT_STASH_HEADROOM
     """varuna schedule: how many more boundary inputs than its list's peak a stage may stash by
     running graph-less forwards out of list order -- while it waits for a late gradient, or to
