@@ -587,8 +587,11 @@ def _branch_and_bound(
 ) -> tuple[Candidate, int]:
     """Simulate the candidates in increasing order of their lower bound until the next bound
     cannot beat the best time; returns (best, simulations run)."""
+    # On a tie the plan without recompute, then without sharding, is simulated first and kept
+    # (Note [Joint plan]: neither is paid for when it buys nothing).
     live = sorted(
-        (c for c in candidates if c.status == "pruned"), key=lambda c: (c.lower_bound_s, c.num_stages)
+        (c for c in candidates if c.status == "pruned"),
+        key=lambda c: (c.lower_bound_s, c.num_stages, c.config.recompute, c.config.shard_optimizer),
     )
     best: Candidate | None = None
     simulations = 0

@@ -80,6 +80,14 @@ class PipelineConfig:
     time, a segment costing c taking c / speed on its stage, so a slower VM's stage gets less of the
     model. Ignored with explicit ``stage_ranges``. None: the run plan's (``$VARUNA_STAGE_SPEEDS``),
     else every stage alike."""
+    stage_memory: int | tuple[int, ...] | None = None
+    """Bytes each stage's process may use (one value for all, or one per stage): where the
+    time-balanced split would put more on a stage -- its weights, gradients and optimizer state
+    (Adam's two moments assumed; 1/D of them when ``optimizer_state.shard``) and its stashed
+    boundary activations, with 10 % kept for the rest -- the split moves segments off it, the
+    least time lost (Note [Memory-aware split] in varuna/core/partition.py). None: the process's
+    hard limit (room under ``RLIMIT_AS``, a cgroup's ``memory.max`` share, an accelerator's
+    memory), else unbounded. Ignored with explicit ``stage_ranges``."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -60,7 +60,13 @@ from varuna.runtime.optimizer_state import load_optimizer_state_by_name, optimiz
 from varuna.runtime.peer_watch import PeerWatch, watching
 from varuna.runtime.plugins import run_plugins
 from varuna.runtime.sharded_optimizer import FlatParameters, ShardedOptimizer
-from varuna.runtime.stages import assign_stages, chunks_per_process, planning_profile
+from varuna.runtime.stages import (
+    StageMemory,
+    assign_stages,
+    chunks_per_process,
+    planning_profile,
+    stage_memory_budget,
+)
 from varuna.runtime.tensorboard import TensorBoardLog, adopt_tensorboard_settings, require_tensorboard
 from varuna.runtime.timeline_gather import gather_timeline
 from varuna.runtime.weight_versions import add_previous, pop_previous, stale_weights, weight_versions_for
@@ -166,6 +172,7 @@ class Engine:
             explicit=config.pipeline.stage_ranges,
             speeds=config.pipeline.stage_speeds,
             chunks=v,
+            memory=self._stage_memory(),
         )
         mine = self.stage_ranges[self.stage :: P]  # interleaved: virtual stages stage, stage + P, ...
         self.first_segment, self.last_segment = mine[0][0], mine[-1][1]
@@ -186,6 +193,24 @@ class Engine:
             segments=[s for a, b in mine for s in range(a, b + 1)],
         )
         self._trainable = {n: p for n, p in self.stage_params.items() if p.requires_grad}
+
+    def _stage_memory(self) -> StageMemory | None:
+        """What each stage may hold, for the memory-aware split (``pipeline.stage_memory``, else
+        the process's hard limit; rank 0 splits)."""
+        cfg, L = self.config, self.layout
+        caps = cfg.pipeline.stage_memory
+        if caps is None and L.rank == 0 and L.P > 1:
+            caps = stage_memory_budget(self.device)
+        if caps is None:
+            return None
+        caps = (caps,) if isinstance(caps, int) else tuple(caps)
+        bad = any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in caps)
+        if len(caps) not in (1, L.P) or bad:
+            raise ValueError(f"pipeline.stage_memory {caps} must be bytes > 0: one value, or one per stage "
+                             f"(P={L.P})")
+        shards = L.D if cfg.optimizer_state.shard else 1
+        nm = max(len(p) for p in self.micro_plan)
+        return StageMemory(caps, optimizer_shards=shards, num_microbatches=nm)
 
     def _build_training(self, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
         config = self.config
