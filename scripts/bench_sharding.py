@@ -194,6 +194,87 @@ def print_tables(summary: dict) -> None:
               f"| {sh['step_s'] / w['step_s']:.3f} |")
 
 
+# ---------------------------------------------------------------------------------------------
+# The largest GPT under a per-process cap (bench_too_big.py's workers: RLIMIT_AS, meta models)
+
+#: The two ways of running 8 processes as 4×2 that ``--largest`` compares.
+CHOICES = {
+    "today": {"shard": False, "time_balanced": True},  # the time-balanced split, whole optimizer state
+    "planner": {"shard": True, "time_balanced": False},  # memory-aware split, sharded optimizer state
+}
+
+
+def _try(tb, s, work: Path, name: str, P: int, D: int) -> dict:
+    """One 4×2 training run of 2 steps under the cap: "trains" with each rank's report, or "fails"
+    with the rank that ran out of memory and where."""
+    try:
+        ranks = tb.pipelined(s, work, name, P=P, D=D, steps=2, save_at=0, resume="0")
+    except RuntimeError:
+        out = work / name
+        oom = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
+        oom = [r for r in oom if r.get("status") == "out of memory"]
+        return {"result": "fails", "where": oom[0]["phase"] if oom else "a worker failed (see its log)",
+                "rank": oom[0].get("rank") if oom else None}
+    return {"result": "trains", "ranks": ranks}
+
+
+def largest(a: argparse.Namespace) -> dict:
+    """For each choice, the most blocks (at ``--big-embd``) a 4×2 run trains under ``--cap-mb``:
+    up from a first guess until a run fails, or down until one trains."""
+    import bench_too_big as tb
+
+    P, D = 4, 2
+    per_block = 12 * a.big_embd**2 + 13 * a.big_embd  # weights of one GPT block (attention + MLP + norms)
+    room = a.cap_mb * MB - 80 * MB  # measured fixed overhead of a stage (docs/too_big.md: 60-70 MiB)
+    guesses = {"today": int(4 * (room / (16 * per_block) - 1)), "planner": int(4 * room / (12 * per_block))}
+    out: dict = {}
+    with tempfile.TemporaryDirectory(prefix="varuna-largest-") as work:
+        for choice, flags in CHOICES.items():
+            tried: dict[int, dict] = {}
+            L = max(P, guesses[choice])
+            while True:
+                s = tb.Setup(n_layer=L, n_embd=a.big_embd, n_head=8, block_size=32, global_batch_size=4,
+                             micro_batch_size=1, cap_mb=a.cap_mb, pipeline_depth=P, resume_layouts=(),
+                             steps=2, save_at=0, **flags)
+                t = time.perf_counter()
+                run = _try(tb, s, Path(work), f"{choice}-{L}", P, D)
+                tried[L] = {**run, "params": tb.model_summary(s)["params"]}
+                print(f"  {choice}: {L} blocks ({tried[L]['params'] / 1e6:.1f}M parameters) {run['result']} "
+                      f"({time.perf_counter() - t:.0f} s, {load()})", flush=True)
+                ok = tried[L]["result"] == "trains"
+                if ok and L + 1 in tried or not ok and L - 1 in tried or (not ok and L <= P):
+                    break
+                L = L + 1 if ok else L - 1
+            best = max((n for n, r in tried.items() if r["result"] == "trains"), default=None)
+            out[choice] = {"largest_blocks": best, "tried": tried}
+    return out
+
+
+def print_largest(res: dict, cap_mb: float) -> None:
+    print(f"\nThe largest GPT that trains as 4×2 on 8 processes under {cap_mb:.0f} MiB each:\n")
+    print("| choice | blocks | parameters (M) | largest stage (M) | mean stage (M) | largest / mean "
+          "| peak RSS − base, max (MiB) | next size up |")
+    print("|---|---|---|---|---|---|---|---|")
+    params = {}
+    for choice, r in res.items():
+        L = r["largest_blocks"]
+        if L is None:
+            print(f"| {choice} | none | | | | | | |")
+            continue
+        run = r["tried"][L]
+        stages = {x["stage"]: x["params"] for x in run["ranks"]}
+        peak = max(x["peak_rss"] - x["base_rss"] for x in run["ranks"])
+        nxt = r["tried"].get(L + 1, {})
+        params[choice] = run["params"]
+        where = f" ({nxt['where']})" if nxt.get("where") else ""
+        mean = sum(stages.values()) / len(stages)
+        print(f"| {choice} | {L} | {run['params'] / 1e6:.1f} | {max(stages.values()) / 1e6:.1f} "
+              f"| {mean / 1e6:.1f} | {max(stages.values()) / mean:.3f} | {peak / MB:.0f} "
+              f"| {L + 1}: {nxt.get('result', '-')}{where} |")
+    if len(params) == 2:
+        print(f"\nplanner / today: {params['planner'] / params['today']:.2f}x the parameters")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -207,9 +288,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-embd", type=int, default=Setup.n_embd)
     p.add_argument("--steps", type=int, default=Setup.steps)
     p.add_argument("--json-out", type=Path)
+    p.add_argument("--largest", action="store_true",
+                   help="instead: the largest GPT trained as 4x2 under --cap-mb, today's vs the planner's")
+    p.add_argument("--cap-mb", type=float, default=400.0,
+                   help="--largest: memory per process above its baseline (MiB)")
+    p.add_argument("--big-embd", type=int, default=512, help="--largest: the GPT's width")
     a = p.parse_args(argv)
     if a.worker:
         return worker(a)
+    if a.largest:
+        print(f"GPT blocks of width {a.big_embd}, 4x2, cap {a.cap_mb:.0f} MiB per process; {load()}",
+              flush=True)
+        t0 = time.perf_counter()
+        res = largest(a)
+        print_largest(res, a.cap_mb)
+        print(f"\n{time.perf_counter() - t0:.0f} s wall; {load()} at the end")
+        if a.json_out:
+            a.json_out.parent.mkdir(parents=True, exist_ok=True)
+            a.json_out.write_text(json.dumps(res, indent=1))
+        return 0
     try:
         layouts = [tuple(int(x) for x in t.lower().split("x")) for t in a.layouts.split(",") if t]
         if any(len(t) != 2 or min(t) < 1 for t in layouts):

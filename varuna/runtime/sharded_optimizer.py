@@ -263,10 +263,23 @@ class ShardedOptimizer:
                     self._view(pc).copy_(self.by_name[pc.name], non_blocking=True)
         self.zero_grad()
         if self.group is not None and self.layout.num_shards > 1:
-            # In place, no shard-sized copy: the input is this rank's own slot of the output
-            # (NCCL's in-place all-gather; gloo copies those bytes onto themselves).
-            buf = self.flat.buffer
+            self._all_gather()
+
+    def _all_gather(self) -> None:
+        """Every replica's updated shard into the flat buffer, in place. NCCL: one in-place
+        all-gather (the input is this rank's own slot of the output). gloo copies a tensor
+        all-gather through a buffer as large as its output (measured: a whole stage's weights
+        at once, which is what sharding saves), so there it runs in buckets of at most 32 MiB:
+        bucket k gathers elements ``[k·B, (k+1)·B)`` of every shard into their places."""
+        buf, S, D = self.flat.buffer, self.layout.shard_numel, self.layout.num_shards
+        if dist.get_backend(self.group) == "nccl":
             dist.all_gather_single(buf, buf[self.lo : self.hi], group=self.group)
+            return
+        step = max(self.layout.align, _BUCKET_BYTES // (D * buf.element_size()))
+        for a in range(0, S, step):
+            b = min(S, a + step)
+            outs = [buf[j * S + a : j * S + b] for j in range(D)]
+            dist.all_gather(outs, outs[self.index], group=self.group)
 
     # -- state by parameter name (checkpoints, live morph)
 
