@@ -370,6 +370,7 @@ def autoconfigure(
     host_slots: int | tuple[int, ...] = 1,
     exhaustive: bool = False,
     progress: bool | None = False,
+    pipeline_depth: int | None = None,
     _planner: _Planner | None = None,
 ) -> AutoConfigResult:
     """Rank configurations for ``gpus`` GPUs (see the module docstring).
@@ -382,7 +383,8 @@ def autoconfigure(
     recompute runs without it (no forward is paid twice), and recompute or sharding appear only
     where memory needs them. Given values are kept as they are.
 
-    ``micro_batch_size`` fixes m (it must be measured, or interpolable from two measured sizes);
+    ``micro_batch_size`` fixes m (it must be measured, or interpolable from two measured sizes),
+    ``pipeline_depth`` fixes P;
     ``exhaustive`` simulates every candidate instead of pruning by the lower bound (for tests and
     "why not P=..." questions). Simulations use mean times (no jitter), so the ranking is
     deterministic. ``progress``: a bar over the candidates (:class:`varuna.core.progress.Progress`
@@ -400,7 +402,7 @@ def autoconfigure(
             cal, gpus=gpus, global_batch_size=global_batch_size, schedules=PLANNED_KINDS,
             chunk_options=(chunks,), gpu_memory_bytes=gpu_memory_bytes, recompute=recompute,
             shard_optimizer=shard_optimizer, micro_batch_size=micro_batch_size, host_slots=host_slots,
-            exhaustive=exhaustive, progress=progress,
+            exhaustive=exhaustive, progress=progress, pipeline_depth=pipeline_depth,
         )
     _check_schedule(schedule)
     if not 1 <= gpus <= MAX_GPUS:
@@ -421,9 +423,10 @@ def autoconfigure(
         m_options = [x for x in reversed(cal.micro_batch_sizes) if x <= preferred]
     notes: list[str] = []
     max_p = min(cal.num_segments // planner.chunks_per_device, gpus)
+    depths = range(1, max_p + 1) if pipeline_depth is None else [pipeline_depth]
     candidates = [
         cand
-        for P in range(1, max_p + 1)
+        for P in depths
         for variant in planners
         if (variant.shard is False or gpus // P > 1)  # sharding over one replica is no sharding
         and (cand := _candidate(variant, P, gpus, global_batch_size, m_options, notes)) is not None
