@@ -84,7 +84,7 @@ class PipelineConfig:
     """Bytes each stage's process may use (one value for all, or one per stage): where the
     time-balanced split would put more on a stage -- its weights, gradients and optimizer state
     (Adam's two moments assumed; 1/D of them when ``optimizer_state.shard``) and its stashed
-    boundary activations, with 10 % kept for the rest -- the split moves segments off it, the
+    boundary activations, with 80 MiB and 5 % kept for the rest -- the split moves segments off it, the
     least time lost (Note [Memory-aware split] in varuna/core/partition.py). None: the process's
     hard limit (room under ``RLIMIT_AS``, a cgroup's ``memory.max`` share, an accelerator's
     memory), else unbounded. Ignored with explicit ``stage_ranges``."""

@@ -141,9 +141,12 @@ def planning_profile(model: nn.Module, micro_batch, loss_fn: Callable, config: V
 #: Adam's two moments per weight: what the split assumes the optimizer keeps (the optimizer is
 #: built after the split, from the stage's parameters).
 OPTIMIZER_STATES_PER_WEIGHT = 2
-#: Share of a stage's memory left for what the split does not count (one micro-batch's graph,
-#: autograd's workspace, the allocator): measured 4-6 % on the too-big run (docs/too_big.md).
-MEMORY_MARGIN = 0.10
+#: What a stage's process holds beyond its training state and stash, which the split keeps free:
+#: a fixed part (the engine's buffers, the gradient all-reduce's 32 MiB buckets, autograd's
+#: workspace, the allocator: measured 65-80 MiB above the state on the too-big runs,
+#: docs/too_big.md and docs/memory.md) and a share (one micro-batch's graph grows with the model).
+MEMORY_OVERHEAD_BYTES = 80 << 20
+MEMORY_MARGIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -184,7 +187,7 @@ class StageMemory:
         static = self.static_bytes(profile)
         caps = list(self.caps) if len(self.caps) > 1 else [self.caps[0]] * len(ranges)
         stash = self.stash_bytes(profile, schedule, ranges)
-        room = [c * (1 - MEMORY_MARGIN) - st for c, st in zip(caps, stash)]
+        room = [c * (1 - MEMORY_MARGIN) - MEMORY_OVERHEAD_BYTES - st for c, st in zip(caps, stash)]
         if all(sum(static[a : b + 1]) <= r for (a, b), r in zip(ranges, room)):
             return ranges
         try:
