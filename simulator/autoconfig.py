@@ -241,7 +241,7 @@ class _Planner:
             s = stash[k] if stash is not None else self.stash_estimate(P, k, nm)
             out.append(stage_memory(self.cal, list(ranges[k::P]), m, s, self.stage_recomputes(P, k),
                                     weight_versions=self.kind.weight_versions,
-                                    optimizer_shards=self.shards(D)))
+                                    optimizer_shards=self.shards(D), replicas=D))
         return out
 
     def memory_of(

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from simulator.config import SimConfig, host_of_ranks
 from varuna.core.calibration import Calibration, RuntimeOverheads
+from varuna.core.memory import comm_buffer_bytes
 
 __all__ = [
     "StageCosts",
@@ -149,11 +150,18 @@ def stage_memory(
     *,
     weight_versions: int = 1,
     optimizer_shards: int = 1,
+    replicas: int = 1,
 ) -> int:
     """Peak memory of one device holding the segment ``ranges`` (one per model chunk) with
     ``stashed`` micro-batches in flight (``Calibration.stage_memory_bytes``), plus the parameters
     once more per extra weight version (2bw keeps two); ``optimizer_shards``: the optimizer state
-    split over that many replicas (sharded optimizer state, docs/memory.md)."""
+    split over that many replicas (sharded optimizer state, docs/memory.md); with ``replicas`` > 1
+    one gradient bucket of the sync (``varuna.core.memory.comm_buffer_bytes``)."""
+    if replicas > 1:
+        grads = sum(cal.segments[i].grad_bytes for a, b in ranges for i in range(a, b + 1))
+        bucket = comm_buffer_bytes(replicas, grads)
+        return bucket + stage_memory(cal, ranges, m, stashed, recompute, weight_versions=weight_versions,
+                                     optimizer_shards=optimizer_shards)
     shards = {"optimizer_shards": optimizer_shards}
     if weight_versions > 1:
         params = sum(cal.segments[i].param_bytes for a, b in ranges for i in range(a, b + 1))

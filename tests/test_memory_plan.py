@@ -13,10 +13,12 @@ import torch
 from simulator.autoconfig import autoconfigure, plan_variants
 from simulator.config import SimConfig
 from varuna.core.calibration import Calibration
+from varuna.core.memory import ENGINE_OVERHEAD_BYTES as MEMORY_OVERHEAD_BYTES
+from varuna.core.memory import MEMORY_MARGIN
 from varuna.core.partition import balanced_stages, stage_costs
 from varuna.core.schedule import schedule_kind
 from varuna.cutting.split import ModelProfile
-from varuna.runtime.stages import MEMORY_MARGIN, MEMORY_OVERHEAD_BYTES, StageMemory
+from varuna.runtime.stages import StageMemory
 
 MB = 1 << 20
 

@@ -210,7 +210,7 @@ class Engine:
                              f"(P={L.P})")
         shards = L.D if cfg.optimizer_state.shard else 1
         nm = max(len(p) for p in self.micro_plan)
-        return StageMemory(caps, optimizer_shards=shards, num_microbatches=nm)
+        return StageMemory(caps, optimizer_shards=shards, num_microbatches=nm, replicas=L.D)
 
     def _build_training(self, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
         config = self.config

@@ -27,6 +27,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from varuna.core.batching import MicroBatch
+from varuna.core.memory import GRAD_BUCKET_BYTES
 from varuna.core.timeline import Timeline
 from varuna.runtime.config import VarunaConfig
 from varuna.runtime.groups import ProcessGroups
@@ -37,7 +38,7 @@ from varuna.runtime.sharded_optimizer import ShardedOptimizer
 __all__ = ["GradientSync", "StepOutcome", "allreduce_bucketed", "allreduce_scalars"]
 
 
-def allreduce_bucketed(tensors: list[torch.Tensor], group, bucket_bytes: int = 32 << 20) -> None:
+def allreduce_bucketed(tensors: list[torch.Tensor], group, bucket_bytes: int = GRAD_BUCKET_BYTES) -> None:
     """Sum ``tensors`` across ``group`` in flat buckets (few large messages beat many small).
 
     Example::

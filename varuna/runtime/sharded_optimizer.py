@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from varuna.core.memory import GRAD_BUCKET_BYTES
 from varuna.core.shard_layout import Piece, ShardLayout
 from varuna.runtime.optimizer_state import load_optimizer_state_by_name
 
@@ -56,7 +57,7 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Rprop, torch.optim.ASGD,
 )
 
-_BUCKET_BYTES = 32 << 20  # reduce-scatter input per bucket, as the all-reduce's buckets (grad_sync.py)
+_BUCKET_BYTES = GRAD_BUCKET_BYTES  # per reduce-scatter/all-gather bucket, as the all-reduce's
 
 
 def unshardable(optimizer: torch.optim.Optimizer) -> str | None:

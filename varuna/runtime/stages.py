@@ -26,6 +26,7 @@ from torch import nn
 
 from varuna.core.calibration import plan_model_mismatch
 from varuna.core.env import ProcessEnv
+from varuna.core.memory import ENGINE_OVERHEAD_BYTES, GRAD_BUCKET_BYTES, MEMORY_MARGIN, comm_buffer_bytes
 from varuna.core.partition import balanced_stages
 from varuna.core.schedule import schedule_kind
 from varuna.cutting.split import ModelProfile, profile_model
@@ -141,14 +142,6 @@ def planning_profile(model: nn.Module, micro_batch, loss_fn: Callable, config: V
 #: Adam's two moments per weight: what the split assumes the optimizer keeps (the optimizer is
 #: built after the split, from the stage's parameters).
 OPTIMIZER_STATES_PER_WEIGHT = 2
-#: What a stage's process holds beyond its training state and stash, which the split keeps free:
-#: a fixed part (the engine's buffers, the gradient all-reduce's 32 MiB buckets, autograd's
-#: workspace, the allocator: measured 65-80 MiB above the state on the too-big runs,
-#: docs/too_big.md and docs/memory.md) and a share (one micro-batch's graph grows with the model).
-MEMORY_OVERHEAD_BYTES = 80 << 20
-MEMORY_MARGIN = 0.05
-
-
 @dataclass(frozen=True)
 class StageMemory:
     """What each stage may hold (bytes, one per stage) and how its state is counted: the
@@ -158,6 +151,7 @@ class StageMemory:
     caps: tuple[int, ...]
     optimizer_shards: int = 1
     num_microbatches: int = 1
+    replicas: int = 1
 
     def static_bytes(self, profile: ModelProfile) -> list[float]:
         """Per segment: weights + gradients + optimizer state of the parameters it reads (a
@@ -187,7 +181,10 @@ class StageMemory:
         static = self.static_bytes(profile)
         caps = list(self.caps) if len(self.caps) > 1 else [self.caps[0]] * len(ranges)
         stash = self.stash_bytes(profile, schedule, ranges)
-        room = [c * (1 - MEMORY_MARGIN) - MEMORY_OVERHEAD_BYTES - st for c, st in zip(caps, stash)]
+        # What the model does not count (varuna/core/memory.py): the engine's own memory, one
+        # gradient bucket with replicas (the largest a stage may need), a share for the rest.
+        extra = ENGINE_OVERHEAD_BYTES + comm_buffer_bytes(self.replicas, GRAD_BUCKET_BYTES)
+        room = [c * (1 - MEMORY_MARGIN) - extra - st for c, st in zip(caps, stash)]
         if all(sum(static[a : b + 1]) <= r for (a, b), r in zip(ranges, room)):
             return ranges
         try:
