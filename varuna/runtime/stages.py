@@ -190,10 +190,10 @@ class StageMemory:
         try:
             fitted = balanced_stages(full, last, len(ranges), speeds=speeds, weights=static, capacity=room)
         except ValueError:
-            need = max(sum(static[a : b + 1]) + st for (a, b), st in zip(ranges, stash))
+            need = max(sum(static[a : b + 1]) + st for (a, b), st in zip(ranges, stash)) + extra
             print(f"varuna: no stage split keeps every stage within its memory ({min(caps) / 2**20:.0f} "
-                  f"MiB; the time-balanced one needs {need / 2**20:.0f} MiB on its largest stage): "
-                  "keeping it", flush=True)
+                  f"MiB, {MEMORY_MARGIN:.0%} kept free; the time-balanced one needs about {need / 2**20:.0f} "
+                  "MiB on its largest stage): keeping it", flush=True)
             return ranges
         print(f"varuna: stage split {fitted} instead of {ranges}: the time-balanced one overflows a stage's "
               f"memory ({min(caps) / 2**20:.0f} MiB; Note [Memory-aware split])", flush=True)
