@@ -56,17 +56,15 @@ from varuna.runtime.groups import ProcessGroups, StageLinks, build_groups
 from varuna.runtime.layout import Layout, init_distributed, pick_device
 from varuna.runtime.loss_scale import DynamicLossScale, NonFiniteLosses, NonFiniteLossStop
 from varuna.runtime.no_flush import MAX_WINDOW_STEPS, WindowFeed, no_flush_unsupported
-from varuna.runtime.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
 from varuna.runtime.peer_watch import PeerWatch, watching
 from varuna.runtime.plugins import run_plugins
-from varuna.runtime.sharded_optimizer import FlatParameters, ShardedOptimizer
-from varuna.runtime.stages import (
-    StageMemory,
-    assign_stages,
-    chunks_per_process,
-    planning_profile,
-    stage_memory_budget,
+from varuna.runtime.sharded_optimizer import (
+    FlatParameters,
+    ShardedOptimizer,
+    load_stage_optimizer_state,
+    stage_optimizer_state,
 )
+from varuna.runtime.stages import assign_stages, chunks_per_process, planning_profile, stage_memory_for
 from varuna.runtime.tensorboard import TensorBoardLog, adopt_tensorboard_settings, require_tensorboard
 from varuna.runtime.timeline_gather import gather_timeline
 from varuna.runtime.weight_versions import add_previous, pop_previous, stale_weights, weight_versions_for
@@ -172,7 +170,7 @@ class Engine:
             explicit=config.pipeline.stage_ranges,
             speeds=config.pipeline.stage_speeds,
             chunks=v,
-            memory=self._stage_memory(),
+            memory=stage_memory_for(config, self.layout, self.device, self.micro_plan),
         )
         mine = self.stage_ranges[self.stage :: P]  # interleaved: virtual stages stage, stage + P, ...
         self.first_segment, self.last_segment = mine[0][0], mine[-1][1]
@@ -194,30 +192,10 @@ class Engine:
         )
         self._trainable = {n: p for n, p in self.stage_params.items() if p.requires_grad}
 
-    def _stage_memory(self) -> StageMemory | None:
-        """What each stage may hold, for the memory-aware split (``pipeline.stage_memory``, else
-        the process's hard limit; rank 0 splits)."""
-        cfg, L = self.config, self.layout
-        caps = cfg.pipeline.stage_memory
-        if caps is None and L.rank == 0 and L.P > 1:
-            caps = stage_memory_budget(self.device)
-        if caps is None:
-            return None
-        caps = (caps,) if isinstance(caps, int) else tuple(caps)
-        bad = any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in caps)
-        if len(caps) not in (1, L.P) or bad:
-            raise ValueError(f"pipeline.stage_memory {caps} must be bytes > 0: one value, or one per stage "
-                             f"(P={L.P})")
-        shards = L.D if cfg.optimizer_state.shard else 1
-        nm = max(len(p) for p in self.micro_plan)
-        return StageMemory(caps, optimizer_shards=shards, num_microbatches=nm, replicas=L.D)
-
     def _build_training(self, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
         config = self.config
-        ost = config.optimizer_state
-        self._flat = self._shards = None
-        if ost.shard or ost.offload:  # before anything else holds the parameters' storage
-            self._flat = FlatParameters(self._trainable, self.layout.D if ost.shard else 1)
+        # Sharded/offloaded optimizer state: before anything else holds the parameters' storage.
+        self._flat = FlatParameters.for_stage(self._trainable, config.optimizer_state, self.layout.D)
         self._det = None
         if config.determinism.enabled:
             from varuna.runtime.determinism import DeterministicGrads
@@ -246,8 +224,8 @@ class Engine:
         self._groups = build_groups(self.layout, self.stage_ranges, self.profile.shared_params())
         if self._det is not None:
             self._det.groups = self._groups
-        if self._flat is not None:
-            self._shards = self._shard_optimizer(self._flat)
+        self._shards = ShardedOptimizer.for_stage(self._flat, self.optimizer, self.layout, self._groups,
+                                                  self.config.optimizer_state, self.device, bool(self._det))
         self._netem = None
         if self.layout.world > 1:
             from varuna.testing.netem import NetworkConfig, emulate_network
@@ -279,24 +257,6 @@ class Engine:
             timeline=self.timeline,
             det=self._det,
             shards=self._shards,
-        )
-
-    def _shard_optimizer(self, flat: FlatParameters) -> ShardedOptimizer:
-        """This replica's shard of the optimizer (``optimizer_state``: shard and/or offload)."""
-        L, ost = self.layout, self.config.optimizer_state
-        sharded = ost.shard and L.D > 1
-        reduce = ost.grad_reduce
-        if reduce == "auto":  # measured: gloo's reduce-scatter is slower than its all-reduce (docs/memory.md)
-            reduce = "reduce_scatter" if self.device.type == "cuda" else "all_reduce"
-        return ShardedOptimizer(
-            flat,
-            self.optimizer,
-            index=L.replica if sharded else 0,
-            group=self._groups.dp_group if sharded else None,
-            ranks=[L.rank_of(L.stage, d) for d in range(L.D)] if sharded else [L.rank],
-            offload=ost.offload,
-            reduce_scatter=sharded and reduce == "reduce_scatter" and self._det is None,
-            shared=self._groups.shared_names(),
         )
 
     def _stage_model(self) -> StageModel:
@@ -638,22 +598,14 @@ class Engine:
         ``optimizer_state`` says: sharded state is gathered (a collective over the stage's
         replicas then; ``only``: the parameters this rank needs), offloaded state comes from host
         memory. Example: ``engine.optimizer_state()["state"]["wte.weight"]["exp_avg"]``."""
-        if self._shards is not None:
-            return self._shards.state_by_name(only)
-        return optimizer_state_by_name(self.optimizer, dict(self.named_parameters()), only=only)
-
-    @property
-    def optimizer_state_sharded(self) -> bool:
-        """Whether this stage's optimizer state is split over its replicas (D > 1 and
-        ``optimizer_state.shard``): no replica holds all of it."""
-        return self._shards is not None and self._shards.layout.num_shards > 1
+        return stage_optimizer_state(self.optimizer, self._shards, dict(self.named_parameters()), only)
 
     def gather_optimizer_state(self) -> None:
-        """Gather sharded optimizer state whole, by name, on every replica of the stage (a
-        collective), so that :meth:`optimizer_state` still answers after the groups are gone
-        (a live morph gathers at its step boundary, then tears the groups down). Nothing to do
-        when the state is not sharded."""
-        if self.optimizer_state_sharded:
+        """With the optimizer state split over the stage's replicas (``optimizer_state.shard``,
+        D > 1): gather it whole, by name, on every replica (a collective), so that
+        :meth:`optimizer_state` still answers after the groups are gone (a live morph gathers at
+        its step boundary, then tears them down). Nothing to do otherwise."""
+        if self._shards is not None:
             self._shards.gather_for_transfer()
 
     def load_state_dict(self, state: dict, *, copy: bool = True) -> None:
@@ -681,10 +633,7 @@ class Engine:
         previous = pop_previous(opt)
         if self.weight_versions is not None:  # 2bw (Note [2BW]): the stashed version; others drop it
             self.weight_versions.load(previous)
-        if self._shards is not None:
-            self._shards.load_state_by_name(opt, copy=copy)  # this replica's pieces of each tensor
-        else:
-            load_optimizer_state_by_name(self.optimizer, trainable, opt, copy=copy)
+        load_stage_optimizer_state(self.optimizer, self._shards, trainable, opt, copy=copy)  # sharded: pieces
         self.scaler.load_state_dict(state["loss_scale"])
         self.step_count = int(state["step"])
 

@@ -321,7 +321,7 @@ def morph(live: LiveWorld, held: Engine | None, build: Callable[[int, int], Engi
     t0 = time.monotonic()
     old = (held.layout.P, held.layout.D) if held is not None else None
     if held is not None:
-        sharded = held.optimizer_state_sharded
+        sharded = bool(held.config.optimizer_state.shard) and held.layout.D > 1
         if sharded and not failed:
             held.gather_optimizer_state()  # while its groups are up: the state leaves by name, whole
         live.collect_due = _tear_down(live, held, failed)

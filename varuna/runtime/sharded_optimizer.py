@@ -43,9 +43,10 @@ from torch import nn
 
 from varuna.core.memory import GRAD_BUCKET_BYTES
 from varuna.core.shard_layout import Piece, ShardLayout
-from varuna.runtime.optimizer_state import load_optimizer_state_by_name
+from varuna.runtime.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "FlatParameters", "ShardedOptimizer", "unshardable"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "FlatParameters", "ShardedOptimizer", "load_stage_optimizer_state",
+           "stage_optimizer_state", "unshardable"]
 
 #: Optimizers whose update of an element reads only that element's gradient and state (and
 #: per-parameter scalars such as the step count), so that stepping a piece of a parameter gives
@@ -79,6 +80,16 @@ class FlatParameters:
     """The stage's trainable parameters turned into views of one flat buffer laid out by a
     :class:`ShardLayout` (Note [Optimizer shards]); built before anything else holds the
     parameters' storage (deterministic mode's per-segment aliases share it)."""
+
+    @classmethod
+    def for_stage(
+        cls, trainable: Mapping[str, nn.Parameter], settings, replicas: int
+    ) -> FlatParameters | None:
+        """The engine's: None unless ``settings`` (``VarunaConfig.optimizer_state``) shards or
+        offloads; one shard per replica when sharded."""
+        if not (settings.shard or settings.offload):
+            return None
+        return cls(trainable, replicas if settings.shard else 1)
 
     def __init__(self, trainable: Mapping[str, nn.Parameter], num_shards: int) -> None:
         params = list(trainable.values())
@@ -161,6 +172,31 @@ class ShardedOptimizer:
                 optimizer.state[self.by_name[pc.name]] = self._slice_state(pc, made[pc.name], copy=True)
         self._grad_shard: torch.Tensor | None = None
         self._gathered: dict | None = None
+
+    @classmethod
+    def for_stage(cls, flat: FlatParameters | None, optimizer: torch.optim.Optimizer, layout, groups,
+                  settings, device: torch.device, canonical: bool) -> ShardedOptimizer | None:
+        """The engine's shard of ``optimizer`` (None without ``flat``): this replica's among the
+        stage's (``layout``, ``groups``: its process groups), as ``settings``
+        (``VarunaConfig.optimizer_state``) say. ``canonical``: deterministic mode sums
+        gradients canonically, whole (never reduce-scattered). ``grad_reduce="auto"``:
+        reduce-scatter on an accelerator, all-reduce on gloo (measured slower: docs/memory.md)."""
+        if flat is None:
+            return None
+        sharded = settings.shard and layout.D > 1
+        reduce = settings.grad_reduce
+        if reduce == "auto":
+            reduce = "reduce_scatter" if device.type == "cuda" else "all_reduce"
+        return cls(
+            flat,
+            optimizer,
+            index=layout.replica if sharded else 0,
+            group=groups.dp_group if sharded else None,
+            ranks=[layout.rank_of(layout.stage, d) for d in range(layout.D)] if sharded else [layout.rank],
+            offload=settings.offload,
+            reduce_scatter=sharded and reduce == "reduce_scatter" and not canonical,
+            shared=groups.shared_names(),
+        )
 
     # -- the pieces
 
@@ -287,8 +323,9 @@ class ShardedOptimizer:
     def gather_for_transfer(self) -> None:
         """Gather the whole state by name on every replica now, while the replicas' group is up
         (a live morph tears it down before it sends state: :meth:`state_by_name` then answers
-        from this copy)."""
-        self._gathered = self.state_by_name()
+        from this copy). One shard: nothing to gather."""
+        if self.layout.num_shards > 1:
+            self._gathered = self.state_by_name()
 
     def state_by_name(self, only: Iterable[str] | None = None) -> dict:
         """The optimizer state by parameter name, whole tensors shaped as the parameters, the same
@@ -421,3 +458,25 @@ def _only_groups(groups: list[dict], keep: set[str]) -> list[dict]:
         if names:
             out.append({**g, "params": names})
     return out
+
+
+def stage_optimizer_state(
+    optimizer: torch.optim.Optimizer, shards: ShardedOptimizer | None, named: Mapping[str, torch.Tensor],
+    only: Iterable[str] | None = None,
+) -> dict:
+    """A stage's optimizer state by parameter name, whole (``Engine.optimizer_state``): gathered
+    from the shards when there are (a collective then), else read as it is."""
+    if shards is not None:
+        return shards.state_by_name(only)
+    return optimizer_state_by_name(optimizer, named, only=only)
+
+
+def load_stage_optimizer_state(
+    optimizer: torch.optim.Optimizer, shards: ShardedOptimizer | None, named: Mapping[str, torch.Tensor],
+    state: dict, *, copy: bool = True,
+) -> None:
+    """Inverse of :func:`stage_optimizer_state`: with shards, each keeps its pieces of each tensor."""
+    if shards is not None:
+        shards.load_state_by_name(state, copy=copy)
+    else:
+        load_optimizer_state_by_name(optimizer, named, state, copy=copy)

@@ -41,6 +41,7 @@ __all__ = [
     "chunks_per_process",
     "planning_profile",
     "stage_memory_budget",
+    "stage_memory_for",
 ]
 
 
@@ -198,6 +199,26 @@ class StageMemory:
         print(f"varuna: stage split {fitted} instead of {ranges}: the time-balanced one overflows a stage's "
               f"memory ({min(caps) / 2**20:.0f} MiB; Note [Memory-aware split])", flush=True)
         return fitted
+
+
+def stage_memory_for(
+    config: VarunaConfig, layout: Layout, device: torch.device, micro_plan: Sequence
+) -> StageMemory | None:
+    """What each stage may hold for the memory-aware split (``pipeline.stage_memory``, else the
+    process's hard limit, on rank 0: it splits), or None (unbounded, or not rank 0)."""
+    caps = config.pipeline.stage_memory
+    if caps is None and layout.rank == 0 and layout.P > 1:
+        caps = stage_memory_budget(device)
+    if caps is None:
+        return None
+    caps = (caps,) if isinstance(caps, int) else tuple(caps)
+    bad = any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in caps)
+    if len(caps) not in (1, layout.P) or bad:
+        raise ValueError(f"pipeline.stage_memory {caps} must be bytes > 0: one value, or one per stage "
+                         f"(P={layout.P})")
+    shards = layout.D if config.optimizer_state.shard else 1
+    nm = max(len(p) for p in micro_plan)
+    return StageMemory(caps, optimizer_shards=shards, num_microbatches=nm, replicas=layout.D)
 
 
 def stage_memory_budget(device: torch.device) -> int | None:
