@@ -224,3 +224,16 @@ def test_sharding_with_two_weight_versions_is_refused_in_one_line():
                               optimizer_state=varuna.OptimizerStateConfig(grad_reduce="ring"))
     with pytest.raises(ValueError, match="unknown optimizer_state.grad_reduce 'ring'"):
         bad.validate()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reduce", ["reduce_scatter", "all_reduce"])
+def test_sharded_state_without_determinism_trains_like_one_process(tmp_path, reduce):
+    """The ordinary (ring) path, at 2×2 with each reduction of sharded gradients: every step's
+    loss within float rounding of one process's, and the replicas' weights identical after the
+    all-gathers (the worker checks every copy of every parameter)."""
+    from test_determinism import run
+
+    ref, _ = run(tmp_path, 1, 1, "--no-deterministic", "--steps", "4")
+    got, _ = run(tmp_path, 2, 2, "--no-deterministic", "--steps", "4", "--shard", "--grad-reduce", reduce)
+    assert got == pytest.approx(ref, rel=1e-5)
