@@ -172,6 +172,7 @@ class ShardedOptimizer:
                 optimizer.state[self.by_name[pc.name]] = self._slice_state(pc, made[pc.name], copy=True)
         self._grad_shard: torch.Tensor | None = None
         self._gathered: dict | None = None
+        self._host_grads: dict[str, torch.Tensor] = {}
 
     @classmethod
     def for_stage(cls, flat: FlatParameters | None, optimizer: torch.optim.Optimizer, layout, groups,
@@ -229,9 +230,12 @@ class ShardedOptimizer:
             else:
                 p = self.flat.params[pc.name]
                 g = self._grad_view(pc, p.grad if p.grad is not None else torch.zeros_like(p))
-            if self.offload:
-                host = torch.empty(g.shape, dtype=g.dtype, pin_memory=piece.device != g.device and g.is_cuda)
-                host.copy_(g)
+            if self.offload:  # into a host buffer of its own, made once (pinned beside an accelerator)
+                host = self._host_grads.get(pc.name)
+                if host is None:
+                    host = torch.empty(piece.shape, dtype=g.dtype, pin_memory=g.is_cuda)
+                    self._host_grads[pc.name] = host
+                host.copy_(g.view(piece.shape))
                 g = host
             piece.grad = g.view(piece.shape)
             out.append(piece.grad)
