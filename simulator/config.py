@@ -70,6 +70,9 @@ class SimConfig:
     """One of SIM_SCHEDULE_KINDS."""
     recompute: bool = True
     """Recompute for gpipe / 1f1b / interleaved (varuna always recomputes, except on the last stage)."""
+    shard_optimizer: bool = False
+    """Optimizer state sharded over the D replicas (``VarunaConfig.optimizer_state.shard``): each
+    steps 1/D of it and the weights are all-gathered after (``simulator.costs.sync_costs``)."""
     chunks: int = 1
     """v: model chunks per device (interleaved only)."""
     host_slots: int | tuple[int, ...] = 1

@@ -59,6 +59,8 @@ def test_a_launched_worker_reads_what_the_launcher_wrote():
         ("VARUNA_STAGE_SPEEDS", "fast", "VARUNA_STAGE_SPEEDS='fast' is not a comma-separated list"),
         ("VARUNA_AUTO_CUTPOINTS", "0", "VARUNA_AUTO_CUTPOINTS=0 must be >= 1"),
         ("VARUNA_PLAN_COST", "fast", "VARUNA_PLAN_COST='fast' is not flop or time"),
+        ("VARUNA_RECOMPUTE", "yes", "VARUNA_RECOMPUTE='yes' is not 1 or 0"),
+        ("VARUNA_SHARD_OPTIMIZER", "2", "VARUNA_SHARD_OPTIMIZER='2' is not 1 or 0"),
     ],
 )
 def test_a_malformed_value_is_one_line_naming_the_variable(var, value, words):
@@ -70,7 +72,7 @@ def test_a_malformed_value_is_one_line_naming_the_variable(var, value, words):
 def test_every_plan_variable_round_trips():
     plan = RunPlan(global_batch_size=8, micro_batch_size=2, schedule="interleaved", chunks=2,
                    stage_ranges=((0, 1), (2, 3), (4, 5), (6, 7)), replica_shares=(3, 1),
-                   stage_speeds=(1.0, 1.5))
+                   stage_speeds=(1.0, 1.5), recompute=False, shard_optimizer=True)
     assert set(plan.to_env()) == set(PLAN_VARS)
     assert ProcessEnv.from_env(plan.to_env()).plan == plan
 

@@ -116,6 +116,8 @@ PLAN_VARS = (
     "VARUNA_STAGE_RANGES",
     "VARUNA_REPLICA_SHARES",
     "VARUNA_STAGE_SPEEDS",
+    "VARUNA_RECOMPUTE",
+    "VARUNA_SHARD_OPTIMIZER",
 )
 
 
@@ -387,6 +389,12 @@ class RunPlan:
     ``"3,1"``; docs/determinism.md "Mixed VM types")."""
     stage_speeds: tuple[float, ...] | None = None
     """Relative speed of each stage's VM, for the stage split (``VARUNA_STAGE_SPEEDS``, ``"1,1.6"``)."""
+    recompute: bool | None = None
+    """Whether the stages recompute, as auto-config chose it with the schedule (``VARUNA_RECOMPUTE``,
+    ``"1"``/``"0"``; Note [Joint plan] in simulator/autoconfig.py)."""
+    shard_optimizer: bool | None = None
+    """Whether the optimizer state is sharded over each stage's replicas, as auto-config chose it
+    (``VARUNA_SHARD_OPTIMIZER``, ``"1"``/``"0"``)."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "micro_batch_size", "chunks"):
@@ -432,6 +440,10 @@ class RunPlan:
             out["VARUNA_REPLICA_SHARES"] = ",".join(str(x) for x in self.replica_shares)
         if self.stage_speeds is not None:
             out["VARUNA_STAGE_SPEEDS"] = ",".join(repr(v) for v in self.stage_speeds)
+        if self.recompute is not None:
+            out["VARUNA_RECOMPUTE"] = str(int(self.recompute))
+        if self.shard_optimizer is not None:
+            out["VARUNA_SHARD_OPTIMIZER"] = str(int(self.shard_optimizer))
         return out
 
     @classmethod
@@ -460,7 +472,19 @@ class RunPlan:
             stage_ranges=ranges,
             replica_shares=_parse_list(environ, "VARUNA_REPLICA_SHARES", int, "3,1"),
             stage_speeds=_parse_list(environ, "VARUNA_STAGE_SPEEDS", float, "1,1.6"),
+            recompute=_bool_var(environ, "VARUNA_RECOMPUTE"),
+            shard_optimizer=_bool_var(environ, "VARUNA_SHARD_OPTIMIZER"),
         )
+
+
+def _bool_var(environ: Mapping[str, str], name: str) -> bool | None:
+    """``$name`` as "1"/"0" (None when unset or empty); one line naming the variable otherwise."""
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return None
+    if raw not in ("0", "1"):
+        raise ValueError(f"RunPlan: {name}={raw!r} is not 1 or 0; set 1 (on), 0 (off) or unset it")
+    return raw == "1"
 
 
 def _parse_list(environ: Mapping[str, str], name: str, kind: type, example: str) -> tuple | None:

@@ -47,7 +47,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -185,7 +185,7 @@ class CheckpointState(Protocol):
     extras: StageExtras
     """Buffers, LR scheduler, registered objects (Note [Whole state] in whole_state.py)."""
 
-    def state_dict(self) -> dict: ...
+    def state_dict(self, *, optimizer_for: Iterable[str] | None = None) -> dict: ...
 
     def load_state_dict(self, state: dict, *, copy: bool = True) -> None: ...
 
@@ -380,7 +380,9 @@ class Checkpointer:
             # older one), in any format: retire its commit file before anyone overwrites its
             # files. Other ranks start writing only after the all-reduce below.
             retire(target)
-        sd = self.state.state_dict()  # references to the live tensors (2bw: the stashed version rides along)
+        # References to the live tensors (2bw: the stashed version rides along); sharded optimizer
+        # state is gathered for the parameters of this rank's files only (a collective then).
+        sd = self.state.state_dict(optimizer_for=[n for s in self._my_shares() for n in s.params])
         nonce, any_busy, others = self._agree_save(step, busy, sd)
         if any_busy:
             log.warning(
@@ -414,17 +416,23 @@ class Checkpointer:
             self.wait()
         return target
 
+    def _my_shares(self) -> list:
+        """The files of the configured format this rank writes (its stage and replica's)."""
+        L = self.state.layout
+        plan = self.format.plan(state_layout(self.state))
+        return [s for s in plan if (s.stage, s.replica) == (L.stage, L.replica)]
+
     def _save_job(self, root: Path, target: Path, step: int, nonce: int, sd: dict | None = None,
                   extra: dict | None = None) -> SaveJob:
         """The snapshot of this rank's part and everything the background thread needs. ``sd``:
         the state (default: taken now); ``extra`` (rank 0): the state beyond tensors every rank
         contributed (:meth:`_agree_save`; default: this rank's global state only)."""
         st, L = self.state, self.state.layout
-        sd = st.state_dict() if sd is None else sd
-        extra = self._collected(sd["extra"], []) if extra is None else extra
         layout = state_layout(st)
         plan = self.format.plan(layout)
         mine = [s for s in plan if (s.stage, s.replica) == (L.stage, L.replica)]
+        sd = st.state_dict(optimizer_for=[n for s in mine for n in s.params]) if sd is None else sd
+        extra = self._collected(sd["extra"], []) if extra is None else extra
         nbytes = shard_state_bytes(mine, {**sd["buffers"], **sd["params"]}, sd["optimizer"])
         in_memory = takes_host_snapshot(self.snapshot, nbytes)
         self.last_snapshot_in_memory = in_memory

@@ -28,12 +28,14 @@ from varuna.core.env import PLAN_COSTS, ProcessEnv, RunPlan, WorkerSettings
 from varuna.core.schedule import DEFAULT_SCHEDULE, SCHEDULE_KINDS, schedule_kind
 from varuna.runtime.config_groups import (
     FLAT_FIELDS,
+    GRAD_REDUCES,
     GROUPS,
     CheckpointConfig,
     CuttingConfig,
     DeterminismConfig,
     MetricsConfig,
     NumericsConfig,
+    OptimizerStateConfig,
     PipelineConfig,
     TimeoutConfig,
 )
@@ -41,7 +43,7 @@ from varuna.testing.negative_controls import NegativeControls
 
 __all__ = ["PLAN_COSTS", "PRECISIONS", "PLANNED_FIELDS", "VarunaConfig", "StepResult", "StepTimings",
            "adopt_plan", "adopt_cut_env", "CheckpointConfig", "CuttingConfig", "DeterminismConfig",
-           "MetricsConfig", "NumericsConfig", "PipelineConfig", "TimeoutConfig"]
+           "MetricsConfig", "NumericsConfig", "OptimizerStateConfig", "PipelineConfig", "TimeoutConfig"]
 
 #: Autocast dtype per ``VarunaConfig.precision`` (None: plain fp32).
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -127,8 +129,8 @@ class VarunaConfig:
         >>> cfg = VarunaConfig(global_batch_size=32, micro_batch_size=4, schedule="1f1b",
         ...                    checkpoints=CheckpointConfig(dir="/ckpt", every=100),
         ...                    determinism=DeterminismConfig(enabled=True))
-        >>> cfg.checkpoints.every, cfg.determinism.enabled, cfg.pipeline.recompute
-        (100, True, True)
+        >>> cfg.checkpoints.every, cfg.determinism.enabled, cfg.optimizer_state.offload
+        (100, True, False)
     """
 
     global_batch_size: int | None = None
@@ -171,6 +173,8 @@ class VarunaConfig:
     """fp16 loss scaling and the non-finite loss policy."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """TensorBoard events and task timelines."""
+    optimizer_state: OptimizerStateConfig = field(default_factory=OptimizerStateConfig)
+    """Optimizer state sharded over the replicas and/or offloaded to host memory (docs/memory.md)."""
     _negative_controls: NegativeControls = field(default_factory=NegativeControls, repr=False)
     """Test-only (varuna.testing.negative_controls): not part of the public configuration."""
 
@@ -213,6 +217,10 @@ class VarunaConfig:
             self.schedule = DEFAULT_SCHEDULE
         if self.pipeline.chunks is None:
             self.pipeline = dataclasses.replace(self.pipeline, chunks=1)
+        if self.optimizer_state.shard is None:
+            self.optimizer_state = dataclasses.replace(self.optimizer_state, shard=False)
+        if self.pipeline.recompute is None:
+            self.pipeline = dataclasses.replace(self.pipeline, recompute=True)
 
     def validate(self) -> None:
         """Raise ``ValueError`` (one line) for a setting the engine cannot run with; the batch
@@ -250,6 +258,22 @@ class VarunaConfig:
                 f"(got {self.numerics.max_nonfinite_steps})"
             )
         self._validate_mixed()
+        self._validate_optimizer_state()
+
+    def _validate_optimizer_state(self) -> None:
+        o = self.optimizer_state
+        if o.grad_reduce not in GRAD_REDUCES:
+            raise ValueError(
+                f"unknown optimizer_state.grad_reduce {o.grad_reduce!r}; choose {', '.join(GRAD_REDUCES)}"
+            )
+        schedule = DEFAULT_SCHEDULE if self.schedule is None else self.schedule
+        versions = schedule_kind(schedule).weight_versions
+        if (o.shard or o.offload) and versions > 1:
+            raise ValueError(
+                f"schedule {schedule} keeps {versions} weight versions and steps inside a window; sharded or "
+                "offloaded optimizer state is not supported with it: pick a synchronous schedule or turn "
+                "optimizer_state.shard/offload off"
+            )
 
     def _validate_plan(self) -> None:
         if self.global_batch_size is None:
@@ -350,6 +374,8 @@ PLANNED_FIELDS: Mapping[str, tuple[str, ...]] = {
     "stage_ranges": ("pipeline", "stage_ranges"),
     "replica_shares": ("pipeline", "replica_shares"),
     "stage_speeds": ("pipeline", "stage_speeds"),
+    "recompute": ("pipeline", "recompute"),
+    "shard_optimizer": ("optimizer_state", "shard"),
 }
 
 # Per planned field: its variable and how to make script and plan agree (the refusal's fix).
@@ -366,6 +392,9 @@ _HOW_TO_AGREE = {
                      "--pipeline-depth instead of auto-config"),
     "replica_shares": ("VARUNA_REPLICA_SHARES", "to run the shares planned for the cluster's VM types"),
     "stage_speeds": ("VARUNA_STAGE_SPEEDS", "to run the speeds planned for the cluster's VM types"),
+    "recompute": ("VARUNA_RECOMPUTE", "to run what auto-config chose for the memory it planned with"),
+    "shard_optimizer": ("VARUNA_SHARD_OPTIMIZER", "to run what auto-config chose for the memory it "
+                        "planned with"),
 }
 
 
@@ -400,6 +429,8 @@ def _shown(name: str, value: Any) -> str:
     """A value as its variable writes it (``0-1,2-3`` for ranges, ``3,1`` for shares)."""
     if name == "stage_ranges":
         return ",".join(f"{a}-{b}" for a, b in value)
+    if isinstance(value, bool):
+        return str(int(value))
     if isinstance(value, (tuple, list)):
         return ",".join(str(v) for v in value)
     return str(value)

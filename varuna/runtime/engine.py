@@ -60,7 +60,12 @@ from varuna.runtime.loss_scale import DynamicLossScale, NonFiniteLosses, NonFini
 from varuna.runtime.no_flush import MAX_WINDOW_STEPS, WindowFeed, no_flush_unsupported
 from varuna.runtime.peer_watch import PeerWatch, watching
 from varuna.runtime.plugins import run_plugins
-from varuna.runtime.stages import assign_stages, chunks_per_process, planning_profile
+from varuna.runtime.sharded_optimizer import (
+    FlatParameters,
+    ShardedOptimizer,
+    stage_optimizer_state,
+)
+from varuna.runtime.stages import assign_stages, chunks_per_process, planning_profile, stage_memory_for
 from varuna.runtime.tensorboard import TensorBoardLog, adopt_tensorboard_settings, require_tensorboard
 from varuna.runtime.timeline_gather import gather_timeline
 from varuna.runtime.weight_versions import stale_weights, weight_versions_for
@@ -161,6 +166,7 @@ class Engine:
             explicit=config.pipeline.stage_ranges,
             speeds=config.pipeline.stage_speeds,
             chunks=v,
+            memory=stage_memory_for(config, self.layout, self.device, self.micro_plan),
         )
         mine = self.stage_ranges[self.stage :: P]  # interleaved: virtual stages stage, stage + P, ...
         self.first_segment, self.last_segment = mine[0][0], mine[-1][1]
@@ -202,6 +208,8 @@ class Engine:
 
     def _build_training(self, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
         config = self.config
+        # Sharded/offloaded optimizer state: before anything else holds the parameters' storage.
+        self._flat = FlatParameters.for_stage(self._trainable, config.optimizer_state, self.layout.D)
         self._det = None
         if config.determinism.enabled:
             from varuna.runtime.determinism import DeterministicGrads
@@ -234,6 +242,8 @@ class Engine:
                                   lr_scheduler=lr_scheduler)
         if self._det is not None:
             self._det.groups = self._groups
+        self._shards = ShardedOptimizer.for_stage(self._flat, self.optimizer, self.layout, self._groups,
+                                                  self.config.optimizer_state, self.device, bool(self._det))
         self._netem = None
         if self.layout.world > 1:
             from varuna.testing.netem import NetworkConfig, emulate_network
@@ -265,6 +275,7 @@ class Engine:
             config=self.config,
             timeline=self.timeline,
             det=self._det,
+            shards=self._shards,
         )
 
     def _stage_model(self) -> StageModel:
@@ -374,7 +385,7 @@ class Engine:
             return self._train_step(batch, t_start)
 
     def _train_step(self, batch, t_start: float) -> StepResult:
-        self.optimizer.zero_grad(set_to_none=True)
+        self._sync.zero_grad()
         mbs = self.micro_plan[self.replica]
         if self._det is not None:
             self._det.begin_step(mbs, sum(len(p) for p in self.micro_plan))
@@ -458,7 +469,7 @@ class Engine:
         t_start = time.perf_counter()
         first = self.step_count + 1
         self._uncommitted = True
-        self.optimizer.zero_grad(set_to_none=True)
+        self._sync.zero_grad()
         mbs = self.micro_plan[self.replica]
         if self._det is not None:
             self._det.begin_step(mbs, sum(len(p) for p in self.micro_plan))
@@ -595,20 +606,40 @@ class Engine:
         """
         self.extras.registered.register(name, obj, scope)
 
-    def state_dict(self) -> dict:
+    def state_dict(self, *, optimizer_for: Iterable[str] | None = None) -> dict:
         """This stage's whole state by canonical name (Note [Whole state] in whole_state.py):
         ``step``, ``params``, ``optimizer`` (name-keyed, see
         :func:`varuna.runtime.checkpoint.optimizer_state_by_name`; 2bw's stashed weight version
         rides in it, Note [2BW]), ``loss_scale``, ``buffers`` (persistent ones), ``extra`` (the LR
         scheduler and registered objects: ``{"global": {...}, "rank": {...}}``). Tensors are
-        references to the live ones, like ``nn.Module.state_dict``.
+        references to the live ones, like ``nn.Module.state_dict``. With sharded optimizer state
+        (``optimizer_state.shard``) the optimizer part is gathered whole from the stage's
+        replicas: a collective, every replica of the stage calls it; ``optimizer_for`` names the
+        parameters whose optimizer state this rank needs (a checkpoint's writer: the files it
+        writes), so no replica holds the whole stage's state at once; None: all.
 
         Example::
 
             sd = engine.state_dict()
             engine.load_state_dict(sd)
         """
-        return whole_state.state_dict(self)
+        return whole_state.state_dict(self, optimizer_for=optimizer_for)
+
+    def optimizer_state(self, only: Iterable[str] | None = None) -> dict:
+        """The optimizer state by canonical parameter name, whole tensors shaped as the
+        parameters (:func:`varuna.runtime.optimizer_state.optimizer_state_by_name`), whatever
+        ``optimizer_state`` says: sharded state is gathered (a collective over the stage's
+        replicas then; ``only``: the parameters this rank needs), offloaded state comes from host
+        memory. Example: ``engine.optimizer_state()["state"]["wte.weight"]["exp_avg"]``."""
+        return stage_optimizer_state(self.optimizer, self._shards, dict(self.named_parameters()), only)
+
+    def gather_optimizer_state(self) -> None:
+        """With the optimizer state split over the stage's replicas (``optimizer_state.shard``,
+        D > 1): gather it whole, by name, on every replica (a collective), so that
+        :meth:`optimizer_state` still answers after the groups are gone (a live morph gathers at
+        its step boundary, then tears them down). Nothing to do otherwise."""
+        if self._shards is not None:
+            self._shards.gather_for_transfer()
 
     def load_state_dict(self, state: dict, *, copy: bool = True) -> None:
         """Inverse of :meth:`state_dict`; ``state["params"]`` may hold more names (e.g. the whole

@@ -57,7 +57,7 @@ from varuna.runtime.engine import Engine
 from varuna.runtime.layout import choose_gloo_interface
 from varuna.runtime.live_transfer import describe_state, receive_targets
 from varuna.runtime.live_watch import DECLARED_DEAD_EXIT_CODE, LiveWatch, sever
-from varuna.runtime.optimizer_state import merge_optimizer_states, optimizer_state_by_name
+from varuna.runtime.optimizer_state import merge_optimizer_states
 from varuna.runtime.state_codec import from_json, to_json
 
 __all__ = ["DECLARED_DEAD_EXIT_CODE", "LIVE_JOIN_ENV", "LIVE_STORE_ENV", "DeclaredDead", "LiveMorphFailed",
@@ -329,7 +329,16 @@ def morph(live: LiveWorld, held: Engine | None, build: Callable[[int, int], Engi
     t0 = time.monotonic()
     old = (held.layout.P, held.layout.D) if held is not None else None
     if held is not None:
+        sharded = bool(held.config.optimizer_state.shard) and held.layout.D > 1
+        if sharded and not failed:
+            held.gather_optimizer_state()  # while its groups are up: the state leaves by name, whole
         live.collect_due = _tear_down(live, held, failed)
+        if sharded and failed:
+            raise LiveMorphFailed(
+                "the optimizer state was sharded over the replicas (optimizer_state.shard) and a step "
+                "failed: the shards cannot be gathered without the lost peer's; restart from the newest "
+                "checkpoint"
+            )
     record = _record(held, leaving)
     failures: list[str] = []
     for attempt in range(1, _MAX_ATTEMPTS + 1):
@@ -650,8 +659,7 @@ def _stage_state(engine: Engine, names: list[str]) -> dict:
     buffers = engine.extras.buffers.named()
     return {"params": {n: engine.stage_params[n].detach() for n in names if n not in buffers},
             "buffers": {n: buffers[n] for n in names if n in buffers},
-            "optimizer": optimizer_state_by_name(engine.optimizer, trainable,
-                                                 only=[n for n in names if n in trainable])}
+            "optimizer": engine.optimizer_state(only=[n for n in names if n in trainable])}
 
 
 def _hand_over(live: LiveWorld, gen: int, xfer: list[int], recs: dict, held_engine: Engine | None,

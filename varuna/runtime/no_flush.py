@@ -65,7 +65,7 @@ def no_flush_unsupported(config: VarunaConfig, num_stages: int) -> str | None:
     if config.precision == "fp16":
         return ("train_steps without a flush cannot use fp16 loss scaling: skipping a step needs every "
                 "stage's agreement before any updates; use precision='bf16' or 'fp32', or train_step")
-    if num_stages > 1 and not config.pipeline.recompute:
+    if num_stages > 1 and config.pipeline.recompute is False:  # None: the default, on
         return ("train_steps without a flush needs pipeline.recompute=True at P > 1: the weight versions are "
                 "swapped in place between tasks, so no graph may live from a forward to a later backward")
     return None

@@ -42,7 +42,7 @@ from torch import nn
 from varuna.core.batching import MicroBatch
 from varuna.runtime.buffers import BufferKeeper, PendingBuffers
 from varuna.runtime.extra_state import SCHEDULER, ExtraState, SchedulerState
-from varuna.runtime.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
+from varuna.runtime.sharded_optimizer import load_stage_optimizer_state
 from varuna.runtime.weight_versions import add_previous, pop_previous
 
 __all__ = ["StageExtras", "load_state_dict", "preserved_buffers", "state_dict"]
@@ -85,13 +85,14 @@ class StageExtras:
         self.buffers.close()
 
 
-def state_dict(engine) -> dict:
-    """``Engine.state_dict()`` (Note [Whole state]); tensors are references to the live ones."""
-    named = dict(engine.named_parameters())
+def state_dict(engine, *, optimizer_for=None) -> dict:
+    """``Engine.state_dict()`` (Note [Whole state]); tensors are references to the live ones.
+    ``optimizer_for``: the parameters whose optimizer state is wanted (sharded state is gathered
+    for those only; None: all)."""
     return {
         "step": engine.step_count,
         "params": {n: p.detach() for n, p in engine.stage_params.items()},
-        "optimizer": add_previous(optimizer_state_by_name(engine.optimizer, named), engine.weight_versions),
+        "optimizer": add_previous(engine.optimizer_state(optimizer_for), engine.weight_versions),
         "loss_scale": engine.scaler.state_dict(),
         "buffers": engine.extras.buffers.named(),
         # committed_step: inside a failed step (a live morph's hand-over) a loader already gave out
@@ -120,7 +121,7 @@ def load_state_dict(engine, state: dict, *, copy: bool = True) -> None:
     previous = pop_previous(opt)
     if engine.weight_versions is not None:  # 2bw (Note [2BW]): the stashed version; others drop it
         engine.weight_versions.load(previous)
-    load_optimizer_state_by_name(engine.optimizer, trainable, opt, copy=copy)
+    load_stage_optimizer_state(engine.optimizer, engine._shards, trainable, opt, copy=copy)  # sharded: pieces
     engine.scaler.load_state_dict(state["loss_scale"])
     engine.step_count = int(state["step"])
     lacking = engine.extras.buffers.load(state.get("buffers", {}))
