@@ -153,10 +153,13 @@ def emulated_engine(num_stages: int, num_replicas: int, schedule: str, num_micro
                 model,
                 varuna.VarunaConfig(
                     global_batch_size=M, micro_batch_size=MICRO_BATCH_SIZE, pipeline_depth=num_stages,
-                    data_parallel=num_replicas, schedule=schedule, recompute=recompute, stage_ranges=ranges,
-                    chunks=chunks,
-                    replica_shares=None if replica_shares is None else tuple(replica_shares),
-                    record_timeline=True, comm_timeout_s=timeout_s, stop_signals=(),
+                    data_parallel=num_replicas, schedule=schedule, stop_signals=(),
+                    pipeline=varuna.PipelineConfig(
+                        recompute=recompute, stage_ranges=ranges, chunks=chunks,
+                        replica_shares=None if replica_shares is None else tuple(replica_shares),
+                    ),
+                    metrics=varuna.MetricsConfig(record_timeline=True),
+                    timeouts=varuna.TimeoutConfig(comm_s=timeout_s),
                 ),
                 example_batch=batch, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3),
             )

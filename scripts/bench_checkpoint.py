@@ -62,7 +62,7 @@ def worker(a: argparse.Namespace) -> int:
     engine = varuna.Engine(
         GPT(GPTConfig()),  # the example's defaults: 4 layers, n_embd 128, block 64
         varuna.VarunaConfig(global_batch_size=32, micro_batch_size=4, max_grad_norm=1.0,
-                            checkpoint_dir=str(a.ckpt_dir), keep_checkpoints=2, resume="0"),
+                            checkpoints=varuna.CheckpointConfig(dir=str(a.ckpt_dir), keep=2, resume="0")),
         example_batch=data.get("train", 0, 32),
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0),
     )

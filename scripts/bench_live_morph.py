@@ -91,8 +91,9 @@ def worker(a: argparse.Namespace) -> None:
     phases = _time_phases()
     live = LiveWorld.join(timeout_s=WAIT_S)
     config = varuna.VarunaConfig(global_batch_size=a.global_batch, micro_batch_size=a.micro_batch, seed=0,
-                                 comm_timeout_s=WAIT_S, checkpoint_dir=a.ckpt,
-                                 resume="auto" if a.ckpt else "0")
+                                 timeouts=varuna.TimeoutConfig(comm_s=WAIT_S),
+                                 checkpoints=varuna.CheckpointConfig(dir=a.ckpt,
+                                                                     resume="auto" if a.ckpt else "0"))
     engine = varuna.Engine(build(), config, example_batch=batch(1),
                            optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4))
     report: dict = {"pid": os.getpid(), "resumed_at": engine.step_count}

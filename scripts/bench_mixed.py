@@ -45,6 +45,7 @@ from validate_mixed import load  # noqa: E402
 
 from profiler.overheads import MICRO_BATCH_SIZE  # noqa: E402
 from simulator.mixed_plan import MixedPlan, plan_mixed  # noqa: E402
+from varuna.core.schedule import DEFAULT_SCHEDULE  # noqa: E402
 
 NUM_BLOCKS = 8
 NUM_MICROBATCHES = 16
@@ -57,7 +58,7 @@ class Case:
     """Device speed -> how many."""
     depth: int
     level: str = "none"
-    schedule: str = "varuna"
+    schedule: str = DEFAULT_SCHEDULE
 
 
 CASES = (

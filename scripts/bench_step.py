@@ -63,7 +63,8 @@ def main() -> int:
     torch.manual_seed(0)
     det = varuna.Engine(
         GPT(cfg),
-        varuna.VarunaConfig(global_batch_size=M, micro_batch_size=m, deterministic=True),
+        varuna.VarunaConfig(global_batch_size=M, micro_batch_size=m,
+                            determinism=varuna.DeterminismConfig(enabled=True)),
         example_batch=batches[0],
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
     )

@@ -71,6 +71,11 @@ class Setup:
     steps: int = 4
     lr: float = 1e-3
     timeout_s: float = 900.0
+    shard: bool = False
+    """Optimizer state sharded over each stage's replicas (issue #32; ``bench_sharding.py --largest``)."""
+    time_balanced: bool = False
+    """Keep the time-balanced split even where it overflows a stage's memory (the engine before
+    the memory-aware split, issue #32): ``pipeline.stage_memory`` set out of reach."""
 
     @property
     def cap_bytes(self) -> int:
@@ -274,11 +279,11 @@ def _build_engine(a: argparse.Namespace, s: Setup):
             micro_batch_size=s.micro_batch_size,
             pipeline_depth=a.pipeline_depth,
             seed=0,
-            checkpoint_dir=a.ckpt,
-            resume=a.resume,
+            checkpoints=varuna.CheckpointConfig(dir=a.ckpt, resume=a.resume),
             stop_signals=(),
-            peer_timeout_s=120.0,
-            comm_timeout_s=s.timeout_s,
+            timeouts=varuna.TimeoutConfig(peer_s=120.0, comm_s=s.timeout_s),
+            optimizer_state=varuna.OptimizerStateConfig(shard=s.shard),
+            pipeline=varuna.PipelineConfig(stage_memory=1 << 60 if s.time_balanced else None),
         ),
         example_batch=batch_for(1, s),
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=s.lr, eps=1e-6),

@@ -47,7 +47,7 @@ finished() { [ "$(status_field 's["state"]')" = finished ]; }
 
 "$PY" -c 'import secrets; print(secrets.token_urlsafe(32))' >"$RUN/token"
 chmod 600 "$RUN/token"
-PORT=$("$PY" -c 'from manager.procs import find_free_port; print(find_free_port("127.0.0.1"))')
+PORT=$("$PY" -c 'from manager.common.procs import find_free_port; print(find_free_port("127.0.0.1"))')
 export VARUNA_MANAGER=127.0.0.1:$PORT VARUNA_MANAGER_TOKEN_FILE=$RUN/token
 echo 2 >"$RUN/capacity" # the pretend cloud has 2 spot VMs for us, for now
 

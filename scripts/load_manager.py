@@ -2,7 +2,7 @@
 and their workers (gRPC clients only, no processes), then a preemption wave.
 
 Every simulated VM registers, heartbeats every ``--heartbeat-interval`` (the manager's default,
-2 s) and follows its orders (RUN, STOP, KILL, IDLE, SHUTDOWN) as ``manager.vm_agent`` would; each
+2 s) and follows its orders (RUN, STOP, KILL, IDLE, SHUTDOWN) as ``manager.agent.vm_agent`` would; each
 of its running workers sends a worker heartbeat per simulated step (``--step-s``, 1 s). After
 ``--steady`` seconds of steady state, ``--wave-pct`` % of the VMs of the running generation stop
 all RPCs at once (a preemption wave without notice). The run ends by itself when the manager
@@ -43,10 +43,11 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
-from manager import varuna_manager_pb2 as pb  # noqa: E402
-from manager import varuna_manager_pb2_grpc as pb_grpc  # noqa: E402
-from manager.jobspec import load_jobspec, spec_to_pb  # noqa: E402
-from manager.procs import find_free_port  # noqa: E402
+from manager.common.procs import find_free_port  # noqa: E402
+from manager.domain.jobspec import load_jobspec  # noqa: E402
+from manager.transport import varuna_manager_pb2 as pb  # noqa: E402
+from manager.transport import varuna_manager_pb2_grpc as pb_grpc  # noqa: E402
+from manager.transport.convert import spec_to_pb  # noqa: E402
 
 SERVE_WITH_COUNTS = "_serve-with-counts"
 WRITE_VERBS = ("INSERT", "UPDATE", "DELETE", "REPLACE")
@@ -206,7 +207,7 @@ class Fleet:
             await asyncio.sleep(self.opts.heartbeat_interval)
 
     def follow(self, index: int, orders: pb.Orders) -> None:
-        """What manager.vm_agent does with its orders, without processes."""
+        """What manager.agent.vm_agent does with its orders, without processes."""
         vm = self.vms[index]
         if orders.action == pb.Orders.SHUTDOWN:
             vm.shutdown = True

@@ -41,15 +41,18 @@ from simulator.engine import simulate
 from varuna.core.batching import microbatch_counts
 from varuna.core.calibration import Calibration
 from varuna.core.partition import balanced_stages, candidate_maxima
+from varuna.core.planning import PlanRequest
 from varuna.core.progress import Progress
-from varuna.core.schedule import schedule_kind
+from varuna.core.schedule import DEFAULT_SCHEDULE, PLANNED_KINDS, schedule_kind
 
 __all__ = [
     "Candidate",
     "AutoConfigResult",
     "autoconfigure",
+    "autoconfigure_request",
     "autoconfigure_schedules",
     "choose_micro_batch_size",
+    "plan_variants",
     "sweep_gpus",
     "GpuSweepPoint",
 ]
@@ -77,6 +80,16 @@ class Candidate:
     """"simulated", "pruned" (its bound cannot beat the best), or "no-memory" (does not fit)."""
     config: SimConfig
     result: SimResult | None = None
+    planner: _Planner | None = field(default=None, repr=False, compare=False)
+    """The variant (schedule kind, recompute, sharding) that made it: its memory model."""
+
+    @property
+    def recompute(self) -> bool:
+        return self.config.recompute
+
+    @property
+    def shard_optimizer(self) -> bool:
+        return self.config.shard_optimizer
 
     @property
     def num_gpus(self) -> int:
@@ -106,6 +119,9 @@ class Candidate:
             else self.examples_per_s / self.num_gpus,
             "memory_bytes": self.memory_bytes,
             "stage_segments": [list(r) for r in self.stage_segments],
+            "schedule": self.config.schedule,
+            "recompute": self.config.recompute,
+            "shard_optimizer": self.config.shard_optimizer,
         }
 
 
@@ -168,17 +184,19 @@ def choose_micro_batch_size(cal: Calibration) -> int:
 class _Planner:
     """Caches per-(m) segment costs and per-(m, P) partitions across candidates and G values."""
 
-    def __init__(self, cal: Calibration, schedule: str, recompute: bool, chunks: int, host_slots, memory):
+    def __init__(self, cal: Calibration, schedule: str, recompute: bool, chunks: int, host_slots, memory,
+                 shard: bool = False):
         self.cal = cal
         self.schedule = schedule
         self.kind = schedule_kind(schedule)
         self.recompute = recompute
+        self.shard = shard
         self.chunks = chunks
         self.host_slots = host_slots
         self.memory = memory
         self._seg: dict[int, tuple] = {}
         self._part: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
-        self._fit: dict[tuple[int, int, int], tuple[tuple[tuple[int, int], ...], int]] = {}
+        self._fit: dict[tuple[int, int, int, int], tuple[tuple[tuple[int, int], ...], int]] = {}
 
     def seg_costs(self, m: int):
         if m not in self._seg:
@@ -210,38 +228,46 @@ class _Planner:
         v = self.chunks_per_device
         return any(self.kind.recomputes(P * v, ch * P + k, recompute=self.recompute) for ch in range(v))
 
+    def shards(self, D: int) -> int:
+        """Replicas the optimizer state is split over at D replicas."""
+        return D if self.shard else 1
+
     def stage_memories(
-        self, P: int, m: int, nm: int, ranges, stash: Sequence[int] | None = None
+        self, P: int, m: int, nm: int, ranges, stash: Sequence[int] | None = None, *, D: int = 1
     ) -> list[int]:
         """Per device, the memory estimate (analytic stash counts unless ``stash`` is given)."""
         out = []
         for k in range(P):
             s = stash[k] if stash is not None else self.stash_estimate(P, k, nm)
             out.append(stage_memory(self.cal, list(ranges[k::P]), m, s, self.stage_recomputes(P, k),
-                                    weight_versions=self.kind.weight_versions))
+                                    weight_versions=self.kind.weight_versions,
+                                    optimizer_shards=self.shards(D), replicas=D))
         return out
 
-    def memory_of(self, P: int, m: int, nm: int, ranges, stash: Sequence[int] | None = None) -> int:
-        return max(self.stage_memories(P, m, nm, ranges, stash))
+    def memory_of(
+        self, P: int, m: int, nm: int, ranges, stash: Sequence[int] | None = None, *, D: int = 1
+    ) -> int:
+        return max(self.stage_memories(P, m, nm, ranges, stash, D=D))
 
-    def fit(self, P: int, m: int, nm: int) -> tuple[tuple[tuple[int, int], ...], int]:
+    def fit(self, P: int, m: int, nm: int, D: int = 1) -> tuple[tuple[tuple[int, int], ...], int]:
         """The time-balanced map, or, when that overflows memory, the fastest map found whose
-        stages keep their static bytes (parameters, gradients, optimizer state) under the
-        memory left after their activations. Returns (ranges, largest stage memory)."""
+        stages keep their static bytes (parameters, gradients, optimizer state: 1/D of it when
+        sharded) under the memory left after their activations (Note [Memory-aware split] in
+        varuna/core/partition.py). Returns (ranges, largest stage memory)."""
         v = self.chunks_per_device
         ranges = self.partition(m, P * v)
-        mem = self.memory_of(P, m, nm, ranges)
+        mem = self.memory_of(P, m, nm, ranges, D=D)
         if self.memory is None or mem <= self.memory or v > 1:
             return ranges, mem
-        key = (P, m, nm)
+        key = (P, m, nm, self.shards(D))
         if key not in self._fit:
-            cal = self.cal
-            static = [s.param_bytes + s.grad_bytes + s.optimizer_bytes for s in cal.segments]
+            cal, shards = self.cal, self.shards(D)
+            static = [s.param_bytes + s.grad_bytes + s.optimizer_bytes / shards for s in cal.segments]
             _, _, _, full, last, cands = self.seg_costs(m)
             best = (ranges, mem)
             cap_prev = None
             for _ in range(4):  # the activation allowance depends on the map: iterate a little
-                per_stage = self.stage_memories(P, m, nm, best[0])
+                per_stage = self.stage_memories(P, m, nm, best[0], D=D)
                 allowance = max(per_stage[k] - sum(static[a : b + 1]) for k, (a, b) in enumerate(best[0]))
                 cap = self.memory - allowance
                 if cap <= 0 or cap == cap_prev:
@@ -253,7 +279,7 @@ class _Planner:
                     )
                 except ValueError:
                     break
-                best = (cand, self.memory_of(P, m, nm, cand))
+                best = (cand, self.memory_of(P, m, nm, cand, D=D))
                 if best[1] <= self.memory:
                     break
             self._fit[key] = best
@@ -268,6 +294,7 @@ class _Planner:
             stage_segments=ranges,
             schedule=self.schedule,
             recompute=self.recompute,
+            shard_optimizer=self.shard and D > 1,
             chunks=self.chunks_per_device,
             host_slots=self.host_slots,
             jitter_scale=0.0,
@@ -335,18 +362,29 @@ def autoconfigure(
     gpus: int,
     global_batch_size: int,
     gpu_memory_bytes: int | None = None,
-    schedule: str = "varuna",
-    recompute: bool = True,
+    schedule: str | None = DEFAULT_SCHEDULE,
+    recompute: bool | None = True,
+    shard_optimizer: bool | None = False,
     chunks: int = 2,
     micro_batch_size: int | None = None,
     host_slots: int | tuple[int, ...] = 1,
     exhaustive: bool = False,
     progress: bool | None = False,
+    pipeline_depth: int | None = None,
     _planner: _Planner | None = None,
 ) -> AutoConfigResult:
     """Rank configurations for ``gpus`` GPUs (see the module docstring).
 
-    ``micro_batch_size`` fixes m (it must be measured, or interpolable from two measured sizes);
+    Note [Joint plan]: ``schedule``, ``recompute`` and ``shard_optimizer`` may be left to the
+    planner (None): it then considers every kind that plans by default
+    (``varuna.core.schedule.PLANNED_KINDS``), with and without recompute where the kind makes it
+    optional, with and without sharded optimizer state, at every P, D, m and map, and keeps the
+    fastest simulated configuration that fits ``gpu_memory_bytes``. So a model that fits without
+    recompute runs without it (no forward is paid twice), and recompute or sharding appear only
+    where memory needs them. Given values are kept as they are.
+
+    ``micro_batch_size`` fixes m (it must be measured, or interpolable from two measured sizes),
+    ``pipeline_depth`` fixes P;
     ``exhaustive`` simulates every candidate instead of pruning by the lower bound (for tests and
     "why not P=..." questions). Simulations use mean times (no jitter), so the ranking is
     deterministic. ``progress``: a bar over the candidates (:class:`varuna.core.progress.Progress`
@@ -359,12 +397,23 @@ def autoconfigure(
     ValueError: unknown schedule kind 'pipedream'; choose one of varuna, gpipe, 1f1b, ...
     """
     t0 = time.perf_counter()
+    if schedule is None:  # Note [Joint plan]: the fastest of the kinds that plan by default
+        return autoconfigure_schedules(
+            cal, gpus=gpus, global_batch_size=global_batch_size, schedules=PLANNED_KINDS,
+            chunk_options=(chunks,), gpu_memory_bytes=gpu_memory_bytes, recompute=recompute,
+            shard_optimizer=shard_optimizer, micro_batch_size=micro_batch_size, host_slots=host_slots,
+            exhaustive=exhaustive, progress=progress, pipeline_depth=pipeline_depth,
+        )
     _check_schedule(schedule)
     if not 1 <= gpus <= MAX_GPUS:
         raise ValueError(f"gpus must be between 1 and {MAX_GPUS}, got {gpus}")
     if global_batch_size < 1:
         raise ValueError(f"global batch size must be >= 1, got {global_batch_size}")
-    planner = _planner or _Planner(cal, schedule, recompute, chunks, host_slots, gpu_memory_bytes)
+    planners = [_planner] if _planner is not None else [
+        _Planner(cal, schedule, r, chunks, host_slots, gpu_memory_bytes, shard=sh)
+        for r, sh in plan_variants(schedule, recompute, shard_optimizer)
+    ]
+    planner = planners[-1]  # the most frugal variant: what "nothing fits" is explained with
     if micro_batch_size is not None:
         cal.fwd_s(0, micro_batch_size)  # raises the "calibration lacks m=..." error when it must
         preferred = micro_batch_size
@@ -374,10 +423,13 @@ def autoconfigure(
         m_options = [x for x in reversed(cal.micro_batch_sizes) if x <= preferred]
     notes: list[str] = []
     max_p = min(cal.num_segments // planner.chunks_per_device, gpus)
+    depths = range(1, max_p + 1) if pipeline_depth is None else [pipeline_depth]
     candidates = [
         cand
-        for P in range(1, max_p + 1)
-        if (cand := _candidate(planner, P, gpus, global_batch_size, m_options, notes)) is not None
+        for P in depths
+        for variant in planners
+        if (variant.shard is False or gpus // P > 1)  # sharding over one replica is no sharding
+        and (cand := _candidate(variant, P, gpus, global_batch_size, m_options, notes)) is not None
     ]
     if not any(c.status == "pruned" for c in candidates):
         _explain_nothing_fits(planner, candidates, notes, gpus, global_batch_size, m_options, max_p)
@@ -395,6 +447,62 @@ def autoconfigure(
         elapsed_s=time.perf_counter() - t0,
         notes=notes,
     )
+
+
+def autoconfigure_request(
+    request: PlanRequest, *, progress: bool | None = False, exhaustive: bool = False
+) -> AutoConfigResult:
+    """:func:`autoconfigure` for a :class:`varuna.core.planning.PlanRequest` (the value object the
+    launcher, ``varuna-simulate`` and the manager's planner build); its calibration is loaded
+    here when it is a path. ``ValueError`` (one line) without a calibration or when nothing fits.
+
+    >>> from varuna.core.calibration import Calibration
+    >>> from varuna.core.planning import PlanRequest
+    >>> cal = Calibration.synthetic(0.01, num_segments=4, micro_batch_sizes=(1, 2))
+    >>> best = autoconfigure_request(PlanRequest(calibration=cal, global_batch_size=16, gpus=4)).best
+    >>> best.num_stages * best.num_replicas <= 4
+    True
+    """
+    cal = request.load_calibration()
+    if cal is None:
+        raise ValueError("auto-config needs a calibration (--calibration FILE, from varuna-profile)")
+    return autoconfigure(
+        cal,
+        gpus=request.gpus,
+        global_batch_size=request.global_batch_size,
+        gpu_memory_bytes=request.gpu_memory_bytes,
+        schedule=request.schedule,
+        recompute=request.recompute,
+        shard_optimizer=request.shard_optimizer,
+        chunks=request.chunks,
+        micro_batch_size=request.micro_batch_size,
+        host_slots=request.host_slots,
+        exhaustive=exhaustive,
+        progress=progress,
+    )
+
+
+def plan_variants(
+    schedule: str, recompute: bool | None, shard_optimizer: bool | None
+) -> list[tuple[bool, bool]]:
+    """(recompute, shard) pairs auto-config weighs for ``schedule`` (Note [Joint plan]), the
+    likely fastest first: a given value as it is (as the kind runs it), else both where the kind
+    makes recompute optional.
+
+    >>> plan_variants("1f1b", None, None)
+    [(False, False), (False, True), (True, False), (True, True)]
+    >>> plan_variants("varuna", None, False)   # varuna always recomputes
+    [(True, False)]
+    """
+    kind = schedule_kind(schedule)
+    if recompute is None:
+        recomputes = [False, True] if kind.recompute_optional else [kind.effective_recompute(True)]
+    else:
+        recomputes = [kind.effective_recompute(recompute)]
+    shards = [False, True] if shard_optimizer is None else [shard_optimizer]
+    if kind.weight_versions > 1:
+        shards = [False]  # the runtime refuses sharded state with two weight versions
+    return [(r, sh) for r in recomputes for sh in shards]
 
 
 def _candidate(
@@ -416,7 +524,7 @@ def _candidate(
     fits = False
     for m in usable:
         counts, _ = microbatch_counts(M, m, D)
-        ranges, mem = planner.fit(P, m, counts[0])
+        ranges, mem = planner.fit(P, m, counts[0], D)
         fits = planner.memory is None or mem <= planner.memory
         if fits:
             break
@@ -437,6 +545,7 @@ def _candidate(
         memory_bytes=mem,
         status="pruned" if fits else "no-memory",
         config=cfg,
+        planner=planner,
     )
 
 
@@ -457,7 +566,7 @@ def _explain_nothing_fits(
         # Which depth would fit if G were larger? Tell the user how many GPUs to ask for.
         m = m_options[-1]
         for P in range(max_p + 1, num_segments // v + 1):
-            if planner.fit(P, m, -(-M // m))[1] <= memory:
+            if planner.fit(P, m, -(-M // m), max(1, gpus // P))[1] <= memory:
                 raise ValueError(
                     f"the model needs at least P={P} pipeline stages to fit in {mem_txt} per GPU, but "
                     f"only G={gpus} GPUs were given; ask for at least {P} GPUs or use GPUs with more "
@@ -481,8 +590,11 @@ def _branch_and_bound(
 ) -> tuple[Candidate, int]:
     """Simulate the candidates in increasing order of their lower bound until the next bound
     cannot beat the best time; returns (best, simulations run)."""
+    # On a tie the plan without recompute, then without sharding, is simulated first and kept
+    # (Note [Joint plan]: neither is paid for when it buys nothing).
     live = sorted(
-        (c for c in candidates if c.status == "pruned"), key=lambda c: (c.lower_bound_s, c.num_stages)
+        (c for c in candidates if c.status == "pruned"),
+        key=lambda c: (c.lower_bound_s, c.num_stages, c.config.recompute, c.config.shard_optimizer),
     )
     best: Candidate | None = None
     simulations = 0
@@ -492,16 +604,18 @@ def _branch_and_bound(
             bar.update(len(live) - simulations)  # decided without simulating
             break  # sorted: no later candidate can win either
         bar.set_postfix(f"P={cand.num_stages} D={cand.num_replicas} m={cand.micro_batch_size}")
-        cand.result = simulate(planner.cal, cand.config)
+        own = cand.planner or planner
+        cand.result = simulate(own.cal, cand.config)
         simulations += 1
         bar.update()
         cand.status = "simulated"
-        cand.memory_bytes = planner.memory_of(
+        cand.memory_bytes = own.memory_of(
             cand.num_stages,
             cand.micro_batch_size,
             max(cand.num_microbatches),
             cand.stage_segments,
             stash=cand.result.peak_stashed,
+            D=cand.num_replicas,
         )
         if planner.memory is not None and cand.memory_bytes > planner.memory:
             cand.status = "no-memory"
@@ -585,7 +699,7 @@ def sweep_gpus(
     *,
     global_batch_size: int,
     gpu_memory_bytes: int | None = None,
-    schedule: str = "varuna",
+    schedule: str = DEFAULT_SCHEDULE,
     recompute: bool = True,
     chunks: int = 2,
     micro_batch_size: int | None = None,

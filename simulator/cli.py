@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from simulator.autoconfig import (
     AutoConfigResult,
     Candidate,
-    autoconfigure,
+    autoconfigure_request,
     choose_micro_batch_size,
     sweep_gpus,
 )
@@ -50,39 +50,15 @@ from simulator.training import (
     flops_per_example,
 )
 from varuna.core.calibration import Calibration
-from varuna.core.cli import OneLineParser
+from varuna.core.cli import OneLineParser, add_deprecated_alias, add_planning_args, positive_int
 from varuna.core.extras import MissingExtra, require_extra
-from varuna.core.schedule import schedule_kind
+from varuna.core.planning import PlanRequest
+from varuna.core.schedule import DEFAULT_SCHEDULE, schedule_kind
 
 PROG = "varuna-simulate"
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "kib": 2**10,
-    "m": 10**6,
-    "mb": 10**6,
-    "mib": 2**20,
-    "g": 10**9,
-    "gb": 10**9,
-    "gib": 2**30,
-    "t": 10**12,
-    "tb": 10**12,
-    "tib": 2**40,
-}
-
-
 class _UsageError(Exception):
     """Bad command-line input: reported as one line, exit status 2."""
-
-
-def _bytes(text: str) -> int:
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}; give bytes, e.g. 17179869184 or 16GiB")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def _config(text: str) -> tuple[int, int]:
@@ -125,24 +101,13 @@ def _type_file(text: str) -> tuple[str, str]:
     return name.strip(), path.strip()
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog=PROG,
         description="Simulate pipeline+data-parallel training from a calibration file and "
         "pick the fastest configuration.",
     )
-    p.add_argument("--calibration", metavar="FILE", help="calibration JSON from varuna-profile")
-    p.add_argument("--gpus", type=_positive, metavar="G", help="GPUs available (not with --cluster)")
+    p.add_argument("--gpus", type=positive_int, metavar="G", help="GPUs available (not with --cluster)")
     p.add_argument(
         "--cluster",
         type=_cluster,
@@ -160,37 +125,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--pipeline-depths", type=_gpu_list, metavar="P1,P2,...", help="with --cluster: only these P"
     )
-    p.add_argument(
-        "--global-batch-size",
-        required=True,
-        type=_positive,
-        metavar="M",
-        help="examples per mini-batch (optimizer step)",
-    )
-    p.add_argument(
-        "--gpu-memory", type=_bytes, metavar="BYTES", help="memory per GPU (e.g. 17179869184, 16GiB)"
-    )
-    p.add_argument(
-        "--schedule",
-        default="varuna",
-        metavar="KIND",
-        help=f"one of {', '.join(SIM_SCHEDULE_KINDS)} (default varuna)",
-    )
+    # The auto-config options, shared with varuna-launch (one spelling, one unit: --gpu-memory SIZE).
+    add_planning_args(p, title="what to plan (shared with varuna-launch)", require_global_batch=True)
     p.add_argument("--no-recompute", action="store_true", help="gpipe/1f1b/interleaved without recompute")
-    p.add_argument(
-        "--chunks", type=_positive, default=2, metavar="V", help="model chunks per device (interleaved)"
-    )
     p.add_argument(
         "--config", type=_config, metavar="PxD", help="estimate this configuration instead of searching"
     )
-    p.add_argument("--micro-batch-size", type=_positive, metavar="m", help="fix the micro-batch size")
     p.add_argument(
-        "--hosts-slots",
-        type=_positive,
+        "--procs-per-host",
+        type=positive_int,
         default=1,
         metavar="K",
-        help="GPUs per host; consecutive ranks fill a host (default 1)",
+        help="GPUs (worker slots) per host; consecutive ranks fill a host (default 1)",
     )
+    add_deprecated_alias(p, "--hosts-slots", "--procs-per-host", dest="procs_per_host", metavar="K",
+                         convert=positive_int)
     p.add_argument(
         "--jitter-scale",
         type=float,
@@ -200,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="jitter seed")
     p.add_argument(
-        "--top", type=_positive, default=15, metavar="N", help="rows of the ranked table (default 15)"
+        "--top", type=positive_int, default=15, metavar="N", help="rows of the ranked table (default 15)"
     )
     p.add_argument(
         "--sweep-gpus",
@@ -260,7 +209,12 @@ def _outputs(args, cal: Calibration, cfg: SimConfig) -> SimResult | None:
     return res
 
 
+#: ``--chunks`` when not given: model chunks per device of the interleaved kinds.
+SIM_DEFAULT_CHUNKS = 2
+
+
 def _run(args) -> int:
+    args.schedule = args.schedule or DEFAULT_SCHEDULE
     if args.schedule not in SIM_SCHEDULE_KINDS:
         raise _UsageError(
             f"unknown schedule kind {args.schedule!r}; choose one of {', '.join(SIM_SCHEDULE_KINDS)}"
@@ -269,18 +223,22 @@ def _run(args) -> int:
         require_extra("plot", "--plot")
     if not 0 <= args.jitter_scale <= 1e6:  # also refuses nan and inf
         raise _UsageError(f"--jitter-scale must be a number >= 0 (at most 1e6), got {args.jitter_scale}")
+    # One request, checked once (PlanRequest), whatever the mode below does with it.
+    gpus = sum(args.cluster.values()) if args.cluster is not None else args.gpus
+    request = PlanRequest.from_args(args, gpus=gpus or 1, host_slots=args.procs_per_host,
+                                    recompute=not args.no_recompute, chunks=SIM_DEFAULT_CHUNKS)
     if args.cluster is not None:
-        return _mixed(args)
+        return _mixed(args, request)
     missing = [name for name, v in (("--calibration", args.calibration), ("--gpus", args.gpus)) if v is None]
     if missing:
         raise _UsageError(
             f"the following arguments are required: {', '.join(missing)} "
             "(or --cluster TYPE=N,... for mixed VM types)"
         )
-    cal = Calibration.load(args.calibration)
-    out = _estimate(args, cal) if args.config is not None else _search(args, cal)
+    request = dataclasses.replace(request, calibration=Calibration.load(args.calibration))
+    out = _estimate(args, request) if args.config is not None else _search(args, request)
     if args.sweep_gpus:
-        sweep = _sweep(args, cal)
+        sweep = _sweep(args, request)
         if args.json:
             out["sweep"] = sweep
     if args.json:
@@ -288,7 +246,7 @@ def _run(args) -> int:
     return 0
 
 
-def _estimate(args, cal: Calibration) -> dict:
+def _estimate(args, request: PlanRequest) -> dict:
     """``--config PxD``: simulate that configuration; prints it unless ``--json``."""
     P, D = args.config
     if P * D > args.gpus:
@@ -296,27 +254,28 @@ def _estimate(args, cal: Calibration) -> dict:
             f"--config {P}x{D} needs {P * D} GPUs but --gpus is {args.gpus}; "
             f"use a smaller config or more GPUs"
         )
+    cal = request.load_calibration()
     cfg = SimConfig.for_global_batch(
-        global_batch_size=args.global_batch_size,
+        global_batch_size=request.global_batch_size,
         num_replicas=D,
-        micro_batch_size=args.micro_batch_size or choose_micro_batch_size(cal),
+        micro_batch_size=request.micro_batch_size or choose_micro_batch_size(cal),
         num_stages=P,
-        schedule=args.schedule,
-        recompute=not args.no_recompute,
-        chunks=schedule_kind(args.schedule).chunks_per_device(args.chunks),
-        host_slots=args.hosts_slots,
+        schedule=request.schedule,
+        recompute=request.recompute,
+        chunks=schedule_kind(request.schedule).chunks_per_device(request.chunks),
+        host_slots=request.host_slots,
         jitter_scale=args.jitter_scale,
         seed=args.seed,
     )
     res = simulate(cal, cfg)
     _outputs(args, cal, cfg)
-    if args.gpu_memory is not None and max(res.stage_memory_bytes) > args.gpu_memory:
+    if request.gpu_memory_bytes is not None and max(res.stage_memory_bytes) > request.gpu_memory_bytes:
         print(
             f"{PROG}: warning: config {P}x{D} needs {max(res.stage_memory_bytes) / 2**30:.2f} GiB on its "
             f"largest stage, more than --gpu-memory",
             file=sys.stderr,
         )
-    train = _training(args, cal, res.examples_per_s, P * D)
+    train = _training(args, request, cal, res.examples_per_s, P * D)
     if args.json:
         return {"best": res.summary(), "candidates": [res.summary()], "training": train.to_dict()}
     nm = cfg.num_microbatches
@@ -336,26 +295,16 @@ def _estimate(args, cal: Calibration) -> dict:
     return {}
 
 
-def _search(args, cal: Calibration) -> dict:
+def _search(args, request: PlanRequest) -> dict:
     """Auto-configuration: rank the candidates; prints the ranking unless ``--json``."""
-    plan = autoconfigure(
-        cal,
-        gpus=args.gpus,
-        global_batch_size=args.global_batch_size,
-        gpu_memory_bytes=args.gpu_memory,
-        schedule=args.schedule,
-        recompute=not args.no_recompute,
-        chunks=args.chunks,
-        micro_batch_size=args.micro_batch_size,
-        host_slots=args.hosts_slots,
-        progress=False if args.quiet else None,
-    )
+    plan = autoconfigure_request(request, progress=False if args.quiet else None)
     best: Candidate = plan.best
     cfg = best.config
     if args.jitter_scale > 0:
         cfg = dataclasses.replace(cfg, jitter_scale=args.jitter_scale, seed=args.seed)
+    cal = request.load_calibration()
     _outputs(args, cal, cfg)
-    train = _training(args, cal, best.result.examples_per_s, best.num_gpus)
+    train = _training(args, request, cal, best.result.examples_per_s, best.num_gpus)
     if args.json:
         return {**plan.to_dict(), "training": train.to_dict()}
     b = best.result
@@ -370,7 +319,7 @@ def _search(args, cal: Calibration) -> dict:
     return {}
 
 
-def _mixed(args) -> int:
+def _mixed(args, request: PlanRequest) -> int:
     """``--cluster``: plan a cluster of several VM types; prints the plan and why (or JSON)."""
     if args.gpus is not None or args.config is not None or args.sweep_gpus:
         raise _UsageError("--cluster plans the given VMs; leave out --gpus, --config and --sweep-gpus")
@@ -382,18 +331,19 @@ def _mixed(args) -> int:
         raise _UsageError(
             "--cluster needs --calibration FILE (with a 'types' section) or --type-calibration TYPE=FILE"
         )
+    memory = request.gpu_memory_bytes
     plan = plan_mixed(
         args.cluster,
         costs,
-        global_batch_size=args.global_batch_size,
-        micro_batch_size=args.micro_batch_size,
-        memory_by_type=None if args.gpu_memory is None else {t: args.gpu_memory for t in args.cluster},
-        schedule=args.schedule,
-        recompute=not args.no_recompute,
-        host_slots=args.hosts_slots,
+        global_batch_size=request.global_batch_size,
+        micro_batch_size=request.micro_batch_size,
+        memory_by_type=None if memory is None else {t: memory for t in args.cluster},
+        schedule=request.schedule,
+        recompute=request.recompute,
+        host_slots=request.host_slots,
         pipeline_depths=args.pipeline_depths,
     )
-    train = _training(args, None, plan.examples_per_s, sum(plan.vms_used.values()),
+    train = _training(args, request, None, plan.examples_per_s, sum(plan.vms_used.values()),
                       price_per_hour=_cluster_price(args, costs, plan.vms_used))
     if args.json:
         print(json.dumps({**plan.to_dict(), "training": train.to_dict()}, indent=1))
@@ -406,8 +356,8 @@ def _mixed(args) -> int:
     return 0
 
 
-def _training(args, cal: Calibration | None, examples_per_s: float, devices: int, *,
-              price_per_hour: float | None = None) -> TrainingEstimate:
+def _training(args, request: PlanRequest, cal: Calibration | None, examples_per_s: float, devices: int,
+              *, price_per_hour: float | None = None) -> TrainingEstimate:
     """``--train-steps/--train-tokens/--price-per-device-hour/--peak-tflops`` applied to a predicted
     rate (``cal`` None: a mixed cluster, no single device peak)."""
     if args.tokens_per_example is not None and args.tokens_per_example < 1:
@@ -418,7 +368,7 @@ def _training(args, cal: Calibration | None, examples_per_s: float, devices: int
             raise _UsageError("--price-per-device-hour TYPE=PRICE,... is for --cluster; give one number")
         device_price = None
     return estimate_training(
-        examples_per_s=examples_per_s, devices=devices, global_batch_size=args.global_batch_size,
+        examples_per_s=examples_per_s, devices=devices, global_batch_size=request.global_batch_size,
         flops_per_example=flops_per_example(cal) if cal is not None else None,
         peak=device_peak_of(cal, args.peak_tflops, args.precision) if cal is not None else None,
         train_steps=args.train_steps, train_tokens=args.train_tokens,
@@ -442,21 +392,23 @@ def _cluster_price(args, costs, vms_used: dict[str, int]) -> float | None:
     return None if missing else sum(n * prices[t] for t, n in vms_used.items())
 
 
-def _sweep(args, cal: Calibration) -> list[dict]:
+def _sweep(args, request: PlanRequest) -> list[dict]:
     """``--sweep-gpus``: the best configuration at each G; prints a table unless ``--json``."""
+    cal = request.load_calibration()
     points = sweep_gpus(
         cal,
         args.sweep_gpus,
-        global_batch_size=args.global_batch_size,
-        gpu_memory_bytes=args.gpu_memory,
-        schedule=args.schedule,
-        recompute=not args.no_recompute,
-        chunks=args.chunks,
-        micro_batch_size=args.micro_batch_size,
-        host_slots=args.hosts_slots,
+        global_batch_size=request.global_batch_size,
+        gpu_memory_bytes=request.gpu_memory_bytes,
+        schedule=request.schedule,
+        recompute=request.recompute,
+        chunks=request.chunks,
+        micro_batch_size=request.micro_batch_size,
+        host_slots=request.host_slots,
         progress=False if args.quiet else None,
     )
-    trains = {p.gpus: _training(args, cal, p.examples_per_s, p.best.num_gpus) for p in points if p.best}
+    trains = {p.gpus: _training(args, request, cal, p.examples_per_s, p.best.num_gpus)
+              for p in points if p.best}
     if not args.json:
         print(f"\n{'G':>6} {'P':>4} {'D':>5} {'examples/s':>11} {'ex/s/GPU':>9} {'TFLOP/s/GPU':>11} "
               f"{'hours':>9} {'cost':>10}")

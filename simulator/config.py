@@ -17,7 +17,7 @@ from varuna.core.batching import microbatch_counts
 from varuna.core.calibration import Calibration
 from varuna.core.partition import balanced_stages
 from varuna.core.policy import DEFAULT_STASH_HEADROOM
-from varuna.core.schedule import ALL_SCHEDULE_KINDS, schedule_kind
+from varuna.core.schedule import ALL_SCHEDULE_KINDS, DEFAULT_SCHEDULE, schedule_kind
 from varuna.core.timeline import Timeline
 
 __all__ = [
@@ -66,10 +66,13 @@ class SimConfig:
     """Per replica, the size of its final micro-batch (None: all are m)."""
     stage_segments: tuple[tuple[int, int], ...] | None = None
     """Inclusive segment ranges per (virtual) stage, P·chunks of them; None: balanced by cost."""
-    schedule: str = "varuna"
+    schedule: str = DEFAULT_SCHEDULE
     """One of SIM_SCHEDULE_KINDS."""
     recompute: bool = True
     """Recompute for gpipe / 1f1b / interleaved (varuna always recomputes, except on the last stage)."""
+    shard_optimizer: bool = False
+    """Optimizer state sharded over the D replicas (``VarunaConfig.optimizer_state.shard``): each
+    steps 1/D of it and the weights are all-gathered after (``simulator.costs.sync_costs``)."""
     chunks: int = 1
     """v: model chunks per device (interleaved only)."""
     host_slots: int | tuple[int, ...] = 1
@@ -208,7 +211,7 @@ class SimResult:
         }
 
 
-def segment_costs(cal: Calibration, m: int, schedule: str = "varuna", recompute: bool = True):
+def segment_costs(cal: Calibration, m: int, schedule: str = DEFAULT_SCHEDULE, recompute: bool = True):
     """Per segment, its cost on a non-last stage and on the last stage at m, for balancing stages
     (the kind's ``balancing_costs`` of the calibration's F, R and B).
 
@@ -224,7 +227,11 @@ def segment_costs(cal: Calibration, m: int, schedule: str = "varuna", recompute:
 
 
 def stage_segments_for(
-    cal: Calibration, num_virtual_stages: int, m: int, schedule: str = "varuna", recompute: bool = True
+    cal: Calibration,
+    num_virtual_stages: int,
+    m: int,
+    schedule: str = DEFAULT_SCHEDULE,
+    recompute: bool = True,
 ) -> tuple[tuple[int, int], ...]:
     """Balanced ranges (see ``varuna.core.partition``) of the calibration's segments at m."""
     full, last = segment_costs(cal, m, schedule, recompute)

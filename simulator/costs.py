@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from simulator.config import SimConfig, host_of_ranks
 from varuna.core.calibration import Calibration, RuntimeOverheads
+from varuna.core.memory import comm_buffer_bytes
 
 __all__ = [
     "StageCosts",
@@ -111,6 +112,11 @@ def sync_costs(
             else:
                 ar = cal.allreduce_s(nbytes, D, concurrency[k])
         opt = cal.optimizer_s(cal.param_bytes(device_segments[k])) if c.optimizer else 0.0
+        if c.shard_optimizer and D > 1:
+            # Each replica steps 1/D of the state, then the updated weights are all-gathered: half
+            # a ring all-reduce's traffic ((D-1)/D of the bytes once), modelled as half its time.
+            ar *= 1.5
+            opt /= D
         out.append((ar, opt))
     return out
 
@@ -143,20 +149,30 @@ def stage_memory(
     recompute: bool,
     *,
     weight_versions: int = 1,
+    optimizer_shards: int = 1,
+    replicas: int = 1,
 ) -> int:
     """Peak memory of one device holding the segment ``ranges`` (one per model chunk) with
     ``stashed`` micro-batches in flight (``Calibration.stage_memory_bytes``), plus the parameters
-    once more per extra weight version (2bw keeps two)."""
+    once more per extra weight version (2bw keeps two); ``optimizer_shards``: the optimizer state
+    split over that many replicas (sharded optimizer state, docs/memory.md); with ``replicas`` > 1
+    one gradient bucket of the sync (``varuna.core.memory.comm_buffer_bytes``)."""
+    if replicas > 1:
+        grads = sum(cal.segments[i].grad_bytes for a, b in ranges for i in range(a, b + 1))
+        bucket = comm_buffer_bytes(replicas, grads)
+        return bucket + stage_memory(cal, ranges, m, stashed, recompute, weight_versions=weight_versions,
+                                     optimizer_shards=optimizer_shards)
+    shards = {"optimizer_shards": optimizer_shards}
     if weight_versions > 1:
         params = sum(cal.segments[i].param_bytes for a, b in ranges for i in range(a, b + 1))
         extra = (weight_versions - 1) * params
-        return extra + stage_memory(cal, ranges, m, stashed, recompute)
+        return extra + stage_memory(cal, ranges, m, stashed, recompute, **shards)
     if len(ranges) == 1:
         a, b = ranges[0]
-        return cal.stage_memory_bytes(range(a, b + 1), m, stashed, recompute=recompute)
+        return cal.stage_memory_bytes(range(a, b + 1), m, stashed, recompute=recompute, **shards)
     # Interleaved: the static memory of every chunk; in-flight activations are counted per chunk
     # and sized by the largest chunk (an upper bound).
-    static = sum(cal.stage_memory_bytes(range(a, b + 1), m, 0, recompute=False) for a, b in ranges)
+    static = sum(cal.stage_memory_bytes(range(a, b + 1), m, 0, recompute=False, **shards) for a, b in ranges)
     dynamic = max(
         cal.stage_memory_bytes(range(a, b + 1), m, stashed, recompute=recompute)
         - cal.stage_memory_bytes(range(a, b + 1), m, 0, recompute=False)

@@ -87,7 +87,7 @@ from varuna.core.batching import microbatch_counts
 from varuna.core.calibration import Calibration
 from varuna.core.env import RunPlan
 from varuna.core.partition import balanced_stages
-from varuna.core.schedule import schedule_kind
+from varuna.core.schedule import DEFAULT_SCHEDULE, schedule_kind
 
 __all__ = ["MixedPlan", "MixedAlternative", "TypeCosts", "plan_mixed", "resolve_types"]
 
@@ -526,7 +526,7 @@ def plan_mixed(
     global_batch_size: int,
     micro_batch_size: int | None = None,
     memory_by_type: Mapping[str, int] | None = None,
-    schedule: str = "varuna",
+    schedule: str = DEFAULT_SCHEDULE,
     recompute: bool = True,
     host_slots: int = 1,
     max_layouts: int = 500,

@@ -438,9 +438,9 @@ KILLS = [
     (1, "copy-chunk", _rng.randint(1, 60), 1),
     (0, "copy-chunk", _rng.randint(1, 90), 1),
     (0, "marker", 1, 1),
-    (0, "manifest-tmp", 1, 1),
+    (0, "commit-tmp", 1, 1),
     (1, "marker", 1, 2),  # rank 1's part was already in the store: rank 0 completes the checkpoint
-    (0, "manifest", 1, 2),  # killed right after the commit: the new checkpoint exists
+    (0, "commit", 1, 2),  # killed right after the commit: the new checkpoint exists
 ]
 
 

@@ -14,10 +14,11 @@ import torch
 from models import build_model
 
 import varuna
-from varuna.runtime import checkpoint_writer
+from varuna.runtime import checkpoint_manifest
 from varuna.runtime.checkpoint import list_checkpoints, read_shard, step_dir_name
-from varuna.runtime.checkpoint_store import open_checked, read_regular, save_hashed
-from varuna.runtime.checkpoint_writer import as_saved, memory_headroom
+from varuna.runtime.checkpoint_files import open_checked, read_regular, save_hashed
+from varuna.runtime.checkpoint_format import as_saved
+from varuna.runtime.checkpoint_writer import memory_headroom
 
 
 @pytest.fixture(autouse=True)
@@ -215,7 +216,7 @@ def test_the_background_thread_reports_a_failed_local_write(tmp_path, monkeypatc
     def full(obj, path):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint_writer, "save_hashed", full)
+    monkeypatch.setattr(checkpoint_manifest, "save_hashed", full)
     eng.save_checkpoint(wait=True)
     assert eng.checkpointer.last_ok is False and "No space left" in eng.checkpointer.last_error
     assert not (tmp_path / "ckpt" / step_dir_name(1) / "manifest.json").exists()
@@ -233,5 +234,5 @@ def test_the_snapshot_mode_is_a_config_field(tmp_path):
         assert eng.checkpointer.last_snapshot_in_memory is False
     finally:
         eng.close()
-    with pytest.raises(ValueError, match="checkpoint_snapshot must be 'auto', 'memory' or 'disk'"):
+    with pytest.raises(ValueError, match="checkpoints.snapshot must be 'auto', 'memory' or 'disk'"):
         varuna.VarunaConfig(global_batch_size=4, micro_batch_size=2, checkpoint_snapshot="ram").validate()

@@ -160,7 +160,7 @@ def test_symlinked_shard_is_refused(saved, tmp_path):
 
 
 def test_link_to_a_device_is_refused_unread(saved):
-    from varuna.runtime.checkpoint_store import read_regular
+    from varuna.runtime.checkpoint_files import read_regular
 
     step_dir = saved / step_dir_name(2)
     victim = step_dir / "seg001-00.pt"
@@ -186,7 +186,7 @@ def _raise_at(event: str):
     return hook
 
 
-@pytest.mark.parametrize("event", ["copy-chunk", "manifest-tmp"])
+@pytest.mark.parametrize("event", ["copy-chunk", "commit-tmp"])
 def test_failed_save_leaves_no_temporary_or_partial_files(tmp_path, event):
     ckpt = tmp_path / "ckpt"
     eng = make_engine(ckpt)
@@ -242,10 +242,10 @@ def test_steps_finished_before_a_save_commits_are_bounded(tmp_path):
 
     def hook(event: str) -> None:
         step = int(threading.current_thread().name.rsplit("-", 1)[1])
-        if event == "manifest-tmp" and step == every:
+        if event == "commit-tmp" and step == every:
             # Hold the first commit until the next step has finished (a slow store).
             assert step3_done.wait(GUARD_S), "step 3 never finished"
-        if event == "manifest":
+        if event == "commit":
             trace.append(("commit", step))
 
     def on_step(result) -> None:

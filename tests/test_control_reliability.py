@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from manager import varuna_manager_pb2 as pb
-from manager.client import WorkerReporter
-from manager.policy import StutterConfig
+from manager.domain.policy import StutterConfig
+from manager.transport import varuna_manager_pb2 as pb
+from manager.worker.reporter import WorkerReporter
 from varuna.core.calibration import Calibration
 from varuna.core.env import RunPlan
 from varuna.core.partition import balanced_stages
@@ -213,7 +213,7 @@ def test_reporter_close_owns_its_thread_when_the_manager_is_down(monkeypatch):
     never calls into the closed channel (grpc's ValueError killed the thread with a traceback)."""
     import threading
 
-    from manager.client import ClientConfig, ManagerClient
+    from manager.transport.client import ClientConfig, ManagerClient
     from varuna.launch.procs import find_free_port
 
     crashed: list[BaseException] = []

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from manager import cli as manager_cli
-from manager.daemon_lock import DaemonLock, DaemonLockHeld
-from manager.jobspec import MAX_VMS, JobSpec
-from manager.server import ManagerServer, ServeConfig, insecure_listen_warning
+from manager.common.daemon_lock import DaemonLock, DaemonLockHeld
+from manager.domain.jobspec import MAX_VMS, JobSpec
+from manager.transport.server import ManagerServer, ServeConfig, insecure_listen_warning
 from varuna.launch.hosts import assign_slots, parse_hosts_arg
 from varuna.launch.job import launch, launch_on_hosts
 from varuna.launch.launcher import main as launch_main
@@ -154,7 +154,7 @@ def test_killed_manager_does_not_block_its_successor(tmp_path):
         [
             sys.executable,
             "-c",
-            "import sys; from manager.daemon_lock import DaemonLock; DaemonLock.acquire(sys.argv[1]);"
+            "import sys; from manager.common.daemon_lock import DaemonLock; DaemonLock.acquire(sys.argv[1]);"
             " print('locked', flush=True); sys.stdin.read()",
             db,
         ],

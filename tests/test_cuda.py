@@ -109,7 +109,8 @@ def test_engine_trains_a_host_batch_on_the_gpu_deterministically(monkeypatch):
         model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=2, block_size=32, dropout=0.1))
         g = torch.Generator().manual_seed(1)
         batch = (torch.randint(0, 256, (8, 32), generator=g), torch.randint(0, 256, (8, 32), generator=g))
-        cfg = varuna.VarunaConfig(global_batch_size=8, micro_batch_size=2, deterministic=True,
+        cfg = varuna.VarunaConfig(global_batch_size=8, micro_batch_size=2,
+                                  determinism=varuna.DeterminismConfig(enabled=True),
                                   precision="bf16", stop_signals=())
         eng = varuna.Engine(model, cfg, example_batch=batch,
                             optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))

@@ -23,9 +23,10 @@ from varuna.cutting.cutpoint import SplitState  # noqa: E402
 from varuna.cutting.split import materialize_stage, profile_model  # noqa: E402
 from varuna.runtime.determinism import cuda_deterministic_env  # noqa: E402
 from varuna.runtime.executor import _Work  # noqa: E402
-from varuna.runtime.layout import COMM_BACKEND_ENV, Layout, choose_transport, shares_device  # noqa: E402
+from varuna.runtime.layout import Layout, choose_transport, shares_device  # noqa: E402
 
 CUBLAS = "CUBLAS_WORKSPACE_CONFIG"
+COMM_BACKEND_ENV = "VARUNA_COMM_BACKEND"
 
 
 class EnvSpy(nn.Module):
@@ -60,7 +61,8 @@ def test_deterministic_mode_sets_cublas_config_before_the_first_kernel(monkeypat
     model = EnvSpy()
     batch = (torch.randn(4, 4), torch.randn(4))
     eng = varuna.Engine(model, varuna.VarunaConfig(global_batch_size=4, micro_batch_size=2, device="cpu",
-                                                   deterministic=deterministic, stop_signals=()),
+                                                   determinism=varuna.DeterminismConfig(enabled=deterministic),
+                                                   stop_signals=()),
                         example_batch=batch, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
     try:
         eng.train_step(batch)
@@ -75,10 +77,12 @@ def test_deterministic_mode_sets_cublas_config_before_the_first_kernel(monkeypat
 
 def test_cublas_config_values():
     env: dict[str, str] = {}
-    assert cuda_deterministic_env(env) == ":4096:8" and env[CUBLAS] == ":4096:8"
-    assert cuda_deterministic_env({CUBLAS: ":16:8"}) == ":16:8"  # the other deterministic setting stays
+    assert cuda_deterministic_env(environ=env) == ":4096:8" and env[CUBLAS] == ":4096:8"
+    kept = {CUBLAS: ":16:8"}
+    # the other deterministic setting stays as it is
+    assert cuda_deterministic_env(environ=kept) == ":16:8" and kept == {CUBLAS: ":16:8"}
     with pytest.raises(ValueError, match=":4096:8"):
-        cuda_deterministic_env({CUBLAS: ":0:0"})
+        cuda_deterministic_env(environ={CUBLAS: ":0:0"})
 
 
 @pytest.mark.parametrize("env,count,index,shared", [
@@ -89,8 +93,8 @@ def test_cublas_config_values():
     ({"LOCAL_WORLD_SIZE": "8"}, 8, 3, False),
 ])
 def test_shared_gpu_detection(env, count, index, shared):
-    assert shares_device(torch.device("cuda", index), env, device_count=count) is shared
-    assert shares_device(torch.device("cpu"), env, device_count=count) is False
+    assert shares_device(torch.device("cuda", index), environ=env, device_count=count) is shared
+    assert shares_device(torch.device("cpu"), environ=env, device_count=count) is False
 
 
 def test_transport_choice_and_bad_input(monkeypatch):

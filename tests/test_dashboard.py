@@ -20,12 +20,12 @@ import pytest
 pytest.importorskip("aiohttp", reason="the dashboard needs varuna[dashboard]")
 pytest.importorskip("plotly", reason="the dashboard needs varuna[dashboard]")
 
-from manager.context import ManagerConfig  # noqa: E402
-from manager.controller import Manager  # noqa: E402
 from manager.dashboard.gantt import measured_timeline  # noqa: E402
 from manager.dashboard.view import DashboardView  # noqa: E402
 from manager.dashboard.web import COOKIE, DashboardServer, session_value  # noqa: E402
-from manager.store import GenerationRecord, ProgressRecord, Store, VMRecord, WorkerStatRecord  # noqa: E402
+from manager.domain.context import ManagerConfig  # noqa: E402
+from manager.domain.controller import Manager  # noqa: E402
+from manager.domain.store import GenerationRecord, ProgressRecord, Store, VMRecord, WorkerStatRecord  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dashboard_browser import chromium, load_dashboard, missing_browser  # noqa: E402
@@ -381,7 +381,7 @@ def test_serve_without_the_dashboard_extra_names_it_in_one_line(tmp_path, capsys
 
 
 def test_manager_server_with_a_taken_dashboard_port_stops_everything(tmp_path):
-    from manager.server import ManagerServer, ServeConfig
+    from manager.transport.server import ManagerServer, ServeConfig
 
     token = tmp_path / "tok"
     token.write_text(TOKEN)

@@ -1,5 +1,5 @@
-"""The engine's public hooks and run contract: step/stop callbacks, $VARUNA_ENGINE_PLUGINS, the
-launcher's run plan (RunPlan), and the manager's worker shim that uses the plugins."""
+"""The engine's public hooks: step/stop callbacks, $VARUNA_ENGINE_PLUGINS, and the manager's worker
+shim that uses the plugins."""
 
 from __future__ import annotations
 
@@ -14,64 +14,9 @@ from distributed import ROOT
 from models import build_model, make_batch
 
 import varuna
-from varuna.core.env import RunPlan
-from varuna.runtime.config import VarunaConfig, adopt_plan
 from varuna.runtime.plugins import load_plugins, run_plugins
 
-# -- run plan (no processes: RunPlan.from_env takes an environ dict) -------------------------------
-
-
-def _cfg(**kw) -> VarunaConfig:
-    return VarunaConfig(**{"global_batch_size": 32, "micro_batch_size": 4, **kw})
-
-
-def test_plan_with_another_global_batch_is_one_clear_line():
-    plan = RunPlan.from_env({"VARUNA_GLOBAL_BATCH_SIZE": "64"})
-    with pytest.raises(ValueError) as err:
-        adopt_plan(_cfg(), plan)
-    msg = str(err.value)
-    assert "\n" not in msg
-    assert msg == (
-        "the launcher planned global batch 64 (VARUNA_GLOBAL_BATCH_SIZE) but the script asks for 32: "
-        "pass the same --global-batch-size to varuna-launch and the script"
-    )
-
-
-def test_plan_with_another_schedule_is_one_clear_line():
-    plan = RunPlan.from_env({"VARUNA_SCHEDULE": "1f1b"})
-    with pytest.raises(ValueError, match=r"^the launcher planned schedule 1f1b \(VARUNA_SCHEDULE\) but the "
-                       r"script asks for varuna: pass the same --schedule to varuna-launch and the script$"):
-        adopt_plan(_cfg(), plan)
-
-
-def test_plan_micro_batch_and_stage_ranges_are_adopted_and_the_override_is_announced():
-    cfg = _cfg()
-    env = {"VARUNA_GLOBAL_BATCH_SIZE": "32", "VARUNA_SCHEDULE": "varuna", "VARUNA_MICRO_BATCH_SIZE": "8",
-           "VARUNA_STAGE_RANGES": "0-1,2-4"}
-    note = adopt_plan(cfg, RunPlan.from_env(env))
-    assert cfg.micro_batch_size == 8 and cfg.stage_ranges == [(0, 1), (2, 4)]
-    assert note is not None and "\n" not in note and "micro-batch size 8" in note and "script's 4" in note
-    # The same micro-batch size as the script's: adopted silently.
-    assert adopt_plan(_cfg(micro_batch_size=8), RunPlan.from_env({"VARUNA_MICRO_BATCH_SIZE": "8"})) is None
-    # Nothing planned: the script's values stand.
-    cfg = _cfg()
-    assert adopt_plan(cfg, RunPlan.from_env({})) is None and cfg == _cfg()
-
-
-def test_engine_prints_the_micro_batch_override_on_rank_0(monkeypatch, capsys):
-    monkeypatch.setenv("VARUNA_MICRO_BATCH_SIZE", "1")
-    eng = varuna.Engine(
-        build_model("onecut"),
-        varuna.VarunaConfig(global_batch_size=4, micro_batch_size=2),
-        example_batch=make_batch("onecut", 4),
-        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
-    )
-    try:
-        assert eng.describe()["m"] == 1 and eng.describe()["Nm"] == [4]
-        out = capsys.readouterr().out
-        assert "planned micro-batch size 1 (VARUNA_MICRO_BATCH_SIZE) instead of the script's 2" in out
-    finally:
-        eng.close()
+# The run plan's rule (unset / equal / different, per planned field): tests/test_config.py.
 
 
 # -- step callbacks and plugins ---------------------------------------------------------------------
@@ -161,7 +106,7 @@ def test_worker_shim_attaches_the_reporter_and_checkpoint_interval_without_patch
                                                 checkpoint_dir={str(tmp_path / "ckpt")!r}),
                             example_batch=make_batch("onecut", 4),
                             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
-        from manager.client import WorkerReporter
+        from manager.worker.reporter import WorkerReporter
         assert WorkerReporter.from_env(eng) is eng.manager_reporter is not None
         print("every", eng.checkpointer.every, "stop", eng.stop_requested, flush=True)
         eng.train_step(make_batch("onecut", 4))   # stops (checkpoint, exit 0) after this step
@@ -170,7 +115,7 @@ def test_worker_shim_attaches_the_reporter_and_checkpoint_interval_without_patch
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VARUNA_MANAGER": "127.0.0.1:1",
            "VARUNA_MANAGER_TOKEN_FILE": str(token), "VARUNA_CHECKPOINT_EVERY": "7"}
     env.pop("VARUNA_ENGINE_PLUGINS", None)
-    run = subprocess.run([sys.executable, "-m", "manager.worker_shim", str(script)], capture_output=True,
+    run = subprocess.run([sys.executable, "-m", "manager.worker.shim", str(script)], capture_output=True,
                          text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "every 7 stop True" in run.stdout and "not reached" not in run.stdout
@@ -193,6 +138,6 @@ def test_worker_shim_leaves_a_scripts_own_sigusr1_handler_working(tmp_path):
     """))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VARUNA_MANAGER": "127.0.0.1:1",
            "VARUNA_MANAGER_TOKEN_FILE": str(token)}
-    run = subprocess.run([sys.executable, "-m", "manager.worker_shim", str(script)], capture_output=True,
+    run = subprocess.run([sys.executable, "-m", "manager.worker.shim", str(script)], capture_output=True,
                          text=True, env=env, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "handled", run.stdout + run.stderr[-2000:]

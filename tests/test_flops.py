@@ -83,7 +83,7 @@ def test_short_last_micro_batch_is_counted_exactly(monkeypatch):
 
 def test_mfu_against_a_given_peak(monkeypatch):
     monkeypatch.setenv(PEAK_ENV, "4.0")  # the config's value wins over the environment's
-    eng, batch = _engine(8, 4, peak_tflops=2.0)
+    eng, batch = _engine(8, 4, metrics=varuna.MetricsConfig(peak_tflops=2.0))
     try:
         r = eng.train_step(batch)
     finally:
@@ -104,14 +104,16 @@ def test_recompute_counts_in_hardware_flops_only():
         assert f.model_flops == 3 * hand_count(8)
         assert f.hardware_flops == f.model_flops + 8 * per_example[0]  # stage 0's forward, once more
         assert f.devices == 2 * D
-    cfg = VarunaConfig(global_batch_size=8, micro_batch_size=2, schedule="gpipe", recompute=False)
+    cfg = VarunaConfig(global_batch_size=8, micro_batch_size=2, schedule="gpipe",
+                       pipeline=varuna.PipelineConfig(recompute=False))
     f = step_flops(per_example, config=cfg, layout=Layout(world=2, rank=0, P=2, D=1),
                    micro_plan=plan_microbatches(8, 2, 1), stage_ranges=ranges, device_name="cpu")
     assert f.hardware_flops == f.model_flops  # negative control: no recompute, nothing extra
 
 
 def test_metrics_divide_by_time_and_devices():
-    f = step_flops([1e12], config=VarunaConfig(global_batch_size=4, micro_batch_size=1, peak_tflops=10.0),
+    f = step_flops([1e12], config=VarunaConfig(global_batch_size=4, micro_batch_size=1,
+                                        metrics=varuna.MetricsConfig(peak_tflops=10.0)),
                    layout=Layout(world=4, rank=0, P=1, D=4), micro_plan=plan_microbatches(4, 1, 4),
                    stage_ranges=[(0, 0)], device_name="cpu")
     got = f.metrics(step_s=2.0)
@@ -177,7 +179,8 @@ def test_peak_from_config_env_or_table():
     with pytest.raises(ValueError, match=PEAK_ENV):
         resolve_peak("cpu", "fp32", None, {PEAK_ENV: "fast"})
     with pytest.raises(ValueError, match="peak_tflops"):
-        VarunaConfig(global_batch_size=4, micro_batch_size=2, peak_tflops=-1.0).validate()
+        VarunaConfig(global_batch_size=4, micro_batch_size=2,
+                     metrics=varuna.MetricsConfig(peak_tflops=-1.0)).validate()
 
 
 def test_training_flops_is_three_forwards():

@@ -20,7 +20,7 @@ import pytest
 from varuna.core.env import RunPlan
 from varuna.launch.launcher import main
 from varuna.launch.spec import LaunchConfig
-from varuna.runtime.config import VarunaConfig, adopt_plan
+from varuna.runtime.config import PipelineConfig, VarunaConfig, adopt_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -118,10 +118,11 @@ def test_run_plan_round_trips_chunks_and_refuses_bad_values() -> None:
 def test_engine_config_adopts_the_planned_chunks() -> None:
     cfg = VarunaConfig(global_batch_size=8, micro_batch_size=1, schedule="interleaved")
     adopt_plan(cfg, RunPlan(schedule="interleaved", chunks=3))
-    assert cfg.chunks == 3
+    assert cfg.pipeline.chunks == 3
     cfg.validate()
-    mine = VarunaConfig(global_batch_size=8, micro_batch_size=1, schedule="interleaved", chunks=2)
-    with pytest.raises(ValueError, match="planned chunks=3 .* the script asks for chunks=2"):
+    mine = VarunaConfig(global_batch_size=8, micro_batch_size=1, schedule="interleaved",
+                        pipeline=PipelineConfig(chunks=2))
+    with pytest.raises(ValueError, match=r"plan has chunks=3 \(VARUNA_CHUNKS\) but the script sets 2"):
         adopt_plan(mine, RunPlan(schedule="interleaved", chunks=3))
 
 

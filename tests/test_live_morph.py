@@ -174,19 +174,21 @@ def test_live_watch_declares_only_a_silent_member_dead_and_a_declared_one_learns
 def run_live_world(out: Path, ckpt: Path, *, world: int = 4, P: int = 2, args: tuple[str, ...] = (),
                    joiners: tuple[int, ...] = (), plan: tuple[int, int] | None = None,
                    timeout_s: float = 240.0, frozen: tuple[int, ...] = (),
-                   states: dict[int, str] | None = None) -> tuple[dict[int, int], dict[int, int | None]]:
+                   states: dict[int, str] | None = None, worker: Path = WORKER,
+                   steps: int = STEPS) -> tuple[dict[int, int], dict[int, int | None]]:
     """``world`` workers at P×(world/P) around a store this process hosts (the supervisor's role):
     a thread per worker waits for its exit and declares it dead; ``joiners`` start (with
     $VARUNA_LIVE_JOIN) once member 0 set ``test/joiners``; ``frozen`` members (they SIGSTOP
     themselves) get SIGCONT once every other member exited, their process state just before it
-    goes to ``states``. Returns pids and exit codes by member."""
+    goes to ``states``. ``worker``: the script (tests/workers/state_worker.py runs the BatchNorm
+    model). Returns pids and exit codes by member."""
     from varuna.runtime.live_morph import declare_dead, request_layout
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
     if plan:
         request_layout(store, *plan)
-    cmd = [sys.executable, str(WORKER), "--out", str(out), "--ckpt-dir", str(ckpt), "--steps", str(STEPS),
+    cmd = [sys.executable, str(worker), "--out", str(out), "--ckpt-dir", str(ckpt), "--steps", str(steps),
            "--timeout", "60", *args]
     out.mkdir(parents=True)
     procs: dict[int, subprocess.Popen] = {}
@@ -445,6 +447,48 @@ def test_a_lost_stage_falls_back_to_the_restart_path(tmp_path):
     assert codes == {0: PEER_LOST_EXIT_CODE, 1: -signal.SIGKILL, 2: PEER_LOST_EXIT_CODE, 3: -signal.SIGKILL}
     for m in (0, 2):
         assert "live morph impossible: stage 1 has no live replica" in (out / f"member{m}.log").read_text()
+
+
+@pytest.mark.slow
+def test_notice_with_sharded_optimizer_state_hands_it_over_whole(tmp_path, reference):
+    """Issue #32: at 2×2 with the optimizer state sharded over the replicas, both replicas of
+    stage 1 leave after a notice; at the boundary each stage gathers its shards whole, the
+    leavers hand stage 1 over peer to peer, and the survivors go on at 2×1 bit-identical."""
+    out = tmp_path / "notice-shard"
+    pids, codes = run_live_world(out, tmp_path / "ckpt", args=("--notice", "1:2,3:2", "--shard"))
+    assert codes == {m: 0 for m in range(4)}, logs_of(out)
+    reports = check_bit_identical(out, [0, 2], reference)
+    for m, report in reports.items():
+        assert report["pid"] == pids[m] and report["failed_steps"] == []
+        assert (report["P"], report["D"]) == (2, 1) and report["morphs"][0]["left"] == [1, 3]
+    assert reports[2]["morphs"][0]["received_bytes"] > 0, "stage 1 came from the leavers"
+
+
+@pytest.mark.slow
+def test_growth_with_sharded_optimizer_state_reshards_it(tmp_path, reference):
+    """Issue #32: 1×2 sharded grows to 2×2 sharded: the holders gather their shards at the
+    boundary, joiners receive their stage whole from a peer, and every replica keeps its new
+    shard; bit-identical to the one-process run."""
+    out = tmp_path / "grow-shard"
+    _, codes = run_live_world(out, tmp_path / "ckpt", world=2, P=1,
+                              args=("--joiners-after", "2:2", "--shard"), joiners=(2, 3), plan=(2, 2))
+    assert codes == {m: 0 for m in range(4)}, logs_of(out)
+    reports = check_bit_identical(out, [0, 1, 2, 3], reference)
+    assert all((r["P"], r["D"]) == (2, 2) for r in reports.values())
+
+
+@pytest.mark.slow
+def test_a_failed_step_with_sharded_optimizer_state_takes_the_restart_path(tmp_path):
+    """A replica dies with its shard: nobody else holds those moments, so the survivors say so
+    in one line and exit with the peer-lost code (restart from a checkpoint), never hang."""
+    from varuna.runtime.peer_watch import PEER_LOST_EXIT_CODE
+
+    out = tmp_path / "lost-shard"
+    _, codes = run_live_world(out, tmp_path / "ckpt", args=("--die", "3:1", "--shard"), timeout_s=120)
+    lost = PEER_LOST_EXIT_CODE
+    assert codes == {0: lost, 1: lost, 2: lost, 3: -signal.SIGKILL}
+    for m in (0, 1, 2):
+        assert "optimizer state was sharded over the replicas" in (out / f"member{m}.log").read_text()
 
 
 @pytest.mark.parametrize("overrides, needle", [({"schedule": "2bw"}, "second weight version"),

@@ -19,9 +19,9 @@ from azure.core.pipeline.transport import HttpTransport  # noqa: E402
 from azure.core.rest._http_response_impl import HttpResponseImpl  # noqa: E402
 from azure.mgmt.compute import ComputeManagementClient  # noqa: E402
 
-from manager.providers import ProviderContext  # noqa: E402
+from manager.domain.store import VMRecord  # noqa: E402
 from manager.providers.azure import AzureProvider, AzureProviderOptions  # noqa: E402
-from manager.store import VMRecord  # noqa: E402
+from manager.providers.base import ProviderContext  # noqa: E402
 
 SUB, RG, SS = "00000000-0000-0000-0000-000000000001", "rg-varuna", "varuna-job1"
 BASE = f"/subscriptions/{SUB}/resourceGroups/{RG}/providers/Microsoft.Compute/virtualMachineScaleSets/{SS}"
@@ -186,9 +186,12 @@ def test_first_create_makes_a_spot_scale_set_with_the_agent(tmp_path):
     nic = profile["networkProfile"]["networkInterfaceConfigurations"][0]
     assert nic["properties"]["ipConfigurations"][0]["properties"]["subnet"]["id"].endswith("subnets/default")
     script = base64.b64decode(profile["osProfile"]["customData"]).decode()
-    assert "-m manager.vm_agent --manager 10.0.0.4:7878" in script and "--job-id job1" in script
+    assert "-m manager.agent.vm_agent --manager 10.0.0.4:7878" in script and "--job-id job1" in script
     assert "s3cret-token-0123456789" in script and "umask 077" in script
-    assert "metadata/scheduledevents" in script and "--approve-notices" in script
+    # The agent polls the notice source the azure provider's registry entry names (its default
+    # endpoint: Azure's Scheduled Events).
+    assert "--notice-source manager.agent.scheduled_events:ScheduledEventsClient" in script
+    assert "--approve-notices" in script and '--vm-id "$VM_NAME"' in script
 
 
 def test_later_creates_raise_capacity(tmp_path):
@@ -238,7 +241,7 @@ def test_options_are_validated():
 
 
 def test_each_vm_type_gets_its_own_scale_set_and_size(tmp_path):
-    """Mixed VM types (manager/vm_types.py): VMs of a type go to ``<scale set>-<type>`` with the
+    """Mixed VM types (manager/domain/vm_types.py): VMs of a type go to ``<scale set>-<type>`` with the
     type's ``vm_size``; an eviction is noticed in every type's scale set."""
     typed = f"{BASE}-a100"
     provider, transport = _provider(

@@ -1,7 +1,7 @@
-"""Calibration at job start (Note [Calibration at job start] in manager/controller.py): the job
+"""Calibration at job start (Note [Calibration at job start] in manager/domain/controller.py): the job
 spec's [profile] table, the manager ordering one VM's agent to run varuna-profile, storing and
 reusing the result across restarts, timeouts, failures, lost VMs; the agent's side of a run
-(manager/calibrate.py) with real processes; the local provider's changing spot capacity.
+(manager/agent/calibrate.py) with real processes; the local provider's changing spot capacity.
 
 The control loop runs on a fake clock with simulated agents (tests/test_manager_controller.py's
 World); the whole life cycle with real agents, the real profiler and the GPT example is
@@ -18,14 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from manager import varuna_manager_pb2 as pb
-from manager.calibrate import ProfileRun, failure_reason
-from manager.calibration_orders import CALIBRATION_MAX_ATTEMPTS
-from manager.context import ManagerError
-from manager.jobspec import JobSpec, ProfileSpec, load_jobspec, spec_from_pb, spec_to_pb
-from manager.providers import ProviderContext
+from manager.agent.calibrate import ProfileRun, failure_reason
+from manager.domain.calibration_orders import CALIBRATION_MAX_ATTEMPTS
+from manager.domain.errors import ManagerError
+from manager.domain.jobspec import JobSpec, ProfileSpec, load_jobspec
+from manager.domain.messages import Action, CalibrationReport, Orders
+from manager.domain.store import SCHEMA_VERSION, Store
+from manager.providers.base import ProviderContext
 from manager.providers.local import LocalProvider, LocalProviderOptions
-from manager.store import SCHEMA_VERSION, Store
+from manager.transport.convert import spec_from_pb, spec_to_pb
 from varuna.core.calibration import Calibration
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -46,7 +47,7 @@ def _calibration() -> Calibration:
 
 def _report(w: World, vm_id: str, attempt: int, *, ok: bool = True, text: str | None = None, error: str = ""):
     return w.mgr.report_calibration(
-        pb.ReportCalibrationRequest(
+        CalibrationReport(
             vm_id=vm_id,
             attempt=attempt,
             ok=ok,
@@ -57,7 +58,7 @@ def _report(w: World, vm_id: str, attempt: int, *, ok: bool = True, text: str | 
     )
 
 
-def _orders(w: World, vm_id: str) -> pb.Orders:
+def _orders(w: World, vm_id: str) -> Orders:
     return w.vms[vm_id].beat()
 
 
@@ -73,7 +74,8 @@ def _profiling_world(
 
 
 @pytest.mark.parametrize(
-    "module", ["manager.jobspec", "manager.calibrate", "manager.store", "manager.policy"]
+    "module",
+    ["manager.domain.jobspec", "manager.agent.calibrate", "manager.domain.store", "manager.domain.policy"],
 )
 def test_docstring_examples(module):
     import doctest
@@ -192,12 +194,12 @@ def test_first_vm_profiles_then_the_stored_calibration_plans_the_job(tmp_path):
     w, job = _profiling_world(tmp_path)
     first = w.store.vms(job)[0].vm_id
     orders = _orders(w, first)
-    assert orders.action == pb.Orders.PROFILE and orders.profile.attempt == 1
+    assert orders.action == Action.PROFILE and orders.profile.attempt == 1
     # (World submits without the CLI's path resolution: a relative file is relative to the workdir.)
     assert list(orders.profile.argv[:2]) == ["--model", "examples/gpt2/profile_target.py:build"]
     assert orders.profile.timeout_s == 60 and orders.profile.cwd == str(tmp_path)
     others = [vm.vm_id for vm in w.store.vms(job)[1:]]
-    assert all(_orders(w, v).action == pb.Orders.IDLE for v in others)
+    assert all(_orders(w, v).action == Action.IDLE for v in others)
     w.tick(1.0)
     assert w.store.job(job).generation == 0, "no launch before the calibration is in"
     status = w.mgr.status(job, 0)[0]
@@ -218,7 +220,7 @@ def test_first_vm_profiles_then_the_stored_calibration_plans_the_job(tmp_path):
     assert launched["calibration"] == f"profiled on {first} in 3.0 s"
     assert w.mgr.status(job, 0)[0].calibration == f"profiled on {first} in 3.0 s"
     # Once stored, never again: no PROFILE order, a repeated report is refused.
-    assert _orders(w, first).action != pb.Orders.PROFILE
+    assert _orders(w, first).action != Action.PROFILE
     again = _report(w, first, 1, text="{}")
     assert not again.accepted and w.store.job(job).calibration_json == stored.calibration_json
     assert len(w.event(job, "calibration-started")) == 1
@@ -243,7 +245,7 @@ def test_a_restarted_manager_awaits_the_same_attempt_and_reuses_the_result(tmp_p
     w = restart(w)
     w.tick(0.1)
     orders = _orders(w, first)
-    assert orders.action == pb.Orders.PROFILE and orders.profile.attempt == 1  # the same run, awaited
+    assert orders.action == Action.PROFILE and orders.profile.attempt == 1  # the same run, awaited
     assert len(w.event(job, "calibration-started")) == 1
     assert _report(w, first, 1).accepted
     w = restart(w)
@@ -251,7 +253,7 @@ def test_a_restarted_manager_awaits_the_same_attempt_and_reuses_the_result(tmp_p
     assert w.store.job(job).generation == 1
     assert w.event(job, "launched")[0].data["source"].startswith("simulator")  # the stored file, reloaded
     assert len(w.event(job, "calibration-started")) == 1
-    assert all(_orders(w, v).action != pb.Orders.PROFILE for v in w.vms)
+    assert all(_orders(w, v).action != Action.PROFILE for v in w.vms)
 
 
 def test_timeout_falls_back_to_the_layout_rule(tmp_path):
@@ -329,7 +331,7 @@ def test_a_restarted_agent_on_the_profiling_vm_gets_a_new_attempt(tmp_path):
     assert w.event(job, "calibration-lost")[0].data["attempt"] == 1
     w.tick(0.1)
     orders = _orders(w, w.store.job(job).calibration_vm)
-    assert orders.action == pb.Orders.PROFILE and orders.profile.attempt == 2
+    assert orders.action == Action.PROFILE and orders.profile.attempt == 2
     assert not _report(w, first, 1).accepted  # the lost attempt's result, should one still come
 
 

@@ -1,9 +1,11 @@
 """The manager's control loop against simulated VMs, in one process and on a fake clock.
 
-Agents and workers are played by :class:`SimVM`, which calls the manager's RPC methods directly
-and obeys the orders the way ``manager.vm_agent`` does; a :class:`FakeProvider` hands out VM
-names. Nothing sleeps: the clock moves when the test says so. The real agents, workers and
-providers are exercised by tests/test_manager_local.py and tests/test_manager_e2e.py.
+Agents and workers are played by :class:`SimVM`, which calls the domain's methods directly with
+its plain messages (manager/domain/messages.py: no protobuf here; the wire is
+tests/test_manager_service.py's) and obeys the orders the way ``manager.agent.vm_agent`` does; a
+:class:`FakeProvider` hands out VM names. Nothing sleeps: the clock moves when the test says so.
+The real agents, workers and providers are exercised by tests/test_manager_local.py and
+tests/test_manager_e2e.py.
 """
 
 from __future__ import annotations
@@ -16,13 +18,24 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from manager import varuna_manager_pb2 as pb
-from manager.context import ManagerConfig, ManagerError
-from manager.controller import Manager
-from manager.jobspec import JobSpec, spec_to_pb
-from manager.policy import StutterConfig
-from manager.providers import NewVM
-from manager.store import Store, VMRecord
+from manager.domain.context import ManagerConfig
+from manager.domain.controller import Manager
+from manager.domain.errors import ManagerError
+from manager.domain.jobspec import JobSpec
+from manager.domain.messages import (
+    Action,
+    Orders,
+    PreemptNotice,
+    RegisterVM,
+    VMHeartbeat,
+    WorkerHeartbeat,
+    WorkerLaunch,
+    WorkerState,
+)
+from manager.domain.policy import StutterConfig
+from manager.domain.store import Store, VMRecord
+from manager.providers.base import NewVM
+from manager.transport.convert import spec_to_pb, submission_from_pb
 from varuna.core.calibration import Calibration
 
 
@@ -72,14 +85,14 @@ class SimVM:
     instance: str = field(default_factory=lambda: secrets.token_hex(4))
     generation: int = 0
     workers: dict[int, dict] = field(default_factory=dict)
-    launches: dict[int, pb.WorkerLaunch] = field(default_factory=dict)
-    notice: pb.PreemptNotice | None = None
+    launches: dict[int, WorkerLaunch] = field(default_factory=dict)
+    notice: PreemptNotice | None = None
     alive: bool = True
     port: int = 20000
 
     def register(self) -> None:
         self.mgr.register_vm(
-            pb.RegisterVMRequest(
+            RegisterVM(
                 vm_id=self.vm_id,
                 job_id=self.job_id,
                 agent_instance=self.instance,
@@ -89,33 +102,31 @@ class SimVM:
             )
         )
 
-    def beat(self) -> pb.Orders:
-        req = pb.VMHeartbeatRequest(
-            vm_id=self.vm_id, agent_instance=self.instance, generation=self.generation, free_port=self.port
+    def beat(self) -> Orders:
+        workers = tuple(
+            WorkerState(rank=rank, pid=1000 + rank, running=w["running"], exit_code=w["exit_code"])
+            for rank, w in self.workers.items()
         )
-        for rank, w in self.workers.items():
-            req.workers.add(rank=rank, pid=1000 + rank, running=w["running"], exit_code=w["exit_code"])
-        if self.notice is not None:
-            req.has_notice = True
-            req.notice.CopyFrom(self.notice)
+        req = VMHeartbeat(vm_id=self.vm_id, agent_instance=self.instance, generation=self.generation,
+                          free_port=self.port, workers=workers, notice=self.notice)
         orders = self.mgr.vm_heartbeat(req)
         g = orders.generation
-        if orders.action == pb.Orders.RUN and g > self.generation:
+        if orders.action == Action.RUN and g > self.generation:
             self.generation = g
             self.workers = {w.rank: {"running": True, "exit_code": 0} for w in orders.workers}
             self.launches = {w.rank: w for w in orders.workers}
-        elif orders.action == pb.Orders.STOP:
+        elif orders.action == Action.STOP:
             if g > self.generation:
                 self.generation, self.workers = g, {}
             for w in self.workers.values():  # SIGUSR1: checkpoint and exit 0
                 if w["running"]:
                     w.update(running=False, exit_code=0)
-        elif orders.action == pb.Orders.KILL and g >= self.generation:
+        elif orders.action == Action.KILL and g >= self.generation:
             self.generation = g
             for w in self.workers.values():
                 if w["running"]:
                     w.update(running=False, exit_code=-9)
-        elif orders.action == pb.Orders.IDLE:
+        elif orders.action == Action.IDLE:
             for w in self.workers.values():
                 w.update(running=False, exit_code=-9 if w["running"] else w["exit_code"])
         return orders
@@ -127,7 +138,7 @@ class SimVM:
             env = self.launches[rank].env
             P, D = int(env["VARUNA_PIPELINE_DEPTH"]), int(env["VARUNA_DATA_PARALLEL"])
             self.mgr.worker_heartbeat(
-                pb.WorkerHeartbeatRequest(
+                WorkerHeartbeat(
                     job_id=self.job_id,
                     vm_id=self.vm_id,
                     generation=self.generation,
@@ -209,7 +220,7 @@ class World:
         )
         calibration = overrides.pop("calibration_json", "")
         spec.update(overrides)
-        return self.mgr.submit(spec_to_pb(JobSpec(**spec), calibration))
+        return self.mgr.submit(JobSpec(**spec), calibration)
 
     def tick(self, seconds: float = 0.0) -> None:
         """Advance the clock, let every live VM heartbeat, run the control loop, and once more
@@ -276,7 +287,7 @@ def test_launch_gathers_max_vms_then_plans_largest_layout(tmp_path):
     assert env["RANK"] == "3" and env["WORLD_SIZE"] == "4" and env["VARUNA_RESUME"] == "auto"
     assert env["VARUNA_CHECKPOINT_DIR"] == str(tmp_path / "ckpt") and env["VARUNA_CHECKPOINT_EVERY"] == "2"
     assert env["VARUNA_JOB_ID"] == job and env["VARUNA_GENERATION"] == "1"
-    assert list(vm.launches[3].argv[:2]) == ["-m", "manager.worker_shim"]
+    assert list(vm.launches[3].argv[:2]) == ["-m", "manager.worker.shim"]
     w.steps(job, 1, 3)
     assert w.store.job(job).step == 3
     assert "training-started" in w.kinds(job)
@@ -331,7 +342,7 @@ def test_preempt_notice_stops_gracefully_and_excludes_vm(tmp_path):
     w.tick(0.1)
     w.steps(job, 1, 3)
     vm = w.running(job)[1]
-    vm.notice = pb.PreemptNotice(event_id="ev-1", event_type="Preempt", not_before="soon")
+    vm.notice = PreemptNotice(event_id="ev-1", event_type="Preempt", not_before="soon")
     vm.finish(0)  # its agent sent SIGUSR1 itself: workers checkpoint and exit 0
     w.tick(0.1)
     assert "preempt-notice" in w.kinds(job)
@@ -490,27 +501,31 @@ def test_restarted_manager_resumes_from_the_store(tmp_path):
     gen = w2.gen(job)
     assert gen.generation == gen_before.generation and gen.state == "running"
     orders = w2.vms[gen.vm_ids[0]].beat()
-    assert orders.action == pb.Orders.RUN and orders.generation == gen.generation
+    assert orders.action == Action.RUN and orders.generation == gen.generation
     w2.steps(job, 5, 6)
     assert w2.store.job(job).step == 6
 
 
 def test_bad_submissions_are_refused(tmp_path):
+    """What arrives over the wire: refused when converted (the spec does not validate) or by the
+    domain (the provider's options, the calibration), each with one line and its kind."""
     w = World(tmp_path)
     msg = spec_to_pb(
         JobSpec(script="/x.py", global_batch_size=8, checkpoint_dir="/c", max_vms=2, target_steps=3)
     )
     msg.min_vms = 5
-    with pytest.raises(ManagerError, match="min_vms 5 exceeds max_vms 2"):
-        w.mgr.submit(msg)
+    with pytest.raises(ManagerError, match="min_vms 5 exceeds max_vms 2") as refused:
+        w.mgr.submit(*submission_from_pb(msg))
+    assert refused.value.kind.name == "INVALID_ARGUMENT"
     msg.min_vms = 1
     msg.provider_options_json = json.dumps({"bogus": 1})
-    with pytest.raises(ManagerError, match="unknown local option"):
-        w.mgr.submit(msg)
+    with pytest.raises(ManagerError, match="unknown local option") as refused:
+        w.mgr.submit(*submission_from_pb(msg))
+    assert refused.value.kind.name == "INVALID_ARGUMENT" and "\n" not in refused.value.message
     msg.provider_options_json = "{}"
     msg.calibration_json = "{}"
     with pytest.raises(ManagerError, match="calibration"):
-        w.mgr.submit(msg)
+        w.mgr.submit(*submission_from_pb(msg))
 
 
 def test_layout_comes_from_the_simulator_with_a_calibration(tmp_path):
@@ -536,8 +551,9 @@ def test_layout_comes_from_the_simulator_with_a_calibration(tmp_path):
 
 
 def test_planner_and_workers_get_the_jobs_schedule(tmp_path, monkeypatch):
-    # A 1f1b job (its script says --schedule 1f1b): auto-config must rank layouts for 1f1b, and
-    # the workers' run plan must say 1f1b and the spec's global batch.
+    # A 1f1b job (schedule = "1f1b" in its spec): auto-config must rank layouts for 1f1b, and the
+    # workers' run plan must say 1f1b and the spec's global batch. The script's own arguments are
+    # never read (a --schedule there is the engine's to judge against the plan: adopt_plan).
     import simulator.autoconfig
 
     seen: list[str] = []
@@ -554,7 +570,8 @@ def test_planner_and_workers_get_the_jobs_schedule(tmp_path, monkeypatch):
         max_vms=2,
         num_segments=0,
         micro_batch_size=0,
-        args=["--steps", "50", "--schedule", "1f1b"],
+        args=["--steps", "50", "--schedule", "gpipe"],
+        schedule="1f1b",
         calibration_json=json.dumps(cal.to_dict()),
     )
     w.tick()

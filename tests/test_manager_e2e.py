@@ -31,7 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from manager.jobspec import load_jobspec, spec_to_pb
+from manager.domain.jobspec import load_jobspec
+from manager.transport.convert import spec_to_pb
 from varuna.launch.procs import find_free_port
 
 sys.path.insert(0, str(Path(__file__).parent))

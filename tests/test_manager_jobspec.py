@@ -1,47 +1,46 @@
-"""The job spec's schedule: defaulted from the script's --schedule, validated against the schedule
-kinds, carried over the wire (manager/jobspec.py); its chunks (interleaved kinds) likewise, and
-on into the planner's layout and the workers' run plan."""
+"""The job spec's schedule: the default kind unless the spec names one (the manager never reads
+the script's arguments), validated against the schedule kinds, carried over the wire
+(manager/domain/jobspec.py, manager/transport/convert.py); its chunks (interleaved kinds)
+likewise, and on into the planner's layout and the workers' run plan."""
 
 from __future__ import annotations
 
 import pytest
 
-from manager.jobspec import JobSpec, script_schedule, spec_from_pb, spec_to_pb
+from manager.domain.jobspec import JobSpec
+from manager.transport.convert import spec_from_pb, spec_to_pb
+from varuna.core.schedule import DEFAULT_SCHEDULE
 
 BASE = dict(script="/t.py", global_batch_size=8, checkpoint_dir="/c", max_vms=2, target_steps=5)
 
 
-def test_schedule_defaults_to_varuna_then_to_the_scripts_argument():
-    assert JobSpec(**BASE).schedule == "varuna"
-    assert JobSpec(**BASE, args=["--schedule", "1f1b"]).schedule == "1f1b"
-    assert JobSpec(**BASE, args=["--schedule=gpipe"]).schedule == "gpipe"
+def test_schedule_is_the_specs_or_the_default_never_the_scripts_argument():
+    assert DEFAULT_SCHEDULE == "varuna"
+    assert JobSpec(**BASE).schedule == DEFAULT_SCHEDULE
+    assert JobSpec(**BASE, schedule="").schedule == DEFAULT_SCHEDULE  # unset on the wire
     assert JobSpec(**BASE, schedule="gpipe").schedule == "gpipe"
-    assert JobSpec(**BASE, args=["--schedule", "1f1b"], schedule="1f1b").schedule == "1f1b"
+    # The script's own --schedule is the engine's to judge against the plan (adopt_plan), not the
+    # manager's to sniff: the plan is the spec's.
+    assert JobSpec(**BASE, args=["--schedule", "1f1b"]).schedule == DEFAULT_SCHEDULE
+    assert JobSpec(**BASE, args=["--schedule=gpipe"], schedule="1f1b").schedule == "1f1b"
 
 
 def test_bad_schedules_are_refused_with_one_line():
     with pytest.raises(ValueError, match="unknown schedule 'pipedream'; use one of varuna, gpipe, 1f1b"):
         JobSpec(**BASE, schedule="pipedream")
-    with pytest.raises(ValueError, match="script's --schedule 'zigzag' is not one of"):
-        JobSpec(**BASE, args=["--schedule", "zigzag"])
-    with pytest.raises(ValueError, match="schedule 'gpipe' differs from the script's --schedule '1f1b'"):
-        JobSpec(**BASE, args=["--schedule", "1f1b"], schedule="gpipe")
     with pytest.raises(ValueError, match="'schedule' must be one of"):
         JobSpec(**BASE, schedule=3)
+    # An argument the script may parse is no job-spec error (the manager does not read it).
+    assert JobSpec(**BASE, args=["--schedule", "zigzag"]).schedule == DEFAULT_SCHEDULE
 
 
 def test_schedule_survives_the_wire_and_the_store():
-    spec = JobSpec(**BASE, args=["--schedule", "1f1b"])
+    spec = JobSpec(**BASE, schedule="1f1b")
     assert spec_from_pb(spec_to_pb(spec)).schedule == "1f1b"
     assert JobSpec.from_dict(spec.to_dict()).schedule == "1f1b"
-    # A spec stored before the field existed reads as the script's schedule.
+    # A spec stored before the field existed reads as the default schedule.
     old = {k: v for k, v in spec.to_dict().items() if k != "schedule"}
-    assert JobSpec.from_dict(old).schedule == "1f1b"
-
-
-def test_script_schedule_takes_the_last_occurrence():
-    assert script_schedule(["--schedule", "gpipe", "--schedule", "1f1b"]) == "1f1b"
-    assert script_schedule(["--schedule"]) is None
+    assert JobSpec.from_dict(old).schedule == DEFAULT_SCHEDULE
 
 
 # -- chunks (interleaved kinds, docs/interleaved.md) ---------------------------------------------
@@ -72,10 +71,11 @@ def test_chunks_are_validated_with_one_line_naming_the_fix():
 
 
 def test_chunks_survive_the_wire_and_reach_the_run_plan(tmp_path):
-    from manager.context import ManagerConfig, ManagerContext
-    from manager.morph_planner import MorphPlanner
-    from manager.records import GenerationRecord
-    from manager.store import Store
+    from manager.domain.context import ManagerConfig, ManagerContext
+    from manager.domain.launches import WorkerLaunches
+    from manager.domain.morph_planner import MorphPlanner
+    from manager.domain.records import GenerationRecord
+    from manager.domain.store import Store
 
     spec = JobSpec(**IL, chunks=2, pipeline_depth=2)
     assert spec_from_pb(spec_to_pb(spec)).chunks == 2
@@ -91,7 +91,7 @@ def test_chunks_survive_the_wire_and_reach_the_run_plan(tmp_path):
         gen = GenerationRecord(job_id="j1", generation=1, state="running", pipeline_depth=2, data_parallel=1,
                                micro_batch_size=0, vms_json="[]", master_addr="127.0.0.1", master_port=1,
                                launched=0.0)
-        plan = planner.run_plan(job, gen)
+        plan = WorkerLaunches(ctx).run_plan(job, gen)
         assert (plan.schedule, plan.chunks) == ("varuna-interleaved", 2)
         assert plan.to_env()["VARUNA_CHUNKS"] == "2"
     finally:
@@ -99,7 +99,8 @@ def test_chunks_survive_the_wire_and_reach_the_run_plan(tmp_path):
 
 
 def test_fallback_layout_keeps_room_for_the_chunks():
-    from manager.policy import choose_layout, fallback_layout
+    from manager.domain.policy import choose_layout, fallback_layout
+    from varuna.core.planning import PlanRequest
 
     # 8 segments, 2 chunks: P in {2, 4} (P·2 <= 8, P divides 8); 5 slots: 2×2 and 4×1 tie, the
     # smaller P wins.
@@ -111,6 +112,6 @@ def test_fallback_layout_keeps_room_for_the_chunks():
     from varuna.core.calibration import Calibration
 
     cal = Calibration.synthetic(0.01, num_segments=6, micro_batch_sizes=(1, 2))
-    auto = choose_layout(slots=[1] * 6, global_batch_size=24, calibration=cal, schedule="interleaved",
-                         chunks=3)
+    auto = choose_layout(slots=[1] * 6, request=PlanRequest(calibration=cal, global_batch_size=24,
+                                                            schedule="interleaved", chunks=3))
     assert auto.pipeline_depth >= 2 and auto.pipeline_depth * 3 <= 6

@@ -35,7 +35,8 @@ from pathlib import Path
 
 import pytest
 
-from manager.jobspec import load_jobspec, spec_to_pb
+from manager.domain.jobspec import load_jobspec
+from manager.transport.convert import spec_to_pb
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_manager_local import (  # noqa: E402

@@ -1,4 +1,4 @@
-"""The manager's live-morph decision (manager/live_morph.py): which ranks a lost VM took, whether
+"""The manager's live-morph decision (manager/domain/live_morph.py): which ranks a lost VM took, whether
 every stage still has a live replica, the simulator's P×D for the survivors, what it writes into
 the live run's store and the events it records."""
 
@@ -9,15 +9,17 @@ from datetime import timedelta
 
 import pytest
 
-from manager import live_morph
-from manager.policy import choose_layout
-from manager.store import Store
+from manager.domain import live_morph
+from manager.domain.policy import choose_layout
+from manager.domain.store import Store
 from varuna.core.calibration import Calibration
+from varuna.core.planning import PlanRequest
 
 
 def simulator_plan():
     cal = Calibration.synthetic(0.002, num_segments=4, micro_batch_sizes=(1, 2, 4))
-    return lambda slots: choose_layout(slots=slots, global_batch_size=16, calibration=cal)
+    request = PlanRequest(calibration=cal, global_batch_size=16)
+    return lambda slots: choose_layout(slots=slots, request=request)
 
 
 def test_ranks_follow_the_launchers_placement() -> None:

@@ -1,4 +1,4 @@
-"""Live morph in the manager's control loop (manager/live_runs.py), on simulated VMs and a fake
+"""Live morph in the manager's control loop (manager/domain/live_runs.py), on simulated VMs and a fake
 clock (tests/test_manager_controller.py's World): the store each live-morph generation gets, a
 lost VM handled in place (no kill, no relaunch) at the simulator's P×D, the event with its
 duration, and the fallbacks (a stage lost whole, a worker exiting 75) to kill + relaunch."""
@@ -18,8 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_manager_controller import FakeProvider, World  # noqa: E402
 
-from manager.jobspec import JobSpec  # noqa: E402
-from manager.policy import choose_layout  # noqa: E402
+from manager.domain.jobspec import JobSpec  # noqa: E402
+from manager.domain.messages import Action, PreemptNotice, RegisterVM, WorkerHeartbeat  # noqa: E402
+from manager.domain.policy import choose_layout  # noqa: E402
+from varuna.core.planning import PlanRequest  # noqa: E402
 from varuna.launch.supervisor import PEER_LOST_EXIT_CODE  # noqa: E402
 
 dist = pytest.importorskip("torch.distributed")
@@ -86,8 +88,8 @@ def test_a_lost_vm_is_a_live_morph_in_place(tmp_path):
     detected = w.clock.now
     gen = w.gen(job)
     # The simulator's (here: the fallback rule's, P forced to 2) layout for three one-slot VMs.
-    ref = choose_layout(slots=[1, 1, 1], global_batch_size=24, calibration=None, micro_batch_size=2,
-                        pipeline_depth=2, num_segments=4)
+    ref = choose_layout(slots=[1, 1, 1], num_segments=4, request=PlanRequest(
+        calibration=None, global_batch_size=24, micro_batch_size=2, pipeline_depth=2))
     assert gen.generation == 1 and gen.state == "running", "no kill, no relaunch"
     assert (gen.pipeline_depth, gen.data_parallel) == (ref.pipeline_depth, ref.data_parallel)
     assert gen.vm_ids == [vm.vm_id for vm in w.running(job)] and len(gen.vm_ids) == 3
@@ -164,7 +166,8 @@ def test_a_closed_engine_is_not_kept_alive_by_its_heartbeat_reporter():
     from models import build_model
 
     import varuna
-    from manager.client import ClientConfig, ManagerClient, WorkerReporter
+    from manager.transport.client import ClientConfig, ManagerClient
+    from manager.worker.reporter import WorkerReporter
     from varuna.launch.procs import find_free_port
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
@@ -190,7 +193,7 @@ def test_a_closed_engine_is_not_kept_alive_by_its_heartbeat_reporter():
 
 
 def test_live_morph_crosses_the_wire():
-    from manager.jobspec import spec_from_pb, spec_to_pb
+    from manager.transport.convert import spec_from_pb, spec_to_pb
 
     spec = JobSpec(script="t.py", global_batch_size=8, checkpoint_dir="c", max_vms=2, target_steps=3,
                    live_morph=True)
@@ -207,32 +210,28 @@ NOTICE = dict(event_id="e1", event_type="Preempt", not_before="soon")
 def report(w: World, job: str, step: int, layout: tuple[int, int]) -> None:
     """Every running worker of the generation reports ``step`` at ``layout`` (P, D): what the live
     workers say once they regrouped (SimVM.step would repeat the launch layout)."""
-    from manager import varuna_manager_pb2 as pb
-
     gen = w.gen(job)
     for vm in w.running(job):
         for rank, state in vm.workers.items():
             if state["running"]:
-                w.mgr.worker_heartbeat(pb.WorkerHeartbeatRequest(
+                w.mgr.worker_heartbeat(WorkerHeartbeat(
                     job_id=job, vm_id=vm.vm_id, generation=gen.generation, rank=rank,
                     pipeline_depth=layout[0], data_parallel=layout[1], step=step, loss=1.0,
                     samples_per_s=10.0, fwd_s=0.01, bwd_s=0.02, num_microbatches=2, micro_batch_size=2))
 
 
 def test_a_notice_hands_over_live_and_nothing_is_relaunched(tmp_path):
-    from manager import varuna_manager_pb2 as pb
-
     w, job = start(tmp_path)
     address = w.running(job)[0].launches[0].env["VARUNA_LIVE_STORE"]
     assert w.running(job)[0].launches[0].env["VARUNA_LIVE_NOTICE_SIGNAL"] == "SIGUSR2"
     noticed = w.running(job)[3]
-    noticed.notice = pb.PreemptNotice(**NOTICE)
+    noticed.notice = PreemptNotice(**NOTICE)
     w.tick(0.1)
     orders = {vm.vm_id: vm.beat() for vm in w.running(job)}
     assert [v for v, o in orders.items() if o.leave] == [noticed.vm_id], "only the noticed VM leaves"
-    assert all(o.action == pb.Orders.RUN for o in orders.values()), "nobody is stopped"
-    ref = choose_layout(slots=[1, 1, 1], global_batch_size=24, calibration=None, micro_batch_size=2,
-                        pipeline_depth=2, num_segments=4)
+    assert all(o.action == Action.RUN for o in orders.values()), "nobody is stopped"
+    ref = choose_layout(slots=[1, 1, 1], num_segments=4, request=PlanRequest(
+        calibration=None, global_batch_size=24, micro_batch_size=2, pipeline_depth=2))
     c = client(address)
     assert c.get(f"{ROOT}plan").decode() == f"{ref.pipeline_depth} {ref.data_parallel}", "before the leave"
     assert not c.check([f"{ROOT}dead/3"]), "a leaver is not dead before it handed over"
@@ -259,13 +258,11 @@ def test_a_notice_hands_over_live_and_nothing_is_relaunched(tmp_path):
 def test_notices_reported_one_by_one_are_one_hand_over(tmp_path):
     """Both replicas of stage 1 get a notice; their agents report in turn: the leavers hand stage 1
     over to those that stay, and the event is one, for both."""
-    from manager import varuna_manager_pb2 as pb
-
     w, job = start(tmp_path)
     first, second = w.running(job)[1], w.running(job)[3]
-    first.notice = pb.PreemptNotice(**NOTICE)
+    first.notice = PreemptNotice(**NOTICE)
     w.tick(0.1)
-    second.notice = pb.PreemptNotice(**NOTICE)
+    second.notice = PreemptNotice(**NOTICE)
     w.tick(0.1)
     assert json.loads(w.gen(job).live_json)["leaving"] == [first.vm_id, second.vm_id]
     first.finish(0)
@@ -280,11 +277,9 @@ def test_notices_reported_one_by_one_are_one_hand_over(tmp_path):
 
 
 def test_a_notice_on_every_vm_falls_back_to_the_graceful_stop(tmp_path):
-    from manager import varuna_manager_pb2 as pb
-
     w, job = start(tmp_path)
     for vm in w.running(job):
-        vm.notice = pb.PreemptNotice(**NOTICE)
+        vm.notice = PreemptNotice(**NOTICE)
     w.tick(0.1)
     [fb] = w.event(job, "live-morph-fallback")
     assert "nobody stays to receive their state" in fb.message and fb.data["reason_kind"] == "notice"
@@ -310,8 +305,8 @@ def grown(tmp_path):
 def test_new_vms_join_the_running_generation_live(tmp_path):
     w, job = grown(tmp_path)
     gen = w.gen(job)
-    ref = choose_layout(slots=[1, 1, 1, 1], global_batch_size=24, calibration=None, micro_batch_size=2,
-                        pipeline_depth=1, num_segments=4)
+    ref = choose_layout(slots=[1, 1, 1, 1], num_segments=4, request=PlanRequest(
+        calibration=None, global_batch_size=24, micro_batch_size=2, pipeline_depth=1))
     assert gen.generation == 1 and gen.state == "running", "no stop, no relaunch"
     assert (gen.pipeline_depth, gen.data_parallel) == (ref.pipeline_depth, ref.data_parallel)
     old, new = w.running(job)[:2], w.running(job)[2:]
@@ -354,7 +349,7 @@ def test_a_restarted_manager_ends_a_grown_live_generation_through_the_fallback(t
     """kill -9 of the manager after a growth: the SQLite record holds the VMs, P×D and members of
     one write; the store died with the process, so the joiners get no workers and the generation
     ends through the restart path, relaunched on every VM from a fresh store."""
-    from manager.controller import Manager
+    from manager.domain.controller import Manager
 
     w, job = grown(tmp_path)
     config = w.mgr.ctx.config
@@ -364,7 +359,7 @@ def test_a_restarted_manager_ends_a_grown_live_generation_through_the_fallback(t
         vm.mgr = w.mgr
     gen = w.gen(job)
     assert len(gen.vm_ids) == 4 and json.loads(gen.live_json)["joiners"]
-    launches = w.mgr.ctx.live is not None and w.mgr.planner.launches(w.store.job(job), gen)
+    launches = w.mgr.launches.launches(w.store.job(job), gen)
     assert all(not launches[v] for v in json.loads(gen.live_json)["joiners"]), "nobody to join"
     for vm in w.running(job)[:2]:  # the old workers lose the store: they fail
         vm.finish(1)
@@ -402,9 +397,9 @@ def test_the_agent_of_a_live_job_waits_for_the_leave_order(tmp_path, monkeypatch
     without a word; never both."""
     from test_manager_local import wait_for
 
-    from manager import varuna_manager_pb2 as pb
-    from manager import vm_agent
-    from manager.scheduled_events import Notice
+    from manager.agent import vm_agent
+    from manager.agent.notices import Notice
+    from manager.transport import varuna_manager_pb2 as pb
 
     token = tmp_path / "token"
     token.write_text("x" * 32)
@@ -441,8 +436,6 @@ def test_the_agent_of_a_live_job_waits_for_the_leave_order(tmp_path, monkeypatch
 def test_growth_waits_for_the_leavers_of_a_notice(tmp_path):
     """Capacity comes back while a noticed VM still hands over: no restart, and the growth is
     planned only once the leaver left (its worker is not counted among those that stay)."""
-    from manager import varuna_manager_pb2 as pb
-
     provider = FakeProvider(capacity=3)
     w = World(tmp_path, provider=provider, gather_timeout_s=0.0, create_retry_s=1.0)
     job = w.submit(max_vms=4, min_vms=2, pipeline_depth=1, live_morph=True)
@@ -450,7 +443,7 @@ def test_growth_waits_for_the_leavers_of_a_notice(tmp_path):
     w.tick(0.1)
     w.steps(job, 1, 2)
     noticed = w.running(job)[2]
-    noticed.notice = pb.PreemptNotice(**NOTICE)
+    noticed.notice = PreemptNotice(**NOTICE)
     w.tick(0.1)
     assert json.loads(w.gen(job).live_json)["leaving"] == [noticed.vm_id]
     provider.capacity = 4  # one more VM comes back
@@ -473,10 +466,8 @@ def two_slot_start(tmp_path, monkeypatch):
     """A 2×2 live-morph job on two two-slot simulated VMs (members [0, 1] and [2, 3]), 5 steps done."""
     from test_manager_controller import SimVM
 
-    from manager import varuna_manager_pb2 as pb
-
     def register(vm):
-        vm.mgr.register_vm(pb.RegisterVMRequest(vm_id=vm.vm_id, job_id=vm.job_id, agent_instance=vm.instance,
+        vm.mgr.register_vm(RegisterVM(vm_id=vm.vm_id, job_id=vm.job_id, agent_instance=vm.instance,
                                                 address="127.0.0.1", slots=2, pid=1))
 
     monkeypatch.setattr(SimVM, "register", register)
@@ -522,8 +513,8 @@ def test_a_worker_exiting_76_was_dropped_by_its_peers_not_a_failure(tmp_path, mo
     assert b.workers[2]["running"], "the VM's other worker is not touched"
     [ev] = w.event(job, "live-frozen")
     assert ev.data["members"] == [3] and ev.data["vms"] == [b.vm_id] and "exited with 76" in ev.message
-    ref = choose_layout(slots=[2, 1], global_batch_size=24, calibration=None, micro_batch_size=2,
-                        pipeline_depth=2, num_segments=4)
+    ref = choose_layout(slots=[2, 1], num_segments=4, request=PlanRequest(
+        calibration=None, global_batch_size=24, micro_batch_size=2, pipeline_depth=2))
     assert (gen.pipeline_depth, gen.data_parallel) == (ref.pipeline_depth, ref.data_parallel)
     for _ in range(4):
         w.tick(0.5)
@@ -591,14 +582,12 @@ def test_a_vm_whose_every_member_froze_stays_idle_and_leaves_on_a_notice(tmp_pat
     """Both members of a two-slot VM froze: the VM stays in the generation without members (both
     killed by order); a notice there later lets it leave at once (no worker to hand over), so it
     holds up nothing (growth waits for leavers)."""
-    from manager import varuna_manager_pb2 as pb
-
     w, job, a, b = second_vm_frozen(tmp_path, monkeypatch)
     gen = w.gen(job)
     assert gen.vm_ids == [a.vm_id, b.vm_id] and json.loads(gen.live_json)["members"][b.vm_id] == []
     assert kill_orders(w, job) == {a.vm_id: [], b.vm_id: [2, 3]}
     b.finish(-9)
-    b.notice = pb.PreemptNotice(**NOTICE)
+    b.notice = PreemptNotice(**NOTICE)
     w.tick(0.1)
     w.tick(0.1)
     gen = w.gen(job)
@@ -629,9 +618,8 @@ def test_the_agent_kills_a_stopped_worker_on_the_order_and_reaps_it(tmp_path):
 
     from test_manager_local import wait_for
 
-    from manager import varuna_manager_pb2 as pb
-    from manager import vm_agent
-
+    from manager.agent import vm_agent
+    from manager.transport import varuna_manager_pb2 as pb
     token = tmp_path / "token"
     token.write_text("x" * 32)
     token.chmod(0o600)

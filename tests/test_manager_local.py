@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from manager import cli
-from manager.client import ClientConfig, ManagerClient
-from manager.procs import find_free_port
+from manager.common.procs import find_free_port
+from manager.transport.client import ClientConfig, ManagerClient
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_WORKER = ROOT / "tests" / "workers" / "manager_fake_worker.py"
@@ -97,8 +97,8 @@ class ManagerProcess:
     def kill_vms(self) -> None:
         """Terminate every pretend VM the state file knows (cleanup after a failed test: a live job
         keeps its agents running, by design, until their orphan timeout)."""
-        from manager.procs import terminate_group
-        from manager.store import Store
+        from manager.common.procs import terminate_group
+        from manager.domain.store import Store
 
         db = self.tmp_path / "state.sqlite"
         if not db.exists():
@@ -267,7 +267,8 @@ def test_local_provider_through_every_kind_of_trouble(tmp_path):
     job = None
     try:
         client = mp.client()
-        from manager.jobspec import load_jobspec, spec_to_pb
+        from manager.domain.jobspec import load_jobspec
+        from manager.transport.convert import spec_to_pb
 
         job = client.submit(spec_to_pb(load_jobspec(tmp_path / "job.json")))
         client.close()
@@ -355,7 +356,8 @@ def test_agents_and_workers_exit_when_the_manager_never_comes_back(tmp_path):
     (tmp_path / "job.json").write_text(json.dumps(spec))
     mp.start()
     try:
-        from manager.jobspec import load_jobspec, spec_to_pb
+        from manager.domain.jobspec import load_jobspec
+        from manager.transport.convert import spec_to_pb
 
         with mp.client() as c:
             job = c.submit(spec_to_pb(load_jobspec(tmp_path / "job.json")))
@@ -375,7 +377,7 @@ def test_agents_and_workers_exit_when_the_manager_never_comes_back(tmp_path):
         [
             sys.executable,
             "-m",
-            "manager.vm_agent",
+            "manager.agent.vm_agent",
             "--manager",
             "127.0.0.1:1",
             "--token-file",

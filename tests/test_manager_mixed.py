@@ -18,11 +18,12 @@ from typing import Any
 
 import pytest
 
-from manager import varuna_manager_pb2 as pb
-from manager.jobspec import JobSpec, spec_from_pb, spec_to_pb
-from manager.policy import StutterConfig, predicted_compute_s
-from manager.providers import NewVM
-from manager.vm_types import parse_vm_types, type_options
+from manager.domain.jobspec import JobSpec
+from manager.domain.messages import Action, CalibrationReport
+from manager.domain.policy import StutterConfig, predicted_compute_s
+from manager.domain.vm_types import parse_vm_types, type_options
+from manager.providers.base import NewVM
+from manager.transport.convert import spec_from_pb, spec_to_pb
 from varuna.core.batching import check_shares
 from varuna.core.calibration import Calibration
 from varuna.core.env import RunPlan
@@ -156,11 +157,11 @@ def test_calibrates_once_per_type_plans_the_mix_and_replans_after_a_preemption(t
     # One PROFILE order at a time, on the first VM of each type; never a second one of a type.
     profiled: list[str] = []
     for _ in range(2):
-        ordered = [v for v in w.vms if w.vms[v].beat().action == pb.Orders.PROFILE]
+        ordered = [v for v in w.vms if w.vms[v].beat().action == Action.PROFILE]
         assert len(ordered) == 1, ordered
         attempt = w.store.job(job).calibration_attempt
         text = _calibration_json(_type_of(w, ordered[0]))
-        reply = w.mgr.report_calibration(pb.ReportCalibrationRequest(
+        reply = w.mgr.report_calibration(CalibrationReport(
             vm_id=ordered[0], attempt=attempt, ok=True, calibration_json=text, wall_s=1.0))
         assert reply.accepted
         profiled.append(_type_of(w, ordered[0]))

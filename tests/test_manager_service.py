@@ -1,5 +1,6 @@
 """The manager's gRPC service and CLI: token authentication, TLS, the commands and their exit
-codes, and the generated protobuf modules staying in sync with the .proto."""
+codes, the generated protobuf modules staying in sync with the .proto, and the conversion between
+the wire and the domain's messages (manager/transport/convert.py) losing nothing."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ import grpc
 import pytest
 
 from manager import cli
-from manager import varuna_manager_pb2 as pb
-from manager import varuna_manager_pb2_grpc as pb_grpc
-from manager.auth import bearer_metadata, load_token
-from manager.client import ClientConfig, ManagerClient
-from manager.server import ManagerServer, ServeConfig
+from manager.common.wire import load_token
+from manager.transport import varuna_manager_pb2 as pb
+from manager.transport import varuna_manager_pb2_grpc as pb_grpc
+from manager.transport.auth import bearer_metadata
+from manager.transport.client import ClientConfig, ManagerClient
+from manager.transport.server import ManagerServer, ServeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,6 +73,116 @@ def _jobspec(tmp_path: Path, **overrides) -> Path:
     return path
 
 
+# -- the wire and the domain -----------------------------------------------------------------------
+
+# Every domain message and the wire message it travels as; the wire's extra fields are listed.
+_PAIRS = [
+    ("RegisterVM", "RegisterVMRequest", set()),
+    ("Registered", "RegisterVMReply", set()),
+    ("WorkerState", "WorkerState", set()),
+    ("PreemptNotice", "PreemptNotice", set()),
+    ("VMHeartbeat", "VMHeartbeatRequest", {"has_notice"}),  # notice None <-> has_notice false
+    ("WorkerLaunch", "WorkerLaunch", set()),
+    ("ProfileOrder", "ProfileOrder", set()),
+    ("Orders", "Orders", set()),
+    ("CalibrationReport", "ReportCalibrationRequest", set()),
+    ("CalibrationReply", "ReportCalibrationReply", set()),
+    ("WorkerHeartbeat", "WorkerHeartbeatRequest", set()),
+    ("WorkerStatus", "WorkerInfo", set()),
+    ("VMStatus", "VMStatus", set()),
+    ("ThroughputPoint", "ThroughputPoint", set()),
+    ("PoolShare", "PoolShare", set()),
+    ("JobStatus", "JobStatus", set()),
+]
+
+
+@pytest.mark.parametrize("domain_name, wire_name, wire_only", _PAIRS)
+def test_domain_messages_have_the_wires_fields(domain_name, wire_name, wire_only):
+    """A field added to the .proto (or a domain message) without the other breaks this: the
+    conversions copy field by field, by name."""
+    import dataclasses
+
+    from manager.domain import messages
+
+    domain = {f.name for f in dataclasses.fields(getattr(messages, domain_name))}
+    wire = {f.name for f in getattr(pb, wire_name).DESCRIPTOR.fields}
+    assert domain == wire - wire_only, (domain ^ (wire - wire_only))
+
+
+def test_every_message_crosses_the_wire_unchanged():
+    """Each conversion against values that are all set (not defaults), both ways it is used."""
+    from manager.domain import messages as m
+    from manager.domain.errors import ErrorKind
+    from manager.transport import convert
+    from manager.transport.server import STATUS_OF_ERROR
+
+    notice = m.PreemptNotice(event_id="e", event_type="Preempt", not_before="soon", description="d")
+    beat = m.VMHeartbeat(vm_id="v", agent_instance="i", generation=3, free_port=99, notice=notice,
+                         workers=(m.WorkerState(rank=1, pid=7, running=False, exit_code=-9),))
+    wire_notice = pb.PreemptNotice(event_id="e", event_type="Preempt", not_before="soon", description="d")
+    wire = pb.VMHeartbeatRequest(vm_id="v", agent_instance="i", generation=3, free_port=99, has_notice=True,
+                                 notice=wire_notice,
+                                 workers=[pb.WorkerState(rank=1, pid=7, running=False, exit_code=-9)])
+    assert convert.heartbeat_from_pb(wire) == beat
+    wire.has_notice = False  # a notice message left over but not flagged is no notice
+    assert convert.heartbeat_from_pb(wire).notice is None
+    reg = m.RegisterVM(vm_id="v", job_id="j", agent_instance="i", hostname="h", address="a", slots=2, pid=5)
+    assert convert.register_from_pb(pb.RegisterVMRequest(**vars(reg))) == reg
+    report = m.CalibrationReport(vm_id="v", agent_instance="i", attempt=2, ok=False, calibration_json="{}",
+                                 error="boom", wall_s=1.5)
+    assert convert.report_from_pb(pb.ReportCalibrationRequest(**vars(report))) == report
+    hb = m.WorkerHeartbeat(**{f: i + 1 for i, f in enumerate(m.WorkerHeartbeat.__dataclass_fields__)
+                              if f not in ("job_id", "vm_id")}, job_id="j", vm_id="v")
+    assert convert.worker_heartbeat_from_pb(pb.WorkerHeartbeatRequest(**vars(hb))) == hb
+    orders = m.Orders(action=m.Action.PROFILE, generation=4, stop_timeout_s=6.0, heartbeat_interval_s=0.5,
+                      training=True, leave=True, kill=[2, 3],
+                      workers=[m.WorkerLaunch(rank=0, argv=("-m", "x"), env={"K": "v"}, cwd="/w")],
+                      profile=m.ProfileOrder(attempt=1, argv=("--model", "m:f"), env={"E": "1"}, cwd="/p",
+                                             timeout_s=60.0))
+    out = convert.orders_to_pb(orders)
+    assert pb.Orders.Action.Name(out.action) == "PROFILE" and (out.generation, list(out.kill)) == (4, [2, 3])
+    assert (out.stop_timeout_s, out.heartbeat_interval_s, out.training, out.leave) == (6.0, 0.5, True, True)
+    launched = [(w.rank, list(w.argv), dict(w.env), w.cwd) for w in out.workers]
+    assert launched == [(0, ["-m", "x"], {"K": "v"}, "/w")]
+    assert (out.profile.attempt, list(out.profile.argv), dict(out.profile.env), out.profile.timeout_s) == (
+        1, ["--model", "m:f"], {"E": "1"}, 60.0)
+    assert {a.name for a in m.Action} == set(pb.Orders.Action.keys())
+    assert not convert.orders_to_pb(m.Orders()).HasField("profile")
+    status = m.JobStatus(
+        job_id="j", name="n", state="running", message="msg", generation=2, generation_state="running",
+        pipeline_depth=2, data_parallel=3, micro_batch_size=4, step=5, target_steps=6, created=7.0,
+        provider="local", checkpoint_dir="/c", calibration_state="done", calibration="c",
+        vms=[m.VMStatus(vm_id="v", state="up", health="healthy", slots=1, address="a", heartbeat_age_s=0.5,
+                        in_generation=True, detail="d", agent_pid=9,
+                        workers=[m.WorkerStatus(rank=1, pid=2, running=True, exit_code=0, stage=1, replica=0,
+                                                step=5, fwd_s=0.1, bwd_s=0.2)])],
+        throughput=[m.ThroughputPoint(step=5, generation=2, time=8.0, samples_per_s=9.0, loss=1.0,
+                                      pipeline_depth=2, data_parallel=3)],
+        pool=m.PoolShare(vm_type="fast", vm_count=2, weight=1.0, allocation="a", predicted_samples_per_s=3.0,
+                         measured_samples_per_s=2.0, round=4, policy="las"),
+    )
+    assert_same(convert.status_to_pb(status), status)
+    assert not convert.status_to_pb(m.JobStatus(job_id="j", name="n", state="s")).HasField("pool")
+    assert set(STATUS_OF_ERROR) == set(ErrorKind)  # every refusal has its status code
+
+
+def assert_same(wire, obj) -> None:
+    """Every field of the dataclass ``obj`` equals the wire message's, nested ones included."""
+    import dataclasses
+
+    for f in dataclasses.fields(obj):
+        value, got = getattr(obj, f.name), getattr(wire, f.name)
+        if dataclasses.is_dataclass(value):
+            assert wire.HasField(f.name), f.name
+            assert_same(got, value)
+        elif isinstance(value, list):
+            assert len(got) == len(value), f.name
+            for g, v in zip(got, value):
+                assert_same(g, v)
+        else:
+            assert got == value, (f.name, got, value)
+
+
 # -- proto ----------------------------------------------------------------------------------------
 
 
@@ -78,8 +190,9 @@ def test_generated_modules_match_the_proto(tmp_path):
     """The committed *_pb2*.py must be what grpc_tools.protoc makes of the committed .proto."""
     from grpc_tools import protoc
 
-    (tmp_path / "manager").mkdir()
-    shutil.copy(ROOT / "manager" / "varuna_manager.proto", tmp_path / "manager")
+    pkg = Path("manager") / "transport"
+    (tmp_path / pkg).mkdir(parents=True)
+    shutil.copy(ROOT / pkg / "varuna_manager.proto", tmp_path / pkg)
     include = str(Path(protoc.__file__).parent / "_proto")
     rc = protoc.main(
         [
@@ -88,15 +201,15 @@ def test_generated_modules_match_the_proto(tmp_path):
             f"-I{include}",
             f"--python_out={tmp_path}",
             f"--grpc_python_out={tmp_path}",
-            str(tmp_path / "manager" / "varuna_manager.proto"),
+            str(tmp_path / pkg / "varuna_manager.proto"),
         ]
     )
     assert rc == 0
     for name in ("varuna_manager_pb2.py", "varuna_manager_pb2_grpc.py"):
-        assert filecmp.cmp(tmp_path / "manager" / name, ROOT / "manager" / name, shallow=False), (
-            f"manager/{name} is stale: run `python -m grpc_tools.protoc -I. --python_out=. "
+        assert filecmp.cmp(tmp_path / pkg / name, ROOT / pkg / name, shallow=False), (
+            f"{pkg / name} is stale: run `python -m grpc_tools.protoc -I. --python_out=. "
             "--grpc_python_out=. "
-            "manager/varuna_manager.proto` in the repository root"
+            "manager/transport/varuna_manager.proto` in the repository root"
         )
 
 

@@ -15,12 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from manager.client import compute_times
-from manager.jobspec import JobSpec, load_jobspec, spec_from_pb, spec_to_pb
-from manager.policy import StutterConfig, StutterDetector, choose_layout, fallback_layout, grow_gain
-from manager.scheduled_events import ScheduledEventsClient, parse_notices
-from manager.store import GenerationRecord, ProgressRecord, Store, VMRecord
+from manager.agent.scheduled_events import ScheduledEventsClient, parse_notices
+from manager.domain.jobspec import JobSpec, load_jobspec
+from manager.domain.policy import StutterConfig, StutterDetector, choose_layout, fallback_layout, grow_gain
+from manager.domain.store import GenerationRecord, ProgressRecord, Store, VMRecord
+from manager.transport.convert import spec_from_pb, spec_to_pb
+from manager.worker.reporter import compute_times
 from varuna.core.calibration import Calibration
+from varuna.core.planning import PlanRequest
 from varuna.core.timeline import Event
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,14 +198,15 @@ def test_fallback_layout():
 
 def test_choose_layout_uses_the_simulator_with_a_calibration():
     cal = Calibration.synthetic(0.01, num_segments=4, micro_batch_sizes=(1, 2, 4))
-    plan = choose_layout(slots=[1] * 6, global_batch_size=24, calibration=cal, micro_batch_size=2)
+    request = PlanRequest(calibration=cal, global_batch_size=24, micro_batch_size=2)
+    plan = choose_layout(slots=[1] * 6, request=request)
     assert plan.source.startswith("simulator") and plan.world_size <= 6
     assert plan.predicted_samples_per_s > 0 and plan.micro_batch_size == 2
     from simulator.autoconfig import autoconfigure
 
     best = autoconfigure(cal, gpus=6, global_batch_size=24, micro_batch_size=2).best
     assert (plan.pipeline_depth, plan.data_parallel) == (best.num_stages, best.num_replicas)
-    smaller = choose_layout(slots=[1] * 3, global_batch_size=24, calibration=cal, micro_batch_size=2)
+    smaller = choose_layout(slots=[1] * 3, request=request)
     assert grow_gain(smaller, plan) > 0
 
 
@@ -323,7 +326,7 @@ def test_worker_shim_runs_a_script_like_python_does(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("VARUNA_MANAGER", None)
     run = subprocess.run(
-        [sys.executable, "-m", "manager.worker_shim", str(script), "a", "--b"],
+        [sys.executable, "-m", "manager.worker.shim", str(script), "a", "--b"],
         capture_output=True,
         text=True,
         env=env,
@@ -336,7 +339,7 @@ def test_worker_shim_names_its_engine_plugins_without_importing_torch(tmp_path):
     # The shim patches nothing: it names the engine plugins (the engine calls them once built).
     code = textwrap.dedent("""
         import sys
-        from manager import worker_shim
+        from manager.worker import shim as worker_shim
         env = {}
         worker_shim.enable_engine_plugins(env)
         assert "varuna.runtime.engine" not in sys.modules and "torch" not in sys.modules
@@ -345,7 +348,9 @@ def test_worker_shim_names_its_engine_plugins_without_importing_torch(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == "manager.worker_shim:release_early_stop,manager.client:attach_to_engine"
+    assert run.stdout.strip() == (
+        "manager.worker.shim:release_early_stop,manager.worker.reporter:attach_to_engine"
+    )
 
 
 def test_standby_worker_takes_a_job_with_its_environment(tmp_path):
@@ -356,7 +361,7 @@ def test_standby_worker_takes_a_job_with_its_environment(tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VARUNA_STANDBY_PRELOAD": "json", "STALE": "from-standby"}
     standby = subprocess.Popen(
-        [sys.executable, "-m", "manager.worker_shim", "--standby"], stdin=subprocess.PIPE, env=env, cwd=ROOT
+        [sys.executable, "-m", "manager.worker.shim", "--standby"], stdin=subprocess.PIPE, env=env, cwd=ROOT
     )
     job = {
         "argv": [str(script), "--x", "1"],
@@ -376,7 +381,7 @@ def test_standby_worker_takes_a_job_with_its_environment(tmp_path):
         str(tmp_path),
     ]
     unused = subprocess.Popen(
-        [sys.executable, "-m", "manager.worker_shim", "--standby"], stdin=subprocess.PIPE, env=env, cwd=ROOT
+        [sys.executable, "-m", "manager.worker.shim", "--standby"], stdin=subprocess.PIPE, env=env, cwd=ROOT
     )
     unused.stdin.close()  # the agent went away without a job for it
     assert unused.wait(60) == 0
@@ -397,6 +402,81 @@ def test_worker_shim_fast_exit_keeps_what_a_normal_exit_keeps(tmp_path):
     """)
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, "-m", "manager.worker_shim", str(script)], env=env, timeout=60)
+    run = subprocess.run([sys.executable, "-m", "manager.worker.shim", str(script)], env=env, timeout=60)
     assert run.returncode == 4
     assert out.read_text() == "buffered;thread;" and (tmp_path / "out.atexit").read_text() == "ran"
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "manager.common.wire",
+        "manager.domain.errors",
+        "manager.domain.messages",
+        "manager.domain.ports",
+        "manager.domain.launches",
+        "manager.domain.context",
+        "manager.providers.base",
+        "manager.providers.registry",
+        "manager.providers.agent_start",
+        "manager.agent.notices",
+        "manager.transport.convert",
+        "manager.common.log_lines",
+        "manager.common.descriptors",
+        "manager.common.daemon_lock",
+        "manager.domain.state_file",
+        "manager.domain.store_schema",
+    ],
+)
+def test_seam_docstring_examples(module):
+    """The examples in the docstrings of the manager's seams (issue 28) run as written."""
+    import doctest
+    import importlib
+
+    failures, tried = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert failures == 0 and tried > 0
+
+
+def _port_cases():
+    from manager.domain.calibration_orders import CalibrationOrders
+    from manager.domain.launches import WorkerLaunches
+    from manager.domain.live_runs import LiveRuns
+    from manager.domain.morph_planner import MorphPlanner
+    from manager.domain.pool_rounds import PoolRounds
+    from manager.domain.ports import (
+        Calibrations,
+        Launches,
+        LiveMorph,
+        NoLiveMorph,
+        NoPool,
+        Planner,
+        SharedPool,
+    )
+
+    return [
+        (Calibrations, CalibrationOrders),
+        (Planner, MorphPlanner),
+        (Launches, WorkerLaunches),
+        (LiveMorph, LiveRuns),
+        (LiveMorph, NoLiveMorph),
+        (SharedPool, PoolRounds),
+        (SharedPool, NoPool),
+    ]
+
+
+@pytest.mark.parametrize("port, impl", _port_cases(), ids=lambda c: c.__name__)
+def test_the_parts_implement_their_ports(port, impl):
+    """Every member of a port (manager/domain/ports.py) exists on each implementation, the real
+    one and the null one, with the same parameters: a method added to one side only breaks this."""
+    import inspect
+
+    members = [n for n in vars(port) if not n.startswith("_")]
+    assert members
+    for name in members:
+        want = vars(port)[name]
+        assert hasattr(impl, name), f"{impl.__name__} lacks {name}"
+        if isinstance(want, property):
+            continue  # a property on the port; a plain attribute may implement it (NoPool.active)
+        got = inspect.signature(getattr(impl, name))
+        params = [p for p in inspect.signature(want).parameters if p != "self"]
+        assert [p for p in got.parameters if p != "self"] == params, (impl.__name__, name)

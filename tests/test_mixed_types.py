@@ -100,9 +100,9 @@ def test_run_plan_carries_shares_and_speeds():
     env = plan.to_env()
     assert env["VARUNA_REPLICA_SHARES"] == "3,1" and env["VARUNA_STAGE_SPEEDS"] == "1.0,1.6"
     assert RunPlan.from_env(env) == plan
-    cfg = VarunaConfig(global_batch_size=8, micro_batch_size=2, replica_shares=(2, 2))
+    cfg = VarunaConfig(global_batch_size=8, micro_batch_size=2)
     adopt_plan(cfg, RunPlan.from_env(env))
-    assert (cfg.replica_shares, cfg.stage_speeds) == ((3, 1), (1.0, 1.6))
+    assert (cfg.pipeline.replica_shares, cfg.pipeline.stage_speeds) == ((3, 1), (1.0, 1.6))
     with pytest.raises(ValueError, match="VARUNA_STAGE_SPEEDS='1;2' is not a comma-separated list"):
         RunPlan.from_env({"VARUNA_STAGE_SPEEDS": "1;2"})
 

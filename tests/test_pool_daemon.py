@@ -1,4 +1,4 @@
-"""The shared pool inside the manager daemon (manager/pool_rounds.py, docs/pool.md), on the
+"""The shared pool inside the manager daemon (manager/domain/pool_rounds.py, docs/pool.md), on the
 simulated VMs and fake clock of tests/test_manager_controller.py: nothing sleeps, rounds run when
 the test moves the clock past the round length or a job arrives or leaves.
 
@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from manager.controller import Manager
-from manager.pool_config import PoolConfig, load_pool_config
-from manager.pool_store import PoolStore
-from manager.providers import NewVM
-from manager.store import Store
+from manager.domain.controller import Manager
+from manager.domain.pool_config import PoolConfig, load_pool_config
+from manager.domain.pool_store import PoolStore
+from manager.domain.store import Store
+from manager.providers.base import NewVM
 from varuna.core.calibration import Calibration
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -210,7 +210,7 @@ def test_capacity_change_preempts_and_restart_restores_pool_state(tmp_path):
 
 
 def test_pool_job_needs_a_pool_and_a_calibration(tmp_path):
-    from manager.context import ManagerError
+    from manager.domain.errors import ManagerError
 
     (tmp_path / "plain").mkdir()
     plain = World(tmp_path / "plain")
@@ -219,3 +219,56 @@ def test_pool_job_needs_a_pool_and_a_calibration(tmp_path):
     w = PoolWorld(tmp_path)
     with pytest.raises(ManagerError, match="a pool job needs 'calibration' or \\[profile\\]"):
         w.submit(pool=True)
+
+
+MIXED = {
+    **POOL,
+    "types": [
+        {"name": "k8s-spot", "price_per_hour": 0.9, "capacity": 2, "speed": 1.0, "provider": "kubernetes",
+         "provider_options": {"image": "varuna:1", "namespace": "ml", "node_selector": {"pool": "spot"}}},
+        {"name": "slow", "price_per_hour": 0.3, "capacity": 2, "speed": 0.25},  # the job's provider
+    ],
+}
+
+
+def test_a_pool_mixes_vm_types_of_different_providers(tmp_path):
+    """Note [Providers in a pool]: a type naming its own provider gets its VMs from it (made with
+    the type's options), and they are listed and deleted there; the other type's come from the
+    job's provider."""
+    cfg = PoolConfig.from_dict(MIXED)
+    assert [t.provider for t in cfg.types] == ["kubernetes", ""]
+    for change, words in (
+        ({"provider": "gcp"}, "pool type 'k8s-spot': unknown provider 'gcp'"),
+        ({"provider_options": {}}, "pool type 'k8s-spot': provider_options: kubernetes needs image"),
+    ):
+        with pytest.raises(ValueError) as err:
+            PoolConfig.from_dict({**MIXED, "types": [{**MIXED["types"][0], **change}, MIXED["types"][1]]})
+        assert str(err.value).startswith(words) and "\n" not in str(err.value)
+
+    w = PoolWorld(tmp_path, MIXED)
+    k8s = TypedProvider(name="kubernetes", created=w.provider.created)  # the world registers both's VMs
+    made: list[tuple[str, dict]] = []
+
+    def factory(name: str, options: dict, context: Any) -> Any:
+        made.append((name, dict(options)))
+        return k8s if name == "kubernetes" else w.provider
+
+    w.mgr = Manager(w.store, w.mgr.config, provider_factory=factory, clock=w.clock, pool=w.pool_config)
+    a = w.submit_pool(name="a", target_steps=40)  # the job's own provider is local
+    w.until(lambda: w.placement(a) == ("k8s-spot", 2) and w.realised(a))
+    ids = set(w.gen(a).vm_ids)
+    assert ids <= set(k8s.types) and not ids & set(w.provider.types)
+    assert {k8s.types[v]["node_selector"]["pool"] for v in ids} == {"spot"}
+    assert {w.store.vm(v).provider for v in ids} == {"kubernetes"}
+    assert ("kubernetes", MIXED["types"][0]["provider_options"]) in made
+    assert [name for name, _ in made].count("kubernetes") == 1  # one provider per job and provider
+
+    # The kubernetes provider reports one of its VMs gone (its agent still heartbeats: only the
+    # provider knows): it is asked (not the job's provider), deletes it, and the job morphs onto
+    # a replacement from it.
+    victim = sorted(ids)[0]
+    k8s.gone.add(victim)
+    w.until(lambda: victim in k8s.deleted, max_ticks=4)
+    assert victim not in w.provider.deleted
+    w.until(lambda: w.realised(a) and victim not in w.gen(a).vm_ids)
+    assert set(w.gen(a).vm_ids) <= set(k8s.types)

@@ -37,7 +37,8 @@ from pathlib import Path
 
 import pytest
 
-from manager.jobspec import load_jobspec, spec_to_pb
+from manager.domain.jobspec import load_jobspec
+from manager.transport.convert import spec_to_pb
 from varuna.core.calibration import Calibration
 
 sys.path.insert(0, str(Path(__file__).parent))

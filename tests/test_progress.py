@@ -25,7 +25,7 @@ from varuna.core.calibration import Calibration
 from varuna.core.progress import QUIET_VAR, Progress, progress_wanted
 from varuna.launch.job import launch
 from varuna.launch.spec import LaunchConfig
-from varuna.runtime.checkpoint_store import copy_file
+from varuna.runtime.checkpoint_files import copy_file
 
 ROOT = Path(__file__).resolve().parents[1]
 

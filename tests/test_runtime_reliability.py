@@ -16,6 +16,7 @@ from distributed import ROOT, free_port, run_world
 from models import build_model, make_batch
 
 import varuna
+from varuna.runtime.config_groups import FLAT_FIELDS, GROUPS
 from varuna.runtime.engine import NonFiniteLossStop
 from varuna.runtime.peer_watch import PEER_LOST_EXIT_CODE, PeerState, PeerWatch, describe_lost_peers
 
@@ -68,8 +69,10 @@ def test_a_finite_step_resets_the_nonfinite_count(capsys):
                     ("max_nonfinite_steps", -1)]
 )
 def test_negative_timeouts_and_limits_are_refused_in_one_line(field, value):
-    cfg = varuna.VarunaConfig(global_batch_size=8, micro_batch_size=2, **{field: value})
-    with pytest.raises(ValueError, match=field) as e:
+    group, name = FLAT_FIELDS[field]  # the error names the grouped field (timeouts.comm_s)
+    cfg = varuna.VarunaConfig(global_batch_size=8, micro_batch_size=2,
+                              **{group: GROUPS[group](**{name: value})})
+    with pytest.raises(ValueError, match=rf"{group}\.{name}") as e:
         cfg.validate()
     assert "\n" not in str(e.value)
 

@@ -26,16 +26,24 @@ from model import GPT, GPTConfig  # noqa: E402
 
 import varuna  # noqa: E402
 from varuna.core.extras import MissingExtra  # noqa: E402
-from varuna.core.schedule import SCHEDULE_KINDS  # noqa: E402
+from varuna.core.schedule import DEFAULT_SCHEDULE, SCHEDULE_KINDS  # noqa: E402
 from varuna.runtime.no_flush import no_flush_unsupported  # noqa: E402
+
+#: This script's own values for the planned fields it leaves to the launcher (Note [Run plan] in
+#: varuna/core/env.py): used only when neither the command line nor the run plan gives one.
+PLAN_DEFAULTS = {"global_batch_size": 32, "micro_batch_size": 4}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=20, help="total optimizer steps")
-    p.add_argument("--global-batch-size", type=int, default=32)
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--schedule", default="varuna", choices=list(SCHEDULE_KINDS))
+    # Planned fields default to None (unset): the launcher's plan then applies, else PLAN_DEFAULTS.
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="examples per step (default: the launcher's --global-batch-size, else 32)")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="examples per micro-batch (default: auto-config's choice, else 4)")
+    p.add_argument("--schedule", default=None, choices=list(SCHEDULE_KINDS),
+                   help=f"pipeline schedule (default: the launcher's --schedule, else {DEFAULT_SCHEDULE})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-out", type=Path, help="JSON Lines, one object per step")
     p.add_argument(
@@ -102,23 +110,32 @@ def build_model(args: argparse.Namespace) -> GPT:
 
 
 def build_config(args: argparse.Namespace) -> varuna.VarunaConfig:
-    """The engine's configuration from the command line."""
+    """The engine's configuration from the command line (planned fields None where not given)."""
     return varuna.VarunaConfig(
-            global_batch_size=args.global_batch_size,
-            micro_batch_size=args.micro_batch_size,
-            schedule=args.schedule,
-            seed=args.seed,
-            precision=args.precision,
-            max_grad_norm=args.max_grad_norm or None,
-            deterministic=args.deterministic,
-            record_timeline=args.trace is not None,
-            deterministic_threads=args.threads,
-            checkpoint_dir=args.checkpoint_dir,
-            checkpoint_every=args.checkpoint_every,
-            keep_checkpoints=args.keep_checkpoints,
+        global_batch_size=args.global_batch_size,
+        micro_batch_size=args.micro_batch_size,
+        schedule=args.schedule,
+        seed=args.seed,
+        precision=args.precision,
+        max_grad_norm=args.max_grad_norm or None,
+        determinism=varuna.DeterminismConfig(enabled=args.deterministic, threads=args.threads),
+        checkpoints=varuna.CheckpointConfig(
+            dir=args.checkpoint_dir, every=args.checkpoint_every, keep=args.keep_checkpoints,
             resume=args.resume,
-            tensorboard_dir=args.tensorboard_dir,
-        )
+        ),
+        metrics=varuna.MetricsConfig(
+            tensorboard_dir=args.tensorboard_dir, record_timeline=args.trace is not None
+        ),
+    )
+
+
+def adopt_run_plan(args: argparse.Namespace) -> None:
+    """Fill the batch sizes and schedule the command line left unset from the launcher's run plan
+    (else ``PLAN_DEFAULTS``): the data below needs the global batch before the engine exists.
+    A value that differs from the plan stops here with one line (rank 0 says what it adopted)."""
+    config = build_config(args).with_plan(defaults=PLAN_DEFAULTS)
+    args.global_batch_size, args.micro_batch_size = config.global_batch_size, config.micro_batch_size
+    args.schedule = config.schedule
 
 
 def build_engine(args: argparse.Namespace, data: ByteBatches) -> varuna.Engine:
@@ -140,7 +157,8 @@ def run_live(args: argparse.Namespace, data: ByteBatches) -> int:
     # The peer watch would take a peer that closed its engine to regroup for a lost one and end
     # this worker (exit 75) before it regroups, so it is off here as in the live tests; frozen
     # peers are the live watch's (freeze_s: docs/live_morph.md, Frozen peers).
-    config = dataclasses.replace(build_config(args), peer_timeout_s=0)
+    config = build_config(args)
+    config = dataclasses.replace(config, timeouts=dataclasses.replace(config.timeouts, peer_s=0))
     trainer = LiveTrainer(
         lambda: build_model(args),
         config,
@@ -236,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     data = ByteBatches(args.block_size, seed=args.seed)
+    adopt_run_plan(args)
     if os.environ.get("VARUNA_LIVE_STORE"):
         return run_live(args, data)
     engine = build_engine(args, data)

@@ -9,9 +9,10 @@ the engine (``--auto-cutpoints``). The data is the byte corpus of the GPT exampl
     varuna-launch --procs 4 --pipeline-depth 4 --auto-cutpoints 3 examples/hf/train.py --model qwen2
     python examples/hf/train.py --model llama --steps 5        # one process (P = D = 1)
 
-A pretrained checkpoint works the same way: build the model with ``from_pretrained`` instead of
-``from_config`` (weights are then loaded on every process before the engine keeps each stage's).
-Needs the ``[hf]`` extra: ``pip install 'varuna[hf]'``.
+Pretrained weights: ``--init-from DIR`` (a ``save_pretrained`` directory, safetensors, sharded or
+not, or a varuna/DCP checkpoint) builds the model on ``meta`` and each stage reads only its own
+tensors (docs/checkpoints.md "Formats"); ``--checkpoint-format hf`` writes checkpoints
+``from_pretrained`` loads as they are. Needs the ``[hf]`` extra: ``pip install 'varuna[hf]'``.
 """
 
 from __future__ import annotations
@@ -43,14 +44,20 @@ FAMILIES = {
 }
 #: the byte corpus: one token per byte
 VOCAB = 256
+#: This script's own values for the planned fields it leaves to the launcher (Note [Run plan] in
+#: varuna/core/env.py): used only when neither the command line nor the run plan gives one.
+PLAN_DEFAULTS = {"global_batch_size": 16, "micro_batch_size": 4}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama", choices=sorted(FAMILIES))
     p.add_argument("--steps", type=int, default=20, help="total optimizer steps")
-    p.add_argument("--global-batch-size", type=int, default=16)
-    p.add_argument("--micro-batch-size", type=int, default=4)
+    # Planned fields default to None (unset): the launcher's plan then applies, else PLAN_DEFAULTS.
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="examples per step (default: the launcher's --global-batch-size, else 16)")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="examples per micro-batch (default: auto-config's choice, else 4)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
@@ -63,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-out", type=Path, help="JSON Lines, one object per step (rank 0)")
     p.add_argument("--checkpoint-dir", help="global checkpoint store (also the launcher's --checkpoint-dir)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: on stop)")
+    p.add_argument("--checkpoint-format", help="varuna (default), hf (from_pretrained loads it) or dcp")
+    p.add_argument("--init-from", help="start from these weights (HF model directory, checkpoint): "
+                                       "the model is built on meta, each stage reads its own tensors")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
@@ -95,23 +105,31 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     data = ByteBatches(args.seq, seed=args.seed)
-    model = build_model(args)
+    if args.init_from:
+        with torch.device("meta"):  # no process holds the whole model: each stage reads its tensors
+            model = build_model(args)
+        init = {"param_init": lambda name, m: model._init_weights(m)}  # also rotary frequencies
+    else:
+        model, init = build_model(args), {}
+    # Cut-points: VARUNA_CUT_AFTER / VARUNA_AUTO_CUTPOINTS from the launcher, or set
+    # cutting=varuna.CuttingConfig(cut_after=("model.layers.*",)) here. The batch sizes the command
+    # line left unset come from the launcher's run plan (else PLAN_DEFAULTS): the data needs them.
+    config = varuna.VarunaConfig(
+        global_batch_size=args.global_batch_size,
+        micro_batch_size=args.micro_batch_size,
+        seed=args.seed,
+        determinism=varuna.DeterminismConfig(enabled=args.deterministic, threads=args.threads),
+        checkpoints=varuna.CheckpointConfig(dir=args.checkpoint_dir, every=args.checkpoint_every,
+                                            format=args.checkpoint_format, init_from=args.init_from),
+    ).with_plan(defaults=PLAN_DEFAULTS)
+    args.global_batch_size = config.global_batch_size
     engine = varuna.Engine(
         model,
-        # Cut-points: VARUNA_CUT_AFTER / VARUNA_AUTO_CUTPOINTS from the launcher, or set
-        # cut_after=("model.layers.*",) here.
-        varuna.VarunaConfig(
-            global_batch_size=args.global_batch_size,
-            micro_batch_size=args.micro_batch_size,
-            seed=args.seed,
-            deterministic=args.deterministic,
-            deterministic_threads=args.threads,
-            checkpoint_dir=args.checkpoint_dir,
-            checkpoint_every=args.checkpoint_every,
-        ),
+        config,
         example_batch=batch(data, "train", 0, args.global_batch_size),
         optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0),
         # no loss_fn: the engine takes the HF output's `loss`
+        **init,
     )
     info = engine.describe()
     leader = engine.layout.rank == 0

@@ -15,7 +15,7 @@ Example::
 Split it over 2 stages without touching this file::
 
     engine = varuna.Engine(model, varuna.VarunaConfig(global_batch_size=32, micro_batch_size=4,
-                                                      auto_cutpoints=3), ...)
+                                                      cutting=varuna.CuttingConfig(auto_cutpoints=3)), ...)
 
 or look at where it can be cut: ``varuna-trace examples/resnet/model.py:build --cuts 3``.
 """

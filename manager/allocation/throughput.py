@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from manager.allocation.pool import VMType, check_types
 from varuna.core.calibration import Calibration
+from varuna.core.schedule import DEFAULT_SCHEDULE
 
 __all__ = [
     "Config",
@@ -103,7 +104,7 @@ class JobProfile:
     """Per VM type name; a type without one is a type the job does not run on."""
     max_vms: int
     """Most VMs the job may use (its spec's ``max_vms``)."""
-    schedule: str = "varuna"
+    schedule: str = DEFAULT_SCHEDULE
     cache_key: str = ""
     """Identifies the calibrations for the prediction cache (default: a hash of their content
     without the creation time), so jobs of the same model share predictions."""
@@ -115,7 +116,7 @@ def predict_rates(
     counts: Sequence[int],
     *,
     global_batch_size: int,
-    schedule: str = "varuna",
+    schedule: str = DEFAULT_SCHEDULE,
 ) -> dict[int, float]:
     """Examples/s of the best P×D auto-config finds on c VMs of ``vm_type``, for each c.
 
@@ -128,7 +129,7 @@ def predict_rates(
     >>> r[2] > r[1] > 0
     True
     """
-    # Imported here, as manager.policy does: the simulator is optional on a manager host, and a
+    # Imported here, as manager.domain.policy does: the simulator is optional on a manager host, and a
     # matrix given by hand (ThroughputModel.set_predicted) needs none.
     from simulator.autoconfig import autoconfigure
 

@@ -9,7 +9,7 @@ times. Communication is left out (links and all-reduce cost nothing): the chart 
 pipeline's bubbles are, not the network. The result is a :class:`varuna.core.timeline.Timeline`,
 the format both the runtime and the simulator produce.
 
-    >>> from manager.records import WorkerStatRecord
+    >>> from manager.domain.records import WorkerStatRecord
     >>> stat = lambda rank, stage, first, end: WorkerStatRecord(job_id="j", generation=1,
     ...     rank=rank, vm_id="v", stage=stage, replica=0, step=3, resumed_from=0, time=0.0,
     ...     fwd_s=0.01, bwd_s=0.02, recompute_s=0.01, micro_batch_size=2,
@@ -26,7 +26,7 @@ import dataclasses
 from collections.abc import Sequence
 from statistics import median
 
-from manager.records import WorkerStatRecord
+from manager.domain.records import WorkerStatRecord
 from simulator.config import SimConfig
 from simulator.engine import simulate
 from varuna.core.calibration import Calibration

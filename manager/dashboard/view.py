@@ -1,13 +1,12 @@
 """What the dashboard shows, as JSON-ready dicts: a narrow, read-only view of the manager's state.
 
-Everything comes from :class:`manager.store.Store` reads that write nothing (rows the store keeps
+Everything comes from :class:`manager.domain.store.Store` reads that write nothing (rows the store keeps
 in memory, ``SELECT`` queries, and the deferred heartbeat values merged in with ``peek_*``
 rather than flushed), plus the manager's own health rule for a VM
-(:meth:`manager.vm_book.VMBook.health`). It never takes the manager's state lock, so a page
+(:meth:`manager.domain.context.ManagerContext.health`). It never takes the manager's state lock, so a page
 being watched cannot slow the control loop down.
 
-    >>> from manager.store import Store
-from varuna.core.flops import check_peak_tflops
+    >>> from manager.domain.store import Store
     >>> view = DashboardView(Store(":memory:"), health=lambda vm, now: "healthy")
     >>> view.jobs(), view.job("nope") is None
     ([], True)
@@ -19,15 +18,13 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from manager.dashboard.gantt import measured_timeline, timeline_json
-from manager.records import GenerationRecord, JobRecord, VMRecord
-from manager.store import Store
+from manager.domain.records import GenerationRecord, JobRecord, VMRecord
+from manager.domain.store import Store
 from varuna.core.flops import check_peak_tflops
-
-if TYPE_CHECKING:
-    from manager.controller import Manager
+from varuna.core.schedule import DEFAULT_SCHEDULE
 
 __all__ = ["DashboardView"]
 
@@ -36,6 +33,18 @@ MAX_POINTS = 2000
 MAX_EVENTS = 300
 #: The Gantt chart is replayed (a simulation) at most this often per job.
 GANTT_EVERY_S = 10.0
+
+
+class ManagerState(Protocol):
+    """What the view reads of a running manager (``manager.domain.controller.Manager`` is one)."""
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
+
+    def vm_health(self, vm: VMRecord, now: float) -> str: ...
 
 
 def _pxd(p: int, d: int) -> str:
@@ -58,8 +67,9 @@ def _flops_per_example(job: JobRecord) -> float | None:
 def _peak_tflops(job: JobRecord) -> float | None:
     """The peak the job's workers are told (``VARUNA_PEAK_TFLOPS`` in its spec's env), else None."""
     try:
-        return check_peak_tflops((job.spec.get("env") or {}).get("VARUNA_PEAK_TFLOPS"), "VARUNA_PEAK_TFLOPS")
-    except ValueError:
+        env = _spec_of(job).get("env") or {}
+        return check_peak_tflops(env.get("VARUNA_PEAK_TFLOPS"), "VARUNA_PEAK_TFLOPS")
+    except (ValueError, AttributeError):
         return None
 
 
@@ -97,9 +107,9 @@ class DashboardView:
         self._gantt: dict[str, tuple[float, int, dict[str, Any] | None]] = {}
 
     @classmethod
-    def from_manager(cls, manager: Manager) -> DashboardView:
+    def from_manager(cls, manager: ManagerState) -> DashboardView:
         """The view of a running manager's state."""
-        return cls(manager.store, health=manager.vms.health, clock=manager.ctx.clock)
+        return cls(manager.store, health=manager.vm_health, clock=manager.clock)
 
     def jobs(self) -> list[dict[str, Any]]:
         """Every job, oldest first: id, name, state, step, P×D."""
@@ -117,7 +127,7 @@ class DashboardView:
         return {
             "job": self._summary(job),
             "now": now,
-            "vms": [self._vm(vm, current, job.spec, now) for vm in self._store.vms(job_id)],
+            "vms": [self._vm(vm, current, _spec_of(job), now) for vm in self._store.vms(job_id)],
             "generations": [self._generation(g) for g in gens],
             "morphs": self._morphs(job_id),
             "progress": [
@@ -149,7 +159,7 @@ class DashboardView:
     # -- parts ---------------------------------------------------------------------------------
 
     def _summary(self, job: JobRecord) -> dict[str, Any]:
-        spec = job.spec
+        spec = _spec_of(job)
         gen = self._store.generation(job.job_id, job.generation) if job.generation else None
         return {
             "job_id": job.job_id,
@@ -231,16 +241,16 @@ class DashboardView:
             cached = self._gantt.get(job.job_id)
             if cached is not None and now - cached[0] < GANTT_EVERY_S and cached[1] == job.generation:
                 return cached[2]
-        spec = job.spec
+        spec = _spec_of(job)
         chart = None
-        for g in reversed(gens):
+        for g in reversed(gens if isinstance(spec.get("global_batch_size"), int) else []):
             stats = self._store.peek_worker_stats(job.job_id, g.generation)
             tl = measured_timeline(
                 stats,
                 pipeline_depth=g.pipeline_depth,
                 data_parallel=g.data_parallel,
                 global_batch_size=int(spec["global_batch_size"]),
-                schedule=str(spec.get("schedule") or "varuna"),
+                schedule=str(spec.get("schedule") or DEFAULT_SCHEDULE),
             )
             if tl is not None:
                 chart = {
@@ -252,3 +262,13 @@ class DashboardView:
         with self._gantt_lock:
             self._gantt[job.job_id] = (now, job.generation, chart)
         return chart
+
+
+def _spec_of(job: JobRecord) -> dict[str, Any]:
+    """The job's stored spec, or {} when it cannot be read (a quarantined row: Note [Corrupt rows]
+    in manager/domain/store_schema.py): one such job must not blank the whole dashboard."""
+    try:
+        spec = job.spec
+    except (ValueError, TypeError):
+        return {}
+    return spec if isinstance(spec, dict) else {}

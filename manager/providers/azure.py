@@ -17,8 +17,9 @@ network SDK too.
 
 The agent is started by cloud-init from the scale set's ``customData``: it writes the bearer
 token to ``/etc/varuna/token`` (mode 600), runs ``setup_command`` (e.g. ``pip install
-'varuna[manager]==X'``) and starts ``python3 -m manager.vm_agent``. Note that ``customData`` is readable by
-anyone who can read the scale set in the subscription; use a dedicated token per deployment.
+'varuna[manager]==X'``) and starts ``python3 -m manager.agent.vm_agent``. Note that
+``customData`` is readable by anyone who can read the scale set in the subscription; use a
+dedicated token per deployment.
 
 Note [One scale set per VM type]: a job with several VM types (``[[vm_types]]``, issue #19) gets
 one scale set per type, ``<scale set>-<type>``, created with that type's ``vm_size`` (and
@@ -41,15 +42,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from manager.providers import NewVM, ProviderContext
-from manager.scheduled_events import DEFAULT_METADATA_URL
-from manager.store import VMRecord
-from manager.vm_types import TYPE_PROVIDER_OPTIONS
-from varuna.core.extras import require_extra
+from manager.providers.agent_start import SCHEDULED_EVENTS_SOURCE, AgentStart, agent_argv, shell_command
+from manager.providers.base import NewVM, ProviderContext, ProviderVM
+from manager.providers.registry import ProviderExtra, register_provider
 
-__all__ = ["AzureProvider", "AzureProviderOptions", "agent_custom_data"]
+__all__ = ["AZURE_EXTRA", "AzureProvider", "AzureProviderOptions", "agent_custom_data"]
 
-TYPE_OPTION_KEYS = TYPE_PROVIDER_OPTIONS["azure"]
+#: What a ``[[vm_types]]`` table may set per type (Note [One scale set per VM type]).
+TYPE_OPTION_KEYS = ("vm_size", "max_price", "image")
 
 _IMDS_NAME_URL = "http://169.254.169.254/metadata/instance/compute/name?api-version=2021-02-01&format=text"
 
@@ -107,35 +107,22 @@ def agent_custom_data(
 ) -> str:
     """The cloud-init script (base64, as ``customData`` wants it) that starts the agent."""
     q = shlex.quote
-    agent = [
-        options.python,
-        "-m",
-        "manager.vm_agent",
-        "--manager",
-        context.manager_address,
-        "--token-file",
-        "/etc/varuna/token",
-        "--vm-id",
-        "$VM_NAME",
-        "--job-id",
-        job_id,
-        "--slots",
-        str(slots),
-        "--metadata-url",
-        DEFAULT_METADATA_URL,
-        "--log-dir",
-        "/var/log/varuna",
-        "--heartbeat-interval",
-        f"{context.heartbeat_interval_s:g}",
-        "--orphan-timeout",
-        f"{context.orphan_timeout_s:g}",
-        "--standby",
-        str(slots),
-    ]
-    if options.approve_notices:
-        agent.append("--approve-notices")
-    # $VM_NAME must expand: quote everything else.
-    cmd = " ".join('"$VM_NAME"' if a == "$VM_NAME" else q(a) for a in agent)
+    argv = agent_argv(AgentStart(
+        python=options.python,
+        manager=context.manager_address,
+        token_file="/etc/varuna/token",
+        vm_id="$VM_NAME",  # Azure names the instance: learnt at boot, below
+        job_id=job_id,
+        slots=slots,
+        log_dir="/var/log/varuna",
+        heartbeat_interval_s=context.heartbeat_interval_s,
+        orphan_timeout_s=context.orphan_timeout_s,
+        tls_ca="/etc/varuna/ca.pem" if context.tls_ca else None,
+        notice_source=SCHEDULED_EVENTS_SOURCE,
+        approve_notices=options.approve_notices,
+        standby=slots,
+    ))
+    cmd = shell_command(argv, expand={"$VM_NAME"})  # $VM_NAME must expand: quote everything else
     lines = [
         "#!/bin/bash",
         "set -euo pipefail",
@@ -145,7 +132,6 @@ def agent_custom_data(
     if context.tls_ca:
         with open(context.tls_ca, encoding="utf-8") as f:
             lines.append(f"printf '%s' {q(f.read())} > /etc/varuna/ca.pem")
-        cmd += " --tls-ca /etc/varuna/ca.pem"
     lines += [
         options.setup_command,
         f"VM_NAME=$(curl -sf --noproxy '*' -H Metadata:true {q(_IMDS_NAME_URL)})",
@@ -156,8 +142,21 @@ def agent_custom_data(
 
 #: What needs the azure extra, as its one-line error names it.
 AZURE_WHAT = "the azure provider (on the manager's host)"
+#: The azure extra (pyproject.toml): the SDK this module reaches through ``client``.
+AZURE_EXTRA = ProviderExtra(
+    name="azure",
+    packages={"azure.identity": "azure-identity", "azure.mgmt.compute": "azure-mgmt-compute"},
+    what=AZURE_WHAT,
+)
 
 
+@register_provider(
+    name="azure",
+    options=AzureProviderOptions,
+    extra=AZURE_EXTRA,
+    type_options=TYPE_OPTION_KEYS,
+    notice_source=SCHEDULED_EVENTS_SOURCE,
+)
 class AzureProvider:
     """See the module docstring. ``client`` (a ``ComputeManagementClient``) and ``credential``
     are for tests and special set-ups; by default ``DefaultAzureCredential`` is used."""
@@ -173,7 +172,7 @@ class AzureProvider:
         token: str | None = None,
     ) -> None:
         if client is None:  # one line naming the pip install, not an ImportError at the first tick
-            require_extra("azure", AZURE_WHAT)
+            AZURE_EXTRA.require()
         self.options = options
         self.context = context
         self._client = client
@@ -198,7 +197,7 @@ class AzureProvider:
 
     def _read_token(self) -> str:
         if self._token is None:
-            from manager.auth import load_token
+            from manager.common.wire import load_token
 
             self._token = load_token(self.context.token_file)
         return self._token
@@ -313,7 +312,7 @@ class AzureProvider:
             ) from exc
         return [NewVM(vm_id=n, ref={"placeholder": True, "scale_set": name}) for n in names]
 
-    def delete_vm(self, vm: VMRecord) -> None:
+    def delete_vm(self, vm: ProviderVM) -> None:
         from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
         from azure.mgmt.compute import models as m
 
@@ -351,7 +350,7 @@ class AzureProvider:
         except ResourceNotFoundError:
             return {}
 
-    def gone_vms(self, vms: Sequence[VMRecord]) -> list[str]:
+    def gone_vms(self, vms: Sequence[ProviderVM]) -> list[str]:
         known = [vm for vm in vms if not vm.ref.get("placeholder") and vm.state == "up"]
         if not known or time.monotonic() - self._last_list < self.options.list_interval_s:
             return []

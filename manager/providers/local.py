@@ -1,16 +1,22 @@
-"""Pretend VMs on this machine: each is a ``manager.vm_agent`` process in its own session.
+"""Pretend VMs on this machine: each is a ``manager.agent.vm_agent`` process in its own session.
 
 A pretend VM is the agent's process group; its workers have a parent-death signal tied to the
 agent, so ``kill -9 -PGID`` (the agent's pid) takes the whole VM down at once, like a spot
 eviction without notice. The agents deliberately do *not* die with the manager: a restarted
 manager finds them again through the pid and start time kept in the state file (Note [Process
-identity] in :mod:`manager.procs`), and an agent that loses its manager for
+identity] in :mod:`manager.common.procs`), and an agent that loses its manager for
 ``orphan_timeout_s`` exits on its own.
 
 Options (the job spec's ``provider_options``):
 
 ``metadata_url``
-    Scheduled Events endpoint every agent polls (tests serve a recorded document locally).
+    Scheduled Events endpoint every agent polls (tests serve a recorded document locally): the
+    notice source this provider declares is Azure's (:data:`SCHEDULED_EVENTS_SOURCE`).
+``notice_source``
+    Which notice source the agents poll at ``metadata_url``: a provider's name (``aws``: the
+    agents read AWS IMDS ``spot/instance-action``) or a ``module:Class``
+    (``manager.agent.gcp_metadata:PreemptedClient``: GCP's ``preempted``); default: this
+    provider's own (Azure's Scheduled Events), so tests play any cloud's metadata service.
 ``approve_notices``
     Agents approve eviction events once their workers stopped.
 ``max_created``
@@ -23,10 +29,14 @@ Options (the job spec's ``provider_options``):
     file is a provider error (the manager logs it and retries).
 ``standby``
     Agents keep pre-imported standby workers for the next generation (default true; see Note
-    [Standby] in :mod:`manager.vm_agent`), started ``standby_delay_s`` (1) after a generation's first step,
-    importing at ``standby_priority`` (``idle`` or ``normal``).
+    [Standby] in :mod:`manager.agent.vm_agent`), started ``standby_delay_s`` (1) after a
+    generation's first step, importing at ``standby_priority`` (``idle`` or ``normal``).
 ``python``
     Interpreter for the agents (default: the manager's).
+
+A job spec is refused when its pretend VMs would run more workers than this machine takes
+(:func:`check_local_capacity`, the registry's ``check_job``). This module is also the worked
+example of adding a provider (docs/manager.md, "Adding a provider").
 """
 
 from __future__ import annotations
@@ -40,11 +50,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from manager.procs import alive, process_start_time, reap, terminate_group
-from manager.providers import NewVM, ProviderContext
-from manager.store import VMRecord
+from manager.common.procs import alive, process_start_time, reap, terminate_group
+from manager.providers.agent_start import SCHEDULED_EVENTS_SOURCE, AgentStart, agent_argv
+from manager.providers.base import NewVM, ProviderContext, ProviderVM
+from manager.providers.registry import JobShape, provider_entry, register_provider
+from varuna.launch.spec import default_max_procs_per_host
 
-__all__ = ["SLOWDOWN_ENV", "LocalProvider", "LocalProviderOptions", "read_capacity"]
+__all__ = ["SLOWDOWN_ENV", "LocalProvider", "LocalProviderOptions", "check_local_capacity", "read_capacity"]
 
 #: Environment of a pretend VM of a slower pool type: its workers' steps take this many times as
 #: long (the agent's environment, which its workers inherit).
@@ -59,6 +71,7 @@ class LocalProviderOptions:
     """``provider_options`` of a local job (module docstring)."""
 
     metadata_url: str | None = None
+    notice_source: str | None = None
     approve_notices: bool = False
     max_created: int | None = None
     capacity_file: str | None = None
@@ -92,11 +105,42 @@ class LocalProviderOptions:
             raise ValueError(
                 f"provider_options.capacity_file must be an absolute path, got {opts.capacity_file!r}"
             )
+        if opts.notice_source is not None:
+            _notice_source(opts.notice_source)  # ValueError: one line
         if opts.standby_priority not in ("idle", "normal"):
             raise ValueError(
                 f"provider_options.standby_priority must be idle or normal, got {opts.standby_priority!r}"
             )
         return opts
+
+
+def _notice_source(value: Any) -> str:
+    """``provider_options.notice_source`` as ``module:Class``: a provider's name stands for the
+    source its registry entry declares."""
+    if isinstance(value, str) and ":" in value and all(value.partition(":")[::2]):
+        return value
+    try:
+        source = provider_entry(value).notice_source if isinstance(value, str) else None
+    except ValueError as exc:
+        raise ValueError(f"provider_options.notice_source: {exc}; or name a module:Class") from None
+    if source is None:
+        raise ValueError(f"provider_options.notice_source {value!r} names no notice source; use a provider "
+                         "that has one, or a module:Class")
+    return source
+
+
+def check_local_capacity(job: JobShape) -> None:
+    """Pretend VMs are processes on this machine (an agent and ``procs_per_vm`` workers each):
+    bound them as ``varuna-launch`` bounds workers per host (``ValueError``, one line)."""
+    created = job.options.get("max_created")
+    vms = min(job.max_vms, created) if isinstance(created, int) and created >= 0 else job.max_vms
+    limit = default_max_procs_per_host()
+    if vms * job.procs_per_vm > limit:
+        raise ValueError(
+            f"the {job.provider} provider would run {vms} × {job.procs_per_vm} workers on this machine, more "
+            f"than its limit of {limit} (4 × its CPU cores, at least 8); lower max_vms (or set "
+            "provider_options.max_created)"
+        )
 
 
 def read_capacity(path: str) -> int:
@@ -114,6 +158,13 @@ def read_capacity(path: str) -> int:
     return value
 
 
+@register_provider(
+    name="local",
+    options=LocalProviderOptions,
+    type_options=("max_created",),
+    notice_source=SCHEDULED_EVENTS_SOURCE,
+    check_job=check_local_capacity,
+)
 class LocalProvider:
     """See the module docstring."""
 
@@ -137,13 +188,13 @@ class LocalProvider:
     ) -> list[NewVM]:
         count = len(names)
         # A pool VM type slower than this machine (docs/pool.md): its workers take this many
-        # times as long per step (manager.client.attach_to_engine applies it).
+        # times as long per step (manager.worker.reporter.attach_to_engine applies it).
         slowdown = float((type_options or {}).get("vm_slowdown", 1.0))
         limit = self.options.max_created
         if self.options.capacity_file:
             limit = read_capacity(self.options.capacity_file)
         if "max_created" in (type_options or {}):
-            # A job's VM type with a spot capacity of its own (manager.vm_types); created_so_far
+            # A job's VM type with a spot capacity of its own (manager.domain.vm_types); created_so_far
             # then counts the VMs of that type.
             limit = int((type_options or {})["max_created"])
         if limit is not None:
@@ -152,7 +203,7 @@ class LocalProvider:
         for vm_id in names[:count]:
             vm_dir = Path(self.context.state_dir) / job_id / vm_id
             vm_dir.mkdir(parents=True, exist_ok=True)
-            argv = self._agent_argv(job_id, vm_id, slots, vm_dir)
+            argv = agent_argv(self.agent_start(job_id, vm_id, slots, vm_dir))
             env = dict(os.environ)
             package_root = str(Path(__file__).resolve().parents[2])
             env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
@@ -184,49 +235,39 @@ class LocalProvider:
             )
         return out
 
-    def _agent_argv(self, job_id: str, vm_id: str, slots: int, vm_dir: Path) -> list[str]:
-        """The command line of a pretend VM's agent."""
-        argv = [
-            self.options.python,
-            "-m",
-            "manager.vm_agent",
-            "--manager",
-            self.context.manager_address,
-            "--token-file",
-            str(Path(self.context.token_file).resolve()),
-            "--vm-id",
-            vm_id,
-            "--job-id",
-            job_id,
-            "--slots",
-            str(slots),
-            "--address",
-            "127.0.0.1",
-            "--log-dir",
-            str(vm_dir),
-            "--heartbeat-interval",
-            f"{self.context.heartbeat_interval_s:g}",
-            "--orphan-timeout",
-            f"{self.context.orphan_timeout_s:g}",
-        ]
-        if self.context.tls_ca:
-            argv += ["--tls-ca", str(Path(self.context.tls_ca).resolve())]
-        if self.options.metadata_url:
-            argv += ["--metadata-url", self.options.metadata_url, "--vm-name", vm_id]
-        if self.options.approve_notices:
-            argv.append("--approve-notices")
-        if self.options.standby:
-            argv += [
-                "--standby",
-                str(slots),
-                "--standby-delay",
-                f"{self.options.standby_delay_s:g}",
-                "--standby-priority",
-                self.options.standby_priority,
-            ]
-        return argv
+    def agent_start(self, job_id: str, vm_id: str, slots: int, vm_dir: Path) -> AgentStart:
+        """What a pretend VM's agent is started with: the notice source is the one this provider's
+        registry entry declares (a provider built on pretend VMs, registered under its own name,
+        gets its own; it may change the rest with ``dataclasses.replace``)."""
+        o, c = self.options, self.context
+        return AgentStart(
+            python=o.python,
+            manager=c.manager_address,
+            token_file=str(Path(c.token_file).resolve()),
+            vm_id=vm_id,
+            job_id=job_id,
+            slots=slots,
+            address="127.0.0.1",
+            log_dir=str(vm_dir),
+            heartbeat_interval_s=c.heartbeat_interval_s,
+            orphan_timeout_s=c.orphan_timeout_s,
+            tls_ca=str(Path(c.tls_ca).resolve()) if c.tls_ca else None,
+            notice_source=self._notice_source() if o.metadata_url else None,
+            notice_url=o.metadata_url,
+            vm_name=vm_id,
+            approve_notices=o.approve_notices,
+            standby=slots if o.standby else 0,
+            standby_delay_s=o.standby_delay_s,
+            standby_priority=o.standby_priority,
+        )
 
-    def delete_vm(self, vm: VMRecord) -> None:
+    def _notice_source(self) -> str | None:
+        """``notice_source``'s class, default this provider's own (its registry entry)."""
+        if self.options.notice_source:
+            return _notice_source(self.options.notice_source)
+        return provider_entry(self.name).notice_source
+
+    def delete_vm(self, vm: ProviderVM) -> None:
         child = self._children.pop(vm.vm_id, None)
         ref = vm.ref
         if child is not None:
@@ -238,7 +279,7 @@ class LocalProvider:
         if pid:
             terminate_group(pid, ref.get("start_time"), DELETE_GRACE_S)
 
-    def gone_vms(self, vms: Sequence[VMRecord]) -> list[str]:
+    def gone_vms(self, vms: Sequence[ProviderVM]) -> list[str]:
         gone: list[str] = []
         for vm in vms:
             child = self._children.get(vm.vm_id)
@@ -252,7 +293,7 @@ class LocalProvider:
                 gone.append(vm.vm_id)
         return gone
 
-    def kill(self, vm: VMRecord, sig: int = signal.SIGKILL) -> None:
+    def kill(self, vm: ProviderVM, sig: int = signal.SIGKILL) -> None:
         """Signal the whole pretend VM (tests: SIGKILL = eviction without notice)."""
         pid = int(vm.ref.get("pid", 0) or 0)
         if pid and alive(pid, vm.ref.get("start_time")):

@@ -14,8 +14,11 @@ from gpu_rows.gpt_rows import build_engine
 
 
 def _engine(z: dict[str, Any], device: str, batches: list, **config: Any):
+    import varuna
+
     return build_engine(
-        gpt_model(z, dropout=0.1), z, device, batches[0], precision="fp32", deterministic=True, **config
+        gpt_model(z, dropout=0.1), z, device, batches[0], precision="fp32",
+        determinism=varuna.DeterminismConfig(enabled=True), **config
     )
 
 
@@ -23,6 +26,8 @@ def row_checkpoint(device: str) -> RowResult:
     z = sizes(device, "ckpt")
     steps, save_at = z["steps"], z["steps"] // 2
     batches = gpt_batches(z, steps)
+    import varuna
+
     with tempfile.TemporaryDirectory(prefix="gpu-check-ckpt-") as tmp:
         first, second = Path(tmp) / "from_device", Path(tmp) / "from_cpu"
         log(f"run A on {device}: {steps} steps, checkpoint after step {save_at}")
@@ -39,7 +44,7 @@ def row_checkpoint(device: str) -> RowResult:
         finally:
             eng.close()
         log("run B on cpu: resume that checkpoint, write it again")
-        eng = _engine(z, "cpu", batches, checkpoint_dir=str(first), resume="1")
+        eng = _engine(z, "cpu", batches, checkpoints=varuna.CheckpointConfig(dir=str(first), resume="1"))
         try:
             loaded_b = state_digests(eng.state_dict())
             step_b = eng.step_count
@@ -47,7 +52,7 @@ def row_checkpoint(device: str) -> RowResult:
         finally:
             eng.close()
         log(f"run C on {device}: resume the cpu's checkpoint, train steps {save_at + 1}..{steps}")
-        eng = _engine(z, device, batches, checkpoint_dir=str(second), resume="1")
+        eng = _engine(z, device, batches, checkpoints=varuna.CheckpointConfig(dir=str(second), resume="1"))
         try:
             loaded_c = state_digests(eng.state_dict())
             losses_c = [eng.train_step(b).loss for b in batches[save_at:]]

@@ -89,10 +89,12 @@ def row_gpt(device: str) -> RowResult:
     del plain
     log("engine 1x1, default mode")
     default = engine_run(z, batches, device, dropout=0.0)
+    import varuna
+
     log("engine 1x1, deterministic mode, run A")
-    det_a = engine_run(z, batches, device, dropout=0.1, deterministic=True)
+    det_a = engine_run(z, batches, device, dropout=0.1, determinism=varuna.DeterminismConfig(enabled=True))
     log("engine 1x1, deterministic mode, run B (same process: its RNG streams moved on)")
-    det_b = engine_run(z, batches, device, dropout=0.1, deterministic=True)
+    det_b = engine_run(z, batches, device, dropout=0.1, determinism=varuna.DeterminismConfig(enabled=True))
     first = abs(default["losses"][0] - ref[0]) / ref[0]
     worst = max_rel_diff(default["losses"], ref)
     same = det_a["losses"] == det_b["losses"] and det_a["digests"] == det_b["digests"]

@@ -158,6 +158,7 @@ def row_meta(device: str) -> RowResult:
 def _worker_pipe(device: str, z: dict[str, Any]) -> dict:
     import torch.distributed as dist
 
+    import varuna
     from varuna.runtime.layout import init_distributed
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -172,9 +173,8 @@ def _worker_pipe(device: str, z: dict[str, Any]) -> dict:
                 device,
                 batches[0],
                 pipeline_depth=world,
-                deterministic=det,
-                comm_timeout_s=180.0,
-                peer_timeout_s=60.0,
+                determinism=varuna.DeterminismConfig(enabled=det),
+                timeouts=varuna.TimeoutConfig(comm_s=180.0, peer_s=60.0),
             )
             try:
                 out[mode] = {
@@ -207,8 +207,7 @@ def _worker_meta(device: str, z: dict[str, Any]) -> dict:
         pipeline_depth=world,
         device=device,
         stop_signals=(),
-        comm_timeout_s=180.0,
-        peer_timeout_s=60.0,
+        timeouts=varuna.TimeoutConfig(comm_s=180.0, peer_s=60.0),
     )
     eng = varuna.Engine(
         gpt_model(z, dropout=0.1, meta=True),

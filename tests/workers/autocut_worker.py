@@ -182,7 +182,7 @@ def main() -> None:
             engine = varuna.Engine(
                 model,
                 varuna.VarunaConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH, seed=SEED,
-                                    auto_cutpoints=int(k) if k else None),
+                                    cutting=varuna.CuttingConfig(auto_cutpoints=int(k) if k else None)),
                 example_batch=batch,
                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0),
             )

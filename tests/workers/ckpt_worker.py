@@ -70,6 +70,7 @@ def main() -> None:
     p.add_argument("--deterministic", action="store_true", help="docs/determinism.md")
     p.add_argument("--schedule", default="varuna")
     p.add_argument("--chunks", type=int, default=1, help="model chunks per process (interleaved kinds)")
+    p.add_argument("--shard", action="store_true", help="optimizer state sharded over the replicas")
     a = p.parse_args()
     torch.set_num_threads(1)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -77,10 +78,13 @@ def main() -> None:
     engine = varuna.Engine(
         build_model("gpt", dropout=0.1),
         varuna.VarunaConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH,
-                            pipeline_depth=a.pipeline_depth, seed=7, comm_timeout_s=a.timeout,
-                            checkpoint_dir=str(a.ckpt_dir), checkpoint_every=a.every, keep_checkpoints=a.keep,
-                            resume=a.resume, deterministic=a.deterministic, schedule=a.schedule,
-                            chunks=a.chunks),
+                            pipeline_depth=a.pipeline_depth, seed=7, schedule=a.schedule,
+                            timeouts=varuna.TimeoutConfig(comm_s=a.timeout),
+                            checkpoints=varuna.CheckpointConfig(dir=str(a.ckpt_dir), every=a.every,
+                                                                keep=a.keep, resume=a.resume),
+                            determinism=varuna.DeterminismConfig(enabled=a.deterministic),
+                            pipeline=varuna.PipelineConfig(chunks=a.chunks),
+                            optimizer_state=varuna.OptimizerStateConfig(shard=a.shard)),
         example_batch=batch_for(1),
         # eps=1e-6, not 1e-8: attention's key bias has a mathematically zero gradient (softmax is
         # shift-invariant), so its gradient is rounding noise (~1e-10) that differs with the

@@ -33,8 +33,10 @@ def main() -> int:
     torch.manual_seed(0)
     batch = (torch.randn(M, IN), torch.randn(M, OUT))
     eng = varuna.Engine(MLP(), varuna.VarunaConfig(global_batch_size=M, micro_batch_size=m, pipeline_depth=P,
-                                                   stage_ranges=[(0, 0), (1, 1)] if P == 2 else None,
-                                                   peak_tflops=2.0, stop_signals=()),
+                                                   pipeline=varuna.PipelineConfig(
+                                                       stage_ranges=[(0, 0), (1, 1)] if P == 2 else None),
+                                                   metrics=varuna.MetricsConfig(peak_tflops=2.0),
+                                                   stop_signals=()),
                         example_batch=batch, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
     try:
         for _ in range(2):

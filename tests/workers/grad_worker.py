@@ -68,7 +68,7 @@ def run() -> None:
                     global_batch_size=a.global_batch_size,
                     micro_batch_size=a.micro_batch_size,
                     schedule=kind,
-                    recompute=not a.no_recompute,
+                    pipeline=varuna.PipelineConfig(recompute=not a.no_recompute),
                     seed=7,
                     max_grad_norm=a.max_grad_norm,
                     precision=a.precision,

@@ -33,7 +33,9 @@ SIZES = {"test": dict(global_batch=8, micro=2, seq=16, d=32, layers=2),
          "test4": dict(global_batch=8, micro=2, seq=16, d=32, layers=4, t5_layers=2),
          "auto4": dict(global_batch=8, micro=2, seq=16, d=64, layers=4),  # T5: 4 + 4 blocks (auto cuts)
          "leak": dict(global_batch=8, micro=2, seq=64, d=64, layers=2),
-         "bench": dict(global_batch=16, micro=2, seq=64, d=128, layers=4)}
+         "bench": dict(global_batch=16, micro=2, seq=64, d=128, layers=4),
+         # tests/test_checkpoint_formats.py: a model whose weights (~80-100 MB) dwarf a stage's share
+         "export": dict(global_batch=8, micro=2, seq=16, d=512, layers=8)}
 MODELS = ("gpt2", "llama", "qwen2", "t5")
 #: T5's segments (2 + 2 blocks): 0-1 encoder blocks, 2 encoder end + first decoder block, 3 second
 #: decoder block, 4 head and loss. Stages start at segment 3, where the encoder output must be
@@ -143,7 +145,8 @@ def train(name: str, a: argparse.Namespace, out: Path) -> None:
     engine = varuna.Engine(
         model,
         varuna.VarunaConfig(global_batch_size=z["global_batch"], micro_batch_size=z["micro"], seed=SEED,
-                            stage_ranges=T5_RANGES.get(P) if name == "t5" and t5_blocks == 2 else None),
+                            pipeline=varuna.PipelineConfig(
+                                stage_ranges=T5_RANGES.get(P) if name == "t5" and t5_blocks == 2 else None)),
         example_batch=step_batch(1, a.size, name), optimizer=make_optimizer, loss_fn=loss_of)
     rank = engine.layout.rank
     rec: dict[str, list] = {"loss": [], "entries": [], "rss": [], "step_s": []}

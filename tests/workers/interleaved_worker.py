@@ -22,6 +22,7 @@ from model import GPT, GPTConfig  # noqa: E402
 
 import varuna  # noqa: E402
 from varuna.core.schedule import schedule_kind  # noqa: E402
+from varuna.testing.negative_controls import with_negative_controls  # noqa: E402
 
 
 def tiny_gpt(dropout: float = 0.1) -> GPT:
@@ -57,9 +58,12 @@ def main() -> None:
         chunks = a.chunks if schedule_kind(name).chunked else 1
         engine = varuna.Engine(
             copy.deepcopy(base),
-            varuna.VarunaConfig(global_batch_size=M, micro_batch_size=a.micro_batch_size, seed=7,
-                                schedule=name, chunks=chunks, deterministic=a.deterministic,
-                                rng_keyed=not a.unkeyed_rng),
+            with_negative_controls(
+                varuna.VarunaConfig(global_batch_size=M, micro_batch_size=a.micro_batch_size, seed=7,
+                                    schedule=name, pipeline=varuna.PipelineConfig(chunks=chunks),
+                                    determinism=varuna.DeterminismConfig(enabled=a.deterministic)),
+                rng_keyed=not a.unkeyed_rng,
+            ),
             example_batch=batch_for(1, M),
             optimizer=lambda ps: torch.optim.AdamW(ps, lr=a.lr) if a.lr else torch.optim.SGD(ps, lr=0.0),
         )

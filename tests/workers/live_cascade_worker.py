@@ -42,7 +42,7 @@ def main() -> None:
     live = LiveWorld.join(timeout_s=120.0, freeze_s=0)
     batch = torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 16, dtype=torch.long)
     config = varuna.VarunaConfig(global_batch_size=4, micro_batch_size=2, pipeline_depth=2, data_parallel=1,
-                                 comm_timeout_s=120.0, peer_timeout_s=0)
+                                 timeouts=varuna.TimeoutConfig(comm_s=120.0, peer_s=0))
     engine = varuna.Engine(build_model("gpt"), config, example_batch=batch,
                            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
     live.guard("engine", live.members, list(engine._groups.created))

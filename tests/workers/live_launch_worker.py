@@ -40,10 +40,11 @@ def main() -> None:
     torch.set_num_threads(1)
     restarts = int(os.environ.get("VARUNA_RESTARTS", "0"))
     config = varuna.VarunaConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH, seed=7,
-                                 comm_timeout_s=60.0, checkpoint_every=a.checkpoint_every, deterministic=True,
+                                 checkpoints=varuna.CheckpointConfig(every=a.checkpoint_every),
+                                 determinism=varuna.DeterminismConfig(enabled=True),
                                  # a kill -9 resets the sockets (the regroup starts at once); on a busy host
                                  # the peer watch could take a starved peer for a frozen one and end the run
-                                 peer_timeout_s=0)
+                                 timeouts=varuna.TimeoutConfig(comm_s=60.0, peer_s=0))
     trainer = LiveTrainer(lambda: build_model("gpt", dropout=0.1), config, example_batch=batch_for(1),
                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-8))
     member = trainer.live.member

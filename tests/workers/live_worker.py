@@ -72,6 +72,7 @@ def main() -> None:
     p.add_argument("--die-in-transfer", default="")
     p.add_argument("--joiners-after", default="")
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--shard", action="store_true", help="optimizer state sharded over the replicas")
     a = p.parse_args()
     torch.set_num_threads(1)
     opened: list[str] = []
@@ -85,11 +86,12 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)  # a second failure, inside the regroup
 
     config = varuna.VarunaConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH, seed=7,
-                                 comm_timeout_s=a.timeout, checkpoint_dir=str(a.ckpt_dir), resume=False,
-                                 deterministic=True,
+                                 checkpoints=varuna.CheckpointConfig(dir=str(a.ckpt_dir), resume=False),
+                                 determinism=varuna.DeterminismConfig(enabled=True),
+                                 optimizer_state=varuna.OptimizerStateConfig(shard=a.shard),
                                  # member 0 may wait for joiners to start (seconds on a busy host) between
                                  # steps; the peer watch would take that for a frozen peer and end the run
-                                 peer_timeout_s=0)
+                                 timeouts=varuna.TimeoutConfig(comm_s=a.timeout, peer_s=0))
     trainer = LiveTrainer(lambda: build_model("gpt", dropout=0.1), config, example_batch=batch_for(1),
                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-8), on_phase=on_phase,
                           live=LiveWorld.join(timeout_s=a.timeout, freeze_s=a.freeze_s), wait_s=120.0)

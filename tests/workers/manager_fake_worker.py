@@ -4,7 +4,7 @@ It behaves like ``examples/gpt2/train.py`` under the manager as far as the manag
 ``--steps N`` steps of ``--step-time`` seconds; a step counter checkpointed every
 ``$VARUNA_CHECKPOINT_EVERY`` steps to ``$VARUNA_CHECKPOINT_DIR`` (by rank 0) and resumed from
 with ``$VARUNA_RESUME=auto``; SIGUSR1/SIGTERM finish the step, checkpoint and exit 0; and one
-heartbeat per step through :class:`manager.client.WorkerReporter` (a fake engine supplies the
+heartbeat per step through :class:`manager.worker.reporter.WorkerReporter` (a fake engine supplies the
 layout and per-micro-batch F/B times). A file ``slow-<VARUNA_VM_ID>`` in the checkpoint directory
 makes its reported compute times ``--slow-factor`` times longer (a fail-stutter VM).
 
@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from manager.client import WorkerReporter
+from manager.worker.reporter import WorkerReporter
 from varuna.core.timeline import Timeline
 
 
@@ -44,9 +44,14 @@ class _Layout:
         return self.rank // self.P
 
 
-@dataclass
-class _Config:
+@dataclass(frozen=True)
+class _Metrics:
     record_timeline: bool = False
+
+
+@dataclass
+class _Config:  # VarunaConfig's shape, as far as the reporter reads it
+    metrics: _Metrics = field(default_factory=_Metrics)
 
 
 @dataclass

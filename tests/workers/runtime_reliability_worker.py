@@ -69,10 +69,9 @@ def main() -> None:
     cfg = varuna.VarunaConfig(
         global_batch_size=M,
         micro_batch_size=2,
-        deterministic=True,
-        max_nonfinite_steps=a.max_nonfinite,
-        peer_timeout_s=a.peer_timeout,
-        comm_timeout_s=120.0,
+        determinism=varuna.DeterminismConfig(enabled=True),
+        numerics=varuna.NumericsConfig(max_nonfinite_steps=a.max_nonfinite),
+        timeouts=varuna.TimeoutConfig(peer_s=a.peer_timeout, comm_s=120.0),
     )
     batch = make_batch("onecut", M)
     engine = varuna.Engine(

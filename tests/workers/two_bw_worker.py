@@ -46,9 +46,8 @@ def make_engine(base, a, batches, *, schedule, resume, ckpt="ckpt"):
             schedule=schedule,
             seed=7,
             stop_signals=(),
-            checkpoint_dir=str(a.out / ckpt),
-            resume=resume,
-            deterministic=a.deterministic,
+            checkpoints=varuna.CheckpointConfig(dir=str(a.out / ckpt), resume=resume),
+            determinism=varuna.DeterminismConfig(enabled=a.deterministic),
         ),
         example_batch=batch_of(batches, 1, a.global_batch_size),
         optimizer=lambda ps: torch.optim.SGD(ps, lr=a.lr, momentum=0.9),
@@ -153,7 +152,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--no-flush", action="store_true", help="also train through Engine.train_steps")
     p.add_argument("--lean", action="store_true", help="no checkpoint runs: '2bw' and 'window' only")
-    p.add_argument("--deterministic", action="store_true", help="VarunaConfig(deterministic=True)")
+    p.add_argument("--deterministic", action="store_true", help="deterministic mode")
     a = p.parse_args()
     torch.set_num_threads(1)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:

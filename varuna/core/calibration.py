@@ -325,13 +325,16 @@ class Calibration:
         return sum(self.segments[s].grad_bytes for s in segments)
 
     def stage_memory_bytes(
-        self, segments: Sequence[int], m: float, stashed: int, *, recompute: bool = True
+        self, segments: Sequence[int], m: float, stashed: int, *, recompute: bool = True,
+        optimizer_shards: int = 1,
     ) -> int:
         """Peak memory of a stage made of ``segments`` holding ``stashed`` in-flight micro-batches.
 
-        Static part: parameters + gradients + optimizer state. With recompute the stage keeps only
-        each in-flight micro-batch's input plus one micro-batch's full activations (the one being
-        recomputed/back-propagated); without it every in-flight micro-batch keeps its activations.
+        Static part: parameters + gradients + optimizer state (``optimizer_shards``: the state
+        split over that many replicas, each holding its share: ``VarunaConfig.optimizer_state``).
+        With recompute the stage keeps only each in-flight micro-batch's input plus one
+        micro-batch's full activations (the one being recomputed/back-propagated); without it
+        every in-flight micro-batch keeps its activations.
 
         >>> cal = Calibration.synthetic([0.01, 0.01], param_bytes=100, act_bytes_per_example=10,
         ...                             activation_bytes_per_example=50, micro_batch_sizes=(1, 2))
@@ -342,7 +345,8 @@ class Calibration:
         if not segs:
             raise ValueError("a stage needs at least one segment")
         static = sum(
-            self.segments[i].param_bytes + self.segments[i].grad_bytes + self.segments[i].optimizer_bytes
+            self.segments[i].param_bytes + self.segments[i].grad_bytes
+            + self.segments[i].optimizer_bytes / optimizer_shards
             for i in segs
         )
         stash_in = self._at(self.segments[segs[0]].stashed_input_bytes, m)

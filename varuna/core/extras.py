@@ -11,22 +11,27 @@ instead of a traceback from deep inside an import::
 
 A command line catches :class:`MissingExtra` (an ``ImportError``) and prints it as its one error
 line, exit status 2, like any other bad usage.
+
+A cloud provider's extra (``azure``) is not listed here: the provider declares it in the manager's
+provider registry (``manager.providers.registry``, ``ProviderExtra``), which checks it with
+:func:`require_packages`.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import ModuleType
 
-__all__ = ["EXTRAS", "MissingExtra", "require", "require_extra"]
+__all__ = ["EXTRAS", "MissingExtra", "require", "require_extra", "require_packages"]
 
 #: Per extra of ``pyproject.toml``'s ``[project.optional-dependencies]``: the modules it provides,
 #: each with the name a person knows it by (the distribution: ``grpc`` is grpcio's module).
 EXTRAS: dict[str, dict[str, str]] = {
     "manager": {"grpc": "grpc", "google.protobuf": "protobuf", "scipy": "scipy"},
-    "azure": {"azure.identity": "azure-identity", "azure.mgmt.compute": "azure-mgmt-compute"},
     "hf": {"transformers": "transformers"},
+    "safetensors": {"safetensors": "safetensors"},
+    "data": {"torchdata": "torchdata"},
     "plot": {"matplotlib": "matplotlib"},
     "progress": {"tqdm": "tqdm"},
     "tensorboard": {"tensorboard": "tensorboard"},
@@ -49,6 +54,17 @@ def _modules_of(extra: str) -> dict[str, str]:
     if extra not in EXTRAS:
         raise ValueError(f"unknown extra {extra!r}; one of {', '.join(EXTRAS)}")
     return EXTRAS[extra]
+
+
+def _missing(module: str) -> bool:
+    """True when importing ``module`` fails because it (or a package holding it) is not installed."""
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if not _is_missing(e, module):
+            raise
+        return True
+    return False
 
 
 def _is_missing(exc: ModuleNotFoundError, module: str) -> bool:
@@ -102,5 +118,18 @@ def require_extra(extra: str, what: str, modules: Sequence[str] | None = None) -
             require(module, extra, what)
         except MissingExtra:
             missing.append(_package_of(module, extra))
+    if missing:
+        raise MissingExtra(what, extra, missing)
+
+
+def require_packages(extra: str, what: str, packages: Mapping[str, str]) -> None:
+    """:func:`require_extra` for an extra declared elsewhere than :data:`EXTRAS` (a provider's, in
+    its registry entry): ``packages`` maps each module to the distribution a person knows it by.
+
+    Example::
+
+        require_packages("azure", "the azure provider", {"azure.identity": "azure-identity"})
+    """
+    missing = [package for module, package in packages.items() if _missing(module)]
     if missing:
         raise MissingExtra(what, extra, missing)

@@ -71,6 +71,8 @@ from varuna.core.tasks import BACKWARD, FORWARD, RECOMPUTE, Task, recomputed
 from varuna.core.zero_bubble import VarunaZBKind, ZBH1Kind, ZeroBubbleSchedule
 
 __all__ = [
+    "DEFAULT_SCHEDULE",
+    "PLANNED_KINDS",
     "SCHEDULE_KINDS",
     "ALL_SCHEDULE_KINDS",
     "LIST_SCHEDULE_KINDS",
@@ -160,6 +162,7 @@ class VarunaKind(ListScheduleKind):
     name: ClassVar[str] = "varuna"
     opportunistic: ClassVar[bool] = True
     recompute_optional: ClassVar[bool] = False
+    planned_by_default: ClassVar[bool] = True
 
     def _recomputes(self, *, last: bool, recompute: bool) -> bool:
         return not last
@@ -197,6 +200,7 @@ class OneFOneBKind(ListScheduleKind):
     stage runs each B right after its F, so it never recomputes."""
 
     name: ClassVar[str] = "1f1b"
+    planned_by_default: ClassVar[bool] = True
 
     def _recomputes(self, *, last: bool, recompute: bool) -> bool:
         return recompute and not last
@@ -230,6 +234,7 @@ class TwoBWKind(OneFOneBKind):
     """
 
     name: ClassVar[str] = "2bw"
+    planned_by_default: ClassVar[bool] = False
     weight_versions: ClassVar[int] = 2
 
     def unsupported(self, num_stages: int, num_microbatches: int) -> str | None:
@@ -264,8 +269,14 @@ _KINDS: Mapping[str, ScheduleKind] = MappingProxyType(
     }
 )
 
+#: The kind a job runs when nobody names one: the script, the launcher (``--schedule``), the
+#: manager's job spec and the simulator all default to it (one source for the default).
+DEFAULT_SCHEDULE = "varuna"
 #: Schedule kinds the runtime can execute. ``1f1b`` is PipeDream-Flush.
 SCHEDULE_KINDS: tuple[str, ...] = tuple(name for name, k in _KINDS.items() if k.runtime)
+#: The kinds auto-config weighs when the job names none (``planned_by_default``; Note [Joint
+#: plan] in simulator/autoconfig.py).
+PLANNED_KINDS: tuple[str, ...] = tuple(name for name, k in _KINDS.items() if k.planned_by_default)
 #: Every registered kind: the runtime's plus any simulation-only one.
 ALL_SCHEDULE_KINDS: tuple[str, ...] = tuple(_KINDS)
 #: The kinds with one flat list per stage (:func:`build_schedule`); the chunked ones

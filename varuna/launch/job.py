@@ -32,11 +32,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import TextIO
 
+from varuna.core.netif import source_address
 from varuna.core.progress import Progress
 from varuna.launch.agent_host import AgentError, AgentHost, new_job_id, record_of
+from varuna.launch.events import EventLog
 from varuna.launch.hosts import HostEntry
 from varuna.launch.local import LocalHost
 from varuna.launch.procs import find_free_port
+from varuna.launch.protocol import SILENCE_TIMEOUT_S
 from varuna.launch.spec import Host, LaunchConfig, WorkerSpec, check_procs_per_host, plan_workers
 from varuna.launch.ssh import SshOptions
 from varuna.launch.supervisor import (
@@ -49,6 +52,10 @@ from varuna.launch.supervisor import (
 )
 
 __all__ = [
+    "ForwardedSignals",
+    "HostsAttempt",
+    "attempt_on_hosts",
+    "check_before_agents",
     "check_hosts_capacity",
     "check_local_script",
     "check_master_port_free",
@@ -60,7 +67,7 @@ __all__ = [
 ]
 
 
-class _ForwardedSignals:
+class ForwardedSignals:
     """While a job runs: SIGINT, SIGTERM and SIGUSR1 are queued until a supervisor exists, then
     handed to it (:meth:`hand_to`); the previous handlers come back on exit. Installs nothing
     outside the main thread (Python handles signals there only; the caller forwards them)."""
@@ -71,7 +78,7 @@ class _ForwardedSignals:
         self._sink = self.pending.append
         self._previous: dict[int, object] = {}
 
-    def __enter__(self) -> _ForwardedSignals:
+    def __enter__(self) -> ForwardedSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in FORWARDED_SIGNALS:
                 self._previous[signum] = signal.signal(signum, lambda s, _frame: self._sink(s))
@@ -133,24 +140,24 @@ def launch(
         check_master_port_free(config)
     prepare_log_dir(config)
     stderr = stderr if stderr is not None else sys.stderr
-    with _ForwardedSignals() as signals:
-        if not config.live_morph:
-            return _run_once(config, hosts, signals, stdout, stderr, progress)[0]
-        return _run_live(config, hosts, signals, stdout, stderr, progress)
+    with ForwardedSignals() as signals:
+        return _run_restarting(config, hosts, signals, stdout, stderr, progress)
 
 
 def _run_once(
     config: LaunchConfig,
     hosts: Sequence[Host],
-    signals: _ForwardedSignals,
+    signals: ForwardedSignals,
     stdout: TextIO | None,
     stderr: TextIO,
     progress: bool | None,
+    *,
     on_lost: Callable[[int], None] | None = None,
     frozen: Callable[[int], str | None] | None = None,
+    failure_word: str = "job failed",
 ) -> tuple[int, str]:
-    """One launch of every worker, supervised to the end: the supervisor's code, and why a live
-    morph was impossible when that code is EXIT_RESTART."""
+    """One launch of every worker, supervised to the end: the supervisor's code, and why a
+    relaunch could help ("" when it could not; :func:`restart_reason`)."""
     port = config.master_port or find_free_port()
     specs = plan_workers(config, hosts, master_port=port, cwd=os.getcwd())
     supervisor = Supervisor(
@@ -163,52 +170,88 @@ def _run_once(
         progress=progress,
         on_lost=on_lost,
         frozen=frozen,
+        failure_word=failure_word,
     )
     signals.hand_to(supervisor)
     try:
         supervisor.start()
         if config.log_dir is not None:
             write_launch_json(config, specs, supervisor, Path(config.log_dir) / "launch.json")
-        return supervisor.wait(), supervisor.restart_reason
+        code = supervisor.wait()
+        return code, restart_reason(code, supervisor, live=on_lost is not None)
     finally:
         signals.take_back()
         supervisor.close()
 
 
-def _run_live(
+def restart_reason(code: int, supervisor: Supervisor, *, live: bool) -> str:
+    """Why relaunching from the newest checkpoint could help after the supervisor returned
+    ``code``, or "": with live morph when a live morph was impossible (EXIT_RESTART); without it
+    when a worker failed or a host was lost -- not when a worker could not be started (it would
+    not start again) or a signal stopped the job."""
+    if live:
+        return supervisor.restart_reason if code == EXIT_RESTART else ""
+    if code != EXIT_WORKER_FAILED or supervisor.start_failed or supervisor.received_signals:
+        return ""
+    return supervisor.failure or "a worker failed"
+
+
+def _run_restarting(
     config: LaunchConfig,
     hosts: Sequence[Host],
-    signals: _ForwardedSignals,
+    signals: ForwardedSignals,
     stdout: TextIO | None,
     stderr: TextIO,
     progress: bool | None,
 ) -> int:
-    """Live morph (Note [Live morph supervision]): each launch gets a fresh rendezvous store the
-    launcher hosts; a launch that ends in EXIT_RESTART is relaunched whole, resuming from the newest
-    checkpoint, at most ``config.max_restarts`` times."""
+    """Launch; relaunch every worker after a failure a restart could fix, at most
+    ``config.restart_limit`` times, each resuming from the newest checkpoint. With live morph each
+    launch gets a fresh rendezvous store the launcher hosts and only EXIT_RESTART (a live morph was
+    impossible) relaunches (Note [Live morph supervision])."""
     from varuna.launch.live_store import LIVE_STORE_ENV, RESTARTS_ENV, LiveStore
 
-    for restarts in range(config.max_restarts + 1):
-        with LiveStore() as store:
-            env = {**config.worker_env, LIVE_STORE_ENV: store.address, RESTARTS_ENV: str(restarts)}
-            code, reason = _run_once(
-                dataclasses.replace(config, worker_env=env), hosts, signals, stdout, stderr, progress,
-                on_lost=store.declare_dead, frozen=store.frozen,
-            )
-        if code != EXIT_RESTART:
+    limit, events = config.restart_limit, EventLog(config.log_dir)
+    for restarts in range(limit + 1):
+        with contextlib.ExitStack() as stack:
+            env, live = dict(config.worker_env), {}
+            if limit or config.live_morph:
+                env[RESTARTS_ENV] = str(restarts)
+            if config.live_morph:
+                store = stack.enter_context(LiveStore())
+                env[LIVE_STORE_ENV] = store.address
+                live = {"on_lost": store.declare_dead, "frozen": store.frozen}
+            word = "job failed" if restarts == limit else f"launch {restarts + 1} failed"
+            code, reason = _run_once(dataclasses.replace(config, worker_env=env), hosts, signals, stdout,
+                                     stderr, progress, failure_word=word, **live)
+        if not reason:
             return code
-        if signals.stop_requested():  # a stop asked while the workers exited: no relaunch
-            signum = signals.pending[0]
-            _say(stderr, f"live morph impossible ({reason}); received {signal.Signals(signum).name}: not"
-                         " restarting")
-            return EXIT_OK if signum == signal.SIGUSR1 else 128 + signum
-        if restarts == config.max_restarts:
-            _say(stderr, f"job failed: live morph impossible ({reason}) and no restart left"
-                         f" (--max-restarts {config.max_restarts})")
+        stopped = stop_before_restart(signals, stderr, reason, live=config.live_morph)
+        if stopped is not None:
+            return stopped
+        if restarts == limit:
+            if config.live_morph:
+                _say(stderr, f"job failed: live morph impossible ({reason}) and no restart left"
+                             f" (--max-restarts {limit})")
+            events.record("job-failed", cause=reason, attempt=restarts + 1)
             return EXIT_WORKER_FAILED
-        _say(stderr, f"live morph impossible ({reason}); fallback: restarting all {config.world_size}"
-                     f" workers from the newest checkpoint (restart {restarts + 1} of {config.max_restarts})")
+        what = "restarting"
+        if config.live_morph:
+            what = f"live morph impossible ({reason}); fallback: restarting"
+        _say(stderr, f"{what} all {config.world_size} workers from the newest checkpoint (restart"
+                     f" {restarts + 1} of {limit})")
+        events.record("restart", attempt=restarts + 1, of=limit, reason=reason, P=config.pipeline_depth,
+                      D=config.data_parallel)
     raise AssertionError("unreachable")  # the loop returns on its last round
+
+
+def stop_before_restart(signals: ForwardedSignals, stderr: TextIO, reason: str, *, live: bool) -> int | None:
+    """The exit code when a stop signal came while the workers exited (no relaunch then), else None."""
+    if not signals.stop_requested():
+        return None
+    signum = signals.pending[0]
+    what = f"live morph impossible ({reason})" if live else reason
+    _say(stderr, f"{what}; received {signal.Signals(signum).name}: not restarting")
+    return EXIT_OK if signum == signal.SIGUSR1 else 128 + signum
 
 
 def _say(stderr: TextIO, text: str) -> None:
@@ -345,6 +388,19 @@ def default_pythonpath(environ: Mapping[str, str] | None = None) -> list[str]:
     return list(dict.fromkeys([root, *extra]))
 
 
+@dataclasses.dataclass
+class HostsAttempt:
+    """How one launch on a set of hosts ended (:func:`attempt_on_hosts`)."""
+
+    code: int
+    """The launcher's exit code for this launch."""
+    lost: list[HostEntry] = dataclasses.field(default_factory=list)
+    """Hosts that went silent, whose agent vanished, or whose agent could not start."""
+    restart_reason: str = ""
+    """Why relaunching could help ("" when it could not: success, a signal, a worker that could
+    not be started)."""
+
+
 def launch_on_hosts(
     config: LaunchConfig,
     entries: Sequence[HostEntry],
@@ -354,13 +410,18 @@ def launch_on_hosts(
     unreachable: Sequence[tuple[HostEntry, str]] = (),
     pythonpath: Sequence[str] | None = None,
     heartbeat_timeout_s: float | None = None,
+    host_timeout_s: float = SILENCE_TIMEOUT_S,
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
     progress: bool | None = False,
 ) -> int:
     """Run the job on ``entries`` (:class:`varuna.launch.hosts.HostEntry`, slots assigned) through one
     agent per host; return the launcher's exit code. The hosts must hold ``config.world_size``
-    workers; the caller has probed them (:func:`varuna.launch.ssh.probe_hosts`).
+    workers; the caller has probed them (:func:`varuna.launch.ssh.probe_hosts`). A host whose
+    agent says nothing for ``host_timeout_s`` is declared silent and its workers lost (Note
+    [Silent hosts] in :mod:`varuna.launch.protocol`); with ``config.live_morph`` the survivors
+    regroup (the launcher hosts their store). One launch: relaunching on what is left is
+    :func:`varuna.launch.recovery.run_with_restarts`'s.
 
     Signals are handled as in :func:`launch` (called from the main thread), including while the
     agents start. Every exit path closes every agent: each kills what is left of its workers.
@@ -373,15 +434,43 @@ def launch_on_hosts(
         >>> launch_on_hosts(cfg, parse_hosts_arg("localhost slots=2,localhost slots=2"))  # doctest: +SKIP
         0
     """
+    check_before_agents(config, entries)
+    with ForwardedSignals() as signals:
+        return attempt_on_hosts(
+            config, entries, signals, ssh=ssh, job_id=job_id, unreachable=unreachable, pythonpath=pythonpath,
+            heartbeat_timeout_s=heartbeat_timeout_s, host_timeout_s=host_timeout_s, stdout=stdout,
+            stderr=stderr, progress=progress,
+        ).code
+
+
+def attempt_on_hosts(
+    config: LaunchConfig,
+    entries: Sequence[HostEntry],
+    signals: ForwardedSignals,
+    *,
+    ssh: SshOptions | None = None,
+    job_id: str | None = None,
+    unreachable: Sequence[tuple[HostEntry, str]] = (),
+    pythonpath: Sequence[str] | None = None,
+    heartbeat_timeout_s: float | None = None,
+    host_timeout_s: float = SILENCE_TIMEOUT_S,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+    progress: bool | None = False,
+    events: EventLog | None = None,
+    failure_word: str = "job failed",
+) -> HostsAttempt:
+    """One launch of :func:`launch_on_hosts` with the caller's signal handling, telling also
+    which hosts were lost and whether a relaunch could help (``config`` checked already)."""
     stderr = stderr if stderr is not None else sys.stderr
     out_lock = threading.Lock()
+    events = events or EventLog(config.log_dir)
 
     def message(text: str) -> None:
         with out_lock, contextlib.suppress(OSError, ValueError):
             stderr.write(f"{PROG}: {text}\n")
             stderr.flush()
 
-    _check_before_agents(config, entries)
     job_id = job_id or new_job_id()
     agent_host = functools.partial(
         AgentHost,
@@ -390,17 +479,22 @@ def launch_on_hosts(
         python=config.python,
         pythonpath=default_pythonpath() if pythonpath is None else pythonpath,
         heartbeat_timeout_s=heartbeat_timeout_s,
+        silence_timeout_s=host_timeout_s,
         message=message,
+        event=events,
     )
     hosts = [agent_host(entry, host_id) for host_id, entry in enumerate(entries)]
     supervisor: Supervisor | None = None
-    with _ForwardedSignals() as signals:  # queued until the supervisor exists
+    with contextlib.ExitStack() as stack:
         try:
             stopped = _start_agents(hosts, signals, message, progress, stderr)
             if stopped is not None:
-                return stopped
+                return HostsAttempt(stopped)
             port = config.master_port or hosts[0].free_port
             assert port is not None  # set by wait_ready
+            live: dict[str, Callable] = {}
+            if config.live_morph:
+                config, live = _live_store_for(config, hosts, stack)
             specs = plan_workers(config, hosts, master_port=port, cwd=os.getcwd())
             supervisor = Supervisor(
                 specs,
@@ -411,21 +505,51 @@ def launch_on_hosts(
                 log_dir=config.log_dir,
                 out_lock=out_lock,
                 progress=progress,
+                failure_word=failure_word,
+                **live,
             )
             signals.hand_to(supervisor)
             supervisor.start()
             if config.log_dir is not None:
                 extra = {"job_id": job_id, **record_of(hosts, unreachable)}
                 write_launch_json(config, specs, supervisor, Path(config.log_dir) / "launch.json", extra)
-            return supervisor.wait()
+            code = supervisor.wait()
+            return _attempt_outcome(code, supervisor, hosts, config.live_morph)
         except AgentError as exc:
             message(f"job failed: {exc}")
-            return EXIT_WORKER_FAILED
+            failed = [h.entry for h in hosts if h.agent_pid is None]
+            return HostsAttempt(EXIT_WORKER_FAILED, failed, str(exc) if failed else "")
         finally:
+            signals.take_back()
             _close_all(supervisor, hosts)
 
 
-def _check_before_agents(config: LaunchConfig, entries: Sequence[HostEntry]) -> None:
+def _live_store_for(
+    config: LaunchConfig, hosts: Sequence[AgentHost], stack: contextlib.ExitStack
+) -> tuple[LaunchConfig, dict[str, Callable]]:
+    """The live run's store (Note [Live morph supervision]), on this machine's address towards the
+    rendezvous host so that every host's workers reach it; the config and supervisor hooks for it."""
+    from varuna.launch.live_store import LIVE_STORE_ENV, LiveStore
+
+    master = config.master_addr or hosts[0].address
+    try:
+        where = source_address(master)
+    except OSError as exc:
+        raise AgentError(f"cannot tell this machine's address towards {master} for the live store:"
+                         f" {exc}") from exc
+    store = stack.enter_context(LiveStore(host=where))
+    config = dataclasses.replace(config, worker_env={**config.worker_env, LIVE_STORE_ENV: store.address})
+    return config, {"on_lost": store.declare_dead, "frozen": store.frozen}
+
+
+def _attempt_outcome(
+    code: int, supervisor: Supervisor, hosts: Sequence[AgentHost], live: bool
+) -> HostsAttempt:
+    lost = [h.entry for h in hosts if h.lost]
+    return HostsAttempt(code, lost, restart_reason(code, supervisor, live=live))
+
+
+def check_before_agents(config: LaunchConfig, entries: Sequence[HostEntry]) -> None:
     """What can be refused (ValueError, one line) before any agent or worker starts."""
     if not entries:
         raise ValueError("no hosts to run workers on")
@@ -439,7 +563,7 @@ def _check_before_agents(config: LaunchConfig, entries: Sequence[HostEntry]) -> 
 
 def _start_agents(
     hosts: Sequence[AgentHost],
-    signals: _ForwardedSignals,
+    signals: ForwardedSignals,
     message: Callable[[str], None],
     progress: bool | None,
     stderr: TextIO,

@@ -17,7 +17,7 @@ Command line::
 This module is the command line only; the pieces it drives: :func:`varuna.launch.layout.resolve_layout`
 picks P×D (auto-config from a calibration when P is not given) and the run plan every worker
 gets; :func:`varuna.launch.job.launch` runs the job here, and with ``--hosts``
-:func:`varuna.launch.job.launch_on_hosts` runs it through per-host agents after the host entries
+:func:`varuna.launch.recovery.run_with_restarts` runs it through per-host agents after the host entries
 are validated (:mod:`varuna.launch.hosts`) and the ssh hosts probed (:mod:`varuna.launch.ssh`).
 
 Exit codes: 0 all workers exited 0; 1 a worker failed or the job could not start; 2 bad usage;
@@ -28,18 +28,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import math
 import os
 import re
 import sys
 
 from varuna.core.batching import microbatch_counts
-from varuna.core.cli import OneLineParser
-from varuna.core.schedule import SCHEDULE_KINDS, chunks_problem, schedule_kind
+from varuna.core.cli import OneLineParser, add_planning_args, positive_int
+from varuna.core.planning import PlanRequest
+from varuna.core.schedule import DEFAULT_SCHEDULE, SCHEDULE_KINDS, chunks_problem, schedule_kind
 from varuna.launch.hosts import HostEntry, assign_slots, check_types, parse_hosts_arg, select_hosts
-from varuna.launch.job import check_hosts_capacity, check_local_script, launch, launch_on_hosts
+from varuna.launch.job import check_hosts_capacity, check_local_script, launch
 from varuna.launch.layout import LAYOUT_REQUIRED, Layout, resolve_layout
 from varuna.launch.mixed import parse_type_speeds, place_ranks, plan_cluster
 from varuna.launch.procs import is_loopback
+from varuna.launch.protocol import SILENCE_TIMEOUT_S
+from varuna.launch.recovery import CannotPlace, Placement, run_with_restarts
 from varuna.launch.spec import (
     MAX_PROCS_PER_HOST_CEILING,
     LaunchConfig,
@@ -91,7 +96,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _add_placement_args(parser: argparse.ArgumentParser) -> None:
     where = parser.add_argument_group("where the workers run (one of)")
-    where.add_argument("--procs", type=int, default=None, metavar="N", help="N workers on this machine")
+    where.add_argument(
+        "--procs", type=positive_int, default=None, metavar="N", help="N workers on this machine"
+    )
     where.add_argument(
         "--hosts",
         default=None,
@@ -121,43 +128,22 @@ def _add_placement_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_layout_args(parser: argparse.ArgumentParser) -> None:
     layout = parser.add_argument_group("layout (P×D given, or chosen by the simulator's auto-config)")
-    layout.add_argument("--pipeline-depth", type=int, default=None, metavar="P", help="pipeline stages")
+    # P and D are checked here, where the user gives them (positive_int), and nowhere after.
+    layout.add_argument(
+        "--pipeline-depth", type=positive_int, default=None, metavar="P", help="pipeline stages"
+    )
     layout.add_argument(
         "--data-parallel",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="D",
         help="replicas per stage (default: N // P, or as many as the hosts' slots hold)",
     )
-    layout.add_argument(
-        "--calibration", default=None, metavar="FILE", help="calibration JSON: pick P×D with auto-config"
-    )
-    layout.add_argument(
-        "--global-batch-size",
-        type=int,
-        default=None,
-        metavar="M",
-        help="mini-batch size auto-config plans for; every worker's script must use it"
-        " (VARUNA_GLOBAL_BATCH_SIZE)",
-    )
-    layout.add_argument(
-        "--schedule",
-        default=None,
-        choices=SCHEDULE_KINDS,
-        help="pipeline schedule auto-config plans for (default varuna); when given, or when auto-config"
-        " planned for it, every worker's script must use it (VARUNA_SCHEDULE)",
-    )
-    layout.add_argument(
-        "--chunks",
-        type=int,
-        default=None,
-        metavar="V",
-        help="model chunks per process for the interleaved schedules (--schedule interleaved or"
-        " varuna-interleaved; V >= 2, the model then needs P·V - 1 cut-points): every worker's engine"
-        " runs with it (VARUNA_CHUNKS); docs/interleaved.md",
-    )
-    layout.add_argument(
-        "--gpu-memory-gib", type=float, default=None, metavar="GIB", help="accelerator memory for auto-config"
+    # The options auto-config shares with varuna-simulate; the planned ones reach every worker in
+    # its run plan, where a script that leaves them unset gets them (Note [Run plan]).
+    add_planning_args(
+        parser, title="the job's plan (auto-config with --calibration; every worker gets it)",
+        schedules=SCHEDULE_KINDS,
     )
 
 
@@ -201,14 +187,16 @@ def _add_job_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a lost worker does not stop the job: the survivors regroup in their processes and go on"
         " (docs/live_morph.md; the script must use varuna.runtime.live_morph); when a stage lost every"
-        " replica, the job restarts from its newest checkpoint. Needs --checkpoint-dir and --procs",
+        " replica, the job restarts from its newest checkpoint. Needs --checkpoint-dir",
     )
     parser.add_argument(
         "--max-restarts",
         type=int,
-        default=3,
+        default=None,
         metavar="N",
-        help="with --live-morph: restarts from a checkpoint allowed before the job fails (default 3)",
+        help="relaunch after a failed worker or a lost host (on the hosts still reachable, P×D planned"
+        " again), resuming from the newest checkpoint, at most N times (default 0; 3 with --live-morph,"
+        " where only a stage that lost every replica restarts). Needs --checkpoint-dir",
     )
     parser.add_argument(
         "--tensorboard-dir",
@@ -273,6 +261,15 @@ def _add_ssh_args(parser: argparse.ArgumentParser) -> None:
     )
     remote.add_argument(
         "--job-id", default=None, metavar="ID", help="names the agents' command lines (default: random)"
+    )
+    remote.add_argument(
+        "--host-timeout",
+        type=float,
+        default=SILENCE_TIMEOUT_S,
+        metavar="S",
+        help="a host whose agent says nothing for S seconds (a partition, a dead VM) is declared silent"
+        " and its ranks lost; its agent stops its workers after the same silence"
+        f" (default {SILENCE_TIMEOUT_S:g})",
     )
 
 
@@ -343,8 +340,9 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
     problem = _chunks_problem(args)
     if problem is not None:
         return problem
-    if args.live_morph and args.hosts is not None:
-        return "--live-morph runs with --procs N (this machine) for now; several hosts: use varuna-manager"
+    if args.max_restarts and args.checkpoint_dir is None:
+        return (f"--max-restarts {args.max_restarts} needs --checkpoint-dir DIR: a restart resumes from the"
+                " newest checkpoint there")
     if args.live_morph and args.checkpoint_dir is None:
         return ("--live-morph needs --checkpoint-dir DIR: when a stage loses every replica the job restarts"
                 " from its newest checkpoint there")
@@ -354,13 +352,13 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
 def _chunks_problem(args: argparse.Namespace, pipeline_depth: int | None = None) -> str | None:
     """``--chunks`` against ``--schedule``, the pipeline depth (given, or chosen by auto-config)
     and ``--auto-cutpoints`` (the most cut-points the model will have), or None."""
-    if args.chunks is None and not schedule_kind(args.schedule or "varuna").chunked:
+    if args.chunks is None and not schedule_kind(args.schedule or DEFAULT_SCHEDULE).chunked:
         return None
     if args.live_morph and (args.chunks or 1) > 1:
         return (f"--live-morph does not carry interleaved stages (--chunks {args.chunks}) yet; drop "
                 "--live-morph (a lost worker then restarts the job from its checkpoint) or --chunks")
     return chunks_problem(
-        args.schedule or "varuna",
+        args.schedule or DEFAULT_SCHEDULE,
         args.chunks if args.chunks is not None else 1,
         pipeline_depth=pipeline_depth if pipeline_depth is not None else args.pipeline_depth,
         max_cutpoints=args.auto_cutpoints,
@@ -409,8 +407,12 @@ def _worker_env_from_args(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-def _gpu_memory_bytes(args: argparse.Namespace) -> int | None:
-    return None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * 2**30)
+def _plan_request(args: argparse.Namespace) -> PlanRequest | None:
+    """What auto-config plans (:class:`varuna.core.planning.PlanRequest`; the hosts' slots are
+    filled in by ``resolve_layout``), or None without ``--calibration``."""
+    if args.calibration is None:
+        return None
+    return PlanRequest.from_args(args)
 
 
 def _local_layout(args: argparse.Namespace) -> Layout:
@@ -418,17 +420,9 @@ def _local_layout(args: argparse.Namespace) -> Layout:
     if args.pipeline_depth is not None:
         data_parallel = resolve_data_parallel(args.procs, args.pipeline_depth, args.data_parallel)
         return Layout(pipeline_depth=args.pipeline_depth, data_parallel=data_parallel)
-    if args.procs < 1:
-        raise ValueError(f"--procs must be >= 1, got {args.procs}")
     return resolve_layout(
-        slots=[args.procs],
-        data_parallel=args.data_parallel,
-        calibration=args.calibration,
-        global_batch_size=args.global_batch_size,
-        gpu_memory_bytes=_gpu_memory_bytes(args),
-        schedule=args.schedule or "varuna",
+        slots=[args.procs], data_parallel=args.data_parallel, request=_plan_request(args),
         progress=_progress(args),
-        chunks=args.chunks or 1,
     )
 
 
@@ -443,7 +437,8 @@ def _with_layout(config: LaunchConfig, layout: Layout, args: argparse.Namespace)
     if layout.note:
         print(f"{PROG}: {layout.note}", file=sys.stderr, flush=True)
     plan = layout.run_plan(
-        global_batch_size=args.global_batch_size, schedule=args.schedule, chunks=args.chunks
+        global_batch_size=args.global_batch_size, schedule=args.schedule, chunks=args.chunks,
+        micro_batch_size=args.micro_batch_size,
     )
     problem = _chunks_problem(args, layout.pipeline_depth)  # P chosen by auto-config is known now
     if problem is not None:
@@ -483,6 +478,8 @@ def _main_hosts(args: argparse.Namespace, config: LaunchConfig) -> int:
     if any(e.is_local for e in entries):
         check_local_script(config)
 
+    if not math.isfinite(args.host_timeout) or args.host_timeout <= 0:
+        raise ValueError(f"--host-timeout must be > 0 seconds, got {args.host_timeout}")
     reachable, unreachable = probe_hosts(entries, ssh)
     for entry, why in unreachable:
         _say(f"host {entry.display} ({entry.origin}) is unreachable, leaving it out: {why}")
@@ -490,58 +487,46 @@ def _main_hosts(args: argparse.Namespace, config: LaunchConfig) -> int:
     if not reachable:
         _say(f"cannot launch: no host is reachable{left_out}")
         return EXIT_WORKER_FAILED
-    if speeds is not None and args.data_parallel is None and args.calibration and args.global_batch_size:
-        # Auto-config on hosts of several types: the mixed planner picks P×D, m, the map, the shares.
-        try:
-            layout, used, config = _place_by_type(None, reachable, speeds, config, args)
-        except ValueError as exc:
-            _say(f"cannot launch: {exc}{left_out}")
-            return EXIT_WORKER_FAILED
-        return _launch_hosts(args, config, layout, used, ssh, unreachable)
-    try:
-        layout = resolve_layout(
-            slots=[e.slots or 0 for e in reachable],
-            pipeline_depth=args.pipeline_depth,
-            data_parallel=args.data_parallel,
-            calibration=args.calibration,
-            global_batch_size=args.global_batch_size,
-            gpu_memory_bytes=_gpu_memory_bytes(args),
-            schedule=args.schedule or "varuna",
-            progress=_progress(args),
-            chunks=args.chunks or 1,
-        )
-    except ValueError as exc:
-        _say(f"cannot launch: {exc}{left_out}")
-        return EXIT_WORKER_FAILED
-    if speeds is not None:
-        try:
-            layout, used, config = _place_by_type(layout, reachable, speeds, config, args)
-        except ValueError as exc:
-            _say(f"cannot launch: {exc}{left_out}")
-            return EXIT_WORKER_FAILED
-    else:
-        used = select_hosts(reachable, layout.pipeline_depth * layout.data_parallel)
-    return _launch_hosts(args, config, layout, used, ssh, unreachable)
+    plan = functools.partial(_plan_hosts, args, config, speeds, left_out)
+    return run_with_restarts(
+        config, reachable, plan, ssh=ssh, job_id=args.job_id, unreachable=unreachable,
+        host_timeout_s=args.host_timeout, progress=_progress(args),
+    )
 
 
-def _launch_hosts(
+def _plan_hosts(
     args: argparse.Namespace,
     config: LaunchConfig,
-    layout: Layout,
-    used: list[HostEntry],
-    ssh: SshOptions,
-    unreachable: list[tuple[HostEntry, str]],
-) -> int:
-    """Start the agents on ``used`` for ``layout`` (the run plan in every worker's environment)."""
+    speeds: dict[str, float] | None,
+    left_out: str,
+    reachable: list[HostEntry],
+) -> Placement:
+    """P×D and placement for ``reachable`` (at start, and again for what is left after a lost
+    host: Note [Restarts on hosts] in varuna/launch/recovery.py). ``CannotPlace`` when they
+    cannot hold the job; another ``ValueError`` for a usage error."""
+    try:
+        if speeds is not None and args.data_parallel is None and args.calibration and args.global_batch_size:
+            # Auto-config on hosts of several types: the mixed planner picks P×D, m, the map, the shares.
+            layout, used, config = _place_by_type(None, reachable, speeds, config, args)
+        else:
+            layout = resolve_layout(
+                slots=[e.slots or 0 for e in reachable],
+                pipeline_depth=args.pipeline_depth,
+                data_parallel=args.data_parallel,
+                request=_plan_request(args),
+                progress=_progress(args),
+            )
+            if speeds is not None:
+                layout, used, config = _place_by_type(layout, reachable, speeds, config, args)
+            else:
+                used = select_hosts(reachable, layout.pipeline_depth * layout.data_parallel)
+    except ValueError as exc:
+        raise CannotPlace(f"{exc}{left_out}") from None
     config = _with_layout(config, layout, args)
     problem = _unreachable_master(config, used)
     if problem is not None:
-        _say(f"cannot launch: {problem}")
-        return EXIT_WORKER_FAILED
-    _say(_placement_line(config, used))
-    return launch_on_hosts(
-        config, used, ssh=ssh, job_id=args.job_id, unreachable=unreachable, progress=_progress(args)
-    )
+        raise CannotPlace(problem)
+    return Placement(config, used, _placement_line(config, used))
 
 
 def _type_speeds(args: argparse.Namespace, entries: list[HostEntry]) -> dict[str, float] | None:
@@ -598,9 +583,9 @@ def _place_by_type(
         micro_batch_size=layout.micro_batch_size if layout is not None else None,
         pipeline_depth=layout.pipeline_depth if layout is not None else args.pipeline_depth,
         data_parallel=layout.data_parallel if layout is not None else None,
-        schedule=args.schedule or "varuna",
+        schedule=args.schedule or DEFAULT_SCHEDULE,
         host_slots=max(e.slots or 1 for e in reachable),
-        gpu_memory_bytes=_gpu_memory_bytes(args),
+        gpu_memory_bytes=args.gpu_memory,
     )
     placed = place_ranks(plan, [(e.vm_type or "", e.slots or 0) for e in reachable])
     order = list(dict.fromkeys(placed))  # hosts in order of their first rank: rank 0's is host 0
@@ -612,7 +597,7 @@ def _place_by_type(
             data_parallel=plan.data_parallel,
             micro_batch_size=plan.micro_batch_size,
             stage_ranges=plan.stage_ranges,
-            schedule=args.schedule or "varuna",
+            schedule=args.schedule or DEFAULT_SCHEDULE,
             note=f"auto-config for mixed VM types: {plan.explanation}",
         )
     else:

@@ -2,11 +2,12 @@
 auto-config from a calibration (:func:`resolve_layout`), and the run plan exported to every
 worker (:meth:`Layout.run_plan`, a :class:`varuna.core.env.RunPlan`).
 
-Auto-config (``--calibration FILE --global-batch-size M``, P not given) plans for a schedule kind
-(``--schedule``, default ``varuna``) and also picks the micro-batch size m and the
-segment→stage map; the workers' engine adopts both and refuses to start when the script's own
-global batch or schedule differs from the one planned for (Note [Run plan] in
-:mod:`varuna.core.env`).
+Auto-config (``--calibration FILE --global-batch-size M``, P not given: a
+:class:`varuna.core.planning.PlanRequest`) plans for a schedule kind (``--schedule``, default
+``varuna``) and also picks the micro-batch size m (unless ``--micro-batch-size`` fixes it) and the
+segment→stage map. Every worker's engine applies the plan rule (Note [Run plan] in
+:mod:`varuna.core.env`): a field the script leaves unset takes the plan's value, a different one is
+refused in one line.
 
 Example::
 
@@ -19,10 +20,13 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from varuna.core.env import RunPlan
+from varuna.core.planning import PlanRequest
+from varuna.core.schedule import schedule_kind
 
 __all__ = ["LAYOUT_REQUIRED", "Layout", "auto_configure", "resolve_layout"]
 
@@ -40,7 +44,8 @@ class Layout:
 
         >>> resolve_layout(slots=[2, 2, 1], pipeline_depth=2)  # doctest: +NORMALIZE_WHITESPACE
         Layout(pipeline_depth=2, data_parallel=2, micro_batch_size=None, stage_ranges=None,
-               schedule=None, replica_shares=None, stage_speeds=None, note='')
+               schedule=None, replica_shares=None, stage_speeds=None, recompute=None,
+               shard_optimizer=None, note='')
     """
 
     pipeline_depth: int
@@ -55,16 +60,25 @@ class Layout:
     """Micro-batches per replica on hosts of mixed VM types (``VARUNA_REPLICA_SHARES``), else None."""
     stage_speeds: tuple[float, ...] | None = None
     """Relative speed of each stage's VM type (``VARUNA_STAGE_SPEEDS``), else None."""
+    recompute: bool | None = None
+    """Recompute as auto-config chose it with the schedule (``VARUNA_RECOMPUTE``), else None."""
+    shard_optimizer: bool | None = None
+    """Sharded optimizer state as auto-config chose it (``VARUNA_SHARD_OPTIMIZER``), else None."""
     note: str = ""
     """How auto-config chose it, for the launcher's log."""
 
     def run_plan(
-        self, *, global_batch_size: int | None = None, schedule: str | None = None, chunks: int | None = None
+        self,
+        *,
+        global_batch_size: int | None = None,
+        schedule: str | None = None,
+        chunks: int | None = None,
+        micro_batch_size: int | None = None,
     ) -> RunPlan:
-        """The plan every worker gets: ``global_batch_size``, ``schedule`` and ``chunks`` (model
-        chunks per process, interleaved kinds) as the user gave them (the schedule auto-config
-        planned for when none is given), m and the stage ranges when auto-config chose them;
-        ``None`` fields are not exported.
+        """The plan every worker gets: ``global_batch_size``, ``schedule``, ``chunks`` (model
+        chunks per process, interleaved kinds) and ``micro_batch_size`` as the user gave them (the
+        schedule and m auto-config planned for when none is given), the stage ranges when
+        auto-config chose them; ``None`` fields are not exported.
 
         Example::
 
@@ -74,29 +88,22 @@ class Layout:
         """
         return RunPlan(
             global_batch_size=global_batch_size,
-            micro_batch_size=self.micro_batch_size,
+            micro_batch_size=micro_batch_size if micro_batch_size is not None else self.micro_batch_size,
             schedule=schedule if schedule is not None else self.schedule,
             chunks=chunks,
             stage_ranges=self.stage_ranges,
             replica_shares=self.replica_shares,
             stage_speeds=self.stage_speeds,
+            recompute=self.recompute,
+            shard_optimizer=self.shard_optimizer,
         )
 
 
-def auto_configure(
-    calibration: str,
-    *,
-    gpus: int,
-    global_batch_size: int,
-    host_slots: Sequence[int],
-    gpu_memory_bytes: int | None = None,
-    schedule: str = "varuna",
-    progress: bool | None = False,
-    chunks: int = 1,
-) -> Layout:
-    """The simulator's fastest P×D (and m) for ``gpus`` accelerators running ``schedule``
-    (``simulator.autoconfig``; ``chunks`` model chunks per process for the interleaved kinds, whose
-    stage ranges are then P·chunks virtual stages); ``progress``: its progress bar
+def auto_configure(request: PlanRequest, *, progress: bool | None = False) -> Layout:
+    """The simulator's fastest P×D (and m, and the stage ranges) for ``request`` (a
+    :class:`varuna.core.planning.PlanRequest`: G accelerators on hosts with their slots, running
+    its schedule; with ``chunks`` model chunks per process for the interleaved kinds, whose stage
+    ranges are then P·chunks virtual stages); ``progress``: its progress bar
     (``varuna.core.progress``).
 
     The simulator is imported here, not at module load: the launcher must work on hosts where
@@ -104,38 +111,31 @@ def auto_configure(
     auto-config's reason when nothing fits (e.g. the smallest P that fits in memory exceeds G).
     """
     try:
-        from simulator.autoconfig import autoconfigure
+        from simulator.autoconfig import autoconfigure_request
     except ImportError as exc:
         raise ValueError(
             f"--calibration needs the simulator (simulator/autoconfig.py), which cannot be imported here"
             f" ({exc}); give --pipeline-depth P instead"
         ) from None
-    from varuna.core.calibration import Calibration
-
-    try:
-        cal = Calibration.load(calibration)
-    except OSError as exc:
-        raise ValueError(f"cannot read calibration {calibration!r}: {exc.strerror or exc}") from None
-    result = autoconfigure(
-        cal,
-        gpus=gpus,
-        global_batch_size=global_batch_size,
-        gpu_memory_bytes=gpu_memory_bytes,
-        host_slots=tuple(host_slots),
-        schedule=schedule,
-        chunks=chunks,
-        progress=progress,
-    )
+    result = autoconfigure_request(request, progress=progress)
     best = result.best
+    cfg = best.config
     speed = f", simulated {best.examples_per_s:.3g} examples/s" if best.examples_per_s else ""
+    kind = schedule_kind(cfg.schedule)
+    chosen = kind.label(recompute=cfg.recompute, chunks=cfg.chunks) + (
+        " + sharded optimizer state" if cfg.shard_optimizer else "")
     return Layout(
         pipeline_depth=best.num_stages,
         data_parallel=best.num_replicas,
         micro_batch_size=best.micro_batch_size,
         stage_ranges=tuple(tuple(r) for r in best.stage_segments),
-        schedule=schedule,
-        note=f"auto-config for G={gpus}: P={best.num_stages} D={best.num_replicas}"
-        f" m={best.micro_batch_size}{speed}",
+        schedule=cfg.schedule,
+        # Planned only where auto-config chose them (Note [Joint plan]); a given value stays the
+        # script's or the engine's default.
+        recompute=cfg.recompute if request.recompute is None and kind.recompute_optional else None,
+        shard_optimizer=cfg.shard_optimizer if request.shard_optimizer is None else None,
+        note=f"auto-config for G={request.gpus}: P={best.num_stages} D={best.num_replicas}"
+        f" m={best.micro_batch_size}, {chosen}{speed}",
     )
 
 
@@ -144,17 +144,14 @@ def resolve_layout(
     slots: Sequence[int],
     pipeline_depth: int | None = None,
     data_parallel: int | None = None,
-    calibration: str | None = None,
-    global_batch_size: int | None = None,
-    gpu_memory_bytes: int | None = None,
-    schedule: str = "varuna",
+    request: PlanRequest | None = None,
     progress: bool | None = False,
-    chunks: int = 1,
 ) -> Layout:
     """P×D for the available ``slots`` (one count per host): P and D as given; P given, D the
-    most replicas that fit; or neither, from auto-config on ``calibration`` planning for
-    ``schedule`` with ``chunks`` (``progress``: its bar, see :func:`auto_configure`). ``ValueError`` says why
-    nothing fits.
+    most replicas that fit; or neither, from auto-config on ``request`` (a
+    :class:`~varuna.core.planning.PlanRequest` with a calibration, planned for these hosts;
+    ``progress``: its bar, see :func:`auto_configure`). P and D were checked where they were
+    given (the command line, ``PlanRequest``); ``ValueError`` says why nothing fits.
 
     Example::
 
@@ -165,8 +162,6 @@ def resolve_layout(
     """
     capacity = sum(slots)
     if pipeline_depth is not None:
-        if pipeline_depth < 1:
-            raise ValueError(f"--pipeline-depth must be >= 1, got {pipeline_depth}")
         if capacity < pipeline_depth:
             raise ValueError(
                 f"the hosts hold {capacity} slot(s), fewer than the {pipeline_depth} stages of"
@@ -174,8 +169,6 @@ def resolve_layout(
             )
         if data_parallel is None:
             return Layout(pipeline_depth=pipeline_depth, data_parallel=capacity // pipeline_depth)
-        if data_parallel < 1:
-            raise ValueError(f"--data-parallel must be >= 1, got {data_parallel}")
         if pipeline_depth * data_parallel > capacity:
             raise ValueError(
                 f"P={pipeline_depth} × D={data_parallel} needs {pipeline_depth * data_parallel} slots but the"
@@ -184,17 +177,7 @@ def resolve_layout(
         return Layout(pipeline_depth=pipeline_depth, data_parallel=data_parallel)
     if data_parallel is not None:
         raise ValueError("--data-parallel needs --pipeline-depth")
-    if calibration is None:
+    if request is None or request.calibration is None:
         raise ValueError(LAYOUT_REQUIRED)
-    if global_batch_size is None:
-        raise ValueError("--calibration needs --global-batch-size M (the mini-batch size to plan for)")
-    return auto_configure(
-        calibration,
-        gpus=capacity,
-        global_batch_size=global_batch_size,
-        host_slots=slots,
-        gpu_memory_bytes=gpu_memory_bytes,
-        schedule=schedule,
-        progress=progress,
-        chunks=chunks,
-    )
+    return auto_configure(dataclasses.replace(request, gpus=capacity, host_slots=tuple(slots)),
+                          progress=progress)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from varuna.core.batching import proportional_shares
 from varuna.core.calibration import Calibration, VmType
-from varuna.core.schedule import schedule_kind
+from varuna.core.schedule import DEFAULT_SCHEDULE, schedule_kind
 
 __all__ = [
     "TYPE_NAME_RE",
@@ -266,7 +266,7 @@ def plan_cluster(
     micro_batch_size: int | None = None,
     pipeline_depth: int | None = None,
     data_parallel: int | None = None,
-    schedule: str = "varuna",
+    schedule: str = DEFAULT_SCHEDULE,
     host_slots: int = 1,
     gpu_memory_bytes: int | None = None,
 ) -> MixedPlan:

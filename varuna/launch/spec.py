@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import IO, Protocol
 
 from varuna.core.env import CONTRACT_VARS, PASSTHROUGH_PREFIX, WorkerEnv, is_passthrough
+from varuna.core.planning import check_count
 
 __all__ = [
     "MAX_PROCS_PER_HOST_CEILING",
@@ -123,16 +124,16 @@ class LaunchConfig:
     live_morph: bool = False
     """A lost worker does not stop the job: the survivors regroup in their processes
     (docs/live_morph.md); when that is impossible the job restarts from its newest checkpoint."""
-    max_restarts: int = 3
-    """With ``live_morph``: how many times the job may restart from a checkpoint."""
+    max_restarts: int | None = None
+    """How many times the job may be relaunched from its newest checkpoint after a failure
+    (``--max-restarts``, torchrun's word); None: 3 with ``live_morph``, else 0."""
 
     def __post_init__(self) -> None:
         if not self.script:
             raise ValueError("no script given; pass the training script (or -m MODULE) to run")
-        if self.pipeline_depth < 1:
-            raise ValueError(f"--pipeline-depth must be >= 1, got {self.pipeline_depth}")
-        if self.data_parallel < 1:
-            raise ValueError(f"--data-parallel must be >= 1, got {self.data_parallel}")
+        # The launcher's command line checked them (positive_int); a library caller gets the same check.
+        check_count("--pipeline-depth", self.pipeline_depth)
+        check_count("--data-parallel", self.data_parallel)
         if self.master_port is not None and not 0 <= self.master_port < 65536:
             raise ValueError(f"--master-port {self.master_port} is not a TCP port; use 1..65535 or 0 for any")
         if not math.isfinite(self.stop_timeout_s) or self.stop_timeout_s < 0:
@@ -142,7 +143,7 @@ class LaunchConfig:
             raise ValueError(
                 f"--max-procs-per-host must be 1..{MAX_PROCS_PER_HOST_CEILING}, got {self.max_procs_per_host}"
             )
-        if self.max_restarts < 0:
+        if self.max_restarts is not None and self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         bad = sorted(set(self.worker_env) & set(CONTRACT_VARS))
         if bad:
@@ -160,6 +161,13 @@ class LaunchConfig:
                     f" {self.world_size} ranks, rank 0 on host 0 (the rendezvous address)"
                 )
             self.rank_hosts = tuple(int(h) for h in hosts)
+
+    @property
+    def restart_limit(self) -> int:
+        """``max_restarts``, or its default (3 with live morph, else 0)."""
+        if self.max_restarts is not None:
+            return self.max_restarts
+        return 3 if self.live_morph else 0
 
     @property
     def world_size(self) -> int:
@@ -185,11 +193,7 @@ def resolve_data_parallel(num_procs: int, pipeline_depth: int, data_parallel: in
         ...
         ValueError: --procs 6 is not --pipeline-depth 4 × --data-parallel D for any D; use ...
     """
-    if num_procs < 1:
-        raise ValueError(f"--procs must be >= 1, got {num_procs}")
-    if pipeline_depth < 1:
-        raise ValueError(f"--pipeline-depth must be >= 1, got {pipeline_depth}")
-    if data_parallel is None:
+    if data_parallel is None:  # N, P (and D) >= 1: checked where given (the command line)
         if num_procs % pipeline_depth == 0:
             return num_procs // pipeline_depth
         below = (num_procs // pipeline_depth) * pipeline_depth

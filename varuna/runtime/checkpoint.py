@@ -1,32 +1,36 @@
 """Per-segment checkpoints that any P×D (and any micro-batch size) can load — paper §4.5.
 
-Every file is keyed by the original model's parameter names, never by stage-local indices, so a
-job that was preempted at 2×2 resumes at 4×1, 1×1 or anything else. Layout on disk (see
-docs/checkpoints.md for the manifest schema and the guarantees)::
+Every tensor is keyed by the original model's parameter names, never by stage-local indices, so a
+job that was preempted at 2×2 resumes at 4×1, 1×1 or anything else. What a step directory holds is
+its format's (Note [Checkpoint formats] in checkpoint_format.py; the default, ``"varuna"``, is
+per-segment ``torch.save`` shards and a ``manifest.json``: checkpoint_manifest.py, and
+docs/checkpoints.md for the schema and the guarantees); the :class:`Checkpointer` here owns when
+and with whom: scheduling, agreement across ranks, the host snapshot, the background copy,
+pruning::
 
     <checkpoint_dir>/step_00000300/
-        seg000-00.pt      params + name-keyed optimizer state of segment 0's own parameters
-        seg000-01.pt      segment 0's parameters that other segments also read (tied embedding)
-        seg001-00.pt      ...
-        manifest.json     written LAST, atomically: a checkpoint without it does not exist
+        ...               the format's files, each written by one replica of its stage
+        <commit file>     written LAST, atomically: a checkpoint without it does not exist
 
 How a save goes (Note [Save]): at a mini-batch boundary every rank agrees on a save id (one tiny
-all-reduce) and takes a host snapshot of the shard files assigned to it (:func:`plan_shards`: the
-D replicas of a stage split the stage's files) — the only part training waits for. A background
-thread serialises the snapshot to fast local disk (sha256 computed on the way), copies the files
-to the global store, fsyncs them and drops a small *marker* file. Rank 0's thread waits
-(bounded) for the markers of every writer, then writes the manifest (tmp + fsync +
-``os.replace``) and prunes old checkpoints. At most one save per rank is in flight.
+all-reduce) and takes a host snapshot of the files the format's plan assigns to it (the D
+replicas of a stage split the stage's files) — the only part training waits for. A background
+thread has the format serialise the snapshot to fast local disk, copies the files to the global
+store, fsyncs them and drops a small *marker* file. Rank 0's thread waits (bounded) for the
+markers of every writer, then has the format write its commit file (tmp + fsync + ``os.replace``)
+and prunes old checkpoints. At most one save per rank is in flight.
 
-How a load goes (Note [Load]): rank 0 lists the checkpoints that have a manifest, newest first,
-and broadcasts the list; each rank reads only the files holding its stage's parameters, checking
-size and sha256 and unpickling with ``torch.load(weights_only=True)``; one all-reduce agrees on
-the verdict, so every rank loads the same step or all skip it (with a warning naming the file).
+How a load goes (Note [Load]): rank 0 lists the complete checkpoints of every registered format,
+newest first, and broadcasts the list; each rank has the checkpoint's format read only what its
+stage holds, checked (for ``"varuna"``: size and sha256 of each file, unpickled with
+``torch.load(weights_only=True)``); one all-reduce agrees on the verdict, so every rank loads the
+same step or all skip it (with a warning naming the file).
 
 Example::
 
+    checkpoints = varuna.CheckpointConfig(dir="/mnt/blob/run1", every=100, resume="auto")
     engine = varuna.Engine(model, varuna.VarunaConfig(global_batch_size=32, micro_batch_size=4,
-                           checkpoint_dir="/mnt/blob/run1", checkpoint_every=100, resume="auto"),
+                                                      checkpoints=checkpoints),
                            example_batch=batch, optimizer=make_optimizer)
     for step in range(engine.step_count + 1, total_steps + 1):   # continues after the checkpoint
         engine.train_step(get_batch(step))
@@ -34,8 +38,9 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
-import os
 import secrets
 import shutil
 import tempfile
@@ -45,66 +50,71 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
+from varuna.core.env import WorkerSettings
 from varuna.cutting.split import ModelProfile
+from varuna.runtime.checkpoint_convert import check_resumable, resolve_step_dir, weights_format
+from varuna.runtime.checkpoint_files import CheckpointError, UnsoundCheckpoint
+from varuna.runtime.checkpoint_format import CheckpointFormat, LoadedShare, LoadRequest, StateLayout
+from varuna.runtime.checkpoint_manifest import MANIFEST, read_manifest, read_shard
+from varuna.runtime.checkpoint_registry import checkpoint_format, format_of, register_format
 from varuna.runtime.checkpoint_shards import Shard, plan_shards
 from varuna.runtime.checkpoint_store import (
-    FORMAT,
-    MANIFEST,
-    VERSION,
-    CheckpointError,
     CheckpointInfo,
     list_checkpoints,
-    open_checked,
-    read_manifest,
-    read_shard,
+    retire,
     step_dir_name,
     verify_checkpoint,
 )
 from varuna.runtime.checkpoint_writer import (
     SaveJob,
-    build_shard_payloads,
     run_save_job,
     shard_state_bytes,
+    take_shares,
     takes_host_snapshot,
     write_local,
 )
 from varuna.runtime.config import VarunaConfig
 from varuna.runtime.layout import Layout
-from varuna.runtime.loss_scale import DynamicLossScale
 from varuna.runtime.optimizer_state import (
     load_optimizer_state_by_name,
     merge_optimizer_states,
     optimizer_state_by_name,
 )
-from varuna.runtime.weight_versions import add_previous, pop_previous
+from varuna.runtime.state_codec import from_json, json_bytes, to_json
+from varuna.runtime.weight_versions import pop_previous
 
 # The checkpoint API in one place: what scripts and tests import from varuna.runtime.checkpoint.
 __all__ = [
+    "MANIFEST",
     "CheckpointError",
+    "CheckpointFormat",
     "CheckpointInfo",
     "CheckpointState",
     "Checkpointer",
     "Resumed",
     "Shard",
+    "checkpoint_format",
     "plan_shards",
     "optimizer_state_by_name",
     "load_optimizer_state_by_name",
     "merge_optimizer_states",
     "list_checkpoints",
     "read_manifest",
+    "register_format",
     "verify_checkpoint",
     "read_shard",
     "resolve_resume",
+    "state_layout",
     "step_dir_name",
-    "engine_state_dict",
-    "load_engine_state_dict",
 ]
+
+if TYPE_CHECKING:
+    from varuna.runtime.whole_state import StageExtras
 
 log = logging.getLogger("varuna.runtime.checkpoint")
 
@@ -134,7 +144,7 @@ def resolve_resume(value: str | bool | None) -> str:
     ('always', 'auto', 'never')
     """
     if value is None:
-        value = os.environ.get("VARUNA_RESUME", "")
+        value = WorkerSettings.from_env().resume or ""
     if isinstance(value, bool):
         return "always" if value else "never"
     mode = _RESUME_MODES.get(str(value).strip().lower())
@@ -145,32 +155,39 @@ def resolve_resume(value: str | bool | None) -> str:
 
 @dataclass(frozen=True)
 class Resumed:
-    """The checkpoint a run resumed from: its step directory, its step, and the layout that wrote
-    it (None for a manifest without one). A different P×D than the run's own is a morph."""
+    """The checkpoint a run resumed from: its step directory, its step, the layout that wrote
+    it (None for a checkpoint without one) and its format. A different P×D than the run's own is
+    a morph."""
 
     path: Path
     step: int
     P: int | None
     D: int | None
+    format: str | None = None
 
 
 class CheckpointState(Protocol):
     """What the checkpointer needs from the training state it saves and restores (the engine
-    provides it): the run's config and layout, the stage's parameters, optimizer and loss scale,
-    the step counter (read on save, set on load), and a way to run a save on a graceful stop."""
+    provides it): the run's config and layout, the stage's parameters and optimizer (what a load
+    must fit), the step counter, the stage's state by name (``state_dict``, read on save, loaded
+    with ``load_state_dict`` on resume), and a way to run a save on a graceful stop."""
 
     config: VarunaConfig
     layout: Layout
+    model: torch.nn.Module
     profile: ModelProfile
     """Canonical parameter names, which segments read them, their sizes, the CutPoint names."""
     stage_ranges: list[tuple[int, int]]
     stage_params: Mapping[str, torch.Tensor]
     """Every parameter this stage holds, by canonical name (the trainable ones are optimised)."""
     optimizer: torch.optim.Optimizer
-    scaler: DynamicLossScale
     step_count: int
+    extras: StageExtras
+    """Buffers, LR scheduler, registered objects (Note [Whole state] in whole_state.py)."""
 
-    def named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]: ...
+    def state_dict(self, *, optimizer_for: Iterable[str] | None = None) -> dict: ...
+
+    def load_state_dict(self, state: dict, *, copy: bool = True) -> None: ...
 
     def describe(self) -> dict: ...
 
@@ -181,8 +198,10 @@ class Checkpointer:
     """Saves and loads the checkpoints of one training state (an :class:`~varuna.runtime.engine.Engine`,
     or anything providing :class:`CheckpointState`).
 
-    Settings come from the state's config, then the environment: ``checkpoint_dir`` or
-    ``$VARUNA_CHECKPOINT_DIR``; ``resume`` or ``$VARUNA_RESUME`` (1 / auto / 0). The engine calls
+    Settings come from the state's config (``checkpoints``), then the environment: ``dir`` or
+    ``$VARUNA_CHECKPOINT_DIR``; ``resume`` or ``$VARUNA_RESUME`` (1 / auto / 0);
+    ``format`` or ``$VARUNA_CHECKPOINT_FORMAT`` (the format written, default
+    ``"varuna"``; resume reads any registered one: Note [Checkpoint formats]). The engine calls
     :meth:`attach` at the end of its ``__init__`` and :meth:`after_step` after each step.
 
     ``snapshot`` (Note [Snapshot to disk] in checkpoint_writer.py): ``"memory"`` takes a host copy
@@ -196,32 +215,36 @@ class Checkpointer:
 
         engine.save_checkpoint(wait=True)          # same as engine.checkpointer.save(wait=True)
         step = engine.load_checkpoint()            # newest complete one; any P×D
-        engine.checkpointer.snapshot = "disk"      # never copy the state (VarunaConfig.checkpoint_snapshot)
+        engine.checkpointer.snapshot = "disk"      # never copy the state (VarunaConfig.checkpoints.snapshot)
+        engine.checkpointer.format.name            # "varuna" (VarunaConfig.checkpoints.format)
     """
 
     def __init__(self, state: CheckpointState) -> None:
         cfg = state.config
         self.state = state
-        d = cfg.checkpoint_dir or os.environ.get("VARUNA_CHECKPOINT_DIR") or None
+        ck = cfg.checkpoints
+        d = ck.dir or WorkerSettings.from_env().checkpoint_dir
         self.directory: Path | None = Path(d) if d else None
         self.every: int = 0
-        self.keep: int = int(cfg.keep_checkpoints)
-        self.resume_mode: str = resolve_resume(cfg.resume)
-        local = cfg.local_checkpoint_dir
+        self.keep: int = int(ck.keep)
+        self.resume_mode: str = resolve_resume(ck.resume)
+        local = ck.local_dir
         self._local_base: Path | None = Path(local) if local else None
-        self.timeout_s: float = float(cfg.comm_timeout_s)
-        self.set_every(int(cfg.checkpoint_every or 0))
+        self.timeout_s: float = float(cfg.timeouts.comm_s)
+        #: the format saves write (an unknown name is one line naming the registered ones)
+        self.format: CheckpointFormat = checkpoint_format(ck.format)
+        self.set_every(int(ck.every or 0))
         if self.keep < 1:
             raise ValueError(f"keep_checkpoints must be >= 1 (got {self.keep})")
         if self.directory is None and self.resume_mode == "always":
             raise ValueError(
                 "resume needs a checkpoint directory: set --checkpoint-dir, "
-                "VarunaConfig.checkpoint_dir or $VARUNA_CHECKPOINT_DIR"
+                "VarunaConfig.checkpoints.dir or $VARUNA_CHECKPOINT_DIR"
             )
         # Test hooks: called from the writer thread at each named point of a save; copy granularity.
         self.progress_hook: Callable[[str], None] | None = None
         self.copy_chunk_bytes = 8 << 20
-        self.snapshot = cfg.checkpoint_snapshot
+        self.snapshot = ck.snapshot
         #: whether the latest save took a host snapshot (else it was written before training went on)
         self.last_snapshot_in_memory: bool | None = None
         self._local_root: Path | None = None
@@ -251,22 +274,61 @@ class Checkpointer:
         if every > 0 and self.directory is None:
             raise ValueError(
                 "checkpoint_every needs a checkpoint directory: set --checkpoint-dir, "
-                "VarunaConfig.checkpoint_dir or $VARUNA_CHECKPOINT_DIR"
+                "VarunaConfig.checkpoints.dir or $VARUNA_CHECKPOINT_DIR"
             )
         self.every = every
 
     # ---- wiring
 
     def attach(self) -> None:
-        """Register the save-on-stop callback and resume when asked (a collective then)."""
+        """Register the save-on-stop callback and resume when asked (a collective then); else start
+        from ``config.checkpoints.init_from``'s weights when set."""
         if self.directory is not None:
             self.state.add_stop_callback(lambda _state: self.save_on_stop())
+        resumed = None
         if self.resume_mode != "never":
             if self.directory is None:
                 raise ValueError(
                     "resume needs a checkpoint directory: set --checkpoint-dir or $VARUNA_CHECKPOINT_DIR"
                 )
-            self.load(required=self.resume_mode == "always")
+            resumed = self.load(required=self.resume_mode == "always")
+        init_from = self.state.config.checkpoints.init_from
+        if resumed is None and init_from:
+            self.load_weights(init_from)
+
+    def load_weights(self, path: str | Path) -> None:
+        """Load only the weights (parameters and buffers) of ``path`` into this stage (a
+        collective): a checkpoint of any registered format, a checkpoint root, a Hugging Face model
+        directory or a DCP checkpoint (:func:`~varuna.runtime.checkpoint_convert.weights_format`).
+        Each rank reads only its stage's tensors. The optimizer, step and registered state stay as
+        they are; any rank's failure is every rank's ``CheckpointError``.
+
+        Example::
+
+            engine.checkpointer.load_weights("/models/llama-hf")      # = CheckpointConfig.init_from
+        """
+        st = self.state
+        buffers = st.extras.buffers.named()
+        request = LoadRequest(tensors={**buffers, **st.stage_params}, optimizer_class=None,
+                              optional=frozenset(buffers))
+        loaded, problem = None, None
+        try:
+            root = Path(path)
+            source = resolve_step_dir(root) if format_of(root) is None and list_checkpoints(root) else root
+            loaded = weights_format(source).read(source, request)
+        except (CheckpointError, UnsoundCheckpoint, ValueError, OSError) as e:
+            problem = f"init_from {path}: {' '.join(str(e).split())}"
+        if self._agree_verdict(_FATAL if problem else _OK) != _OK:
+            raise CheckpointError(problem or f"init_from {path}: another rank could not read it")
+        assert loaded is not None
+        sd = st.state_dict()
+        pop_previous(sd["optimizer"])  # 2bw: the stash becomes the loaded weights, like a first step
+        tensors = loaded.tensors
+        st.load_state_dict({**sd, "params": {n: t for n, t in tensors.items() if n not in buffers},
+                            "buffers": {n: t for n, t in tensors.items() if n in buffers}, "extra": None},
+                           copy=False)
+        if self.rank == 0:
+            log.info("varuna: started from the weights of %s", path)
 
     def after_step(self) -> None:
         """Periodic save at the mini-batch boundary that just completed."""
@@ -295,12 +357,12 @@ class Checkpointer:
         """Checkpoint the state after ``step_count`` steps (a collective: every rank calls it at
         the same mini-batch boundary). Returns the step directory, or None when skipped because
         the previous save is still being copied. ``wait``: block until this rank's files are in
-        the global store (rank 0: until the manifest is written)."""
+        the global store (rank 0: until the commit file is written)."""
         root = Path(directory) if directory is not None else self.directory
         if root is None:
             raise ValueError(
                 "no checkpoint directory: pass one, or set --checkpoint-dir, "
-                "VarunaConfig.checkpoint_dir or $VARUNA_CHECKPOINT_DIR"
+                "VarunaConfig.checkpoints.dir or $VARUNA_CHECKPOINT_DIR"
             )
         step = self.state.step_count
         target = root / step_dir_name(step)
@@ -313,12 +375,15 @@ class Checkpointer:
         # Backpressure: at most one save in flight per rank, so local disk does not fill up.
         busy = not self.wait(timeout_s=self.timeout_s)
         t_waited = time.perf_counter() - t0
-        if self.rank == 0 and not busy and (target / MANIFEST).exists():
+        if self.rank == 0 and not busy:
             # A complete checkpoint of this step from an abandoned lineage (we resumed from an
-            # older one): retire its manifest before anyone overwrites its files. Other ranks
-            # start writing only after the all-reduce below.
-            (target / MANIFEST).unlink(missing_ok=True)
-        nonce, any_busy = self._agree_save(step, busy)
+            # older one), in any format: retire its commit file before anyone overwrites its
+            # files. Other ranks start writing only after the all-reduce below.
+            retire(target)
+        # References to the live tensors (2bw: the stashed version rides along); sharded optimizer
+        # state is gathered for the parameters of this rank's files only (a collective then).
+        sd = self.state.state_dict(optimizer_for=[n for s in self._my_shares() for n in s.params])
+        nonce, any_busy, others = self._agree_save(step, busy, sd)
         if any_busy:
             log.warning(
                 "varuna: skipping the checkpoint of step %d: the previous one is still being copied "
@@ -327,7 +392,7 @@ class Checkpointer:
                 root,
             )
             return None
-        job = self._save_job(root, target, step, nonce)
+        job = self._save_job(root, target, step, nonce, sd, others)
         if not self.last_snapshot_in_memory:
             try:  # Note [Snapshot to disk]: before training changes the tensors the payloads hold
                 write_local(job)
@@ -351,32 +416,42 @@ class Checkpointer:
             self.wait()
         return target
 
-    def _save_job(self, root: Path, target: Path, step: int, nonce: int) -> SaveJob:
-        """The snapshot of this rank's part and everything the background thread needs."""
+    def _my_shares(self) -> list:
+        """The files of the configured format this rank writes (its stage and replica's)."""
+        L = self.state.layout
+        plan = self.format.plan(state_layout(self.state))
+        return [s for s in plan if (s.stage, s.replica) == (L.stage, L.replica)]
+
+    def _save_job(self, root: Path, target: Path, step: int, nonce: int, sd: dict | None = None,
+                  extra: dict | None = None) -> SaveJob:
+        """The snapshot of this rank's part and everything the background thread needs. ``sd``:
+        the state (default: taken now); ``extra`` (rank 0): the state beyond tensors every rank
+        contributed (:meth:`_agree_save`; default: this rank's global state only)."""
         st, L = self.state, self.state.layout
-        plan = plan_shards(
-            param_segments=st.profile.param_segments,
-            param_bytes=st.profile.param_bytes,
-            stage_ranges=st.stage_ranges,
-            data_parallel=L.D,
-            pipeline_depth=L.P,  # interleaved: P·v virtual stages, virtual stage j on process j % P
-        )
+        layout = state_layout(st)
+        plan = self.format.plan(layout)
         mine = [s for s in plan if (s.stage, s.replica) == (L.stage, L.replica)]
-        opt = optimizer_state_by_name(st.optimizer, dict(st.named_parameters())) if mine else None
-        if opt is not None:  # 2bw: the stashed weight version rides with the optimizer state
-            opt = add_previous(opt, getattr(st, "weight_versions", None))
-        in_memory = takes_host_snapshot(self.snapshot, shard_state_bytes(mine, st.stage_params, opt))
+        sd = st.state_dict(optimizer_for=[n for s in mine for n in s.params]) if sd is None else sd
+        extra = self._collected(sd["extra"], []) if extra is None else extra
+        nbytes = shard_state_bytes(mine, {**sd["buffers"], **sd["params"]}, sd["optimizer"])
+        in_memory = takes_host_snapshot(self.snapshot, nbytes)
         self.last_snapshot_in_memory = in_memory
-        files, payloads = build_shard_payloads(
-            mine, st.stage_params, opt, step=step, rank=self.rank, copy=in_memory
-        )
+        shares = take_shares(mine, sd, step=step, rank=self.rank, copy=in_memory)
         return SaveJob(
-            root=root, target=target, local=self._local() / f"{step_dir_name(step)}-{nonce:016x}",
-            step=step, nonce=nonce, rank=self.rank, files=files, payloads=payloads,
+            root=root,
+            target=target,
+            local=self._local() / f"{step_dir_name(step)}-{nonce:016x}",
+            step=step,
+            nonce=nonce,
+            rank=self.rank,
+            format=self.format,
+            shards=mine,
+            shares=list(shares),
+            records=[None] * len(mine),
             writers=sorted({L.rank_of(s.stage, s.replica) for s in plan}),
             expected_files=[s.name for s in plan],
-            manifest_base=self._manifest_base(step) if self.rank == 0 else None,
-            param_segments={n: list(v) for n, v in st.profile.param_segments.items()},
+            metadata=self._metadata(step, sd, extra) if self.rank == 0 else None,
+            layout=layout,
             keep=self.keep,
             timeout_s=self.timeout_s,
             chunk_bytes=self.copy_chunk_bytes,
@@ -384,13 +459,13 @@ class Checkpointer:
             lost_writers=self.lost_writers,
         )
 
-    def _manifest_base(self, step: int) -> dict:
-        """Everything of the manifest but ``files`` and ``parameters`` (rank 0)."""
+    def _metadata(self, step: int, sd: dict, extra: dict) -> dict:
+        """The run's JSON-able metadata the format stores with the checkpoint (rank 0): the
+        config, the loss scale and the state beyond tensors (Note [Whole state])."""
         st = self.state
         cfg, info = st.config, st.describe()
         return {
-            "format": FORMAT,
-            "version": VERSION,
+            **extra,
             "step": step,
             "data_position": step,
             "created_unix_s": time.time(),
@@ -408,7 +483,8 @@ class Checkpointer:
             },
             "cutpoints": list(st.profile.cutpoint_names),
             "optimizer": type(st.optimizer).__name__,
-            "loss_scale": st.scaler.state_dict(),
+            "loss_scale": sd["loss_scale"],
+            **model_config(st.model),
         }
 
     def _run_job(self, job: SaveJob) -> None:
@@ -446,7 +522,7 @@ class Checkpointer:
             )
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        """Wait for the save in flight (rank 0: until its manifest is written). True when none
+        """Wait for the save in flight (rank 0: until its commit file is written). True when none
         is left running; see :attr:`last_ok` for whether it succeeded."""
         t = self._thread
         if t is None:
@@ -454,21 +530,59 @@ class Checkpointer:
         t.join(timeout=timeout_s if timeout_s is not None else 2 * self.timeout_s + 60)
         return not t.is_alive()
 
-    def _agree_save(self, step: int, busy: bool) -> tuple[int, bool]:
-        """One all-reduce: rank 0's save id, whether any rank is still busy, and a check that
-        every rank saves the same step."""
+    def _agree_save(self, step: int, busy: bool, sd: dict) -> tuple[int, bool, dict]:
+        """One all-reduce: rank 0's save id, whether any rank is still busy, a check that every
+        rank saves the same step, and the digests of the global registered state (equal on every
+        rank, or a warning). Then, when any rank has per-stage or per-rank state, one gather of it
+        to rank 0. Returns rank 0's metadata part for that state (Note [Registered state])."""
         nonce = secrets.randbits(62) if self.rank == 0 else 0
+        extra = sd["extra"]
+        mine = self._own_state(sd)
+        blob = json.dumps(mine, separators=(",", ":")).encode() if mine else b""
+        digest = _digest(extra.get("global", {}))
         if self.state.layout.world == 1:
-            return nonce, busy
-        v = torch.tensor([nonce, int(busy), step, -step], dtype=torch.int64)
+            return nonce, busy, self._collected(extra, [blob] if blob else [])
+        v = torch.tensor([nonce, int(busy), step, -step, len(blob), digest, -digest], dtype=torch.int64)
         dist.all_reduce(v, op=dist.ReduceOp.MAX)
-        nonce, any_busy, hi, neg_lo = v.tolist()
+        nonce, any_busy, hi, neg_lo, most, d_hi, d_lo = v.tolist()
         if hi != -neg_lo:
             raise RuntimeError(
                 f"ranks called save_checkpoint at different steps ({-neg_lo}..{hi}); "
                 "every rank must save at the same mini-batch boundary"
             )
-        return nonce, bool(any_busy)
+        if d_hi != -d_lo and self.rank == 0:
+            log.warning("varuna: the registered global state differs between ranks at step %d (the "
+                        "checkpoint keeps rank 0's); register what is per process with scope='rank'", step)
+        blobs = _gather_bytes(blob, most, self.state.layout.world) if most else []
+        return nonce, bool(any_busy), self._collected(extra, blobs) if self.rank == 0 else {}
+
+    def _own_state(self, sd: dict) -> dict | None:
+        """This rank's part of the state gathered at a save: its stage's optimizer state outside
+        ``state[param]`` (replica 0 of each stage) and its per-rank registered state."""
+        L, out, extra = self.state.layout, {}, sd["extra"]
+        stage = sd["optimizer"].get("stage_state")
+        if stage and L.replica == 0:
+            out["stage_state"] = {"segments": self._segments(), "state": to_json(stage)}
+        if extra.get("rank"):
+            out["rank_state"] = {"rank": L.rank, "state": to_json(extra["rank"])}
+        return out or None
+
+    def _segments(self) -> list[int]:
+        st, L = self.state, self.state.layout
+        return [s for a, b in st.stage_ranges[L.stage :: L.P] for s in range(a, b + 1)]
+
+    def _collected(self, extra: dict, blobs: list[bytes]) -> dict:
+        """Rank 0's metadata for the state beyond tensors: the global registered state, and what
+        the ranks contributed (:meth:`_own_state`)."""
+        out: dict = {"state": to_json(extra.get("global", {}))}
+        parts = [json.loads(b) for b in blobs if b]
+        stages = [p["stage_state"] for p in parts if "stage_state" in p]
+        ranks = {str(p["rank_state"]["rank"]): p["rank_state"]["state"] for p in parts if "rank_state" in p}
+        if stages:
+            out["stage_state"] = stages
+        if ranks:
+            out["rank_state"] = ranks
+        return out
 
     # ---- load
 
@@ -477,6 +591,7 @@ class Checkpointer:
     ) -> int | None:
         """Load the newest complete, sound checkpoint (or ``step``) into the engine: a collective.
 
+        Checkpoints of every registered format are candidates (Note [Checkpoint formats]).
         Incomplete or corrupt checkpoints are skipped with a warning naming the problem; a file
         that holds anything but tensors, or a checkpoint of a different model, is an error.
         Returns the step loaded (the next ``train_step`` is step + 1), or None when nothing was
@@ -501,7 +616,8 @@ class Checkpointer:
             if agreed == _OK:
                 self._apply(payload, root, s)
                 if self.rank == 0:
-                    log.info("varuna: resumed from %s (next step %d)", path, s + 1)
+                    fmt = self.resumed.format if self.resumed else None
+                    log.info("varuna: resumed from %s (format %s, next step %d)", path, fmt, s + 1)
                 return s
             if agreed == _FATAL:
                 raise CheckpointError(problem or f"another rank refused checkpoint {path} (see its output)")
@@ -522,32 +638,50 @@ class Checkpointer:
             log.warning("varuna: %s: starting from scratch", msg)
         return None
 
-    def _read_for_stage(self, path: Path) -> tuple[int, str | None, dict | None]:
-        """This rank's verdict on a checkpoint, and what it read (its stage's parameters)."""
+    def _read_for_stage(self, path: Path) -> tuple[int, str | None, LoadedShare | None]:
+        """This rank's verdict on a checkpoint, and what its format read (its stage's state)."""
+        st = self.state
+        buffers = st.extras.buffers.named()
+        request = LoadRequest(tensors={**buffers, **st.stage_params},
+                              optimizer_class=type(st.optimizer).__name__, optional=frozenset(buffers))
+        fmt = format_of(path)
+        if fmt is None:  # the commit file went away since rank 0 listed it
+            return _SKIP, f"{path}: no longer complete (no commit file of any registered format)", None
         try:
-            m = read_manifest(path)
-            return _read_stage_files(path, m, self.state)
-        except ValueError as e:
+            loaded = fmt.read(path, request)
+            check_resumable(path, loaded.metadata)
+            return _OK, None, loaded
+        except CheckpointError as e:  # not one the format writes, or another model's: refuse
+            return _FATAL, str(e), None
+        except UnsoundCheckpoint as e:  # what a crash or a full disk leaves: an older one may do
             return _SKIP, str(e), None
-        except (KeyError, TypeError, AttributeError) as e:
-            return _SKIP, f"{path / MANIFEST}: malformed ({type(e).__name__}: {e})", None
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            return _SKIP, f"{path}: malformed for format {fmt.name} ({type(e).__name__}: {e})", None
 
-    def _apply(self, payload: dict, root: Path, step: int) -> None:
-        eng = self.state
-        m = payload["manifest"]
-        with torch.no_grad():
-            for n, p in eng.stage_params.items():
-                p.copy_(payload["params"].pop(n))  # each copy freed at once: no second set of weights
-        opt = payload["optimizer"]
-        trainable = dict(eng.named_parameters())
-        opt["state"] = {n: v for n, v in opt["state"].items() if n in trainable}
-        _load_previous(eng, pop_previous(opt))
-        load_optimizer_state_by_name(eng.optimizer, trainable, opt, copy=False)  # fresh from disk
-        eng.scaler.load_state_dict(m["loss_scale"])
-        eng.step_count = int(m["step"])
-        self._last_saved = (root, step)  # never rewrite the checkpoint we resumed from
+    def _apply(self, loaded: LoadedShare, root: Path, step: int) -> None:
+        eng, m = self.state, loaded.metadata
         saved = m.get("config", {})
-        self.resumed = Resumed(root / step_dir_name(step), step, saved.get("P"), saved.get("D"))
+        buffer_names = set(eng.extras.buffers.names)
+        optimizer = dict(loaded.optimizer)
+        stage_state = _stage_state_for(m.get("stage_state", []), min(self._segments()))
+        if stage_state is not None:
+            optimizer["stage_state"] = stage_state
+        extra = {"global": from_json(m.get("state", {}))}
+        same_layout = (saved.get("P"), saved.get("D")) == (eng.layout.P, eng.layout.D)
+        if same_layout and str(self.rank) in m.get("rank_state", {}):
+            extra["rank"] = from_json(m["rank_state"][str(self.rank)])
+        tensors = loaded.tensors
+        state = {"step": m["step"], "params": {n: t for n, t in tensors.items() if n not in buffer_names},
+                 "buffers": {n: t for n, t in tensors.items() if n in buffer_names},
+                 "optimizer": optimizer, "loss_scale": m["loss_scale"], "extra": extra}
+        # copy=False: the loaded tensors are handed over, each freed once copied in (no second
+        # set of weights); the optimizer adopts its freshly read state.
+        eng.load_state_dict(state, copy=False)
+        self._last_saved = (root, step)  # never rewrite the checkpoint we resumed from
+        fmt = format_of(root / step_dir_name(step))
+        self.resumed = Resumed(
+            root / step_dir_name(step), step, saved.get("P"), saved.get("D"), fmt.name if fmt else None
+        )
         saved_M = saved.get("global_batch_size")
         if saved_M is not None and saved_M != eng.config.global_batch_size and self.rank == 0:
             log.warning(
@@ -575,132 +709,63 @@ class Checkpointer:
         return int(v)
 
 
-def _read_stage_files(path: Path, m: dict, state: CheckpointState) -> tuple[int, str | None, dict | None]:
-    """This rank's verdict on a checkpoint's files for its stage (Note [Load]), and what it read."""
-    eng = state
-    mine = eng.stage_params
-    params_meta = m["parameters"]
-    missing = [n for n in mine if n not in params_meta]
-    if missing:
-        return (
-            _FATAL,
-            (
-                f"checkpoint {path} has no parameter {missing[0]!r} (and {len(missing) - 1} "
-                "more) of this model: it was saved from a different model"
-            ),
-            None,
-        )
-    for n, p in mine.items():
-        shape = list(params_meta[n].get("shape", []))
-        if shape != list(p.shape):
-            return (
-                _FATAL,
-                (
-                    f"checkpoint {path}: parameter {n!r} has shape {tuple(shape)}, the model's "
-                    f"is {tuple(p.shape)}: it was saved from another model configuration"
-                ),
-                None,
-            )
-    saved_opt = m.get("optimizer")
-    if saved_opt and saved_opt != type(eng.optimizer).__name__:
-        return (
-            _FATAL,
-            (
-                f"checkpoint {path} holds {saved_opt} state but the engine's optimizer is "
-                f"{type(eng.optimizer).__name__}; build the optimizer the saving run used"
-            ),
-            None,
-        )
-    entries = {f["name"]: f for f in m["files"]}
-    needed = sorted({params_meta[n]["file"] for n in mine})
-    params: dict[str, torch.Tensor] = {}
-    opts = []
-    for name in needed:
-        if name not in entries:
-            return _SKIP, f"the manifest names file {name!r} for a parameter but does not list it", None
-        try:
-            opened, problem = open_checked(path / name, entries[name])
-            if problem:
-                return _SKIP, problem, None
-            with opened:  # unpickled from the verified file: never held whole in memory
-                shard = read_shard(path / name, opened)
-        except CheckpointError as e:  # a link, a FIFO, a device, or pickled code: not ours
-            return _FATAL, str(e), None
-        except Exception as e:  # checksum matched but torch cannot parse it: treat as corrupt
-            return _SKIP, f"{name}: unreadable ({e})", None
-        problem = _wrong_shape(path / name, shard["params"], mine)
-        if problem:
-            return _FATAL, problem, None
-        params.update(shard["params"])
-        opts.append(shard["optimizer"])
-    absent = [n for n in mine if n not in params]
-    if absent:
-        return _SKIP, f"parameter {absent[0]!r} is not in the file the manifest names", None
-    return _OK, None, {"manifest": m, "params": params, "optimizer": merge_optimizer_states(opts)}
+
+def state_layout(state: CheckpointState) -> StateLayout:
+    """Where every saved tensor of ``state``'s run lives: parameters and persistent buffers, by the
+    segments that read them (identical on every rank)."""
+    prof, L = state.profile, state.layout
+    return StateLayout(
+        tensor_segments={**prof.buffer_segments, **prof.param_segments},
+        tensor_bytes={**prof.buffer_bytes, **prof.param_bytes},
+        stage_ranges=state.stage_ranges,
+        pipeline_depth=L.P,
+        data_parallel=L.D,
+        buffers=frozenset(prof.buffer_segments),
+    )
 
 
-def _wrong_shape(
-    path: Path, saved: Mapping[str, torch.Tensor], mine: Mapping[str, torch.Tensor]
-) -> str | None:
-    """A tensor of the file whose shape is not its parameter's, or None.
+def model_config(model) -> dict:
+    """``{"model_config": ...}``: a Hugging Face model's configuration as JSON (what ``config.json``
+    holds, for the ``hf`` format and exports), or nothing."""
+    cfg = getattr(model, "config", None)
+    to_json_string = getattr(cfg, "to_json_string", None)
+    if not callable(to_json_string):
+        return {}
+    try:
+        return {"model_config": json.loads(to_json_string(use_diff=False))}
+    except (TypeError, ValueError):  # a config that does not serialise: the export has no config.json
+        return {}
 
-    ``copy_`` broadcasts (a ``[16]`` tensor would fill every row of a ``[16, 16]`` weight), so a
-    file whose tensors disagree with the manifest it matches must be refused, not loaded."""
-    for n, t in saved.items():
-        p = mine.get(n)
-        if p is not None and tuple(t.shape) != tuple(p.shape):
-            return (
-                f"{path}: parameter {n!r} has shape {tuple(t.shape)} in the file but {tuple(p.shape)} "
-                f"in the model and the manifest: the file was altered or written by another tool; "
-                f"delete {path.parent} to resume from an older checkpoint"
-            )
+
+def _digest(tree: dict) -> int:
+    """A 62-bit digest of a registered state (0 for none)."""
+    if not tree:
+        return 0
+    return int.from_bytes(hashlib.sha256(json_bytes(tree)).digest()[:8], "big") >> 2
+
+
+def _gather_bytes(blob: bytes, most: int, world: int) -> list[bytes]:
+    """Every rank's ``blob`` on rank 0 (elsewhere: empty), each at most ``most`` bytes: one gather."""
+    buf = torch.zeros(most + 8, dtype=torch.uint8)
+    buf[:8] = torch.tensor(list(len(blob).to_bytes(8, "big")), dtype=torch.uint8)
+    if blob:
+        buf[8 : 8 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    rank = dist.get_rank()
+    parts = [torch.empty_like(buf) for _ in range(world)] if rank == 0 else None
+    dist.gather(buf, parts, dst=0)
+    if parts is None:
+        return []
+    out = []
+    for p in parts:
+        n = int.from_bytes(bytes(p[:8].tolist()), "big")
+        out.append(bytes(p[8 : 8 + n].tolist()))
+    return out
+
+
+def _stage_state_for(entries: list[dict], first_segment: int) -> dict | None:
+    """The saved per-stage optimizer state of the stage that held ``first_segment`` (a stage at a
+    new P×D continues that one's), or None."""
+    for e in entries:
+        if first_segment in e.get("segments", []):
+            return from_json(e["state"])
     return None
-
-
-# ---------------------------------------------------------------------------------------------
-# In-memory state (Engine.state_dict / load_state_dict)
-
-
-def engine_state_dict(engine: CheckpointState) -> dict:
-    """This stage's state keyed by canonical names: ``step``, ``params``, ``optimizer`` (name-keyed),
-    ``loss_scale``. Tensors are references to the live ones, like ``nn.Module.state_dict``."""
-    return {
-        "step": engine.step_count,
-        "params": {n: p.detach() for n, p in engine.stage_params.items()},
-        "optimizer": add_previous(
-            optimizer_state_by_name(engine.optimizer, dict(engine.named_parameters())),
-            getattr(engine, "weight_versions", None),
-        ),
-        "loss_scale": engine.scaler.state_dict(),
-    }
-
-
-def _load_previous(engine: CheckpointState, previous: dict | None) -> None:
-    """2bw (Note [2BW]): restore the stashed weight version; a synchronous run drops it."""
-    versions = getattr(engine, "weight_versions", None)
-    if versions is not None:
-        versions.load(previous)
-
-
-def load_engine_state_dict(engine: CheckpointState, state: Mapping[str, Any], *, copy: bool = True) -> None:
-    """Inverse of :func:`engine_state_dict`; ``state["params"]`` may hold more names (e.g. the
-    whole model's), but must hold every parameter of this stage. ``copy=False``: the optimizer
-    adopts the state's tensors (nobody else may update them, e.g. a live morph's received ones)."""
-    params = state["params"]
-    missing = [n for n in engine.stage_params if n not in params]
-    if missing:
-        raise ValueError(f"state has no parameter {missing[0]!r} (and {len(missing) - 1} more) of this stage")
-    with torch.no_grad():
-        for n, p in engine.stage_params.items():
-            if tuple(params[n].shape) != tuple(p.shape):
-                raise ValueError(
-                    f"parameter {n!r}: shape {tuple(params[n].shape)} != the model's {tuple(p.shape)}"
-                )
-            p.copy_(params[n])
-    trainable = dict(engine.named_parameters())
-    opt = dict(state["optimizer"])
-    opt["state"] = {n: v for n, v in opt.get("state", {}).items() if n in trainable}
-    _load_previous(engine, pop_previous(opt))
-    load_optimizer_state_by_name(engine.optimizer, trainable, opt, copy=copy)
-    engine.scaler.load_state_dict(state["loss_scale"])
-    engine.step_count = int(state["step"])

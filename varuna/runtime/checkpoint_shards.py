@@ -1,5 +1,6 @@
-"""Which file of a checkpoint holds which parameters, and which rank writes it (Note [Save] in
-checkpoint.py). Pure Python: every rank computes the same plan.
+"""Which file of a checkpoint holds which parameters, and which rank writes it: the plan of the
+``varuna`` format (checkpoint_manifest.py), and :class:`Shard`, the file plan of every format
+(Note [Checkpoint formats] in checkpoint_format.py). Pure Python: every rank computes the same plan.
 
 Example::
 
@@ -19,19 +20,26 @@ __all__ = ["Shard", "plan_shards"]
 
 @dataclass(frozen=True, kw_only=True)
 class Shard:
-    """One checkpoint file: some parameters of one segment, written by one replica of its stage."""
+    """One file of a checkpoint's plan (any format's): some tensors of one stage, written by one
+    replica of it."""
 
     name: str
     """File name inside the step directory, e.g. ``seg003-00.pt``."""
-    segment: int
     stage: int
     """The pipeline stage (process) holding the segment; with interleaving, not the virtual stage."""
     replica: int
     """Which of the stage's D replicas writes it (all replicas hold identical state)."""
     params: tuple[str, ...]
-    """Canonical parameter names it holds (with their optimizer state)."""
+    """Canonical names of the parameters (and buffers) it holds (with their optimizer state)."""
     nbytes: int
     """Parameter bytes (the optimizer state is usually proportional)."""
+    segment: int | None = None
+    """The model segment whose parameters it holds, for a format that splits by segment
+    (:func:`plan_shards`, the ``varuna`` format's plan); None for others."""
+    holds: str = "all"
+    """What of :attr:`params` the file holds: ``"all"`` (the tensors and their optimizer state),
+    ``"tensors"`` or ``"optimizer"`` (a format that keeps them in separate files: ``hf``); the
+    checkpointer snapshots only that."""
 
 
 def plan_shards(

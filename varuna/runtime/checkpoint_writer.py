@@ -1,31 +1,31 @@
-"""The background half of a checkpoint save (Note [Save] in checkpoint.py).
+"""The background half of a checkpoint save (Note [Save] in checkpoint.py), for any format.
 
-:func:`build_shard_payloads` takes the host snapshot of this rank's shard files (the only part
-training waits for); :func:`run_save_job`, on a background thread, writes them to local disk
-(sha256 on the way, :func:`write_local`), copies them to the global store, drops this rank's
-marker and, on rank 0, waits for every writer's marker and commits the manifest (:func:`commit`).
-A :class:`SaveJob` is plain data: the thread never touches the engine.
+:func:`take_shares` takes this rank's part of the state, one :class:`StateShare` per file the
+format planned for it: a host snapshot, or the live tensors (the only part training waits for);
+:func:`run_save_job`, on a background thread, has the format write each file to local disk
+(:func:`write_local`), copies them to the global store, drops this rank's marker and, on rank 0,
+waits for every writer's marker and has the format commit (:func:`commit`). A :class:`SaveJob`
+is plain data: the thread never touches the engine.
 
 Note [Snapshot to disk]: the host snapshot is a second copy of the rank's parameters and
 optimizer state -- 3× the parameters' bytes with Adam -- held until it is on local disk. A stage
 sized to its memory (a model too big for one process, docs/too_big.md) has no room for it. Then
-(``Checkpointer.snapshot``: "disk", or "auto" finding too little headroom) the payloads reference
-the live tensors and :func:`write_local` serialises them on the training thread before it goes
+(``Checkpointer.snapshot``: "disk", or "auto" finding too little headroom) the shares reference
+the live tensors and :func:`write_local` has them written on the training thread before it goes
 on (training waits for the local write instead of a memcpy); copying to the global store and
 committing stay in the background.
 
 Example::
 
-    files, payloads = build_shard_payloads(mine, stage_params, opt_state, step=300, rank=0)
-    ok = run_save_job(SaveJob(root=root, target=root / "step_00000300", ..., files=files,
-                              payloads=payloads, ...))
+    shares = take_shares(mine, engine.state_dict(), step=300, rank=0)
+    ok = run_save_job(SaveJob(root=root, target=root / "step_00000300", ..., format=fmt, shards=mine,
+                              shares=shares, ...))
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import resource
 import shutil
 import time
@@ -36,34 +36,34 @@ from typing import Any
 
 import torch
 
+from varuna.core.env import ProcessEnv
 from varuna.core.progress import Progress
-from varuna.runtime.checkpoint_shards import Shard
-from varuna.runtime.checkpoint_store import (
-    FORMAT,
+from varuna.runtime.checkpoint_files import (
     JSON_MAX_BYTES,
-    MANIFEST,
-    MARKERS,
-    VERSION,
     CheckpointError,
     atomic_write,
     copy_file,
     fsync_dir,
-    prune,
     read_regular,
-    save_hashed,
 )
+from varuna.runtime.checkpoint_format import CheckpointFormat, StateLayout, StateShare, detached, snapshot
+from varuna.runtime.checkpoint_shards import Shard
+from varuna.runtime.checkpoint_store import prune
 
 __all__ = [
+    "MARKERS",
     "SaveJob",
-    "as_saved",
-    "build_shard_payloads",
     "commit",
     "memory_headroom",
     "run_save_job",
     "shard_state_bytes",
+    "take_shares",
     "takes_host_snapshot",
     "write_local",
 ]
+
+#: Where writers drop their markers inside the step directory (the commit protocol's, not a format's).
+MARKERS = ".markers"
 
 log = logging.getLogger("varuna.runtime.checkpoint")
 
@@ -78,16 +78,19 @@ class SaveJob:
     step: int
     nonce: int
     rank: int
-    files: list[dict]
-    """This rank's files: name, segment, stage, replica, rank, params {name: {shape, dtype}}."""
-    payloads: list[dict]
-    """What to ``torch.save`` in each of ``files`` (host snapshots; dropped once written)."""
+    format: CheckpointFormat
+    shards: list[Shard]
+    """This rank's files (its part of the format's plan)."""
+    shares: list[StateShare | None]
+    """What to write in each of ``shards`` (host snapshots or live tensors; dropped once written)."""
+    records: list[dict | None]
+    """Each file's record once written (the format's ``write`` returns it); they go in the marker."""
     writers: list[int]
     """Ranks whose markers rank 0 waits for (those with files)."""
     expected_files: list[str]
-    manifest_base: dict | None
-    """Rank 0 only: everything of the manifest but ``files`` and ``parameters``."""
-    param_segments: dict[str, list[int]]
+    metadata: dict | None
+    """Rank 0 only: the run's JSON-able metadata the format's commit stores (step, loss scale...)."""
+    layout: StateLayout
     keep: int
     timeout_s: float
     chunk_bytes: int
@@ -97,72 +100,25 @@ class SaveJob:
     error: str | None = None
     """Set when the save failed: the step directory and the error (e.g. the OS error)."""
     committed: bool = False
-    """Rank 0: the manifest is written (the checkpoint exists; its files must stay)."""
+    """Rank 0: the commit file is written (the checkpoint exists; its files must stay)."""
     local_failure: BaseException | None = None
     """The training thread's local write failed (Note [Snapshot to disk]); the thread reports it."""
 
 
-def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], x: Any) -> Any:
-    """``x`` with ``fn`` applied to every tensor inside its dicts, lists and tuples."""
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    if isinstance(x, dict):
-        return {k: _map_tensors(fn, v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_map_tensors(fn, v) for v in x]
-    if isinstance(x, tuple):
-        return tuple(_map_tensors(fn, v) for v in x)
-    return x
-
-
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to(device="cpu", memory_format=torch.contiguous_format, copy=True)
-
-
-def _saveable(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    whole = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-    return t if t.device.type == "cpu" and t.is_contiguous() and whole else _host_copy(t)
-
-
-def snapshot(x: Any) -> Any:
-    """A host copy of ``x``'s tensors, compact and contiguous (torch.save writes a view's whole
-    storage), so training can go on updating the originals while the copy is being written.
-
-    >>> w = torch.ones(2)
-    >>> snapshot({"w": w})["w"].data_ptr() != w.data_ptr()
-    True
-    """
-    return _map_tensors(_host_copy, x)
-
-
-def as_saved(x: Any) -> Any:
-    """``x``'s tensors as ``torch.save`` can write them without a copy: the live tensor when it
-    is a compact host tensor (its whole storage), else a compact host copy (torch.save would
-    write a view's whole storage; a device tensor must come to the host). :func:`write_local`
-    applies it to one file's payload at a time, so a save without a snapshot copies at most one
-    file's worth (and nothing for compact host tensors).
-
-    >>> w = torch.zeros(4, 4)
-    >>> as_saved(w).data_ptr() == w.data_ptr(), as_saved(w[1]).untyped_storage().nbytes()
-    (True, 16)
-    """
-    return _map_tensors(_saveable, x)
-
-
 def shard_state_bytes(
-    shards: Sequence[Shard], stage_params: Mapping[str, torch.Tensor], opt: dict | None
+    shards: Sequence[Shard], stage_tensors: Mapping[str, torch.Tensor], opt: dict | None
 ) -> int:
-    """Bytes of tensor data a snapshot of ``shards`` would copy (parameters and optimizer state).
+    """Bytes of tensor data a snapshot of ``shards`` would copy (tensors and optimizer state).
 
     Example::
 
         nbytes = shard_state_bytes(my_shards, engine.stage_params, optimizer_state_by_name(opt, params))
     """
-    names = {n for s in shards for n in s.params}
-    total = sum(stage_params[n].numel() * stage_params[n].element_size() for n in names)
+    tensors = {n for s in shards if s.holds != "optimizer" for n in s.params}
+    states = {n for s in shards if s.holds != "tensors" for n in s.params}
+    total = sum(stage_tensors[n].numel() * stage_tensors[n].element_size() for n in tensors)
     for n, v in (opt or {}).get("state", {}).items():
-        if n in names:
+        if n in states:
             total += sum(t.numel() * t.element_size() for t in v.values() if isinstance(t, torch.Tensor))
     return total
 
@@ -177,7 +133,7 @@ def memory_headroom() -> int | None:
 
         room = memory_headroom()     # e.g. 5_400_000_000 on a host with 21 GB free and 4 ranks
     """
-    sharers = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    sharers = ProcessEnv.from_env().local_world_size
     room: list[int] = []
     try:
         with open("/proc/meminfo") as f:
@@ -219,29 +175,25 @@ def takes_host_snapshot(mode: str, nbytes: int) -> bool:
     return room is None or 2 * nbytes <= room
 
 
-def build_shard_payloads(
-    shards: Sequence[Shard],
-    stage_params: Mapping[str, torch.Tensor],
-    opt: dict | None,
-    *,
-    step: int,
-    rank: int,
-    copy: bool = True,
-) -> tuple[list[dict], list[dict]]:
-    """Host snapshots of ``shards`` (this rank's files): their manifest entries and what to save.
+def take_shares(
+    shards: Sequence[Shard], state: Mapping[str, Any], *, step: int, rank: int, copy: bool = True
+) -> list[StateShare]:
+    """This rank's part of the state, one :class:`StateShare` per file of ``shards``.
 
-    ``opt``: the stage's name-keyed optimizer state (``optimizer_state_by_name``). ``copy=False``:
-    the payloads reference the live tensors; they must be written (:func:`write_local`) before
-    training changes them (Note [Snapshot to disk])."""
-    take = snapshot if copy else (lambda x: _map_tensors(torch.Tensor.detach, x))
-    files, payloads = [], []
+    ``state``: the stage's state in ``Engine.state_dict`` form (``params``, ``buffers``, name-keyed
+    ``optimizer``). ``copy``: host snapshots (training goes on updating the originals);
+    False: the shares reference the live tensors and must be written (:func:`write_local`)
+    before training changes them (Note [Snapshot to disk])."""
+    take = snapshot if copy else detached
+    tensors_of = {**state.get("buffers", {}), **state["params"]}
+    opt = state["optimizer"]
+    shares = []
     for shard in shards:
-        keep = set(shard.params)
+        keep = set(shard.params) if shard.holds != "tensors" else set()
         # The synchronous part of a save (Note [Save]): a host snapshot of this rank's part.
         # Serialising it (to local disk) and copying it (to the global store) happen in the
         # background thread; the snapshot is freed once it is on local disk.
-        params = {n: take(stage_params[n]) for n in shard.params}
-        opt_part = {
+        optimizer = {
             "class": opt["class"],
             "state": {n: take(v) for n, v in opt["state"].items() if n in keep},
             "param_groups": [
@@ -253,69 +205,53 @@ def build_shard_payloads(
                 if any(n in keep for n in g["params"])
             ],
         }
-        payloads.append(
-            {
-                "format": FORMAT,
-                "version": VERSION,
-                "step": step,
-                "segment": shard.segment,
-                "params": params,
-                "optimizer": opt_part,
-            }
-        )
-        files.append(
-            {
-                "name": shard.name,
-                "segment": shard.segment,
-                "stage": shard.stage,
-                "replica": shard.replica,
-                "rank": rank,
-                "params": {
-                    n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-                    for n, t in params.items()
-                },
-            }
-        )
-    return files, payloads
+        names = shard.params if shard.holds != "optimizer" else ()
+        tensors = {n: take(tensors_of[n]) for n in names}
+        shares.append(StateShare(step=step, rank=rank, tensors=tensors, optimizer=optimizer))
+    return shares
 
 
 def write_local(job: SaveJob) -> None:
-    """Serialise the payloads not yet written to the job's local staging directory (sha256 on
-    the way), dropping each once it is on disk. The training thread calls it for a save without
-    a host snapshot (Note [Snapshot to disk]); :func:`run_save_job` for the rest.
+    """Have the format write the shares not yet written to the job's local staging directory,
+    dropping each once it is on disk. The training thread calls it for a save without a host
+    snapshot (Note [Snapshot to disk]); :func:`run_save_job` for the rest.
 
     Example::
 
-        write_local(job)             # job.files now carry "bytes" and "sha256"; payloads are None
+        write_local(job)             # job.records now hold each file's record; shares are None
     """
     hook = job.hook or (lambda event: None)
     job.local.mkdir(parents=True, exist_ok=True)
-    for i, f in enumerate(job.files):
-        if job.payloads[i] is None:
+    for i, shard in enumerate(job.shards):
+        share = job.shares[i]
+        if share is None:
             continue
         hook("local-write")
-        # as_saved: a snapshot is already compact host tensors; live ones are taken as they are
-        # when torch.save can write them in place, else copied one file at a time.
-        f["bytes"], f["sha256"] = save_hashed(as_saved(job.payloads[i]), job.local / f["name"])
-        job.payloads[i] = None  # free the snapshot: the file on local disk is the copy now
+        job.records[i] = job.format.write(shard, share, job.local / shard.name)
+        job.shares[i] = None  # free the snapshot: the file on local disk is the copy now
 
 
 def run_save_job(job: SaveJob) -> bool:
-    """The background part of a save (Note [Save]): serialise to local disk, copy to the store,
+    """The background part of a save (Note [Save]): write to local disk, copy to the store,
     drop a marker, and on rank 0 commit; True when this rank's part (and rank 0's commit)
-    succeeded. Never raises: a failed save must not stop training."""
+    succeeded. Never raises: a failed save must not stop training.
+
+    ``job.hook`` gets the named points of a save (a test hook): ``local-write`` (before each
+    file's local write), ``copy-chunk``, ``copied``, ``marker``, then on rank 0 ``commit-tmp``
+    (between the commit file's temporary file and its rename) and ``commit``."""
     hook = job.hook or (lambda event: None)
     copied: list[Path] = []
     try:
         if job.local_failure is not None:
             raise job.local_failure
         write_local(job)
+        records = [r for r in job.records if r is not None]
         job.target.mkdir(parents=True, exist_ok=True)
         # Rank 0 only, on a terminal, for copies slow enough to wait for (the delay): the bar
         # shares the screen with the training loop's output.
         with Progress(
             f"checkpoint step {job.step}",
-            total=sum(f["bytes"] for f in job.files),
+            total=sum(f["bytes"] for f in records),
             unit="B",
             unit_scale=True,
             leave=False,
@@ -327,15 +263,15 @@ def run_save_job(job: SaveJob) -> bool:
                 bar.update(n)
                 hook("copy-chunk")
 
-            for f in job.files:
-                copy_file(job.local / f["name"], job.target / f["name"], job.chunk_bytes, on_chunk)
-                copied.append(job.target / f["name"])
+            for shard in job.shards:
+                copy_file(job.local / shard.name, job.target / shard.name, job.chunk_bytes, on_chunk)
+                copied.append(job.target / shard.name)
                 hook("copied")
         fsync_dir(job.target)
-        if job.files:
+        if records:
             markers = job.target / MARKERS
             markers.mkdir(exist_ok=True)
-            marker = {"nonce": job.nonce, "rank": job.rank, "files": job.files}
+            marker = {"nonce": job.nonce, "rank": job.rank, "files": records}
             atomic_write(markers / f"rank{job.rank}.json", json.dumps(marker).encode())
             hook("marker")
         shutil.rmtree(job.local, ignore_errors=True)
@@ -362,10 +298,10 @@ def run_save_job(job: SaveJob) -> bool:
 
 
 def commit(job: SaveJob, hook: Callable[[str], None]) -> None:
-    """Rank 0: wait for every writer's marker, write the manifest (the commit), prune."""
+    """Rank 0: wait for every writer's marker, have the format write its commit file, prune."""
     markers = job.target / MARKERS
     deadline = time.monotonic() + job.timeout_s
-    files: list[dict] = []
+    records: list[dict] = []
     pending = set(job.writers)
     while pending:
         for r in sorted(pending):
@@ -374,39 +310,24 @@ def commit(job: SaveJob, hook: Callable[[str], None]) -> None:
             except (FileNotFoundError, json.JSONDecodeError):
                 continue
             if m.get("nonce") == job.nonce:  # markers of an abandoned earlier attempt differ
-                files.extend(m["files"])
+                records.extend(m["files"])
                 pending.discard(r)
         if pending:
             lost = pending & job.lost_writers() if job.lost_writers is not None else set()
-            if lost:  # their part will never come: abandon now (no manifest: the previous stays)
+            if lost:  # their part will never come: abandon now (no commit: the previous stays)
                 raise CheckpointError(f"abandoned: writer rank(s) {sorted(lost)} are gone (a peer was lost)")
             if time.monotonic() > deadline:
                 raise CheckpointError(f"no marker from rank(s) {sorted(pending)} after {job.timeout_s:.0f}s")
-            time.sleep(0.05)
-    got = sorted(f["name"] for f in files)
+            time.sleep(0.05)  # polling the shared store: the writers are other processes, other hosts
+    got = sorted(f["name"] for f in records)
     if got != sorted(job.expected_files):
         raise CheckpointError(f"writers produced files {got}, expected {sorted(job.expected_files)}")
-    parameters = {}
-    for f in files:
-        for n, meta in f["params"].items():
-            parameters[n] = {**meta, "segments": job.param_segments.get(n, []), "file": f["name"]}
-    missing = set(job.param_segments) - set(parameters)
-    if missing:
-        raise CheckpointError(f"no file holds parameter(s) {sorted(missing)[:5]}")
-    manifest = {
-        **job.manifest_base,
-        "parameters": parameters,
-        "files": sorted(files, key=lambda f: f["name"]),
-    }
-    atomic_write(
-        job.target / MANIFEST,
-        json.dumps(manifest, indent=1).encode(),
-        before_replace=lambda: hook("manifest-tmp"),
+    if job.metadata is None:
+        raise CheckpointError("rank 0's save job has no metadata to commit")
+    job.format.commit(
+        job.target, records, job.metadata, job.layout, before_replace=lambda: hook("commit-tmp")
     )
     job.committed = True
-    hook("manifest")
+    hook("commit")
     shutil.rmtree(markers, ignore_errors=True)
     prune(job.root, job.step, job.keep)
-
-
-# ---- load

@@ -1,106 +1,161 @@
 """The engine's configuration (:class:`VarunaConfig`), what one step reports (:class:`StepResult`,
-:class:`StepTimings`), and the engine side of the run contract (:func:`adopt_plan`).
+:class:`StepTimings`), and the engine side of the run contract (:func:`adopt_plan`, Note [Run plan]
+in varuna/core/env.py).
 
 Example::
 
     >>> from varuna.core.env import RunPlan
-from varuna.core.flops import check_peak_tflops
-    >>> cfg = VarunaConfig(global_batch_size=32, micro_batch_size=4)
-    >>> print(adopt_plan(cfg, RunPlan(global_batch_size=32, micro_batch_size=8)))  # doctest: +ELLIPSIS
-    varuna: using the launcher's planned micro-batch size 8 (VARUNA_MICRO_BATCH_SIZE) instead of ...
-    >>> cfg.micro_batch_size
-    8
+    >>> cfg = VarunaConfig(global_batch_size=32)            # m and the schedule left to the plan
+    >>> print(adopt_plan(cfg, RunPlan(global_batch_size=32, micro_batch_size=8, schedule="1f1b")))
+    varuna: run plan adopted (the script left them unset): micro_batch_size=8, schedule=1f1b
+    >>> cfg.micro_batch_size, cfg.schedule
+    (8, '1f1b')
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from varuna.core.env import RunPlan
+from varuna.core.env import COMM_BACKENDS, PLAN_COSTS, ProcessEnv, RunPlan, WorkerSettings
 from varuna.core.flops import check_peak_tflops
-from varuna.core.schedule import DEFAULT_STASH_HEADROOM, SCHEDULE_KINDS, schedule_kind
+from varuna.core.schedule import DEFAULT_SCHEDULE, SCHEDULE_KINDS, schedule_kind
+from varuna.runtime.config_groups import (
+    FLAT_FIELDS,
+    GRAD_REDUCES,
+    GROUPS,
+    CheckpointConfig,
+    CuttingConfig,
+    DeterminismConfig,
+    MetricsConfig,
+    NumericsConfig,
+    OptimizerStateConfig,
+    PipelineConfig,
+    TimeoutConfig,
+)
+from varuna.testing.negative_controls import NegativeControls
 
-__all__ = ["COMM_BACKENDS", "PLAN_COSTS", "PRECISIONS", "VarunaConfig", "StepResult", "StepTimings",
-           "adopt_plan", "adopt_cut_env"]
+__all__ = ["COMM_BACKENDS", "PLAN_COSTS", "PRECISIONS", "PLANNED_FIELDS", "VarunaConfig", "StepResult",
+           "StepTimings", "adopt_plan", "adopt_cut_env", "CheckpointConfig", "CuttingConfig",
+           "DeterminismConfig", "MetricsConfig", "NumericsConfig", "OptimizerStateConfig", "PipelineConfig",
+           "TimeoutConfig"]
 
 #: Autocast dtype per ``VarunaConfig.precision`` (None: plain fp32).
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-#: What a plan (automatic cut-points, stage split) balances: counted FLOPs or measured time.
-PLAN_COSTS = ("flop", "time")
-#: Backends that may carry the engine's CUDA traffic (``VarunaConfig.comm_backend``).
-COMM_BACKENDS = ("nccl", "gloo")
 
 
+def _accepting_flat_fields(cls: type) -> type:
+    """Note [Flat config]: wrap the generated ``__init__`` so the flat spellings of earlier
+    releases still construct the grouped config (one DeprecationWarning each, naming the new
+    spelling), and add a deprecated property per flat name for reading and setting."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, **kwargs: Any) -> None:
+        init(self, **_regroup(kwargs))
+
+    cls.__init__ = __init__
+    for flat, (group, name) in FLAT_FIELDS.items():
+        setattr(cls, flat, property(_flat_getter(flat, group, name), _flat_setter(flat, group, name)))
+    return cls
+
+
+def _new_spelling(flat: str) -> str:
+    group, name = FLAT_FIELDS[flat]
+    if group == "_negative_controls":
+        return (f"varuna.testing.negative_controls.with_negative_controls(config, {name}=...) "
+                "(a test-only switch)")
+    return f"VarunaConfig({group}={GROUPS[group].__name__}({name}=...)), read as config.{group}.{name}"
+
+
+def _warn_flat(flat: str, stacklevel: int) -> None:
+    warnings.warn(f"VarunaConfig's flat field {flat!r} is deprecated; use {_new_spelling(flat)}",
+                  DeprecationWarning, stacklevel=stacklevel + 1)
+
+
+def _regroup(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with every flat field moved into its group (a copy of the given group, if any)."""
+    moved: dict[str, dict[str, Any]] = {}
+    for flat in [k for k in kwargs if k in FLAT_FIELDS]:
+        _warn_flat(flat, stacklevel=3)  # _regroup <- __init__ <- the caller
+        group, name = FLAT_FIELDS[flat]
+        moved.setdefault(group, {})[name] = kwargs.pop(flat)
+    for group, values in moved.items():
+        base = kwargs.get(group)
+        if base is None:
+            base = NegativeControls() if group == "_negative_controls" else GROUPS[group]()
+        kwargs[group] = dataclasses.replace(base, **values)
+    return kwargs
+
+
+def _flat_getter(flat: str, group: str, name: str):
+    def get(self: Any) -> Any:
+        _warn_flat(flat, stacklevel=2)
+        return getattr(getattr(self, group), name)
+
+    get.__doc__ = f"Deprecated: {_new_spelling(flat)}."
+    return get
+
+
+def _flat_setter(flat: str, group: str, name: str):
+    def set_(self: Any, value: Any) -> None:
+        _warn_flat(flat, stacklevel=2)
+        setattr(self, group, dataclasses.replace(getattr(self, group), **{name: value}))
+
+    return set_
+
+
+@_accepting_flat_fields
 @dataclass(kw_only=True)
 class VarunaConfig:
-    """Engine configuration. P and D default to the launcher's environment (1 when absent)."""
+    """Engine configuration: the common settings at the top, the rest in groups.
 
-    global_batch_size: int
-    """M_total: examples per optimizer step, whatever P×D; hyper-parameters depend on it only."""
-    micro_batch_size: int
-    """m: examples per micro-batch."""
+    The planned fields (Note [Run plan] in varuna/core/env.py) -- ``global_batch_size``,
+    ``micro_batch_size``, ``schedule``, and ``pipeline.chunks``, ``pipeline.stage_ranges``,
+    ``pipeline.replica_shares``, ``pipeline.stage_speeds`` -- may be left ``None``: the launcher's
+    or manager's plan fills them, else their default (:meth:`with_plan`); a value that differs
+    from the plan is refused with one line. P and D default to the launcher's environment (1
+    when absent). The flat spellings of earlier releases (``deterministic=True``,
+    ``checkpoint_every=100``, ...) still work for one release, with a DeprecationWarning naming the
+    grouped one (Note [Flat config] in varuna/runtime/config_groups.py).
+
+    Example::
+
+        >>> cfg = VarunaConfig(global_batch_size=32, micro_batch_size=4, schedule="1f1b",
+        ...                    checkpoints=CheckpointConfig(dir="/ckpt", every=100),
+        ...                    determinism=DeterminismConfig(enabled=True))
+        >>> cfg.checkpoints.every, cfg.determinism.enabled, cfg.optimizer_state.offload
+        (100, True, False)
+    """
+
+    global_batch_size: int | None = None
+    """M_total: examples per optimizer step, whatever P×D; hyper-parameters depend on it only.
+    None: the run plan's (``varuna-launch --global-batch-size``); required when nothing plans it."""
+    micro_batch_size: int | None = None
+    """m: examples per micro-batch. None: the run plan's (auto-config's choice); required when
+    nothing plans it."""
+    schedule: str | None = None
+    """One of varuna, gpipe, 1f1b, interleaved, varuna-interleaved (synchronous), or 2bw:
+    PipeDream-2BW, asynchronous -- gradients one step stale, one more copy of the weights; not the
+    same training as one device (docs/schedules.md). None: the run plan's (``varuna-launch
+    --schedule``), else ``varuna.core.schedule.DEFAULT_SCHEDULE``."""
     pipeline_depth: int | None = None
     """P; defaults to $VARUNA_PIPELINE_DEPTH or 1."""
     data_parallel: int | None = None
     """D; defaults to $VARUNA_DATA_PARALLEL or WORLD_SIZE // P."""
-    schedule: str = "varuna"
-    """One of varuna, gpipe, 1f1b, interleaved, varuna-interleaved (synchronous), or 2bw:
-    PipeDream-2BW, asynchronous -- gradients one step stale, one more copy of the weights; not the
-    same training as one device (docs/schedules.md)."""
-    chunks: int = 1
-    """v: model chunks per process for the interleaved kinds (>= 2; the model then needs P·v - 1
-    cut-points and ``stage_ranges``, if given, P·v ranges in virtual-stage order); 1 otherwise."""
-    recompute: bool = True
-    """Activation recompute for gpipe/1f1b (varuna always recomputes except on its last stage)."""
-    stash_headroom: int = DEFAULT_STASH_HEADROOM
-    """varuna schedule: how many more boundary inputs than its list's peak a stage may stash by
-    running graph-less forwards out of list order -- while it waits for a late gradient, or to
-    feed a next stage that ran dry (Notes [Filling the wait] and [Keeping the next stage fed] in
-    varuna/core/schedule.py). 0: only within the list's own peak."""
     seed: int = 0
     """Keys dropout masks (with step, micro-batch and segment) and parameter init."""
     precision: str = "fp32"
-    """fp32, bf16 (autocast) or fp16 (autocast + dynamic loss scaling)."""
+    """fp32, bf16 (autocast) or fp16 (autocast + dynamic loss scaling: ``numerics``)."""
     max_grad_norm: float | None = None
     """Clip by the global gradient norm over all stages (shared parameters counted once)."""
-    stage_ranges: list[tuple[int, int]] | None = None
-    """Explicit segment ranges per stage; default: balanced on costs measured in a dry run."""
-    replica_shares: tuple[int, ...] | None = None
-    """Micro-batches each of the D replicas runs, for replicas on VMs of different speeds (virtual
-    nodes): D counts >= 1 summing to ceil(global_batch_size / micro_batch_size). The global batch,
-    m and the update are unchanged (bit-identical in deterministic mode); only which replica runs
-    which micro-batches moves. None: as even as possible. ``$VARUNA_REPLICA_SHARES`` ("3,1", the
-    run plan) overrides it. ``varuna.core.batching.proportional_shares`` turns speeds into shares."""
-    stage_speeds: tuple[float, ...] | None = None
-    """Relative speed of each stage's VM (P values > 0, pipeline order): the stage split balances
-    time, a segment costing c taking c / speed on its stage, so a slower VM's stage gets less of the
-    model. Ignored with explicit ``stage_ranges``. ``$VARUNA_STAGE_SPEEDS`` ("1,1.6") overrides it."""
-    comm_timeout_s: float = 300.0
-    """Every wait on another process gives up after this long."""
-    peer_timeout_s: float = 10.0
-    """While this rank waits inside a step, a peer whose liveness beat has not moved for this long
-    (frozen, killed), or that closed its engine early, is reported by rank and host and the run
-    fails at once instead of after ``comm_timeout_s`` (Note [Peer watch] in
-    varuna/runtime/peer_watch.py). 0: off."""
-    max_nonfinite_steps: int = 5
-    """A step whose agreed loss is NaN/Inf is skipped with a one-line warning; this many in a row
-    stop the run (non-zero exit, one line naming the steps). 0: never stop."""
-    dry_run_reps: int = 2
-    record_timeline: bool = False
-    """Record (stage, op, micro-batch, start, end) of every task, for traces."""
-    deterministic: bool = False
-    """Bit-for-bit identical weights at any P×D and across morphs (docs/determinism.md): canonical
-    summation order for gradients, norms and losses; deterministic kernels; pinned threads."""
-    deterministic_threads: int = 1
-    """Intra-op threads in deterministic mode (kernels may sum in a thread-count-dependent order)."""
-    rng_keyed: bool = True
-    """Key dropout by (seed, step, micro-batch, segment). Off only as a test's negative control."""
-    canonical_reduction: bool = True
-    """With ``deterministic``: canonical-order sums. Off only as a test's negative control."""
     device: str | None = None
     """Default: cuda:LOCAL_RANK when CUDA is available (LOCAL_RANK modulo the GPU count: more
     processes than GPUs share them), else cpu."""
@@ -109,202 +164,323 @@ class VarunaConfig:
     "gloo" (activations and gradients staged through pinned host memory, all-reduces through
     gloo's CUDA support). None: $VARUNA_COMM_BACKEND, else nccl unless some processes share a GPU
     (NCCL refuses two ranks on one device), then gloo for the whole job (docs/gpu.md)."""
-    peak_tflops: float | None = None
-    """Dense peak TFLOP/s of one device at the run's precision, for MFU (``StepResult.mfu``).
-    None: $VARUNA_PEAK_TFLOPS, else the table of known GPUs (varuna/core/flops.py); on a CPU or
-    an unknown device MFU is then None (TFLOP/s are still reported)."""
-    loss_scale: float = 2.0**16
-    loss_scale_growth_interval: int = 2000
     stop_signals: tuple[str, ...] = ("SIGUSR1", "SIGTERM")
     """Signals that ask for a graceful stop: every rank finishes the current mini-batch, runs the
     stop callbacks (e.g. writes a checkpoint) and exits 0. Empty: install no handler."""
-    # ---- checkpoints (see varuna/runtime/checkpoint.py and docs/checkpoints.md)
-    checkpoint_dir: str | None = None
-    """Global checkpoint store (shared filesystem or mounted blob); default $VARUNA_CHECKPOINT_DIR.
-    When set, a graceful stop (SIGUSR1/SIGTERM) checkpoints before exiting."""
-    checkpoint_every: int = 0
-    """Save every N steps (0: only on a graceful stop or an explicit ``save_checkpoint``)."""
-    keep_checkpoints: int = 2
-    """How many complete checkpoints to keep (the newest complete one is never deleted first)."""
-    local_checkpoint_dir: str | None = None
-    """Fast local disk where files are written before the background copy; default a tmp dir."""
-    checkpoint_snapshot: str = "auto"
-    """How a save gets the state off the training path: "memory" (a host copy, written in the
-    background), "disk" (written to local disk from the live tensors before training goes on: no
-    extra copy, for a stage that fills its memory) or "auto" (memory when the copy fits in half of
-    the free memory; docs/checkpoints.md)."""
-    resume: str | bool | None = None
-    """"1"/True: load the newest complete checkpoint (error if none); "auto": if there is one;
-    "0"/False: never. None: $VARUNA_RESUME (default never)."""
-    cut_after: tuple[str, ...] | None = None
-    """Put a cut-point after each module these names or patterns select (``("model.layers.*",)``:
-    after every decoder layer; ``*`` matches one level of a dotted name, see
-    ``varuna.apply_cutpoints``), on a model you did not write. None: $VARUNA_CUT_AFTER
-    (comma-separated; ``varuna-launch --cut-after``), else the model's own CutPoints."""
-    auto_cutpoints: int | None = None
-    """Insert up to this many CutPoints automatically into a model that has none (rank 0 picks the
-    boundaries from a dry run, every rank applies them; see varuna/cutting/autocut.py). None:
-    $VARUNA_AUTO_CUTPOINTS (``varuna-launch --auto-cutpoints``), else the model's. Cannot be
-    combined with ``cut_after`` or CutPoints placed by hand."""
-    plan_cost: str | None = None
-    """What automatic cut-points and the stage split balance: "flop" (counted in the dry run;
-    identical runs give identical plans) or "time" (measured forward+backward; follows
-    memory-bound work, but a noisy machine can change the plan between runs). None:
-    $VARUNA_PLAN_COST, else "flop"."""
-    tensorboard_dir: str | None = None
-    """Also write the per-step metrics as TensorBoard events here (rank 0; loss, grad norm,
-    samples/s, step time, P, D; text events for resumes and morphs): see
-    varuna/runtime/tensorboard.py. None: $VARUNA_TENSORBOARD_DIR (``varuna-launch
-    --tensorboard-dir``), else off. Needs ``pip install 'varuna[tensorboard]'``."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """Chunks, recompute, stash headroom, the stage split and the replicas' shares."""
+    cutting: CuttingConfig = field(default_factory=CuttingConfig)
+    """Where a model without CutPoints is cut; what the split balances."""
+    checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint store, interval, retention, snapshot mode and resume."""
+    determinism: DeterminismConfig = field(default_factory=DeterminismConfig)
+    """Bit-identical weights at any P×D (docs/determinism.md)."""
+    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    """Waits on other processes and the peer watch."""
+    numerics: NumericsConfig = field(default_factory=NumericsConfig)
+    """fp16 loss scaling and the non-finite loss policy."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """TensorBoard events and task timelines."""
+    optimizer_state: OptimizerStateConfig = field(default_factory=OptimizerStateConfig)
+    """Optimizer state sharded over the replicas and/or offloaded to host memory (docs/memory.md)."""
+    _negative_controls: NegativeControls = field(default_factory=NegativeControls, repr=False)
+    """Test-only (varuna.testing.negative_controls): not part of the public configuration."""
+
+    def with_plan(
+        self, plan: RunPlan | None = None, *, defaults: Mapping[str, Any] | None = None, announce: bool = True
+    ) -> VarunaConfig:
+        """A copy with the run plan adopted (:func:`adopt_plan`: unset → the plan's value, equal →
+        kept, different → ``ValueError``, one line) and the planned fields still unset given
+        ``defaults`` (the script's own, e.g. its command line's: ``{"global_batch_size": 32}``),
+        then the engine's (``DEFAULT_SCHEDULE``, one chunk). ``plan`` None: this process's
+        (``ProcessEnv.from_env().plan``). With ``announce``, rank 0 prints the line saying what
+        was adopted. The engine does the same, so a script calls this only when it needs the
+        values before building the engine (e.g. the global batch, to load data).
+
+        Example::
+
+            >>> cfg = VarunaConfig().with_plan(RunPlan(global_batch_size=32), announce=False,
+            ...                                defaults={"global_batch_size": 8, "micro_batch_size": 4})
+            >>> cfg.global_batch_size, cfg.micro_batch_size, cfg.schedule, cfg.pipeline.chunks
+            (32, 4, 'varuna', 1)
+        """
+        env = ProcessEnv.from_env() if plan is None or announce else None
+        config = dataclasses.replace(self)
+        note = adopt_plan(config, env.plan if plan is None else plan)
+        config.fill_planned_defaults(defaults)
+        if announce and note and _rank(env) == 0:
+            print(note, flush=True)
+        return config
+
+    def fill_planned_defaults(self, defaults: Mapping[str, Any] | None = None) -> None:
+        """Give the planned fields that are still unset (in place) ``defaults``, then the engine's."""
+        for name, value in (defaults or {}).items():
+            if name not in PLANNED_FIELDS:
+                raise ValueError(
+                    f"defaults: {name!r} is not a planned field; choose from {', '.join(PLANNED_FIELDS)}"
+                )
+            if _planned_value(self, name) is None:
+                _set_planned(self, name, value)
+        if self.schedule is None:
+            self.schedule = DEFAULT_SCHEDULE
+        if self.pipeline.chunks is None:
+            self.pipeline = dataclasses.replace(self.pipeline, chunks=1)
+        if self.optimizer_state.shard is None:
+            self.optimizer_state = dataclasses.replace(self.optimizer_state, shard=False)
+        if self.pipeline.recompute is None:
+            self.pipeline = dataclasses.replace(self.pipeline, recompute=True)
 
     def validate(self) -> None:
-        """Raise ``ValueError`` (one line) for a setting the engine cannot run with.
+        """Raise ``ValueError`` (one line) for a setting the engine cannot run with; the batch
+        sizes must be set (by the script or :meth:`with_plan`, as the engine does), an unset
+        schedule or chunk count is checked as its default.
 
         Example::
 
             VarunaConfig(global_batch_size=32, micro_batch_size=4, schedule="zigzag").validate()
             # ValueError: unknown schedule 'zigzag'; choose one of varuna, gpipe, 1f1b, 2bw
         """
-        if self.schedule not in SCHEDULE_KINDS:
-            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULE_KINDS)}")
-        if self.stash_headroom < 0:
-            raise ValueError(f"stash_headroom must be >= 0 (got {self.stash_headroom})")
-        kind = schedule_kind(self.schedule)
-        kind.check_chunks(self.chunks)
-        if kind.chunked and self.chunks < 2:
-            raise ValueError(
-                f"schedule {self.schedule} needs chunks >= 2 (got {self.chunks}); "
-                "with one chunk use varuna or 1f1b"
-            )
+        self._validate_plan()
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; choose fp32, bf16 or fp16")
-        if self.micro_batch_size < 1 or self.global_batch_size < 1:
-            raise ValueError("--global-batch-size and --micro-batch-size must be >= 1")
-        if not self.comm_timeout_s > 0:  # also refuses NaN
-            raise ValueError(f"comm_timeout_s must be > 0 (got {self.comm_timeout_s})")
-        if not self.peer_timeout_s >= 0:
+        for name in ("pipeline_depth", "data_parallel"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, or None: the launcher's (got {value!r})")
+        if self.pipeline.stash_headroom < 0:
+            raise ValueError(f"pipeline.stash_headroom must be >= 0 (got {self.pipeline.stash_headroom})")
+        t = self.timeouts
+        if not t.comm_s > 0:  # also refuses NaN
+            raise ValueError(f"timeouts.comm_s must be > 0 (got {t.comm_s})")
+        if not t.peer_s >= 0:
+            raise ValueError(f"timeouts.peer_s must be >= 0, 0 to turn the peer watch off (got {t.peer_s})")
+        if self.checkpoints.snapshot not in ("auto", "memory", "disk"):
             raise ValueError(
-                f"peer_timeout_s must be >= 0, 0 to turn the peer watch off (got {self.peer_timeout_s})"
+                f"checkpoints.snapshot must be 'auto', 'memory' or 'disk' (got {self.checkpoints.snapshot!r})"
             )
-        if self.checkpoint_snapshot not in ("auto", "memory", "disk"):
-            raise ValueError(
-                f"checkpoint_snapshot must be 'auto', 'memory' or 'disk' (got {self.checkpoint_snapshot!r})"
-            )
-        if self.plan_cost not in (None, *PLAN_COSTS):
-            raise ValueError(f"unknown plan_cost {self.plan_cost!r}; choose {' or '.join(PLAN_COSTS)}")
-        n = self.auto_cutpoints
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(f"auto_cutpoints must be an integer >= 1 (got {self.auto_cutpoints!r})")
-        if self.auto_cutpoints is not None and self.cut_after:
-            raise ValueError(
-                "auto_cutpoints and cut_after both set: cut-points are either automatic or placed by name; "
-                "drop one (--auto-cutpoints or --cut-after)"
-            )
-        if isinstance(self.cut_after, str):
-            self.cut_after = tuple(x for x in self.cut_after.split(",") if x.strip())
+        self._validate_cutting()
         self._validate_tensorboard_dir()
         if self.comm_backend not in (None, *COMM_BACKENDS):
             raise ValueError(
                 f"unknown comm_backend {self.comm_backend!r}; choose {' or '.join(COMM_BACKENDS)} "
                 "(or None: automatic)"
             )
-        self.peak_tflops = check_peak_tflops(self.peak_tflops, "peak_tflops")
-        if self.max_nonfinite_steps < 0:
+        peak = check_peak_tflops(self.metrics.peak_tflops, "metrics.peak_tflops")
+        self.metrics = dataclasses.replace(self.metrics, peak_tflops=peak)
+        if self.numerics.max_nonfinite_steps < 0:
             raise ValueError(
-                f"max_nonfinite_steps must be >= 0, 0 to never stop (got {self.max_nonfinite_steps})"
+                "numerics.max_nonfinite_steps must be >= 0, 0 to never stop "
+                f"(got {self.numerics.max_nonfinite_steps})"
             )
         self._validate_mixed()
+        self._validate_optimizer_state()
+
+    def _validate_optimizer_state(self) -> None:
+        o = self.optimizer_state
+        if o.grad_reduce not in GRAD_REDUCES:
+            raise ValueError(
+                f"unknown optimizer_state.grad_reduce {o.grad_reduce!r}; choose {', '.join(GRAD_REDUCES)}"
+            )
+        schedule = DEFAULT_SCHEDULE if self.schedule is None else self.schedule
+        versions = schedule_kind(schedule).weight_versions
+        if (o.shard or o.offload) and versions > 1:
+            raise ValueError(
+                f"schedule {schedule} keeps {versions} weight versions and steps inside a window; sharded or "
+                "offloaded optimizer state is not supported with it: pick a synchronous schedule or turn "
+                "optimizer_state.shard/offload off"
+            )
+
+    def _validate_plan(self) -> None:
+        if self.global_batch_size is None:
+            raise ValueError(
+                "global_batch_size is not set: pass it to VarunaConfig (a script's --global-batch-size), or "
+                "launch with a plan (varuna-launch --global-batch-size M)"
+            )
+        if self.micro_batch_size is None:
+            raise ValueError(
+                "micro_batch_size is not set: pass it to VarunaConfig (a script's --micro-batch-size), or "
+                "let auto-config choose it (varuna-launch --calibration FILE --global-batch-size M)"
+            )
+        if self.micro_batch_size < 1 or self.global_batch_size < 1:
+            raise ValueError("--global-batch-size and --micro-batch-size must be >= 1")
+        # Unset schedule and chunks are checked as their defaults (fill_planned_defaults).
+        schedule = DEFAULT_SCHEDULE if self.schedule is None else self.schedule
+        chunks = 1 if self.pipeline.chunks is None else self.pipeline.chunks
+        if schedule not in SCHEDULE_KINDS:
+            raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULE_KINDS)}")
+        kind = schedule_kind(schedule)
+        kind.check_chunks(chunks)
+        if kind.chunked and chunks < 2:
+            raise ValueError(
+                f"schedule {schedule} needs chunks >= 2 (got {chunks}); "
+                "with one chunk use varuna or 1f1b"
+            )
+
+    def _validate_cutting(self) -> None:
+        c = self.cutting
+        if c.plan_cost not in (None, *PLAN_COSTS):
+            raise ValueError(f"unknown plan_cost {c.plan_cost!r}; choose {' or '.join(PLAN_COSTS)}")
+        n = c.auto_cutpoints
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"auto_cutpoints must be an integer >= 1 (got {n!r})")
+        if n is not None and c.cut_after:
+            raise ValueError(
+                "auto_cutpoints and cut_after both set: cut-points are either automatic or placed by name; "
+                "drop one (--auto-cutpoints or --cut-after)"
+            )
+        if isinstance(c.cut_after, str):
+            cuts = tuple(x for x in c.cut_after.split(",") if x.strip())
+            self.cutting = dataclasses.replace(c, cut_after=cuts)
 
     def _validate_mixed(self) -> None:
         """Shares and speeds as tuples of the right kind; their counts are checked against D and P
         once the layout is known (``Engine``)."""
-        if self.replica_shares is not None:
-            self.replica_shares = tuple(self.replica_shares)
-            if not self.replica_shares or any(
-                isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in self.replica_shares
-            ):
+        p = self.pipeline
+        shares, speeds = p.replica_shares, p.stage_speeds
+        if shares is not None:
+            shares = tuple(shares)
+            if not shares or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in shares):
                 raise ValueError(
-                    f"replica_shares {self.replica_shares} must be whole numbers >= 1 of micro-batches per "
+                    f"replica_shares {shares} must be whole numbers >= 1 of micro-batches per "
                     "replica, one per replica (or None for an even split)"
                 )
-        if self.stage_speeds is not None:
-            self.stage_speeds = tuple(self.stage_speeds)
-            if not self.stage_speeds or not all(
+        if speeds is not None:
+            speeds = tuple(speeds)
+            if not speeds or not all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
-                for v in self.stage_speeds
+                for v in speeds
             ):
                 raise ValueError(
-                    f"stage_speeds {self.stage_speeds} must be finite numbers > 0, one per stage "
+                    f"stage_speeds {speeds} must be finite numbers > 0, one per stage "
                     "(or None when every stage's VM is alike)"
                 )
-
+        self.pipeline = dataclasses.replace(p, replica_shares=shares, stage_speeds=speeds)
 
     def _validate_tensorboard_dir(self) -> None:
-        d = self.tensorboard_dir
+        d = self.metrics.tensorboard_dir
         if d is None:
             return
         if not isinstance(d, (str, os.PathLike)) or not str(d).strip():
             raise ValueError(
                 f"tensorboard_dir must be a directory path, or None for no TensorBoard output (got {d!r})"
             )
-        self.tensorboard_dir = os.fspath(d)
+        self.metrics = dataclasses.replace(self.metrics, tensorboard_dir=os.fspath(d))
         if os.path.exists(d) and not os.path.isdir(d):
             raise ValueError(
-                f"tensorboard_dir {self.tensorboard_dir!r} is a file, not a directory; "
+                f"tensorboard_dir {os.fspath(d)!r} is a file, not a directory; "
                 "pick a directory for the event files"
             )
 
 
-def adopt_plan(config: VarunaConfig, plan: RunPlan) -> str | None:
-    """Apply the launcher's run plan to ``config`` in place (Note [Run plan] in varuna/core/env.py).
+def _rank(env: ProcessEnv | None) -> int:
+    import torch.distributed as dist
 
-    The plan's global batch and schedule must be the script's (else ``ValueError``, one line
-    naming both values and the fix); its micro-batch size and stage ranges are adopted (the
-    simulator chose them for this cluster), and its model chunks per process (``--chunks``) unless
-    the script set other chunks than 1 itself (``ValueError``). Returns the line to print (on
-    rank 0) when the planned micro-batch size overrides the script's, else None.
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return env.rank if env is not None else 0
+
+
+#: The planned fields (Note [Run plan]): name in the run plan → where the config holds it.
+PLANNED_FIELDS: Mapping[str, tuple[str, ...]] = {
+    "global_batch_size": ("global_batch_size",),
+    "micro_batch_size": ("micro_batch_size",),
+    "schedule": ("schedule",),
+    "chunks": ("pipeline", "chunks"),
+    "stage_ranges": ("pipeline", "stage_ranges"),
+    "replica_shares": ("pipeline", "replica_shares"),
+    "stage_speeds": ("pipeline", "stage_speeds"),
+    "recompute": ("pipeline", "recompute"),
+    "shard_optimizer": ("optimizer_state", "shard"),
+}
+
+# Per planned field: its variable and how to make script and plan agree (the refusal's fix).
+_HOW_TO_AGREE = {
+    "global_batch_size": ("VARUNA_GLOBAL_BATCH_SIZE", "or pass the same --global-batch-size to varuna-launch "
+                          "(global_batch_size in a varuna-manager job spec)"),
+    "micro_batch_size": ("VARUNA_MICRO_BATCH_SIZE", "to run the one auto-config chose, or fix it in the plan "
+                         "(micro_batch_size in a varuna-manager job spec)"),
+    "schedule": ("VARUNA_SCHEDULE", "or pass the same --schedule to varuna-launch (schedule in a "
+                 "varuna-manager job spec)"),
+    "chunks": ("VARUNA_CHUNKS", "or pass the same --chunks to varuna-launch (chunks in a varuna-manager "
+               "job spec)"),
+    "stage_ranges": ("VARUNA_STAGE_RANGES", "to run the split auto-config simulated, or launch with "
+                     "--pipeline-depth instead of auto-config"),
+    "replica_shares": ("VARUNA_REPLICA_SHARES", "to run the shares planned for the cluster's VM types"),
+    "stage_speeds": ("VARUNA_STAGE_SPEEDS", "to run the speeds planned for the cluster's VM types"),
+    "recompute": ("VARUNA_RECOMPUTE", "to run what auto-config chose for the memory it planned with"),
+    "shard_optimizer": ("VARUNA_SHARD_OPTIMIZER", "to run what auto-config chose for the memory it "
+                        "planned with"),
+}
+
+
+def _planned_value(config: VarunaConfig, name: str) -> Any:
+    obj = config
+    for part in PLANNED_FIELDS[name]:
+        obj = getattr(obj, part)
+    return obj
+
+
+def _set_planned(config: VarunaConfig, name: str, value: Any) -> None:
+    path = PLANNED_FIELDS[name]
+    if len(path) == 1:
+        setattr(config, path[0], value)
+    else:
+        group = getattr(config, path[0])
+        setattr(config, path[0], dataclasses.replace(group, **{path[1]: value}))
+
+
+def _comparable(name: str, value: Any) -> Any:
+    """Script and plan values in one form (ranges as tuples of int pairs, speeds as floats)."""
+    if name == "stage_ranges":
+        return tuple((int(a), int(b)) for a, b in value)
+    if name == "stage_speeds":
+        return tuple(float(v) for v in value)
+    if name == "replica_shares":
+        return tuple(value)
+    return value
+
+
+def _shown(name: str, value: Any) -> str:
+    """A value as its variable writes it (``0-1,2-3`` for ranges, ``3,1`` for shares)."""
+    if name == "stage_ranges":
+        return ",".join(f"{a}-{b}" for a, b in value)
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, (tuple, list)):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def adopt_plan(config: VarunaConfig, plan: RunPlan) -> str | None:
+    """Apply the run plan to ``config`` in place, one rule for every planned field (Note [Run plan]
+    in varuna/core/env.py): unset (None) in the script → the plan's value; the same value →
+    accepted; another value → ``ValueError``, one line naming both and the fix. Returns the line
+    to print on rank 0 naming what was adopted, or None when nothing was.
 
     Example::
 
         >>> cfg = VarunaConfig(global_batch_size=32, micro_batch_size=4)
-        >>> adopt_plan(cfg, RunPlan(stage_ranges=((0, 1), (2, 3)))), cfg.stage_ranges
-        (None, [(0, 1), (2, 3)])
+        >>> print(adopt_plan(cfg, RunPlan(global_batch_size=32, stage_ranges=((0, 1), (2, 3)))))
+        varuna: run plan adopted (the script left them unset): stage_ranges=0-1,2-3
+        >>> adopt_plan(cfg, RunPlan(global_batch_size=16))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: the run plan has global_batch_size=16 (VARUNA_GLOBAL_BATCH_SIZE) but the script ...
     """
-    if plan.global_batch_size is not None and plan.global_batch_size != config.global_batch_size:
-        raise ValueError(
-            f"the launcher planned global batch {plan.global_batch_size} (VARUNA_GLOBAL_BATCH_SIZE) but the "
-            f"script asks for {config.global_batch_size}: pass the same --global-batch-size to "
-            "varuna-launch and the script"
-        )
-    if plan.schedule is not None and plan.schedule != config.schedule:
-        raise ValueError(
-            f"the launcher planned schedule {plan.schedule} (VARUNA_SCHEDULE) but the script asks for "
-            f"{config.schedule}: pass the same --schedule to varuna-launch and the script"
-        )
-    note = None
-    if plan.chunks is not None:
-        if config.chunks not in (1, plan.chunks):
+    adopted = []
+    for name, planned in plan.planned().items():
+        mine = _planned_value(config, name)
+        if mine is None:
+            _set_planned(config, name, [tuple(r) for r in planned] if name == "stage_ranges" else planned)
+            adopted.append(f"{name}={_shown(name, planned)}")
+        elif _comparable(name, mine) != _comparable(name, planned):
+            var, fix = _HOW_TO_AGREE[name]
             raise ValueError(
-                f"the launcher planned chunks={plan.chunks} (VARUNA_CHUNKS, --chunks) but the script asks "
-                f"for chunks={config.chunks}: pass the same --chunks to varuna-launch, or leave chunks "
-                "out of the script"
+                f"the run plan has {name}={_shown(name, planned)} ({var}) but the script sets "
+                f"{_shown(name, mine)}: leave {name} unset in the script {fix}"
             )
-        config.chunks = plan.chunks
-    if plan.micro_batch_size is not None:
-        if plan.micro_batch_size != config.micro_batch_size:
-            note = (
-                f"varuna: using the launcher's planned micro-batch size {plan.micro_batch_size} "
-                f"(VARUNA_MICRO_BATCH_SIZE) instead of the script's {config.micro_batch_size}"
-            )
-        config.micro_batch_size = plan.micro_batch_size
-    if plan.stage_ranges is not None:
-        config.stage_ranges = [tuple(r) for r in plan.stage_ranges]
-    # The planner knows the cluster's VM types: its shares and speeds stand (as its m does).
-    if plan.replica_shares is not None:
-        config.replica_shares = plan.replica_shares
-    if plan.stage_speeds is not None:
-        config.stage_speeds = plan.stage_speeds
-    return note
+    if not adopted:
+        return None
+    return "varuna: run plan adopted (the script left them unset): " + ", ".join(adopted)
 
 
 @dataclass(frozen=True)
@@ -344,38 +520,32 @@ class StepResult:
     hardware_tflops: float | None = None
     """As ``tflops``, counting the recomputed forwards too (what the devices executed)."""
     mfu: float | None = None
-    """Model FLOPs utilisation: ``tflops`` over one device's peak (``VarunaConfig.peak_tflops``,
+    """Model FLOPs utilisation: ``tflops`` over one device's peak (``metrics.peak_tflops``,
     $VARUNA_PEAK_TFLOPS, or the table of known GPUs); None when the peak is unknown (CPU)."""
 
 
 def adopt_cut_env(config: VarunaConfig, environ: Mapping[str, str] | None = None) -> None:
-    """Fill ``cut_after``, ``auto_cutpoints`` and ``plan_cost`` from the environment where the
-    script left them unset (``varuna-launch --cut-after/--auto-cutpoints/--plan-cost`` export
-    ``VARUNA_CUT_AFTER``, ``VARUNA_AUTO_CUTPOINTS``, ``VARUNA_PLAN_COST``). A bad value raises
-    ``ValueError`` naming the variable.
+    """Fill ``cutting.cut_after``, ``cutting.auto_cutpoints`` and ``cutting.plan_cost`` from the
+    launcher's settings where the script left them unset (``varuna-launch --cut-after/--auto-cutpoints
+    /--plan-cost`` export ``VARUNA_CUT_AFTER``, ``VARUNA_AUTO_CUTPOINTS``, ``VARUNA_PLAN_COST``; read
+    through ``varuna.core.env.WorkerSettings``). A bad value raises ``ValueError`` naming the variable.
 
     Example::
 
         >>> cfg = VarunaConfig(global_batch_size=8, micro_batch_size=2)
         >>> adopt_cut_env(cfg, {"VARUNA_CUT_AFTER": "model.layers.*,lm_head"})
-        >>> cfg.cut_after, cfg.plan_cost
+        >>> cfg.cutting.cut_after, cfg.cutting.plan_cost
         (('model.layers.*', 'lm_head'), 'flop')
     """
-    environ = os.environ if environ is None else environ
-    script_cuts = config.cut_after is not None or config.auto_cutpoints is not None
-    raw = environ.get("VARUNA_CUT_AFTER", "").strip()
-    if raw and not script_cuts:
-        config.cut_after = tuple(x.strip() for x in raw.split(",") if x.strip())
-    raw = environ.get("VARUNA_AUTO_CUTPOINTS", "").strip()
-    if raw and not script_cuts:
-        try:
-            config.auto_cutpoints = int(raw)
-        except ValueError:
-            raise ValueError(
-                f"VARUNA_AUTO_CUTPOINTS={raw!r} is not an integer; give the number of cut-points"
-            ) from None
-    if config.plan_cost is None:
-        raw = environ.get("VARUNA_PLAN_COST", "").strip()
-        if raw and raw not in PLAN_COSTS:
-            raise ValueError(f"VARUNA_PLAN_COST={raw!r}: choose {' or '.join(PLAN_COSTS)}")
-        config.plan_cost = raw or "flop"
+    adopt_settings(config, WorkerSettings.from_env(environ))
+
+
+def adopt_settings(config: VarunaConfig, settings: WorkerSettings) -> None:
+    """:func:`adopt_cut_env` from parsed settings: cut-points only when the script placed none by
+    name or number, the plan cost when the script left it unset (else "flop")."""
+    c = config.cutting
+    if c.cut_after is None and c.auto_cutpoints is None:
+        c = dataclasses.replace(c, cut_after=settings.cut_after, auto_cutpoints=settings.auto_cutpoints)
+    if c.plan_cost is None:
+        c = dataclasses.replace(c, plan_cost=settings.plan_cost or "flop")
+    config.cutting = c

@@ -41,6 +41,8 @@ from collections.abc import MutableMapping
 import torch
 import torch.distributed as dist
 
+from varuna.core.env import ProcessEnv
+
 __all__ = [
     "CUBLAS_DETERMINISTIC",
     "cuda_deterministic_env",
@@ -70,33 +72,39 @@ CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
 # algorithm per run, so ``cudnn.benchmark`` is turned off too.
 
 
-def cuda_deterministic_env(environ: MutableMapping[str, str] | None = None) -> str:
-    """Put ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` in the environment unless it already holds a
-    deterministic value (Note [Deterministic CUDA]); another value is a ``ValueError`` (one
-    line). Returns the value in force. Harmless without CUDA.
+def cuda_deterministic_env(env: ProcessEnv | None = None,
+                           environ: MutableMapping[str, str] | None = None) -> str:
+    """Put ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` in ``environ`` (default ``os.environ``, which
+    cuBLAS reads) unless the user set a deterministic value (Note [Deterministic CUDA]); another
+    value is a ``ValueError`` (one line). ``env``: this process's parsed environment (default:
+    parsed from ``environ``). Returns the value in force. Harmless without CUDA.
 
     >>> env = {}
-    >>> cuda_deterministic_env(env), env
+    >>> cuda_deterministic_env(environ=env), env
     (':4096:8', {'CUBLAS_WORKSPACE_CONFIG': ':4096:8'})
     """
-    env = os.environ if environ is None else environ
-    value = env.get("CUBLAS_WORKSPACE_CONFIG")
-    if value is None or not value.strip():
-        env["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC[0]
+    env = ProcessEnv.from_env(environ) if env is None else env
+    value = env.cublas_workspace_config
+    if value is None:
+        # cuBLAS reads the process environment when it creates its handle: the choice goes there.
+        if environ is None:
+            os.environ.update({"CUBLAS_WORKSPACE_CONFIG": CUBLAS_DETERMINISTIC[0]})
+        else:
+            environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC[0]
         return CUBLAS_DETERMINISTIC[0]
-    if value.strip() not in CUBLAS_DETERMINISTIC:
+    if value not in CUBLAS_DETERMINISTIC:
         raise ValueError(
             f"deterministic mode needs CUBLAS_WORKSPACE_CONFIG={CUBLAS_DETERMINISTIC[0]} (or "
             f"{CUBLAS_DETERMINISTIC[1]}), but it is {value!r}: unset it or set one of those"
         )
-    return value.strip()
+    return value
 
 
 def deterministic_kernels(threads: int) -> None:
     """Deterministic kernels in this process (Note [Deterministic CUDA]): PyTorch's deterministic
     algorithms, no cuDNN autotuning, and ``threads`` intra-op CPU threads (a CPU kernel's
-    summation order may depend on the thread count)."""
-    cuda_deterministic_env()
+    summation order may depend on the thread count). ``CUBLAS_WORKSPACE_CONFIG`` must already be
+    in force (:func:`cuda_deterministic_env`, which the engine calls first thing)."""
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = True

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from varuna.core.batching import plan_microbatches
-from varuna.core.env import RunPlan
+from varuna.core.env import ProcessEnv
 from varuna.core.partition import check_speeds
 from varuna.core.schedule import Task, schedule_kind
 from varuna.core.timeline import Timeline
@@ -48,8 +48,10 @@ from varuna.cutting.batches import batch_size_of, slice_batch
 from varuna.cutting.cutpoint import CarryPlan, CutPoint, SplitState
 from varuna.cutting.loss import default_loss
 from varuna.cutting.split import ModelProfile, materialize_stage
-from varuna.runtime.checkpoint import Checkpointer, engine_state_dict, load_engine_state_dict
-from varuna.runtime.config import StepResult, VarunaConfig, adopt_cut_env, adopt_plan
+from varuna.runtime import whole_state
+from varuna.runtime.buffers import stage_buffer_names
+from varuna.runtime.checkpoint import Checkpointer, checkpoint_format
+from varuna.runtime.config import StepResult, VarunaConfig, adopt_plan, adopt_settings
 from varuna.runtime.determinism import cuda_deterministic_env, deterministic_kernels
 from varuna.runtime.executor import ScheduleExecutor, StageModel
 from varuna.runtime.flops import StepFlops, engine_flops, step_metrics
@@ -60,10 +62,16 @@ from varuna.runtime.loss_scale import DynamicLossScale, NonFiniteLosses, NonFini
 from varuna.runtime.no_flush import MAX_WINDOW_STEPS, WindowFeed, no_flush_unsupported
 from varuna.runtime.peer_watch import PeerWatch, watching
 from varuna.runtime.plugins import run_plugins
-from varuna.runtime.stages import assign_stages, chunks_per_process, planning_profile
-from varuna.runtime.tensorboard import TensorBoardLog, adopt_tensorboard_env, require_tensorboard
+from varuna.runtime.sharded_optimizer import (
+    FlatParameters,
+    ShardedOptimizer,
+    stage_optimizer_state,
+)
+from varuna.runtime.stages import assign_stages, chunks_per_process, planning_profile, stage_memory_for
+from varuna.runtime.tensorboard import TensorBoardLog, adopt_tensorboard_settings, require_tensorboard
 from varuna.runtime.timeline_gather import gather_timeline
 from varuna.runtime.weight_versions import stale_weights, weight_versions_for
+from varuna.runtime.whole_state import StageExtras, preserved_buffers
 
 __all__ = ["VarunaConfig", "Engine", "StepResult", "NonFiniteLossStop"]
 
@@ -76,7 +84,10 @@ class Engine:
     used, for the dry run). ``optimizer``: builds the stage's optimizer from its parameters.
     ``loss_fn(output, microbatch)``: the scalar *mean* loss of a micro-batch; default: the model returns
     it. ``param_init(module_name, module)``: how a ``meta`` model's modules are initialised (default:
-    ``reset_parameters``).
+    ``reset_parameters``). ``lr_scheduler(optimizer)``: builds the stage's learning-rate scheduler
+    (e.g. ``lambda opt: CosineAnnealingLR(opt, 1000)``), stepped after every mini-batch and saved
+    with the whole state (docs/checkpoints.md "Whole state"); :meth:`register_state` adds your own
+    stateful objects.
 
     Hooks: :meth:`add_step_callback` (after every step, with its :class:`StepResult`),
     :meth:`add_stop_callback` (before a graceful stop exits), and the plugins named in
@@ -92,21 +103,27 @@ class Engine:
         optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
         loss_fn: Callable | None = None,
         param_init: Callable[[str, nn.Module], None] | None = None,
+        lr_scheduler: Callable[[torch.optim.Optimizer], object] | None = None,
     ) -> None:
-        config = dataclasses.replace(config)  # the caller's object stays as it was
-        plan_note = adopt_plan(config, RunPlan.from_env())
-        adopt_cut_env(config)
-        adopt_tensorboard_env(config)
+        config = dataclasses.replace(config)  # the caller's object stays as it was (groups are frozen)
+        env = ProcessEnv.from_env()  # the one read of this process's environment (Note [One parser])
+        plan_note = adopt_plan(config, env.plan)  # Note [Run plan] in varuna/core/env.py
+        config.fill_planned_defaults()
+        adopt_settings(config, env.settings)
+        adopt_tensorboard_settings(config, env.settings)
         config.validate()
-        if config.deterministic:
-            cuda_deterministic_env()  # before this process's first cuBLAS call (Note [Deterministic CUDA])
+        if config.determinism.enabled:
+            cuda_deterministic_env(env)  # before this process's first cuBLAS call (Note [Deterministic CUDA])
         require_tensorboard(config)  # before any group: a missing package stops every rank at once
+        checkpoint_format(config.checkpoints.format)  # an unknown format: one line, before any group
         self._tb: TensorBoardLog | None = None
         self.config = config
+        self.env = env
         self.loss_fn = loss_fn or default_loss
         self.layout: Layout
         self.layout, self._owns_pg = init_distributed(
-            config.pipeline_depth, config.data_parallel, device=config.device, timeout_s=config.comm_timeout_s
+            config.pipeline_depth, config.data_parallel, device=config.device,
+            timeout_s=config.timeouts.comm_s, env=env,
         )
         if plan_note and self.layout.rank == 0:
             print(plan_note, flush=True)
@@ -115,10 +132,10 @@ class Engine:
         self.model = model
         #: what a live morph needs to build this engine again on a fresh model (live_morph.py)
         self.rebuild_args = {"example_batch": example_batch, "optimizer": optimizer, "loss_fn": loss_fn,
-                             "param_init": param_init}
+                             "param_init": param_init, "lr_scheduler": lr_scheduler}
         self._build_stage(model, example_batch, param_init)
         self._build_training(optimizer)
-        self._build_comm()
+        self._build_comm(lr_scheduler)
         self.step_count = 0
         self._uncommitted = False  # inside a step whose optimizer step has not run yet
         self.executed_orders: list[list[Task]] = []
@@ -130,39 +147,30 @@ class Engine:
         _on_stop_signals(config.stop_signals, self._signal_stop)
         self.checkpointer = Checkpointer(self)  # save on stop, periodic saves, resume
         self.checkpointer.attach()  # a collective when resuming: every rank loads the same step
-        self._nonfinite = NonFiniteLosses(limit=config.max_nonfinite_steps, rank=self.layout.rank)
-        self._watch = PeerWatch.for_world(self.layout.rank, self.layout.world, config.peer_timeout_s)
-        _close_at_exit(self)
+        self._nonfinite = NonFiniteLosses(limit=config.numerics.max_nonfinite_steps, rank=self.layout.rank)
+        self._watch = PeerWatch.for_world(self.layout.rank, self.layout.world, config.timeouts.peer_s,
+                                          stop_signals=config.stop_signals)
+        self._close_at_exit()
         self._tb = TensorBoardLog.attach(self)  # after a resume: it notes the resume and any morph
-        run_plugins(self)
+        run_plugins(self, env.settings.engine_plugins)
 
     # ------------------------------------------------------------------ setup
 
     def _build_stage(self, model: nn.Module, example_batch, param_init) -> None:
         """Dry run, stage assignment and materialisation of this process's stage."""
         config, P = self.config, self.layout.P
-        _place_cutpoints(model, example_batch, config, self.loss_fn, self.layout)  # before the dry run
-        self.micro_plan = _plan_step(config, self.layout)
-        self.device = pick_device(config.device)
-        self._split = SplitState()
-        first = slice_batch(example_batch, 0, min(config.micro_batch_size, batch_size_of(example_batch)))
-        self.profile: ModelProfile = planning_profile(model, first, self.loss_fn, config, self.layout)
-        self.chunks = v = chunks_per_process(config, P, self.profile.num_cutpoints, self.micro_plan)
-        if P > 1:  # refuse hidden dependencies (values crossing a boundary outside a CutPoint)
-            from varuna.cutting.tracer import carry_specs, check_splittable
-
-            report = check_splittable(model, first, self.loss_fn, warn=self.layout.rank == 0)
-            if report is not None:  # e.g. a rotary embedding every layer reads runs on every stage
-                self.profile.glue_modules = set(report.replicated_modules)
-                self.profile.carried = carry_specs(report)  # e.g. T5's encoder output, read by the decoder
+        with preserved_buffers(model):  # the dry runs must not move BatchNorm's statistics
+            self._dry_runs(model, example_batch)
+        v = self.chunks
         self.stage_ranges = assign_stages(
             self.layout,
             self.profile,
             schedule=config.schedule,
-            recompute=config.recompute,
-            explicit=config.stage_ranges,
-            speeds=config.stage_speeds,
+            recompute=config.pipeline.recompute,
+            explicit=config.pipeline.stage_ranges,
+            speeds=config.pipeline.stage_speeds,
             chunks=v,
+            memory=stage_memory_for(config, self.layout, self.device, self.micro_plan),
         )
         self.flops: StepFlops | None = engine_flops(self)  # a collective: rank 0's count reaches every rank
         mine = self.stage_ranges[self.stage :: P]  # interleaved: virtual stages stage, stage + P, ...
@@ -185,14 +193,34 @@ class Engine:
         )
         self._trainable = {n: p for n, p in self.stage_params.items() if p.requires_grad}
 
+    def _dry_runs(self, model: nn.Module, example_batch) -> None:
+        """Cut-points, the micro-batch plan, the dry run's profile, the hidden-dependency check."""
+        config, P = self.config, self.layout.P
+        _place_cutpoints(model, example_batch, config, self.loss_fn, self.layout)  # before the dry run
+        self.micro_plan = _plan_step(config, self.layout)
+        self.device = pick_device(config.device, local_rank=self.env.local_rank)
+        self._split = SplitState()
+        first = slice_batch(example_batch, 0, min(config.micro_batch_size, batch_size_of(example_batch)))
+        self.profile: ModelProfile = planning_profile(model, first, self.loss_fn, config, self.layout)
+        self.chunks = chunks_per_process(config, P, self.profile.num_cutpoints, self.micro_plan)
+        if P > 1:  # refuse hidden dependencies (values crossing a boundary outside a CutPoint)
+            from varuna.cutting.tracer import carry_specs, check_splittable
+
+            report = check_splittable(model, first, self.loss_fn, warn=self.layout.rank == 0)
+            if report is not None:  # e.g. a rotary embedding every layer reads runs on every stage
+                self.profile.glue_modules = set(report.replicated_modules)
+                self.profile.carried = carry_specs(report)  # e.g. T5's encoder output, read by the decoder
+
     def _build_training(self, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
         config = self.config
+        # Sharded/offloaded optimizer state: before anything else holds the parameters' storage.
+        self._flat = FlatParameters.for_stage(self._trainable, config.optimizer_state, self.layout.D)
         self._det = None
-        if config.deterministic:
+        if config.determinism.enabled:
             from varuna.runtime.determinism import DeterministicGrads
 
-            deterministic_kernels(config.deterministic_threads)
-            if config.canonical_reduction:
+            deterministic_kernels(config.determinism.threads)
+            if config._negative_controls.canonical_reduction:
                 self._det = DeterministicGrads(
                     model=self.model,
                     profile=self.profile,
@@ -205,38 +233,47 @@ class Engine:
         self.optimizer = optimizer(list(self._trainable.values()))
         self.weight_versions = weight_versions_for(config, self._trainable, self.layout.P, self.micro_plan)
         self.scaler = DynamicLossScale(
-            scale=config.loss_scale if config.precision == "fp16" else 1.0,
-            growth_interval=config.loss_scale_growth_interval,
+            scale=config.numerics.loss_scale if config.precision == "fp16" else 1.0,
+            growth_interval=config.numerics.loss_scale_growth_interval,
         )
 
-    def _build_comm(self) -> None:
-        """Process groups (a collective), network emulation, links, executor and gradient sync."""
-        self.transport = choose_transport(self.layout, self.device, self.config.comm_backend)  # a collective
+    def _build_comm(self, lr_scheduler=None) -> None:
+        """Process groups (a collective), network emulation, links, buffers, executor, gradient sync."""
+        # A collective: every rank agrees on what carries its traffic (docs/gpu.md).
+        self.transport = choose_transport(self.layout, self.device, self.config.comm_backend, self.env)
         self._groups = build_groups(self.layout, self.stage_ranges, self.profile.shared_params(),
                                     backend=self.transport.backend)
+        segments = [s for a, b in self.stage_ranges[self.stage :: self.layout.P] for s in range(a, b + 1)]
+        self.extras = StageExtras(self.model, stage_buffer_names(self.profile, segments), groups=self._groups,
+                                  layout=self.layout, micro_plan=self.micro_plan, optimizer=self.optimizer,
+                                  lr_scheduler=lr_scheduler)
         if self._det is not None:
             self._det.groups = self._groups
+        self._shards = ShardedOptimizer.for_stage(self._flat, self.optimizer, self.layout, self._groups,
+                                                  self.config.optimizer_state, self.device, bool(self._det),
+                                                  backend=self.transport.backend)
         self._netem = None
         if self.layout.world > 1:
             from varuna.testing.netem import NetworkConfig, emulate_network
 
-            netcfg = NetworkConfig.from_env()
+            netcfg = NetworkConfig.from_setting(self.env.settings.netem)
             if netcfg is not None:  # $VARUNA_NETEM: emulate a slow network for this process
                 self._netem = emulate_network(netcfg)
                 self._netem.__enter__()
         inbox: queue.Queue = queue.Queue()
         self._links = StageLinks.start(
-            self.layout, self._groups, self.transport.link_device, inbox, self.config.comm_timeout_s,
+            self.layout, self._groups, self.transport.link_device, inbox, self.config.timeouts.comm_s,
             chunks=self.chunks, compute_device=self.device,
         )
         self.timeline = Timeline()
         self._executor = ScheduleExecutor(
-            stage=_stage_model(self),
+            stage=self._stage_model(),
             config=self.config,
             links=self._links,
             inbox=inbox,
             timeline=self.timeline,
             det=self._det,
+            stats=self.extras.buffers.stats,
         )
         self._sync = GradientSync(
             layout=self.layout,
@@ -247,7 +284,46 @@ class Engine:
             config=self.config,
             timeline=self.timeline,
             det=self._det,
+            shards=self._shards,
         )
+
+    def _stage_model(self) -> StageModel:
+        """What the executor runs: the engine's materialised stage (its model chunks, interleaved)."""
+        stage = StageModel(
+            model=self.model,
+            loss_fn=self.loss_fn,
+            split=self._split,
+            cutpoints=self._order,
+            cutpoint_names=self.profile.cutpoint_names,
+            first_segment=self.first_segment,
+            last_segment=self.last_segment,
+            num_segments=self.profile.num_segments,
+            stage=self.stage,
+            replica=self.replica,
+            num_stages=self.layout.P,
+            device=self.device,
+            carry_plan=CarryPlan.for_stage(
+                self.profile.carried, self.first_segment, self.last_segment, self.is_last_stage
+            ),
+        )
+        stage.set_chunks(self.stage_ranges[self.stage :: self.layout.P], self.profile.carried)
+        return stage
+
+    def _close_at_exit(self) -> None:
+        """Note [Teardown at exit]: a process group's gloo worker threads live as long as its C++
+        object, which lives as long as any Python handle to it -- ``destroy_process_group`` only
+        unregisters it. A group still alive at interpreter finalisation is torn down there: a worker
+        thread that then needs the GIL (to free a tensor of its last work) is ended by
+        ``pthread_exit`` inside C++ code and libstdc++ aborts ("terminate called without an active
+        exception", exit -6; ~1 run in 14 of 1×2 worlds beside two CPU burners when the script did not
+        destroy its group; once in CI on a graceful stop whose engine still held its subgroups).
+        So ``Engine.close`` destroys the groups, drops every handle (``ProcessGroups.release``,
+        ``StageLinks.close``) and collects, and a script that returns (or raises) without closing gets
+        the same at exit: atexit runs while the interpreter is whole, closing the engine (peer watch,
+        link threads, subgroups), then the default group -- atexit is last-in first-out."""
+        atexit.unregister(_destroy_default_group)  # once per process, registered before any engine
+        atexit.register(_destroy_default_group)
+        atexit.register(self.close)  # Engine.close unregisters it
 
     @property
     def stage(self) -> int:
@@ -298,7 +374,7 @@ class Engine:
     def describe(self) -> dict:
         """The resolved configuration (P, D, m, Nm, stage ranges...), JSON-serialisable."""
         return {
-            **asdict(self.config),
+            **{k: v for k, v in asdict(self.config).items() if not k.startswith("_")},
             "P": self.layout.P,
             "D": self.layout.D,
             "m": self.config.micro_batch_size,
@@ -320,7 +396,7 @@ class Engine:
             return self._train_step(batch, t_start)
 
     def _train_step(self, batch, t_start: float) -> StepResult:
-        self.optimizer.zero_grad(set_to_none=True)
+        self._sync.zero_grad()
         mbs = self.micro_plan[self.replica]
         if self._det is not None:
             self._det.begin_step(mbs, sum(len(p) for p in self.micro_plan))
@@ -329,17 +405,49 @@ class Engine:
         self.executed_orders.append(run.executed)
         t_sync = time.perf_counter()
         hook = self.boundary_hook
+        pending = self.extras.before_commit(self.step_count)  # Note [Buffers across replicas]
         outcome = self._sync.finish(
             run.loss_sum, stop_requested=self.stop_requested or (hook is not None and hook()),
             micro_plan=self.micro_plan,
         )
+        self.extras.after_commit(pending, skipped=outcome.skipped, loss=outcome.loss)
         sync_s = time.perf_counter() - t_sync
         self._uncommitted = False
         self.checkpointer.after_step()  # periodic checkpoint at this mini-batch boundary, if configured
-        result = _step_result(self, outcome, run.timings, t_start, sync_s)
-        _report(self, result)
-        _after_stop(self, outcome.stop, hook)
+        result = self._step_result(outcome, run.timings, t_start, sync_s)
+        self._report(result)
+        self._after_stop(outcome.stop, hook)
         return result
+
+    def _step_result(self, outcome, timings, t_start: float, sync_s: float) -> StepResult:
+        wall = time.perf_counter() - t_start
+        return StepResult(
+            step=self.step_count,
+            loss=outcome.loss,
+            grad_norm=outcome.grad_norm,
+            skipped=outcome.skipped,
+            loss_scale=self.scaler.scale,
+            samples_per_s=self.config.global_batch_size / wall,
+            wall_time=time.time(),
+            timings=dataclasses.replace(timings, sync_s=sync_s),
+            step_s=wall,
+            **step_metrics(self.flops, wall),
+        )
+
+    def _report(self, result: StepResult) -> None:
+        """Step callbacks, then the NaN/Inf loss policy."""
+        for fn in self._step_callbacks:
+            fn(result)
+        line = self._nonfinite.observe(result.step, result.loss)
+        if line is not None:  # every rank saw the same agreed loss: every rank stops here
+            self.close()
+            raise NonFiniteLossStop(line)
+
+    def _after_stop(self, stop: bool, hook) -> None:
+        if stop and hook is not None:
+            self.agreed_stop = True  # the live trainer decides: regroup, or stop (Engine._stop)
+        elif stop:
+            self._stop()
 
     def train_steps(self, batches: Iterable) -> list[StepResult]:
         """Train one step per mini-batch of ``batches`` (each M_total examples); their results.
@@ -349,7 +457,49 @@ class Engine:
         checkpoint step:
         the weights ``train_step`` would make, sooner. Other kinds: ``train_step`` on each.
         Example: ``results = engine.train_steps(batch_of(t) for t in range(1, 9))``."""
-        return _train_steps(self, list(batches))
+        batches = list(batches)
+        for b in batches:
+            _check_batch(b, self.config.global_batch_size)
+        if self.weight_versions is None:
+            return [self.train_step(b) for b in batches]
+        reason = no_flush_unsupported(self.config, self.layout.P)
+        if reason is not None:
+            raise ValueError(reason)
+        ckpt = self.checkpointer
+        every = ckpt.every if ckpt.directory is not None else 0
+        out: list[StepResult] = []
+        while batches:  # windows of at most MAX_WINDOW_STEPS, ending at the periodic checkpoint steps
+            n = min(len(batches), MAX_WINDOW_STEPS)
+            if every:
+                n = min(n, every - self.step_count % every)
+            out += self._train_window(batches[:n])
+            batches = batches[n:]
+        return out
+
+    def _train_window(self, batches: list) -> list[StepResult]:
+        """One no-flush window (Note [No-flush window]), drained at its end."""
+        t_start = time.perf_counter()
+        first = self.step_count + 1
+        self._uncommitted = True
+        self._sync.zero_grad()
+        mbs = self.micro_plan[self.replica]
+        if self._det is not None:
+            self._det.begin_step(mbs, sum(len(p) for p in self.micro_plan))
+        feed = WindowFeed(self, batches, first)
+        assert self.weight_versions is not None
+        try:
+            with watching(self._watch, first):
+                run = self._executor.run_window(feed, len(mbs), len(batches), scale=self.scaler.scale)
+        finally:
+            self.weight_versions.select(stale=False)  # the newest version in the parameters
+        self.executed_orders.append(run.executed)
+        results, stop = feed.results(run, t_start)
+        self._uncommitted = False
+        self.checkpointer.after_step()  # periodic checkpoint: windows end at its steps
+        for result in results:
+            self._report(result)
+        self._after_stop(stop, self.boundary_hook)
+        return results
 
     def _signal_stop(self, signum, frame) -> None:
         # Only a flag: the step in flight finishes, then all ranks agree (Note [Step]).
@@ -386,7 +536,7 @@ class Engine:
             self.model.train(was_training)
 
     def gather_timeline(self) -> Timeline | None:
-        """Every rank's recorded task events (``record_timeline=True``), merged on rank 0.
+        """Every rank's recorded task events (``metrics.record_timeline=True``), merged on rank 0.
 
         A collective: call it on every rank; rank 0 gets the :class:`Timeline`, others None.
         Times are ``time.perf_counter()`` seconds, comparable across processes of one host (a
@@ -413,6 +563,7 @@ class Engine:
             self._netem = None
         _destroy_groups(self._groups, owns_default=self._owns_pg, collect=collect)
         self._owns_pg = False
+        self.extras.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -425,9 +576,10 @@ class Engine:
     def save_checkpoint(self, directory: str | os.PathLike | None = None, *, wait: bool = False):
         """Checkpoint the state after ``step_count`` steps; every rank calls it at the same step.
 
-        Files go to local disk now and to ``directory`` (default ``config.checkpoint_dir``) in the
-        background; the checkpoint exists once rank 0 wrote its manifest (``wait=True`` blocks
-        until this rank's part is copied, rank 0 until the manifest is written). Returns the
+        Files go to local disk now and to ``directory`` (default ``config.checkpoints.dir``) in the
+        background, in ``config.checkpoints.format``; the checkpoint exists once rank 0 wrote its
+        commit file (``wait=True`` blocks until this rank's part is copied, rank 0 until the commit
+        file is written: ``manifest.json`` for the default format). Returns the
         step directory, or None when skipped because the previous save is still being copied.
 
         Example::
@@ -452,124 +604,64 @@ class Engine:
         """
         return self.checkpointer.load(directory, step=step)
 
-    def state_dict(self) -> dict:
-        """This stage's state by canonical parameter name: ``step``, ``params``, ``optimizer``
-        (name-keyed, see :func:`varuna.runtime.checkpoint.optimizer_state_by_name`), ``loss_scale``.
+    def register_state(self, name: str, obj, *, scope: str = "global") -> None:
+        """Save and restore ``obj`` (with ``state_dict()``/``load_state_dict()``) with the model:
+        in checkpoints, live morphs and resumes (Note [Registered state] in extra_state.py). ``scope``
+        "global": one state for the job, the same on every rank, restored at any P×D (a loader of
+        whole mini-batches: ``StatefulBatches``); "rank": this process's own, restored only at the
+        P×D that saved it. A state resumed before the call is loaded into ``obj`` now.
+
+        Example::
+
+            data = StatefulBatches(StatefulDataLoader(ds, batch_size=32, shuffle=True, drop_last=True))
+            engine.register_state("data", data)            # resumed: continues after the saved step
+        """
+        self.extras.registered.register(name, obj, scope)
+
+    def state_dict(self, *, optimizer_for: Iterable[str] | None = None) -> dict:
+        """This stage's whole state by canonical name (Note [Whole state] in whole_state.py):
+        ``step``, ``params``, ``optimizer`` (name-keyed, see
+        :func:`varuna.runtime.checkpoint.optimizer_state_by_name`; 2bw's stashed weight version
+        rides in it, Note [2BW]), ``loss_scale``, ``buffers`` (persistent ones), ``extra`` (the LR
+        scheduler and registered objects: ``{"global": {...}, "rank": {...}}``). Tensors are
+        references to the live ones, like ``nn.Module.state_dict``. With sharded optimizer state
+        (``optimizer_state.shard``) the optimizer part is gathered whole from the stage's
+        replicas: a collective, every replica of the stage calls it; ``optimizer_for`` names the
+        parameters whose optimizer state this rank needs (a checkpoint's writer: the files it
+        writes), so no replica holds the whole stage's state at once; None: all.
 
         Example::
 
             sd = engine.state_dict()
             engine.load_state_dict(sd)
         """
-        return engine_state_dict(self)
+        return whole_state.state_dict(self, optimizer_for=optimizer_for)
 
-    def load_state_dict(self, state: dict) -> None:
-        """Inverse of :meth:`state_dict`; ``state["params"]`` may hold the whole model's names."""
-        load_engine_state_dict(self, state)
+    def optimizer_state(self, only: Iterable[str] | None = None) -> dict:
+        """The optimizer state by canonical parameter name, whole tensors shaped as the
+        parameters (:func:`varuna.runtime.optimizer_state.optimizer_state_by_name`), whatever
+        ``optimizer_state`` says: sharded state is gathered (a collective over the stage's
+        replicas then; ``only``: the parameters this rank needs), offloaded state comes from host
+        memory. Example: ``engine.optimizer_state()["state"]["wte.weight"]["exp_avg"]``."""
+        return stage_optimizer_state(self.optimizer, self._shards, dict(self.named_parameters()), only)
 
+    def gather_optimizer_state(self) -> None:
+        """With the optimizer state split over the stage's replicas (``optimizer_state.shard``,
+        D > 1): gather it whole, by name, on every replica (a collective), so that
+        :meth:`optimizer_state` still answers after the groups are gone (a live morph gathers at
+        its step boundary, then tears them down). Nothing to do otherwise."""
+        if self._shards is not None:
+            self._shards.gather_for_transfer()
 
-def _step_result(engine: Engine, outcome, timings, t_start: float, sync_s: float) -> StepResult:
-    wall = time.perf_counter() - t_start
-    return StepResult(
-        step=engine.step_count,
-        loss=outcome.loss,
-        grad_norm=outcome.grad_norm,
-        skipped=outcome.skipped,
-        loss_scale=engine.scaler.scale,
-        samples_per_s=engine.config.global_batch_size / wall,
-        wall_time=time.time(),
-        timings=dataclasses.replace(timings, sync_s=sync_s),
-        step_s=wall,
-        **step_metrics(engine.flops, wall),
-    )
-
-
-def _report(engine: Engine, result: StepResult) -> None:
-    """Step callbacks, then the NaN/Inf loss policy."""
-    for fn in engine._step_callbacks:
-        fn(result)
-    line = engine._nonfinite.observe(result.step, result.loss)
-    if line is not None:  # every rank saw the same agreed loss: every rank stops here
-        engine.close()
-        raise NonFiniteLossStop(line)
-
-
-def _after_stop(engine: Engine, stop: bool, hook) -> None:
-    if stop and hook is not None:
-        engine.agreed_stop = True  # the live trainer decides: regroup, or stop (Engine._stop)
-    elif stop:
-        engine._stop()
-
-
-def _train_steps(engine: Engine, batches: list) -> list[StepResult]:
-    """``Engine.train_steps``: windows of at most :data:`MAX_WINDOW_STEPS` mini-batches, ending
-    at the periodic checkpoint steps (2bw)."""
-    for b in batches:
-        _check_batch(b, engine.config.global_batch_size)
-    if engine.weight_versions is None:
-        return [engine.train_step(b) for b in batches]
-    reason = no_flush_unsupported(engine.config, engine.layout.P)
-    if reason is not None:
-        raise ValueError(reason)
-    ckpt = engine.checkpointer
-    every = ckpt.every if ckpt.directory is not None else 0
-    out: list[StepResult] = []
-    while batches:
-        n = min(len(batches), MAX_WINDOW_STEPS)
-        if every:
-            n = min(n, every - engine.step_count % every)
-        out += _train_window(engine, batches[:n])
-        batches = batches[n:]
-    return out
-
-
-def _train_window(e: Engine, batches: list) -> list[StepResult]:
-    """One no-flush window (Note [No-flush window]), drained at its end."""
-    t_start = time.perf_counter()
-    first = e.step_count + 1
-    e._uncommitted = True
-    e.optimizer.zero_grad(set_to_none=True)
-    mbs = e.micro_plan[e.replica]
-    if e._det is not None:
-        e._det.begin_step(mbs, sum(len(p) for p in e.micro_plan))
-    feed = WindowFeed(e, batches, first)
-    assert e.weight_versions is not None
-    try:
-        with watching(e._watch, first):
-            run = e._executor.run_window(feed, len(mbs), len(batches), scale=e.scaler.scale)
-    finally:
-        e.weight_versions.select(stale=False)  # the newest version in the parameters
-    e.executed_orders.append(run.executed)
-    results, stop = feed.results(run, t_start)
-    e._uncommitted = False
-    e.checkpointer.after_step()  # periodic checkpoint: windows end at its steps
-    for result in results:
-        _report(e, result)
-    _after_stop(e, stop, e.boundary_hook)
-    return results
-
-
-def _stage_model(engine: Engine) -> StageModel:
-    """What the executor runs: the engine's materialised stage (its model chunks, interleaved)."""
-    e = engine
-    stage = StageModel(
-        model=e.model,
-        loss_fn=e.loss_fn,
-        split=e._split,
-        cutpoints=e._order,
-        cutpoint_names=e.profile.cutpoint_names,
-        first_segment=e.first_segment,
-        last_segment=e.last_segment,
-        num_segments=e.profile.num_segments,
-        stage=e.stage,
-        replica=e.replica,
-        num_stages=e.layout.P,
-        device=e.device,
-        carry_plan=CarryPlan.for_stage(e.profile.carried, e.first_segment, e.last_segment, e.is_last_stage),
-    )
-    stage.set_chunks(e.stage_ranges[e.stage :: e.layout.P], e.profile.carried)
-    return stage
-
+    def load_state_dict(self, state: dict, *, copy: bool = True) -> None:
+        """Inverse of :meth:`state_dict`; ``state["params"]`` may hold more names (e.g. the whole
+        model's), but must hold every parameter of this stage. ``copy=False`` hands the state
+        over: the optimizer adopts its tensors (nobody else may update them, e.g. a live morph's
+        received ones or a checkpoint's freshly read ones) and each parameter's entry leaves
+        ``state["params"]`` once copied in (no second set of weights stays alive). ``buffers``
+        and ``extra`` may be absent (older checkpoints): buffers keep their values, with a
+        warning."""
+        whole_state.load_state_dict(self, state, copy=copy)
 
 def _on_stop_signals(names: tuple[str, ...], handler) -> None:
     """Install ``handler`` for the signals ``names`` (only possible from the main thread)."""
@@ -583,15 +675,15 @@ def _plan_step(config: VarunaConfig, layout: Layout) -> list[list]:
     """Each replica's micro-batches (``replica_shares`` when set), after checking that the shares
     fit D and the schedule kind, and the stage speeds fit P (one line each, on every rank)."""
     plan = plan_microbatches(
-        config.global_batch_size, config.micro_batch_size, layout.D, config.replica_shares
+        config.global_batch_size, config.micro_batch_size, layout.D, config.pipeline.replica_shares
     )
     kind = schedule_kind(config.schedule)
     for d, mbs in enumerate(plan):
         reason = kind.unsupported(layout.P, len(mbs))
         if reason is not None:
             raise ValueError(f"replica {d}'s {len(mbs)} micro-batch(es) cannot run at P={layout.P}: {reason}")
-    if config.stage_speeds is not None:
-        problem = check_speeds(config.stage_speeds, layout.P)
+    if config.pipeline.stage_speeds is not None:
+        problem = check_speeds(config.pipeline.stage_speeds, layout.P)
         if problem is not None:
             raise ValueError(problem)
     return plan
@@ -604,23 +696,6 @@ def _check_batch(batch, global_batch_size: int) -> None:
             f"train_step got a batch of {n} examples but global_batch_size is "
             f"{global_batch_size}; pass the whole mini-batch on every rank"
         )
-
-
-def _close_at_exit(engine: Engine) -> None:
-    """Note [Teardown at exit]: a process group's gloo worker threads live as long as its C++
-    object, which lives as long as any Python handle to it -- ``destroy_process_group`` only
-    unregisters it. A group still alive at interpreter finalisation is torn down there: a worker
-    thread that then needs the GIL (to free a tensor of its last work) is ended by
-    ``pthread_exit`` inside C++ code and libstdc++ aborts ("terminate called without an active
-    exception", exit -6; ~1 run in 14 of 1×2 worlds beside two CPU burners when the script did not
-    destroy its group; once in CI on a graceful stop whose engine still held its subgroups).
-    So ``Engine.close`` destroys the groups, drops every handle (``ProcessGroups.release``,
-    ``StageLinks.close``) and collects, and a script that returns (or raises) without closing gets
-    the same at exit: atexit runs while the interpreter is whole, closing the engine (peer watch,
-    link threads, subgroups), then the default group -- atexit is last-in first-out."""
-    atexit.unregister(_destroy_default_group)  # once per process, registered before any engine
-    atexit.register(_destroy_default_group)
-    atexit.register(engine.close)  # Engine.close unregisters it
 
 
 def _destroy_groups(groups: ProcessGroups, *, owns_default: bool, collect: bool = True) -> None:
@@ -639,16 +714,17 @@ def _destroy_groups(groups: ProcessGroups, *, owns_default: bool, collect: bool 
 def _place_cutpoints(
     model: nn.Module, example_batch, config: VarunaConfig, loss_fn: Callable, layout: Layout
 ) -> None:
-    """``config.cut_after`` (by name) or ``config.auto_cutpoints`` (a plan from rank 0)."""
-    if config.cut_after:
+    """``config.cutting.cut_after`` (by name) or ``cutting.auto_cutpoints`` (a plan from rank 0)."""
+    cuts = config.cutting
+    if cuts.cut_after:
         from varuna.cutting.routing import CUT_ATTR, insert_cutpoints, match_modules
 
         # Modules cut already (an earlier Engine on this model, or apply_cutpoints with the same
         # names) keep their cut: asking again is the same request, not an error.
         mods = dict(model.named_modules())
-        names = [n for n in match_modules(model, config.cut_after) if CUT_ATTR not in mods[n]._modules]
+        names = [n for n in match_modules(model, cuts.cut_after) if CUT_ATTR not in mods[n]._modules]
         insert_cutpoints(model, names, auto=False)
-    if config.auto_cutpoints is not None:
+    if cuts.auto_cutpoints is not None:
         from varuna.cutting.autocut import engine_auto_cutpoints
         from varuna.cutting.routing import check_no_cutpoints
 
@@ -656,12 +732,12 @@ def _place_cutpoints(
         engine_auto_cutpoints(
             model,
             example_batch,
-            config.auto_cutpoints,
+            cuts.auto_cutpoints,
             loss_fn=loss_fn,
             micro_batch_size=config.micro_batch_size,
             rank=layout.rank,
             world=layout.world,
-            cost=config.plan_cost,
+            cost=cuts.plan_cost,
         )
 
 

@@ -245,8 +245,11 @@ class ScheduleExecutor:
         inbox: queue.Queue,
         timeline: Timeline,
         det=None,
+        stats=None,
     ) -> None:
         self.s = stage
+        #: BatchNorm running statistics recorded per micro-batch (Note [Buffers across replicas])
+        self.stats = stats
         self.config = config
         self.links = links
         self.inbox = inbox
@@ -256,7 +259,7 @@ class ScheduleExecutor:
         self._scale = 1.0
         # Note [Deterministic forward]: the first training step checks sends against recomputes.
         # Not with unkeyed dropout (a negative control), whose recompute redraws other masks.
-        self._verify = config.deterministic and config.rng_keyed
+        self._verify = config.determinism.enabled and config._negative_controls.rng_keyed
         #: zero-bubble kinds: B computes the input gradient only, W the weight gradients later
         self._split = schedule_kind(config.schedule).splits_backward
 
@@ -266,8 +269,8 @@ class ScheduleExecutor:
         self._step, self._scale = step, scale
         if train:
             kind = schedule_kind(self.config.schedule)
-            pipe = kind.pipeline(P, n, recompute=self.config.recompute, chunks=v)
-            policy = pipe.policy(k, stash_headroom=self.config.stash_headroom)
+            pipe = kind.pipeline(P, n, recompute=self.config.pipeline.recompute, chunks=v)
+            policy = pipe.policy(k, stash_headroom=self.config.pipeline.stash_headroom)
             rec = pipe.recomputed(k)
             recomputed = frozenset(rec) if v > 1 else frozenset((i, 0) for i in rec)
         elif v > 1:
@@ -289,9 +292,9 @@ class ScheduleExecutor:
         P, k = self.s.num_stages, self.s.stage
         self._scale = scale
         pipe = schedule_kind(self.config.schedule).window(
-            P, num_microbatches, steps, recompute=self.config.recompute
+            P, num_microbatches, steps, recompute=self.config.pipeline.recompute
         )
-        policy = pipe.policy(k, stash_headroom=self.config.stash_headroom)
+        policy = pipe.policy(k, stash_headroom=self.config.pipeline.stash_headroom)
         recomputed = frozenset((i, 0) for i in pipe.recomputed(k))
         self.links.begin_step(num_microbatches * steps, train=True)
         work = self._forked(feed, policy, recomputed, True)
@@ -306,8 +309,8 @@ class ScheduleExecutor:
 
     def _execute(self, feed: Feed, policy, recomputed: frozenset[tuple[int, int]], train: bool) -> _Work:
         work = _Work(det=self.det, global_batch=self.config.global_batch_size)
-        timeout = self.config.comm_timeout_s
-        record = self.config.record_timeline
+        timeout = self.config.timeouts.comm_s
+        record = self.config.metrics.record_timeline
         v = self.s.num_chunks
         while not policy.finished:
             self._drain(policy, work, block=False, timeout=timeout)
@@ -358,7 +361,7 @@ class ScheduleExecutor:
         i, c = key
         received = work.acts.pop(key, None)
         # Note [Deterministic forward]: with the autograd state of the recompute and of a 1×1 run.
-        with_grad = keep_graph or (train and self.config.deterministic)
+        with_grad = keep_graph or (train and self.config.determinism.enabled)
         inputs = received
         if inputs is not None and with_grad:
             inputs = tuple(leaf(x) for x in inputs)
@@ -484,7 +487,7 @@ class ScheduleExecutor:
         if self.s.device.type == "cuda":
             gens.append(torch.cuda.default_generators[self.s.device.index or 0])
 
-        if not self.config.rng_keyed:  # negative control: draws depend on the process's history
+        if not self.config._negative_controls.rng_keyed:  # negative control: draws depend on history
             return lambda segment: None
 
         def reseed(segment: int) -> None:
@@ -526,6 +529,8 @@ class ScheduleExecutor:
             carry_plan=carry,
         )
         s.split.run = run
+        if self.stats is not None:
+            self.stats.current = (self._step, mb.index)
         try:
             with torch.set_grad_enabled(with_grad), self._autocast():
                 on_segment(0)
@@ -542,5 +547,7 @@ class ScheduleExecutor:
                 return s.loss_fn(out, data)
         finally:
             s.split.run = None
+            if self.stats is not None:
+                self.stats.current = None
             if self.det is not None:
                 self.det.restore()

@@ -5,7 +5,7 @@ The dry run counts each segment's forward FLOPs for its micro-batch (``FlopCount
 :func:`step_flops` turns them into the whole job's FLOPs per step -- model FLOPs (3 × forward)
 and hardware FLOPs (+ the forwards the schedule recomputes), Note [Model FLOPs] in
 ``varuna/core/flops.py`` -- with the peak of one device (:func:`resolve_peak`:
-``VarunaConfig.peak_tflops``, else ``$VARUNA_PEAK_TFLOPS``, else the table of known GPUs; unknown on
+``VarunaConfig.metrics.peak_tflops``, else ``$VARUNA_PEAK_TFLOPS``, else the table of known GPUs; unknown on
 a CPU). :meth:`StepFlops.metrics` gives a step's ``tflops`` (model TFLOP/s per device, the whole
 job's FLOPs over its P×D devices), ``hardware_tflops`` and ``mfu``.
 
@@ -16,9 +16,9 @@ exactly.
 Example (the numbers of ``tests/test_flops.py``'s hand count)::
 
     >>> from varuna.core.batching import plan_microbatches
-    >>> from varuna.runtime.config import VarunaConfig
+    >>> from varuna.runtime.config import MetricsConfig, VarunaConfig
     >>> from varuna.runtime.layout import Layout
-    >>> cfg = VarunaConfig(global_batch_size=8, micro_batch_size=4, peak_tflops=1.0)
+    >>> cfg = VarunaConfig(global_batch_size=8, micro_batch_size=4, metrics=MetricsConfig(peak_tflops=1.0))
     >>> f = step_flops([100.0], config=cfg, layout=Layout(world=1, rank=0, P=1, D=1),
     ...                micro_plan=plan_microbatches(8, 4, 1), stage_ranges=[(0, 0)], device_name="cpu")
     >>> f.model_flops, f.metrics(step_s=1e-9)["mfu"]
@@ -27,7 +27,7 @@ Example (the numbers of ``tests/test_flops.py``'s hand count)::
 
 from __future__ import annotations
 
-import os
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from varuna.core.batching import MicroBatch
+from varuna.core.env import WorkerSettings
 from varuna.core.flops import (
     check_peak_tflops,
     device_peak,
@@ -115,23 +116,24 @@ def device_name(device: torch.device) -> str:
 
 
 def resolve_peak(
-    name: str, precision: str, configured: float | None, environ: Mapping[str, str] | None = None
+    name: str, precision: str, configured: float | None, environ: Mapping[str, str] | None = None, *,
+    settings: WorkerSettings | None = None,
 ) -> tuple[float | None, str]:
     """(peak TFLOP/s of one device, where it came from): ``configured`` (the config), else
-    ``$VARUNA_PEAK_TFLOPS``, else the table entry for ``name`` at ``precision`` (TF32 counts for
-    fp32 when PyTorch lets matmuls use it), else (None, "unknown").
+    ``$VARUNA_PEAK_TFLOPS`` (``settings.peak_tflops``; default parsed from ``environ``, default
+    ``os.environ``), else the table entry for ``name`` at ``precision`` (TF32 counts for fp32 when
+    PyTorch lets matmuls use it), else (None, "unknown").
 
     >>> resolve_peak("NVIDIA A100-SXM4-80GB", "bf16", None, {})
     (312.0, 'A100')
     >>> resolve_peak("cpu", "fp32", None, {"VARUNA_PEAK_TFLOPS": "2.5"})
     (2.5, '$VARUNA_PEAK_TFLOPS')
     """
-    env = os.environ if environ is None else environ
     if configured is not None:
-        return check_peak_tflops(configured, "peak_tflops"), "config"
-    from_env = check_peak_tflops(env.get(PEAK_ENV, "").strip(), PEAK_ENV)
-    if from_env is not None:
-        return from_env, f"${PEAK_ENV}"
+        return check_peak_tflops(configured, "metrics.peak_tflops"), "config"
+    settings = WorkerSettings.from_env(environ) if settings is None else settings
+    if settings.peak_tflops is not None:
+        return settings.peak_tflops, f"${PEAK_ENV}"
     entry = device_peak(name)
     if entry is None:
         return None, "unknown"
@@ -154,7 +156,7 @@ def _recomputed_flops(
     seg_cost = [sum(per_example[a : b + 1]) for a, b in stage_ranges]  # per example, per virtual stage
     total = 0.0
     for mbs in micro_plan:
-        pipe = kind.pipeline(P, len(mbs), recompute=config.recompute, chunks=chunks)
+        pipe = kind.pipeline(P, len(mbs), recompute=config.pipeline.recompute, chunks=chunks)
         for k in range(P):
             for item in pipe.recomputed(k):
                 i, c = item if chunks > 1 else (item, 0)
@@ -167,7 +169,7 @@ def engine_flops(engine) -> StepFlops | None:
     ``config``, ``micro_plan``, ``stage_ranges`` and ``device``): a collective over its world."""
     return step_flops(share_segment_flops(engine.profile, engine.layout), config=engine.config,
                       layout=engine.layout, micro_plan=engine.micro_plan, stage_ranges=engine.stage_ranges,
-                      device_name=device_name(engine.device))
+                      device_name=device_name(engine.device), settings=engine.env.settings)
 
 
 def step_flops(
@@ -178,14 +180,20 @@ def step_flops(
     micro_plan: Sequence[Sequence[MicroBatch]],
     stage_ranges: Sequence[tuple[int, int]],
     device_name: str,
+    settings: WorkerSettings | None = None,
 ) -> StepFlops | None:
     """The job's :class:`StepFlops` from each segment's forward FLOPs per example (None: not
-    counted, then None). Every rank computes the same value (no communication)."""
+    counted, then None). Every rank computes the same value (no communication). ``settings``:
+    where ``$VARUNA_PEAK_TFLOPS`` comes from (:func:`resolve_peak`). Planned fields the config
+    left unset count as their defaults (``VarunaConfig.fill_planned_defaults``)."""
     if per_example is None:
         return None
+    if config.schedule is None or config.pipeline.recompute is None:
+        config = dataclasses.replace(config)
+        config.fill_planned_defaults()
     fwd = sum(per_example) * config.global_batch_size
     count = training_flops(fwd, recompute_flops=_recomputed_flops(
         per_example, config, layout, micro_plan, stage_ranges))
-    peak, source = resolve_peak(device_name, config.precision, config.peak_tflops)
+    peak, source = resolve_peak(device_name, config.precision, config.metrics.peak_tflops, settings=settings)
     return StepFlops(model_flops=count.model, hardware_flops=count.hardware, devices=layout.world,
                      peak_tflops=peak, peak_source=source)

@@ -39,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import os
 import sys
 import threading
 import time
@@ -52,13 +51,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from varuna.core.env import stage_and_replica
+from varuna.core.env import ProcessEnv, stage_and_replica
 from varuna.core.live_layout import plan_generation, transfer_plan
-from varuna.runtime.checkpoint import load_engine_state_dict
 from varuna.runtime.engine import Engine
+from varuna.runtime.layout import choose_gloo_interface
 from varuna.runtime.live_transfer import describe_state, receive_targets
 from varuna.runtime.live_watch import DECLARED_DEAD_EXIT_CODE, LiveWatch, sever
-from varuna.runtime.optimizer_state import merge_optimizer_states, optimizer_state_by_name
+from varuna.runtime.optimizer_state import merge_optimizer_states
+from varuna.runtime.state_codec import from_json, to_json
 
 __all__ = ["DECLARED_DEAD_EXIT_CODE", "LIVE_JOIN_ENV", "LIVE_STORE_ENV", "DeclaredDead", "LiveMorphFailed",
            "LiveWorld", "MorphReport", "WaitExpired", "declare_dead", "end_job", "morph", "recover",
@@ -166,7 +166,7 @@ class LiveWorld:
         watch]); replaces an earlier guard of the same name."""
         refs = [weakref.ref(g) for g in groups if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER]
         with self._lock:
-            self._guards[name] = (frozenset(members), refs)
+            self._guards[name] = (tuple(members), refs)
 
     def unguard(self, name: str) -> None:
         with self._lock:
@@ -176,10 +176,14 @@ class LiveWorld:
         """Sever the guarded groups spanning a member of ``dead`` (None: all of them), and forget
         them. Under the lock: the main thread swaps groups only after unguarding the old ones."""
         with self._lock:
-            hit = [n for n, (ms, _) in self._guards.items() if dead is None or ms & dead]
-            groups = [ref() for n in hit for ref in self._guards.pop(n)[1]]
-            sever(g for g in groups if g is not None)
-            del groups
+            hit = [n for n, (ms, _) in self._guards.items() if dead is None or set(ms) & dead]
+            for name in hit:
+                members, refs = self._guards.pop(name)
+                # The dead's ranks in that generation: the pair to a silent one must be closed.
+                ranks = [members.index(m) for m in dead or () if m in members]
+                groups = [ref() for ref in refs]
+                sever((g for g in groups if g is not None), dead=ranks)
+                del groups
 
     def close(self) -> None:
         """Stop and join the heartbeat thread (it beats ``exit``) and forget the guards.
@@ -218,7 +222,8 @@ class LiveWorld:
 
             live = LiveWorld.join("10.0.0.4:29400", member=3, world=4)
         """
-        address = address or os.environ.get(LIVE_STORE_ENV, "")
+        env = ProcessEnv.from_env()  # Note [One parser] in varuna/core/env.py
+        address = address or env.settings.live_store or ""
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"live morph needs the rendezvous store as host:port (got {address!r}); "
@@ -227,8 +232,10 @@ class LiveWorld:
         # the collector that walk covers only what the run made since (docs/live_morph.md,
         # Benchmark: the full collections were most of the tear down).
         gc.freeze()
-        member = int(os.environ["RANK"]) if member is None else member
-        joining = os.environ.get(LIVE_JOIN_ENV) == "1" if joining is None else joining
+        member = env.rank if member is None else member
+        joining = env.settings.live_join if joining is None else joining
+        # Every generation's gloo group binds to the interface towards the job's rendezvous host.
+        choose_gloo_interface(env.master_addr or host, env)
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
         beats = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
         if joining:
@@ -237,7 +244,7 @@ class LiveWorld:
             i = store.add(f"{ROOT}joins", 1)
             store.set(f"{ROOT}join/{i}", str(member))
             return live
-        world = int(os.environ["WORLD_SIZE"]) if world is None else world
+        world = env.world_size if world is None else world
         live = cls(store=store, member=member, members=list(range(world)), timeout_s=timeout_s,
                    expected=list(range(world)))
         live.start_watch(freeze_s, beats)
@@ -322,7 +329,16 @@ def morph(live: LiveWorld, held: Engine | None, build: Callable[[int, int], Engi
     t0 = time.monotonic()
     old = (held.layout.P, held.layout.D) if held is not None else None
     if held is not None:
+        sharded = bool(held.config.optimizer_state.shard) and held.layout.D > 1
+        if sharded and not failed:
+            held.gather_optimizer_state()  # while its groups are up: the state leaves by name, whole
         live.collect_due = _tear_down(live, held, failed)
+        if sharded and failed:
+            raise LiveMorphFailed(
+                "the optimizer state was sharded over the replicas (optimizer_state.shard) and a step "
+                "failed: the shards cannot be gathered without the lost peer's; restart from the newest "
+                "checkpoint"
+            )
     record = _record(held, leaving)
     failures: list[str] = []
     for attempt in range(1, _MAX_ATTEMPTS + 1):
@@ -383,11 +399,15 @@ def _record(held: Engine | None, leaving: bool) -> dict:
     if held is None:
         return {"holds": False, "leaving": leaving}
     L = held.layout
+    sd = held.state_dict()  # the state beyond tensors travels in the record (Note [Whole state])
+    stage = sd["optimizer"].get("stage_state")
     return {"holds": True, "leaving": leaving, "step": held.committed_step,
             "sgen": getattr(held, "live_generation", 0),
-            "rank": L.rank, "P": L.P, "D": L.D, "names": sorted(held.stage_params),
+            "rank": L.rank, "P": L.P, "D": L.D, "names": sorted(_stage_tensors(held)),
             "scale": held.scaler.state_dict(), "max_stages": held.profile.num_segments,
-            "max_replicas": sum(len(p) for p in held.micro_plan)}
+            "max_replicas": sum(len(p) for p in held.micro_plan),
+            "extra": to_json(sd["extra"]["global"]), "segments": _segments(held),
+            "stage_state": to_json(stage) if stage else None}
 
 
 def _init_group(live: LiveWorld, backend: str) -> None:
@@ -579,9 +599,15 @@ def _form(live: LiveWorld, gen: int, closed: dict, held: Engine | None, build: C
         new._owns_pg = True  # the live world made this group; the engine destroys it on close
         new.live_generation = gen
         received = _hand_over(live, gen, xfer, recs, held, new, on_phase)
+        state = received.pop("state")
+        first = min(_segments(new))  # the optimizer's state outside state[param]: its old stage's
+        stage = next((r["stage_state"] for r in recs.values() if r.get("holds") and r.get("stage_state")
+                      and first in r.get("segments", [])), None)
+        if stage is not None:
+            state["optimizer"]["stage_state"] = from_json(stage)
         # copy=False: the optimizer adopts the received tensors and the held engine's (dropped now)
-        load_engine_state_dict(new, {"step": step, "loss_scale": ref["scale"], **received.pop("state")},
-                               copy=False)
+        new.load_state_dict({"step": step, "loss_scale": ref["scale"], **state,
+                             "extra": {"global": from_json(ref.get("extra", {}))}}, copy=False)
     except BaseException:
         new.close()
         new = None  # no handle may keep the groups' sockets open (peers must fail, not hang)
@@ -618,11 +644,22 @@ def _check_stages(recs: dict, holders: list[int]) -> None:
                                   "are gone); the run must restart from its newest checkpoint")
 
 
+def _stage_tensors(engine: Engine) -> dict[str, torch.Tensor]:
+    """The stage's parameters and persistent buffers by name (what a transfer moves)."""
+    return {**engine.extras.buffers.named(), **engine.stage_params}
+
+
+def _segments(engine: Engine) -> list[int]:
+    P = engine.layout.P
+    return [s for a, b in engine.stage_ranges[engine.stage :: P] for s in range(a, b + 1)]
+
+
 def _stage_state(engine: Engine, names: list[str]) -> dict:
     trainable = dict(engine.named_parameters())
-    return {"params": {n: engine.stage_params[n].detach() for n in names},
-            "optimizer": optimizer_state_by_name(engine.optimizer, trainable,
-                                                 only=[n for n in names if n in trainable])}
+    buffers = engine.extras.buffers.named()
+    return {"params": {n: engine.stage_params[n].detach() for n in names if n not in buffers},
+            "buffers": {n: buffers[n] for n in names if n in buffers},
+            "optimizer": engine.optimizer_state(only=[n for n in names if n in trainable])}
 
 
 def _hand_over(live: LiveWorld, gen: int, xfer: list[int], recs: dict, held_engine: Engine | None,
@@ -634,7 +671,7 @@ def _hand_over(live: LiveWorld, gen: int, xfer: list[int], recs: dict, held_engi
     store, pre, me = live.store, f"{ROOT}gen{gen}/", xfer.index(live.member)
     working = len(live.members)
     if new is not None:
-        store.set(f"{pre}needs/{live.member}", json.dumps(sorted(new.stage_params)))
+        store.set(f"{pre}needs/{live.member}", json.dumps(sorted(_stage_tensors(new))))
     keys = [f"{pre}needs/{m}" for m in xfer[:working]]
     _wait_for(live, keys, xfer[:working])
     needs = [json.loads(v) for v in store.multi_get(keys)] + [[] for _ in xfer[working:]]
@@ -665,10 +702,13 @@ def _hand_over(live: LiveWorld, gen: int, xfer: list[int], recs: dict, held_engi
         on_phase("transfer", gen)
     if new is None:
         return {}
-    mine = [n for n in new.stage_params if held_engine is not None and n in held_engine.stage_params]
+    held_names = _stage_tensors(held_engine) if held_engine is not None else {}
+    mine = [n for n in _stage_tensors(new) if n in held_names]
     parts = ([_stage_state(held_engine, mine)] if mine else []) + parts
     params = {n: t for part in parts for n, t in part["params"].items()}
-    return {"state": {"params": params, "optimizer": merge_optimizer_states(p["optimizer"] for p in parts)},
+    buffers = {n: t for part in parts for n, t in part.get("buffers", {}).items()}
+    return {"state": {"params": params, "buffers": buffers,
+                      "optimizer": merge_optimizer_states(p["optimizer"] for p in parts)},
             "bytes": nbytes}
 
 
@@ -686,7 +726,7 @@ def _exchange(live: LiveWorld, pre: str, pg: dist.ProcessGroup, xfer: list[int],
         live.store.set(f"{pre}xfer/{xfer[me]}-{xfer[dst]}", meta)
         keep += tensors
         works += [pg.send([t], dst, tag) for tag, t in enumerate(tensors)]
-    into = new.stage_params if new is not None else {}
+    into = _stage_tensors(new) if new is not None else {}
     parts, nbytes = [], 0
     for src in recvs:
         key = f"{pre}xfer/{xfer[src]}-{live.member}"

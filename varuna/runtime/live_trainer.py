@@ -68,12 +68,13 @@ class LiveTrainer:
     def __init__(
         self, build_model: Callable[[], nn.Module], config: VarunaConfig, *, example_batch: Any,
         optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], loss_fn: Callable | None = None,
-        param_init: Callable | None = None, live: LiveWorld | None = None,
+        param_init: Callable | None = None, lr_scheduler: Callable | None = None,
+        live: LiveWorld | None = None,
         notice_signals: tuple[str, ...] = ("SIGUSR1",), join_window_s: float = 30.0,
         wait_s: float = 3600.0, on_phase: Phase | None = None, backend: str = "gloo",
         freeze_s: float = 30.0,
     ) -> None:
-        unsupported = _live_unsupported(config)
+        unsupported = _live_unsupported(config.with_plan(announce=False))  # the engine adopts it again
         if unsupported is not None:
             raise ValueError(unsupported)
         # LiveWorld.join freezes the imports out of the garbage collector (a morph's collection
@@ -85,13 +86,14 @@ class LiveTrainer:
         # heartbeat watch, which severs the groups so that the step fails (Note [Live watch]).
         config = dataclasses.replace(config, stop_signals=tuple(s for s in config.stop_signals
                                                                  if s not in notice_signals),
-                                     peer_timeout_s=0)
+                                     timeouts=dataclasses.replace(config.timeouts, peer_s=0))
         self._build_model, self.config = build_model, config
         self._engine_args = {"example_batch": example_batch, "optimizer": optimizer, "loss_fn": loss_fn,
-                             "param_init": param_init}
+                             "param_init": param_init, "lr_scheduler": lr_scheduler}
         self._opts = {"join_window_s": join_window_s, "backend": backend, "on_phase": on_phase}
         self.wait_s = wait_s
         self.morphs: list[MorphReport] = []
+        self._registered: list[tuple[str, Any, str]] = []
         self.failed_steps: list[int] = []
         """Steps that failed here and were redone (the step in flight of a lost peer)."""
         self.left = False
@@ -107,6 +109,20 @@ class LiveTrainer:
                 signal.signal(getattr(signal, name), self._on_notice)
 
     # ------------------------------------------------------------------ public
+
+    def register_state(self, name: str, obj: Any, *, scope: str = "global") -> None:
+        """``Engine.register_state`` on this worker's engine and on every engine a morph builds
+        (a joiner's too): global state goes to the new engine from a holder's record, so a
+        ``StatefulBatches`` rewinds to the committed step and the redone step gets its batch again.
+
+        Example::
+
+            trainer.register_state("data", data)
+            trainer.run(steps, data.batch_for)
+        """
+        self._registered.append((name, obj, scope))
+        if self.engine is not None:
+            self.engine.register_state(name, obj, scope=scope)
 
     def step(self, batch_for: Callable[[int], Any]) -> StepResult | None:
         """Run the next step, ``batch_for(committed step + 1)``, redoing it after a lost peer and
@@ -163,6 +179,8 @@ class LiveTrainer:
 
     def _attach(self, engine: Engine) -> Engine:
         engine.boundary_hook = self._boundary_hook
+        for name, obj, scope in getattr(self, "_registered", ()):
+            engine.register_state(name, obj, scope=scope)
         live, members = self.live, list(self.live.members)
         # Note [Live watch]: a member of this generation declared dead severs its groups, so this
         # process's main thread fails out of any wait on it (and peers blocked on this one too).
@@ -174,12 +192,14 @@ class LiveTrainer:
         return engine
 
     def _build(self, P: int, D: int) -> Engine:
-        cfg = dataclasses.replace(self.config, pipeline_depth=P, data_parallel=D, resume=False)
+        cfg = dataclasses.replace(self.config, pipeline_depth=P, data_parallel=D,
+                                  checkpoints=dataclasses.replace(self.config.checkpoints, resume=False))
         if (P, D) != self._planned:
             # The run plan's stage ranges, shares and speeds were sized for the launch layout
             # (Note [Run plan]); a new P×D balances its own split. The engine reads the plan from
             # the environment, so this process drops those variables too.
-            cfg = dataclasses.replace(cfg, stage_ranges=None, replica_shares=None, stage_speeds=None)
+            cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(
+                cfg.pipeline, stage_ranges=None, replica_shares=None, stage_speeds=None))
             for name in _LAYOUT_PLAN_ENV:
                 os.environ.pop(name, None)
             self._planned = (P, D)
@@ -266,7 +286,7 @@ def _live_unsupported(config: VarunaConfig) -> str | None:
     if schedule_kind(config.schedule).weight_versions > 1:
         return (f"live morph does not carry the {config.schedule} schedule's second weight version yet; "
                 "use a synchronous schedule (varuna, 1f1b, ...) or the restart path (no live morph)")
-    if config.chunks > 1:
-        return (f"live morph does not support interleaved stages (chunks={config.chunks}) yet; use chunks=1 "
-                "or the restart path (no live morph)")
+    if config.pipeline.chunks > 1:
+        return (f"live morph does not support interleaved stages (chunks={config.pipeline.chunks}) yet; "
+                "use chunks=1 or the restart path (no live morph)")
     return None

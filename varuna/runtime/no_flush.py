@@ -66,9 +66,9 @@ def no_flush_unsupported(config: VarunaConfig, num_stages: int) -> str | None:
     if config.precision == "fp16":
         return ("train_steps without a flush cannot use fp16 loss scaling: skipping a step needs every "
                 "stage's agreement before any updates; use precision='bf16' or 'fp32', or train_step")
-    if num_stages > 1 and not config.recompute:
-        return ("train_steps without a flush needs recompute=True at P > 1: the weight versions are swapped "
-                "in place between tasks, so no graph may live from a forward to a later backward")
+    if num_stages > 1 and config.pipeline.recompute is False:  # None: the default, on
+        return ("train_steps without a flush needs pipeline.recompute=True at P > 1: the weight versions are "
+                "swapped in place between tasks, so no graph may live from a forward to a later backward")
     return None
 
 
@@ -128,11 +128,13 @@ class WindowFeed(Feed):
         slots = e._sync.agreement_slots(sumsq, nonfinite, loss, e.stop_requested)
         handle = dist.all_reduce(slots, async_op=True) if e.layout.world > 1 else None
         t_opt = time.perf_counter()
+        pending = e.extras.before_commit(self.first_step + s)  # Note [Buffers across replicas]
         if nonfinite == 0:
             e.optimizer.step()
         e.optimizer.zero_grad(set_to_none=True)
+        e.extras.after_commit(pending, skipped=nonfinite != 0, loss=None)  # not agreed yet
         end = time.perf_counter()
-        if e.config.record_timeline:
+        if e.config.metrics.record_timeline:
             e.timeline.add(e.stage, e.replica, "OPT", None, t_opt, end)
         e.step_count += 1
         self.oldest = s + 1
@@ -143,7 +145,7 @@ class WindowFeed(Feed):
     def agreed(self) -> list[tuple[float, bool, float, bool]]:
         """Per mini-batch, (sum of squared gradients, overflow, loss, stop) agreed by every rank."""
         out = []
-        timeout = timedelta(seconds=self.e.config.comm_timeout_s)
+        timeout = timedelta(seconds=self.e.config.timeouts.comm_s)
         for end in self.ends:
             if end.handle is not None:
                 end.handle.wait(timeout)

@@ -19,9 +19,10 @@ Example::
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from varuna.core.env import WorkerSettings
 
 __all__ = ["PLUGINS_VAR", "load_plugins", "run_plugins"]
 
@@ -57,13 +58,16 @@ def load_plugins(spec: str) -> list[Callable[[Any], None]]:
     return plugins
 
 
-def run_plugins(engine: Any, environ: Mapping[str, str] | None = None) -> None:
-    """Call every plugin named in ``$VARUNA_ENGINE_PLUGINS`` with ``engine``.
+def run_plugins(engine: Any, plugins: str | Mapping[str, str] | None = None) -> None:
+    """Call every plugin named in ``plugins`` (the ``VARUNA_ENGINE_PLUGINS`` value, as the engine
+    passes it from ``varuna.core.env.WorkerSettings``; or an environment, default ``os.environ``,
+    to read it from) with ``engine``.
 
     Example::
 
+        run_plugins(engine, "mypkg.metrics:attach")
         run_plugins(engine, {"VARUNA_ENGINE_PLUGINS": "mypkg.metrics:attach"})
     """
-    env = os.environ if environ is None else environ
-    for fn in load_plugins(env.get(PLUGINS_VAR, "")):
+    spec = plugins if isinstance(plugins, str) else WorkerSettings.from_env(plugins).engine_plugins
+    for fn in load_plugins(spec):
         fn(engine)

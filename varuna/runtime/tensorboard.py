@@ -1,4 +1,4 @@
-"""TensorBoard output of the per-step metrics (``VarunaConfig.tensorboard_dir``), beside JSON Lines.
+"""TensorBoard output of the per-step metrics (``VarunaConfig.metrics.tensorboard_dir``), beside JSON Lines.
 
 One rank (rank 0: it holds the agreed loss and global gradient norm, like every rank, and is the
 one that writes the example's JSON Lines) writes, through ``torch.utils.tensorboard``:
@@ -32,10 +32,11 @@ Example::
 
 from __future__ import annotations
 
-import os
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from varuna.core.env import WorkerSettings
 from varuna.core.extras import require
 from varuna.runtime.checkpoint import Resumed
 from varuna.runtime.config import StepResult, VarunaConfig
@@ -45,6 +46,7 @@ __all__ = [
     "INSTALL_HINT",
     "TensorBoardLog",
     "adopt_tensorboard_env",
+    "adopt_tensorboard_settings",
     "require_tensorboard",
     "summary_writer_class",
 ]
@@ -55,19 +57,23 @@ INSTALL_HINT = "pip install 'varuna[tensorboard]'"
 
 
 def adopt_tensorboard_env(config: VarunaConfig, environ: Mapping[str, str] | None = None) -> None:
-    """Fill ``config.tensorboard_dir`` from ``$VARUNA_TENSORBOARD_DIR`` where the script left it unset.
+    """Fill ``config.metrics.tensorboard_dir`` from ``$VARUNA_TENSORBOARD_DIR`` where the script
+    left it unset (read through ``varuna.core.env.WorkerSettings``).
 
     Example::
 
         >>> cfg = VarunaConfig(global_batch_size=8, micro_batch_size=2)
         >>> adopt_tensorboard_env(cfg, {"VARUNA_TENSORBOARD_DIR": "runs/tb"})
-        >>> cfg.tensorboard_dir
+        >>> cfg.metrics.tensorboard_dir
         'runs/tb'
     """
-    environ = os.environ if environ is None else environ
-    raw = environ.get(TENSORBOARD_VAR, "").strip()
-    if raw and config.tensorboard_dir is None:
-        config.tensorboard_dir = raw
+    adopt_tensorboard_settings(config, WorkerSettings.from_env(environ))
+
+
+def adopt_tensorboard_settings(config: VarunaConfig, settings: WorkerSettings) -> None:
+    """:func:`adopt_tensorboard_env` from parsed settings."""
+    if settings.tensorboard_dir and config.metrics.tensorboard_dir is None:
+        config.metrics = dataclasses.replace(config.metrics, tensorboard_dir=settings.tensorboard_dir)
 
 
 def summary_writer_class() -> type:
@@ -80,7 +86,7 @@ def summary_writer_class() -> type:
 
 
 def require_tensorboard(config: VarunaConfig) -> None:
-    """``ImportError`` (one line) when ``config.tensorboard_dir`` is set but the package is missing.
+    """``ImportError`` (one line) when ``config.metrics.tensorboard_dir`` is set but the package is missing.
 
     Every rank calls it before the process group exists, so a missing package stops all ranks
     at once instead of leaving the others waiting for rank 0.
@@ -89,7 +95,7 @@ def require_tensorboard(config: VarunaConfig) -> None:
 
         >>> require_tensorboard(VarunaConfig(global_batch_size=8, micro_batch_size=2))  # off: no check
     """
-    if config.tensorboard_dir is not None:
+    if config.metrics.tensorboard_dir is not None:
         summary_writer_class()
 
 
@@ -144,9 +150,9 @@ class TensorBoardLog:
     @classmethod
     def attach(cls, engine: Any) -> TensorBoardLog | None:
         """On rank 0 of ``engine`` (an :class:`~varuna.runtime.engine.Engine`) whose config names
-        a ``tensorboard_dir``: the log, registered as a step callback; else None. Call it after
-        the engine resumed (it notes the resume and any morph); close it with the engine."""
-        directory = engine.config.tensorboard_dir
+        a ``metrics.tensorboard_dir``: the log, registered as a step callback; else None. Call it
+        after the engine resumed (it notes the resume and any morph); close it with the engine."""
+        directory = engine.config.metrics.tensorboard_dir
         if directory is None or engine.layout.rank != 0:
             return None
         log = cls(directory, info=engine.describe(), start_step=engine.step_count,

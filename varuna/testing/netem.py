@@ -65,7 +65,6 @@ import heapq
 import itertools
 import logging
 import math
-import os
 import queue
 import random
 import re
@@ -79,6 +78,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+from varuna.core.env import WorkerSettings
 
 __all__ = [
     "NETEM_ENV_VAR",
@@ -279,8 +280,19 @@ class NetworkConfig:
             >>> NetworkConfig.from_env({"VARUNA_NETEM": "latency=5ms"}).latency_s
             0.005
         """
-        text = (os.environ if environ is None else environ).get(NETEM_ENV_VAR, "")
-        if not text.strip():
+        return cls.from_setting(WorkerSettings.from_env(environ).netem)
+
+    @classmethod
+    def from_setting(cls, text: str | None) -> NetworkConfig | None:
+        """The config of a ``VARUNA_NETEM`` value (``WorkerSettings.netem``); None when unset or
+        empty, ``ValueError`` naming the variable when malformed.
+
+        Example::
+
+            >>> NetworkConfig.from_setting("latency=5ms").latency_s
+            0.005
+        """
+        if text is None or not text.strip():
             return None
         try:
             return cls.parse(text)
