@@ -489,6 +489,9 @@ def _reduce_links(st: CalibrationState, plan: dict, results: Sequence[dict], act
 def _reduce_compute(st: CalibrationState, results: Sequence[dict], info: Any, new_ms: list[int]) -> None:
     """The compute phase's measurements and the dry run's activation sizes into ``st``."""
     add_compute(st, [SegmentMeasurement.from_dict(d) for r in results for d in r.get("compute", [])])
+    flops = next((r["fwd_flops_per_example"] for r in results if r.get("fwd_flops_per_example")), None)
+    if flops is not None:  # every compute rank counts the same model: any one will do
+        st.fwd_flops_per_example = list(flops)
     for m in new_ms:
         for c, cut in enumerate(info.act_meta[m]):
             st.act_bytes[(c, m)] = payload_bytes([(tuple(s), d) for s, d in cut])

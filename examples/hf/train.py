@@ -144,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"step {r.step:5d}/{args.steps} loss {r.loss:.4f} {r.samples_per_s:8.1f} samples/s",
                       flush=True)
                 if out:
-                    row = {"step": r.step, "loss": r.loss, "P": info["P"], "D": info["D"]}
+                    row = {"step": r.step, "loss": r.loss, "P": info["P"], "D": info["D"],
+                           "samples_per_s": r.samples_per_s, "step_s": r.step_s, "tflops": r.tflops,
+                           "mfu": r.mfu}
                     out.write(json.dumps(row) + "\n")
                     out.flush()
     finally:

@@ -52,9 +52,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
+from varuna.core.flops import check_peak_tflops
 from varuna.core.schedule import SCHEDULE_KINDS
 
 __all__ = [
+    "COMM_BACKENDS",
     "CONTRACT_VARS",
     "LAUNCHER_VARS",
     "PASSTHROUGH_PREFIX",
@@ -136,7 +138,12 @@ SETTING_VARS = (
     "VARUNA_ENGINE_PLUGINS",
     "VARUNA_LIVE_STORE",
     "VARUNA_LIVE_JOIN",
+    "VARUNA_COMM_BACKEND",
+    "VARUNA_PEAK_TFLOPS",
 )
+
+#: Backends that may carry a CUDA job's traffic (``VarunaConfig.comm_backend``, ``VARUNA_COMM_BACKEND``).
+COMM_BACKENDS = ("nccl", "gloo")
 
 #: What automatic cut-points and the stage split balance: counted FLOPs or measured time.
 PLAN_COSTS = ("flop", "time")
@@ -566,6 +573,12 @@ class WorkerSettings:
     (``varuna.runtime.checkpoint_registry``)."""
     checkpoint_format_modules: tuple[str, ...] = ()
     """``VARUNA_CHECKPOINT_FORMAT_MODULES``: comma-separated modules that register checkpoint formats."""
+    comm_backend: str | None = None
+    """``VARUNA_COMM_BACKEND``: nccl or gloo for a CUDA job's traffic (``VarunaConfig.comm_backend``
+    wins; varuna.runtime.layout.choose_transport)."""
+    peak_tflops: float | None = None
+    """``VARUNA_PEAK_TFLOPS``: one device's dense peak TFLOP/s, for MFU (``VarunaConfig``'s
+    ``metrics.peak_tflops`` wins; varuna.runtime.flops.resolve_peak)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerSettings:
@@ -584,6 +597,12 @@ class WorkerSettings:
                 f"WorkerSettings: VARUNA_PLAN_COST={cost!r} is not {' or '.join(PLAN_COSTS)}; "
                 "set one of them (--plan-cost) or unset it"
             )
+        backend = _str_var(environ, "VARUNA_COMM_BACKEND")
+        if backend is not None and backend not in COMM_BACKENDS:
+            raise ValueError(
+                f"WorkerSettings: VARUNA_COMM_BACKEND={backend!r} is not {' or '.join(COMM_BACKENDS)}; "
+                "set one of them or unset it (automatic)"
+            )
         return cls(
             checkpoint_dir=_str_var(environ, "VARUNA_CHECKPOINT_DIR"),
             resume=_str_var(environ, "VARUNA_RESUME"),
@@ -600,6 +619,9 @@ class WorkerSettings:
             checkpoint_format_modules=tuple(
                 m.strip() for m in environ.get("VARUNA_CHECKPOINT_FORMAT_MODULES", "").split(",") if m.strip()
             ),
+            comm_backend=backend,
+            peak_tflops=check_peak_tflops(_str_var(environ, "VARUNA_PEAK_TFLOPS"),
+                                          "WorkerSettings: VARUNA_PEAK_TFLOPS"),
         )
 
 
@@ -642,6 +664,9 @@ class ProcessEnv:
     """``MASTER_PORT`` as given (None when unset; torch checks it)."""
     gloo_ifname: str | None = None
     """``GLOO_SOCKET_IFNAME`` when the user chose gloo's interface (Note [Interface towards a host])."""
+    cublas_workspace_config: str | None = None
+    """``CUBLAS_WORKSPACE_CONFIG`` as the user set it (None when unset); deterministic mode needs a
+    deterministic value (Note [Deterministic CUDA] in varuna/runtime/determinism.py)."""
     plan: RunPlan = field(default_factory=RunPlan)
     """The run plan (Note [Run plan])."""
     settings: WorkerSettings = field(default_factory=WorkerSettings)
@@ -683,6 +708,7 @@ class ProcessEnv:
             master_addr=environ.get("MASTER_ADDR") or None,
             master_port=environ.get("MASTER_PORT") or None,
             gloo_ifname=environ.get("GLOO_SOCKET_IFNAME") or None,
+            cublas_workspace_config=_str_var(environ, "CUBLAS_WORKSPACE_CONFIG"),
             plan=RunPlan.from_env(environ),
             settings=WorkerSettings.from_env(environ),
         )

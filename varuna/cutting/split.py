@@ -36,7 +36,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from varuna.cutting.batches import call_with_batch, to_meta
+from varuna.cutting.batches import batch_size_of, call_with_batch, to_device, to_meta
 from varuna.cutting.cutpoint import CarrySpec, CutPoint, DryRun, SplitState
 from varuna.cutting.placeholders import Skipper
 
@@ -89,6 +89,11 @@ class ModelProfile:
     #: module outputs carried across routed (by-name or automatic) cut-points (Note [Carried values] in
     #: varuna/cutting/cutpoint.py; the engine fills it from the trace)
     carried: list[CarrySpec] = field(default_factory=list)
+    #: per segment: forward FLOPs counted in the dry run (``FlopCounterMode``), whatever
+    #: ``cost_unit`` says (timed costs replace ``fwd_cost``, not these); None: not counted
+    fwd_flops: list[float] | None = None
+    #: examples in the dry run's batch (what ``fwd_flops`` were counted for)
+    flops_examples: int = 0
     #: canonical name of every persistent buffer (``persistent=False`` ones are not model state) ->
     #: sorted segments that read or write it in the dry run; one the dry run never touches takes its
     #: module's segments, else segment 0 (Note [Buffers across replicas] in varuna/runtime/buffers.py)
@@ -235,6 +240,8 @@ def profile_model(
     on_meta = any(p.is_meta for p in params.values())
     if on_meta:
         batch = to_meta(batch)
+    elif params:  # a model already on an accelerator runs on its device's copy of the batch
+        batch = to_device(batch, next(iter(params.values())).device)
     param_ids = {id(p): n for n, p in params.items()}
     buffer_ids = {id(b): n for n, b in buffers.items() if id(b) not in param_ids}
     uses: dict[str, set[int]] = {}
@@ -275,6 +282,8 @@ def profile_model(
         spanning_modules=spanning,
         called_modules=called,
         param_bytes={n: p.numel() * p.element_size() for n, p in params.items()},
+        fwd_flops=list(fwd_flops) if costs else None,
+        flops_examples=_examples(batch) if costs else 0,
         buffer_segments=_buffer_segments(model, uses, {n: buffers[n] for n in buffer_ids.values()}, uses),
         buffer_bytes={n: b.numel() * b.element_size() for n, b in buffers.items()},
     )
@@ -285,6 +294,14 @@ def profile_model(
         if fwd is not None:
             profile.fwd_cost, profile.bwd_cost, profile.cost_unit = fwd, bwd, "s"
     return profile
+
+
+def _examples(batch) -> int:
+    """Examples in a dry run's batch (0 when it has no common batch dimension)."""
+    try:
+        return batch_size_of(batch)
+    except ValueError:
+        return 0
 
 
 def _time_segments(model, batch, loss_fn, state, cut_names, reps):
@@ -452,11 +469,23 @@ def materialize_stage(
             if mname in done:
                 continue
             done.add(mname)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(keyed_seed(seed, "init", mname))
+            with _seeded(device, keyed_seed(seed, "init", mname)):
                 init(mname, mod)
     stage = {n: p for n, p in _named_params(model).items() if n in keep}
     return stage
+
+
+@contextlib.contextmanager
+def _seeded(device: torch.device, seed: int):
+    """The CPU generator and ``device``'s (a GPU initialises its parameters with its own) seeded
+    with ``seed``, both restored after: the script's random streams are left as they were."""
+    cuda = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.default_generator.manual_seed(seed)
+        if cuda:
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
+        yield
 
 
 def resident_param_bytes(model: nn.Module) -> int:

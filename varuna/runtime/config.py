@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from varuna.core.env import PLAN_COSTS, ProcessEnv, RunPlan, WorkerSettings
+from varuna.core.env import COMM_BACKENDS, PLAN_COSTS, ProcessEnv, RunPlan, WorkerSettings
+from varuna.core.flops import check_peak_tflops
 from varuna.core.schedule import DEFAULT_SCHEDULE, SCHEDULE_KINDS, schedule_kind
 from varuna.runtime.config_groups import (
     FLAT_FIELDS,
@@ -41,9 +42,10 @@ from varuna.runtime.config_groups import (
 )
 from varuna.testing.negative_controls import NegativeControls
 
-__all__ = ["PLAN_COSTS", "PRECISIONS", "PLANNED_FIELDS", "VarunaConfig", "StepResult", "StepTimings",
-           "adopt_plan", "adopt_cut_env", "CheckpointConfig", "CuttingConfig", "DeterminismConfig",
-           "MetricsConfig", "NumericsConfig", "OptimizerStateConfig", "PipelineConfig", "TimeoutConfig"]
+__all__ = ["COMM_BACKENDS", "PLAN_COSTS", "PRECISIONS", "PLANNED_FIELDS", "VarunaConfig", "StepResult",
+           "StepTimings", "adopt_plan", "adopt_cut_env", "CheckpointConfig", "CuttingConfig",
+           "DeterminismConfig", "MetricsConfig", "NumericsConfig", "OptimizerStateConfig", "PipelineConfig",
+           "TimeoutConfig"]
 
 #: Autocast dtype per ``VarunaConfig.precision`` (None: plain fp32).
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -155,7 +157,13 @@ class VarunaConfig:
     max_grad_norm: float | None = None
     """Clip by the global gradient norm over all stages (shared parameters counted once)."""
     device: str | None = None
-    """Default: cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    """Default: cuda:LOCAL_RANK when CUDA is available (LOCAL_RANK modulo the GPU count: more
+    processes than GPUs share them), else cpu."""
+    comm_backend: str | None = None
+    """Backend of the engine's CUDA traffic (activations, gradients, all-reduces): "nccl", or
+    "gloo" (activations and gradients staged through pinned host memory, all-reduces through
+    gloo's CUDA support). None: $VARUNA_COMM_BACKEND, else nccl unless some processes share a GPU
+    (NCCL refuses two ranks on one device), then gloo for the whole job (docs/gpu.md)."""
     stop_signals: tuple[str, ...] = ("SIGUSR1", "SIGTERM")
     """Signals that ask for a graceful stop: every rank finishes the current mini-batch, runs the
     stop callbacks (e.g. writes a checkpoint) and exits 0. Empty: install no handler."""
@@ -252,6 +260,13 @@ class VarunaConfig:
             )
         self._validate_cutting()
         self._validate_tensorboard_dir()
+        if self.comm_backend not in (None, *COMM_BACKENDS):
+            raise ValueError(
+                f"unknown comm_backend {self.comm_backend!r}; choose {' or '.join(COMM_BACKENDS)} "
+                "(or None: automatic)"
+            )
+        peak = check_peak_tflops(self.metrics.peak_tflops, "metrics.peak_tflops")
+        self.metrics = dataclasses.replace(self.metrics, peak_tflops=peak)
         if self.numerics.max_nonfinite_steps < 0:
             raise ValueError(
                 "numerics.max_nonfinite_steps must be >= 0, 0 to never stop "
@@ -497,6 +512,16 @@ class StepResult:
     """This rank's per-task compute times during the step."""
     step_s: float = 0.0
     """Wall seconds of the whole step on this rank (``samples_per_s`` is global_batch_size / step_s)."""
+    model_flops: float | None = None
+    """The whole job's model FLOPs of the step: 3 × the forward's (Note [Model FLOPs] in
+    varuna/core/flops.py); None when the dry run counted none."""
+    tflops: float | None = None
+    """Model TFLOP/s per device: ``model_flops`` / ``step_s`` / (P×D) / 1e12."""
+    hardware_tflops: float | None = None
+    """As ``tflops``, counting the recomputed forwards too (what the devices executed)."""
+    mfu: float | None = None
+    """Model FLOPs utilisation: ``tflops`` over one device's peak (``metrics.peak_tflops``,
+    $VARUNA_PEAK_TFLOPS, or the table of known GPUs); None when the peak is unknown (CPU)."""
 
 
 def adopt_cut_env(config: VarunaConfig, environ: Mapping[str, str] | None = None) -> None:

@@ -259,11 +259,15 @@ class MetricsConfig:
 
     tensorboard_dir: str | None = None
     """Also write the per-step metrics as TensorBoard events here (rank 0; loss, grad norm,
-    samples/s, step time, P, D; text events for resumes and morphs): see
+    samples/s, step time, TFLOP/s and MFU, P, D; text events for resumes and morphs): see
     varuna/runtime/tensorboard.py. None: $VARUNA_TENSORBOARD_DIR (``varuna-launch
     --tensorboard-dir``), else off. Needs ``pip install 'varuna[tensorboard]'``."""
     record_timeline: bool = False
     """Record (stage, op, micro-batch, start, end) of every task, for traces."""
+    peak_tflops: float | None = None
+    """Dense peak TFLOP/s of one device at the run's precision, for MFU (``StepResult.mfu``).
+    None: $VARUNA_PEAK_TFLOPS, else the table of known GPUs (varuna/core/flops.py); on a CPU or
+    an unknown device MFU is then None (TFLOP/s are still reported, docs/metrics.md)."""
 
 
 #: Each group's field name on ``VarunaConfig`` and its class.

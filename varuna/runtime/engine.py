@@ -52,10 +52,12 @@ from varuna.runtime import whole_state
 from varuna.runtime.buffers import stage_buffer_names
 from varuna.runtime.checkpoint import Checkpointer, checkpoint_format
 from varuna.runtime.config import StepResult, VarunaConfig, adopt_plan, adopt_settings
+from varuna.runtime.determinism import cuda_deterministic_env, deterministic_kernels
 from varuna.runtime.executor import ScheduleExecutor, StageModel
+from varuna.runtime.flops import StepFlops, engine_flops, step_metrics
 from varuna.runtime.grad_sync import GradientSync, allreduce_scalars
 from varuna.runtime.groups import ProcessGroups, StageLinks, build_groups
-from varuna.runtime.layout import Layout, init_distributed, pick_device
+from varuna.runtime.layout import Layout, choose_transport, init_distributed, pick_device
 from varuna.runtime.loss_scale import DynamicLossScale, NonFiniteLosses, NonFiniteLossStop
 from varuna.runtime.no_flush import MAX_WINDOW_STEPS, WindowFeed, no_flush_unsupported
 from varuna.runtime.peer_watch import PeerWatch, watching
@@ -110,6 +112,8 @@ class Engine:
         adopt_settings(config, env.settings)
         adopt_tensorboard_settings(config, env.settings)
         config.validate()
+        if config.determinism.enabled:
+            cuda_deterministic_env(env)  # before this process's first cuBLAS call (Note [Deterministic CUDA])
         require_tensorboard(config)  # before any group: a missing package stops every rank at once
         checkpoint_format(config.checkpoints.format)  # an unknown format: one line, before any group
         self._tb: TensorBoardLog | None = None
@@ -168,6 +172,7 @@ class Engine:
             chunks=v,
             memory=stage_memory_for(config, self.layout, self.device, self.micro_plan),
         )
+        self.flops: StepFlops | None = engine_flops(self)  # a collective: rank 0's count reaches every rank
         mine = self.stage_ranges[self.stage :: P]  # interleaved: virtual stages stage, stage + P, ...
         self.first_segment, self.last_segment = mine[0][0], mine[-1][1]
         for cp in model.modules():
@@ -214,8 +219,7 @@ class Engine:
         if config.determinism.enabled:
             from varuna.runtime.determinism import DeterministicGrads
 
-            torch.use_deterministic_algorithms(True)
-            torch.set_num_threads(config.determinism.threads)
+            deterministic_kernels(config.determinism.threads)
             if config._negative_controls.canonical_reduction:
                 self._det = DeterministicGrads(
                     model=self.model,
@@ -235,7 +239,10 @@ class Engine:
 
     def _build_comm(self, lr_scheduler=None) -> None:
         """Process groups (a collective), network emulation, links, buffers, executor, gradient sync."""
-        self._groups = build_groups(self.layout, self.stage_ranges, self.profile.shared_params())
+        # A collective: every rank agrees on what carries its traffic (docs/gpu.md).
+        self.transport = choose_transport(self.layout, self.device, self.config.comm_backend, self.env)
+        self._groups = build_groups(self.layout, self.stage_ranges, self.profile.shared_params(),
+                                    backend=self.transport.backend)
         segments = [s for a, b in self.stage_ranges[self.stage :: self.layout.P] for s in range(a, b + 1)]
         self.extras = StageExtras(self.model, stage_buffer_names(self.profile, segments), groups=self._groups,
                                   layout=self.layout, micro_plan=self.micro_plan, optimizer=self.optimizer,
@@ -243,7 +250,8 @@ class Engine:
         if self._det is not None:
             self._det.groups = self._groups
         self._shards = ShardedOptimizer.for_stage(self._flat, self.optimizer, self.layout, self._groups,
-                                                  self.config.optimizer_state, self.device, bool(self._det))
+                                                  self.config.optimizer_state, self.device, bool(self._det),
+                                                  backend=self.transport.backend)
         self._netem = None
         if self.layout.world > 1:
             from varuna.testing.netem import NetworkConfig, emulate_network
@@ -254,7 +262,8 @@ class Engine:
                 self._netem.__enter__()
         inbox: queue.Queue = queue.Queue()
         self._links = StageLinks.start(
-            self.layout, self._groups, self.device, inbox, self.config.timeouts.comm_s, chunks=self.chunks
+            self.layout, self._groups, self.transport.link_device, inbox, self.config.timeouts.comm_s,
+            chunks=self.chunks, compute_device=self.device,
         )
         self.timeline = Timeline()
         self._executor = ScheduleExecutor(
@@ -373,6 +382,8 @@ class Engine:
             "stage_ranges": self.stage_ranges,
             "cutpoints": self.profile.cutpoint_names,
             "shared_params": {k: list(v) for k, v in self.profile.shared_params().items()},
+            "device": str(self.device),
+            "transport": self.transport.description,
         }
 
     def train_step(self, batch) -> StepResult:
@@ -420,6 +431,7 @@ class Engine:
             wall_time=time.time(),
             timings=dataclasses.replace(timings, sync_s=sync_s),
             step_s=wall,
+            **step_metrics(self.flops, wall),
         )
 
     def _report(self, result: StepResult) -> None:

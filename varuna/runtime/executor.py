@@ -21,6 +21,18 @@ still depends on something else (call count, unkeyed randomness) raises
 :class:`~varuna.runtime.determinism.DeterminismError` naming the boundary, instead of letting every
 layout train different weights.
 
+Note [One loss sync per step]: on a GPU, reading a tensor's value on the host (``float(loss)``)
+waits until the device has run everything queued before it, and the host queues nothing new in
+the meantime: the device then idles while the host prepares the next task. The sink stage keeps
+each micro-batch's loss as a device tensor and reads them all with one copy when its tasks are done
+(or when a no-flush window's update needs them), so a step has one such sync where it had one per
+micro-batch. The sum is taken in the same order as before, so the reported loss is unchanged.
+
+Note [Devices of a step's data]: the user's batch usually lives in host memory; each micro-batch
+is copied to the stage's device as its forward starts (``to_device``, asynchronous), and an
+activation or gradient that a link delivered in host memory (the gloo transport of CUDA
+tensors, varuna/runtime/comm.py) is copied to the device when it is taken from the inbox.
+
 Example::
 
     executor = ScheduleExecutor(stage=stage_setup, config=cfg, links=links, inbox=inbox,
@@ -36,6 +48,7 @@ import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,7 +58,7 @@ from varuna.core.interleaved import forward_only_policy
 from varuna.core.schedule import BACKWARD, FORWARD, RECOMPUTE, StagePolicy, Task, schedule_kind
 from varuna.core.tasks import WEIGHT
 from varuna.core.timeline import Timeline
-from varuna.cutting.batches import call_with_batch, slice_batch
+from varuna.cutting.batches import call_with_batch, slice_batch, to_device
 from varuna.cutting.cutpoint import CarryPlan, CutPoint, ForwardRun, SplitState, StopForward
 from varuna.cutting.split import keyed_seed
 from varuna.runtime.comm import Arrival
@@ -142,11 +155,42 @@ class _Work:
     bwd_done: dict[int, int] = field(default_factory=dict)
     #: zero-bubble kinds: what each micro-batch's W needs, from its B (varuna/runtime/split_backward.py)
     weight: dict[tuple[int, int], WeightWork] = field(default_factory=dict)
-    loss_sum: float = 0.0
+    #: the sink's losses still on the device, in execution order: (global micro-batch, its
+    #: examples, 0-dim tensor); read all at once (Note [One loss sync per step])
+    pending_losses: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+    #: M_total: a loss counts size / M_total of the mini-batch's
+    global_batch: int = 1
+    #: deterministic mode (``DeterministicGrads``): its per-micro-batch ``losses`` are filled on
+    #: read (its dict, not a copy of the reference: a no-flush window starts a new one per update)
+    det: Any = None
+    _loss_sum: float = 0.0
     busy_s: dict[str, float] = field(
         default_factory=lambda: {FORWARD: 0.0, RECOMPUTE: 0.0, BACKWARD: 0.0, WEIGHT: 0.0}
     )
     count: dict[str, int] = field(default_factory=lambda: {FORWARD: 0, RECOMPUTE: 0, BACKWARD: 0, WEIGHT: 0})
+
+    @property
+    def loss_sum(self) -> float:
+        """Sum over the micro-batches run so far of loss × size / M_total (the sink; else 0)."""
+        self.read_losses()
+        return self._loss_sum
+
+    @loss_sum.setter
+    def loss_sum(self, value: float) -> None:
+        self.read_losses()
+        self._loss_sum = value
+
+    def read_losses(self) -> None:
+        """Bring the pending losses to the host with one copy (a sync point on GPU) and add them
+        up in execution order (the order the float sum always had)."""
+        if not self.pending_losses:
+            return
+        values = torch.stack([t.float().reshape(()) for _, _, t in self.pending_losses]).tolist()
+        for (index, size, _), v in zip(self.pending_losses, values):
+            self._loss_sum += v * size / self.global_batch  # the expression of one read per loss
+            if self.det is not None:
+                self.det.losses[index] = v
+        self.pending_losses.clear()
 
     def timings(self) -> StepTimings:
         def mean(op: str) -> float:
@@ -264,7 +308,7 @@ class ScheduleExecutor:
             return self._execute(feed, policy, recomputed, train)
 
     def _execute(self, feed: Feed, policy, recomputed: frozenset[tuple[int, int]], train: bool) -> _Work:
-        work = _Work()
+        work = _Work(det=self.det, global_batch=self.config.global_batch_size)
         timeout = self.config.timeouts.comm_s
         record = self.config.metrics.record_timeline
         v = self.s.num_chunks
@@ -298,6 +342,7 @@ class ScheduleExecutor:
                 self.timeline.add(self.s.stage, self.s.replica, task.op, tag * v + c, t0, t1)
             if task.op == BACKWARD:
                 feed.after_backward(task, work)
+        work.read_losses()
         return work
 
     def _run_recompute(self, work: _Work, batch, mb: MicroBatch, key: tuple[int, int]) -> None:
@@ -322,10 +367,9 @@ class ScheduleExecutor:
             inputs = tuple(leaf(x) for x in inputs)
         out = self._forward(batch, mb, inputs, with_grad=with_grad, chunk=c)
         if self.s.is_sink(c):
-            loss_value = float(out.detach())  # a sync point on GPU; one per micro-batch
-            work.loss_sum += loss_value * mb.size / self.config.global_batch_size
-            if self.det is not None:
-                self.det.losses[mb.index] = loss_value
+            # Note [One loss sync per step]: float(loss) here would stop the host until the device
+            # caught up, once per micro-batch; the losses are read together at the end instead.
+            work.pending_losses.append((mb.index, mb.size, out.detach()))
         else:
             sent = tuple(x.detach() for x in out)
             # The receiving chunk: the same one on the next process, the next one past the last.
@@ -420,7 +464,13 @@ class ScheduleExecutor:
             assert isinstance(item, Arrival)
             v = self.s.num_chunks
             i, c = divmod(item.microbatch, v)  # the sender tags micro-batch·v + receiving chunk
-            (work.acts if item.kind == FORWARD else work.grads)[(i, c)] = item.tensors
+            tensors = item.tensors
+            if any(t.device != self.s.device for t in tensors):  # Note [Devices of a step's data]
+                tensors = tuple(t.to(self.s.device, non_blocking=True) for t in tensors)
+            elif self.s.device.type == "cuda":
+                for t in tensors:  # Note [Receiver streams] in comm.py
+                    t.record_stream(torch.cuda.current_stream(t.device))
+            (work.acts if item.kind == FORWARD else work.grads)[(i, c)] = tensors
             if v > 1:
                 policy.arrived(item.kind, i, c)
             else:
@@ -459,7 +509,7 @@ class ScheduleExecutor:
         s = self.s
         first, last, carry = s.segments_of(chunk)
         sink = s.is_sink(chunk)
-        data = slice_batch(batch, mb.start, mb.end)
+        data = to_device(slice_batch(batch, mb.start, mb.end), s.device)  # Note [Devices of a step's data]
         reseed = self._reseed(mb.index)
         on_segment = reseed
         if self.det is not None and self.det.aliases:

@@ -149,15 +149,20 @@ class GradientSync:
         # Each gradient counts once in the global norm: replica 0 only, and a parameter held by
         # several stages only on the first of them.
         elsewhere = self.groups.norm_elsewhere
-        counted = [p.grad for n, p in params.items() if self.layout.replica == 0 and n not in elsewhere]
+        counted = [i for i, n in enumerate(params) if self.layout.replica == 0 and n not in elsewhere]
         sumsq = torch.zeros((), dtype=torch.float64)
         nonfinite = 0.0
         if grads:
-            norms = torch._foreach_norm(grads)
-            all_sq = torch.stack([x.double() ** 2 for x in norms]).sum()
-            nonfinite = 0.0 if bool(torch.isfinite(all_sq)) else 1.0
+            squares = [x.double() ** 2 for x in torch._foreach_norm(grads)]
+            sums = [torch.stack(squares).sum()]
             if counted:
-                sumsq = torch.stack([x.double() ** 2 for x in torch._foreach_norm(counted)]).sum()
+                sums.append(torch.stack([squares[i] for i in counted]).sum())
+            # One read for both (on a GPU each read waits for the device: Note [One loss sync per
+            # step] in executor.py).
+            values = torch.stack(sums).tolist()
+            nonfinite = 0.0 if math.isfinite(values[0]) else 1.0
+            if counted:
+                sumsq = torch.tensor(values[1], dtype=torch.float64)
         return sumsq, nonfinite
 
     def _agree(

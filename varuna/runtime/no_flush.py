@@ -44,6 +44,7 @@ import torch.distributed as dist
 from varuna.core.schedule import BACKWARD, Task
 from varuna.runtime.config import StepResult, VarunaConfig
 from varuna.runtime.executor import Feed, StageRun
+from varuna.runtime.flops import step_metrics
 
 __all__ = ["MAX_WINDOW_STEPS", "StepEnd", "WindowFeed", "no_flush_unsupported"]
 
@@ -166,5 +167,6 @@ class WindowFeed(Feed):
                 step=end.step, loss=loss, grad_norm=math.inf if skipped else math.sqrt(total_sq),
                 skipped=skipped, loss_scale=1.0, samples_per_s=M / wall if wall > 0 else math.inf,
                 wall_time=time.time() - (time.perf_counter() - end.end_s), timings=timings, step_s=wall,
+                **step_metrics(getattr(self.e, "flops", None), wall),
             ))
         return out, stop

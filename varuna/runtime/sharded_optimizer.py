@@ -176,18 +176,21 @@ class ShardedOptimizer:
 
     @classmethod
     def for_stage(cls, flat: FlatParameters | None, optimizer: torch.optim.Optimizer, layout, groups,
-                  settings, device: torch.device, canonical: bool) -> ShardedOptimizer | None:
+                  settings, device: torch.device, canonical: bool, *,
+                  backend: str | None = None) -> ShardedOptimizer | None:
         """The engine's shard of ``optimizer`` (None without ``flat``): this replica's among the
         stage's (``layout``, ``groups``: its process groups), as ``settings``
         (``VarunaConfig.optimizer_state``) say. ``canonical``: deterministic mode sums
         gradients canonically, whole (never reduce-scattered). ``grad_reduce="auto"``:
-        reduce-scatter on an accelerator, all-reduce on gloo (measured slower: docs/memory.md)."""
+        reduce-scatter on an accelerator over NCCL, all-reduce on gloo (whose reduce-scatter measured
+        slower: docs/memory.md), also for a CUDA stage whose groups are gloo's (``backend="gloo"``:
+        processes sharing a GPU, ``varuna.runtime.layout.Transport``)."""
         if flat is None:
             return None
         sharded = settings.shard and layout.D > 1
         reduce = settings.grad_reduce
         if reduce == "auto":
-            reduce = "reduce_scatter" if device.type == "cuda" else "all_reduce"
+            reduce = "reduce_scatter" if device.type == "cuda" and backend != "gloo" else "all_reduce"
         return cls(
             flat,
             optimizer,

@@ -110,25 +110,26 @@ def check_pipeline_depth(P: int, num_cutpoints: int) -> None:
 def planning_profile(model: nn.Module, micro_batch, loss_fn: Callable, config: VarunaConfig,
                      layout: Layout) -> ModelProfile:
     """The engine's dry run (:func:`varuna.cutting.split.profile_model`) with the segment costs
-    the stage split needs: counted only on rank 0 (it broadcasts the split) and only when it
-    splits; FLOPs unless ``config.cutting.plan_cost == "time"`` (measured), because a plan must not change
-    between identical runs (docs/annotating.md, "Stable plans").
+    the stage split needs and the FLOPs the step metrics need: counted only on rank 0 (it
+    broadcasts the split and the FLOPs, varuna/runtime/flops.py); the split balances FLOPs unless
+    ``config.cutting.plan_cost == "time"`` (measured, and only when it splits), because a plan must
+    not change between identical runs (docs/annotating.md, "Stable plans").
 
     Example::
 
         prof = planning_profile(model, first_micro_batch, loss_fn, config, layout)
-        prof.cost_unit   # "flop" on rank 0 of a P > 1 job by default
+        prof.cost_unit   # "flop" on rank 0 by default
     """
-    costs = layout.rank == 0 and config.pipeline.stage_ranges is None and layout.P > 1
+    splits = layout.rank == 0 and config.pipeline.stage_ranges is None and layout.P > 1
     prof = profile_model(
         model,
         micro_batch,
         loss_fn,
         timing_reps=config.cutting.timing_reps,
-        measure=costs and config.cutting.plan_cost == "time",
-        costs=costs,
+        measure=splits and config.cutting.plan_cost == "time",
+        costs=layout.rank == 0,
     )
-    if costs and prof.cost_unit == "flop" and not any(prof.fwd_cost) and not any(
+    if splits and prof.cost_unit == "flop" and not any(prof.fwd_cost) and not any(
         p.is_meta for p in model.parameters()
     ):
         # Nothing the counter sees (elementwise ops only, emulated devices): FLOPs cannot rank the
