@@ -136,6 +136,9 @@ SETTING_VARS = (
     "VARUNA_ENGINE_PLUGINS",
     "VARUNA_LIVE_STORE",
     "VARUNA_LIVE_JOIN",
+    "VARUNA_FENCE_EPOCH",
+    "VARUNA_GENERATION",
+    "VARUNA_RESTARTS",
 )
 
 #: What automatic cut-points and the stage split balance: counted FLOPs or measured time.
@@ -566,6 +569,13 @@ class WorkerSettings:
     (``varuna.runtime.checkpoint_registry``)."""
     checkpoint_format_modules: tuple[str, ...] = ()
     """``VARUNA_CHECKPOINT_FORMAT_MODULES``: comma-separated modules that register checkpoint formats."""
+    fence_epoch: int | None = None
+    """``VARUNA_FENCE_EPOCH``: the controller's start in ms (``varuna-launch``'s start, the manager
+    job's creation), the first part of the checkpoint fence token (Note [Checkpoint fence] in
+    varuna/runtime/checkpoint_fence.py); None: the run is unfenced."""
+    generation: int | None = None
+    """The launch's generation: the manager's ``VARUNA_GENERATION``, else the launcher's restart
+    count ``VARUNA_RESTARTS``; None when neither is set."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerSettings:
@@ -584,7 +594,17 @@ class WorkerSettings:
                 f"WorkerSettings: VARUNA_PLAN_COST={cost!r} is not {' or '.join(PLAN_COSTS)}; "
                 "set one of them (--plan-cost) or unset it"
             )
+        generation = _int_var(environ, "VARUNA_GENERATION", "WorkerSettings")
+        if generation is None:
+            generation = _int_var(environ, "VARUNA_RESTARTS", "WorkerSettings")
+        epoch = _int_var(environ, "VARUNA_FENCE_EPOCH", "WorkerSettings")
+        for name, value in (("VARUNA_FENCE_EPOCH", epoch), ("VARUNA_GENERATION/VARUNA_RESTARTS", generation)):
+            if value is not None and value < 0:
+                raise ValueError(f"WorkerSettings: {name}={value} must be >= 0 (set by varuna-launch or the"
+                                 " manager); unset it")
         return cls(
+            fence_epoch=epoch,
+            generation=generation,
             checkpoint_dir=_str_var(environ, "VARUNA_CHECKPOINT_DIR"),
             resume=_str_var(environ, "VARUNA_RESUME"),
             cut_after=(tuple(x.strip() for x in cuts.split(",") if x.strip()) or None) if cuts else None,

@@ -58,6 +58,7 @@ import torch.distributed as dist
 from varuna.core.env import WorkerSettings
 from varuna.cutting.split import ModelProfile
 from varuna.runtime.checkpoint_convert import check_resumable, resolve_step_dir, weights_format
+from varuna.runtime.checkpoint_fence import FencedOut, FenceToken, raise_fence
 from varuna.runtime.checkpoint_files import CheckpointError, UnsoundCheckpoint
 from varuna.runtime.checkpoint_format import CheckpointFormat, LoadedShare, LoadRequest, StateLayout
 from varuna.runtime.checkpoint_manifest import MANIFEST, read_manifest, read_shard
@@ -96,6 +97,8 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointState",
     "Checkpointer",
+    "FenceToken",
+    "FencedOut",
     "Resumed",
     "Shard",
     "checkpoint_format",
@@ -261,6 +264,11 @@ class Checkpointer:
         self.last_stall_s = self.last_wait_s = 0.0
         #: ranks known gone (set by a live run): a save in flight waiting for them is abandoned at once
         self.lost_writers: Callable[[], set[int]] | None = None
+        #: the generation this run's saves belong to, agreed by the ranks (Note [Checkpoint fence]
+        #: in checkpoint_fence.py); None: unfenced (no $VARUNA_FENCE_EPOCH: not started by
+        #: varuna-launch or the manager)
+        self.fence: FenceToken | None = None
+        self._given_fence = FenceToken.from_settings()
 
     def set_every(self, every: int) -> None:
         """Save every ``every`` steps from now on (0: only on a graceful stop or when asked).
@@ -285,6 +293,9 @@ class Checkpointer:
         from ``config.checkpoints.init_from``'s weights when set."""
         if self.directory is not None:
             self.state.add_stop_callback(lambda _state: self.save_on_stop())
+            # Before loading: a late commit of an older generation is then either visible to
+            # the load below or refused (Note [Checkpoint fence]).
+            self.start_generation(0)
         resumed = None
         if self.resume_mode != "never":
             if self.directory is None:
@@ -295,6 +306,39 @@ class Checkpointer:
         init_from = self.state.config.checkpoints.init_from
         if resumed is None and init_from:
             self.load_weights(init_from)
+
+    def start_generation(self, live: int) -> FenceToken | None:
+        """Agree on this generation's fence token (a collective when fenced) and have rank 0
+        raise the store's fence to it: from now on no save of an older generation commits
+        (Note [Checkpoint fence]). ``live``: the live-morph generation (0 at launch); a live
+        run calls it after each regroup. Returns the token (None: unfenced).
+
+        Example::
+
+            engine.checkpointer.start_generation(live.generation)   # after a live morph
+        """
+        given = self._given_fence
+        if given is None or self.directory is None:
+            return None
+        epoch, generation = given.epoch, given.generation
+        if self.state.layout.world > 1:
+            # The minimum: a live joiner started by a later manager generation must not outrank
+            # the generation it joins (and the minimum never decreases as members change).
+            v = torch.tensor([epoch, generation], dtype=torch.int64)
+            dist.all_reduce(v, op=dist.ReduceOp.MIN)
+            epoch, generation = (int(x) for x in v.tolist())
+        self.fence = FenceToken(epoch, generation, live)
+        if self.rank == 0:
+            now = raise_fence(self.directory, self.fence)
+            if now > self.fence:
+                log.warning(
+                    "varuna: this run (%s) is older than the generation that last started on %s (%s):"
+                    " its checkpoints will be refused; it is a stale copy of the job, stop it",
+                    self.fence,
+                    self.directory,
+                    now,
+                )
+        return self.fence
 
     def load_weights(self, path: str | Path) -> None:
         """Load only the weights (parameters and buffers) of ``path`` into this stage (a
@@ -457,6 +501,7 @@ class Checkpointer:
             chunk_bytes=self.copy_chunk_bytes,
             hook=self.progress_hook,
             lost_writers=self.lost_writers,
+            fence=self.fence,
         )
 
     def _metadata(self, step: int, sd: dict, extra: dict) -> dict:
