@@ -16,8 +16,8 @@ of these faults at a seeded random step:
   failure, for comparison);
 - ``morph``: a fault during a morph: under ``--live-morph`` one host goes silent, and a second
   one as soon as the launcher named the first (the survivors are regrouping);
-- ``copy``: a fault during a checkpoint's background copy: a bigger GPT (``--copy-embd``, about
-  14 M parameters: each checkpoint about 170 MB with Adam's state), one host goes silent while a
+- ``copy``: a fault during a checkpoint's background copy: a bigger GPT (8 layers, ``--copy-embd``
+  256: about 6.4 M parameters, each checkpoint about 77 MB with Adam's state), one host goes silent while a
   step directory is being filled (its files copied, its commit not yet written). The silent
   host's writer may go on writing into the shared store: the checkpoint fence refuses anything
   it renames there once the relaunch started (Note [Checkpoint fence]).
@@ -90,7 +90,7 @@ class Options:
     workdir: Path | None = None
     keep: bool = False
     trial_timeout_s: float = 300.0
-    copy_embd: int = 384
+    copy_embd: int = 256
 
 
 @dataclass
@@ -244,6 +244,15 @@ def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.05):
         time.sleep(poll_s)
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "(gone)"
+    return f"[{state}] " + raw.replace(b"\0", b" ").decode(errors="replace")[:160]
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -366,7 +375,11 @@ def run_trial(opts: Options, trial: Trial, workdir: Path, ref: dict) -> Outcome:
                 net.heal(h)
             with contextlib.suppress(TrialError):  # the sessions of a healed host end (RST): bounded
                 wait_for(lambda: not any(net.pids(h) for h in net.members()), 30.0, "the namespaces to empty")
-            outcome.orphans = sum(len(net.pids(h)) for h in net.members())
+            left = {h: net.pids(h) for h in net.members()}
+            outcome.orphans = sum(len(p) for p in left.values())
+            if outcome.orphans and not outcome.error:  # name them: a real leak or a slow exit?
+                outcome.error = "left in the namespaces: " + "; ".join(
+                    f"{h}: {pid} {_cmdline(pid)}" for h, pids in left.items() for pid in pids)
     if outcome.code not in (0, None) and not outcome.error:
         outcome.error = f"launcher exit {outcome.code}: {_read(job.err).strip().splitlines()[-1:]}"
     outcome.wall_s = time.monotonic() - started
@@ -411,7 +424,7 @@ def parse_args(argv: list[str] | None) -> Options:
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--keep", action="store_true", help="keep the trial directories")
     p.add_argument("--trial-timeout", type=float, default=300.0)
-    p.add_argument("--copy-embd", type=int, default=384, help="n_embd of the copy trials' GPT (8 layers)")
+    p.add_argument("--copy-embd", type=int, default=256, help="n_embd of the copy trials' GPT (8 layers)")
     a = p.parse_args(argv)
     faults = tuple(f for f in a.faults.split(",") if f)
     if not faults or set(faults) - set(FAULTS):
