@@ -128,7 +128,7 @@ def test_a_stale_generations_late_commit_is_refused(tmp_path, monkeypatch, caplo
 
 
 @pytest.mark.parametrize("fmt", ["varuna", "hf"])
-def test_negative_control_unfenced_the_late_commit_lands_over_the_newer_checkpoint(tmp_path, monkeypatch, fmt):
+def test_negative_control_unfenced_the_late_commit_lands_over_the_newer_one(tmp_path, monkeypatch, fmt):
     # What the store did before the fence: the stale commit succeeds and step 4 is no longer
     # generation 1's (its commit file replaced: unsound, or holding generation 0's weights).
     old, want, ckpt = _late_commit(tmp_path, monkeypatch, fmt, fenced=False)
@@ -160,3 +160,27 @@ def test_a_fence_file_not_written_by_varuna_counts_as_absent(tmp_path):
     (tmp_path / FENCE_FILE).write_text("{not json")
     assert read_fence(tmp_path) is None
     assert raise_fence(tmp_path, FenceToken(1)) == FenceToken(1)
+
+
+def test_a_stale_generation_saving_the_same_step_never_retires_the_newer_checkpoint(tmp_path, monkeypatch):
+    # A stale rank 0 starting a save of a step the newer generation already committed would
+    # retire (uncommit) that checkpoint first, as for an abandoned lineage: refused too.
+    ckpt = tmp_path / "ckpt"
+    monkeypatch.setenv("VARUNA_FENCE_EPOCH", "1764000000000")
+    monkeypatch.setenv("VARUNA_RESTARTS", "0")
+    old = _engine(ckpt, "varuna")
+    monkeypatch.setenv("VARUNA_RESTARTS", "1")
+    new = _engine(ckpt, "varuna")
+    for s in (1, 2):
+        old.train_step(step_batch(s))
+        new.train_step(step_batch(s + 10))
+    new.save_checkpoint(wait=True)
+    want = _params(new)
+    new.close()
+    old.save_checkpoint(wait=True)
+    assert old.checkpointer.last_ok is False and "refused" in (old.checkpointer.last_error or "")
+    old.close()
+    assert verify_checkpoint(ckpt / step_dir_name(2)) == []
+    back = _engine(ckpt, "varuna", resume="1")
+    assert back.step_count == 2 and not _differs(_params(back), want)
+    back.close()

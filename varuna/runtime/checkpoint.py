@@ -58,7 +58,7 @@ import torch.distributed as dist
 from varuna.core.env import WorkerSettings
 from varuna.cutting.split import ModelProfile
 from varuna.runtime.checkpoint_convert import check_resumable, resolve_step_dir, weights_format
-from varuna.runtime.checkpoint_fence import FencedOut, FenceToken, raise_fence
+from varuna.runtime.checkpoint_fence import FencedOut, FenceToken, fence_held, raise_fence
 from varuna.runtime.checkpoint_files import CheckpointError, UnsoundCheckpoint
 from varuna.runtime.checkpoint_format import CheckpointFormat, LoadedShare, LoadRequest, StateLayout
 from varuna.runtime.checkpoint_manifest import MANIFEST, read_manifest, read_shard
@@ -422,8 +422,13 @@ class Checkpointer:
         if self.rank == 0 and not busy:
             # A complete checkpoint of this step from an abandoned lineage (we resumed from an
             # older one), in any format: retire its commit file before anyone overwrites its
-            # files. Other ranks start writing only after the all-reduce below.
-            retire(target)
+            # files. Other ranks start writing only after the all-reduce below. Never for a
+            # stale generation: that complete checkpoint may be a newer generation's.
+            try:
+                with fence_held(root, self.fence, f"retiring {target}"):
+                    retire(target)
+            except FencedOut as e:
+                log.warning("varuna: %s", e)  # this save will be refused too
         # References to the live tensors (2bw: the stashed version rides along); sharded optimizer
         # state is gathered for the parameters of this rank's files only (a collective then).
         sd = self.state.state_dict(optimizer_for=[n for s in self._my_shares() for n in s.params])

@@ -124,6 +124,7 @@ def _locked(root: Path, exclusive: bool, timeout_s: float = LOCK_TIMEOUT_S) -> I
     """``flock`` of the root's lock file, polled (never an unbounded wait); unlocked where the
     filesystem has no locks."""
     try:
+        Path(root).mkdir(parents=True, exist_ok=True)
         fd = os.open(Path(root) / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as e:
         raise CheckpointError(f"{root}: cannot open the checkpoint fence lock: {e}") from None

@@ -242,8 +242,9 @@ def run_save_job(job: SaveJob) -> bool:
     succeeded. Never raises: a failed save must not stop training.
 
     ``job.hook`` gets the named points of a save (a test hook): ``local-write`` (before each
-    file's local write), ``copy-chunk``, ``copied``, ``marker``, then on rank 0 ``commit-ready`` (every marker is in), ``commit-tmp``
-    (between the commit file's temporary file and its rename) and ``commit``."""
+    file's local write), ``copy-chunk``, ``copied``, ``marker``, then on rank 0 ``commit-ready``
+    (every marker is in), ``commit-tmp`` (between the commit file's temporary file and its
+    rename) and ``commit``."""
     hook = job.hook or (lambda event: None)
     copied: dict[Path, tuple[int, int]] = {}  # what this rank put in the store: path -> (dev, inode)
     what = f"the checkpoint of step {job.step} (rank {job.rank}'s part)"
