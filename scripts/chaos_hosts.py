@@ -46,6 +46,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -113,6 +114,7 @@ class Outcome:
     fenced_s: list[float] = field(default_factory=list)
     copy_s: float | None = None
     """``copy``: how long the step directory struck in was incomplete (files copied, no commit)."""
+    watchers: list[threading.Thread] = field(default_factory=list)
     launches: int = 0
     identical: bool | None = None
     orphans: int = 0
@@ -291,25 +293,28 @@ def strike(job: Job, outcome: Outcome, victim: int, *, since: int = 0, wait_step
         job.net.kill(victim)
     else:
         at = job.net.blackhole(victim)
-    if trial.fault == "copy":
-        outcome.copy_s = _incomplete_for(step_dir, 60.0)
+    if trial.fault == "copy":  # how long the struck checkpoint stays incomplete, measured aside
+        watch = threading.Thread(target=_incomplete_for, args=(step_dir, 60.0, outcome), daemon=False)
+        watch.start()
+        outcome.watchers.append(watch)
     if pid is not None:  # the silent host's worker must go: its agent fences it
         gone = wait_for(lambda: not _alive(pid) and time.time(), 30.0, f"the worker of host {victim} to go")
         outcome.fenced_s.append(gone - at)
     return at
 
 
-def _incomplete_for(step_dir: Path, timeout_s: float) -> float:
-    """Seconds from the step directory's creation until its commit file (or its removal)."""
+def _incomplete_for(step_dir: Path, timeout_s: float, outcome: Outcome) -> None:
+    """``outcome.copy_s``: seconds from the step directory's creation until its commit file (or
+    its removal: an abandoned checkpoint), at most ``timeout_s`` after the fault."""
     try:
-        born = step_dir.stat().st_mtime  # the first writer's mkdir, or its latest file's rename
+        born = step_dir.stat().st_ctime  # the first writer's mkdir (or a later rename into it)
     except OSError:
-        return 0.0
+        return
     with contextlib.suppress(TrialError):
         wait_for(lambda: not step_dir.is_dir() or any(c.complete and c.path == step_dir
                                                        for c in list_checkpoints(step_dir.parent)),
                  timeout_s, "the struck checkpoint to end", poll_s=0.01)
-    return time.time() - born
+    outcome.copy_s = time.time() - born
 
 
 def judge_detection(job: Job, outcome: Outcome, faults: list[tuple[int, float]]) -> None:
@@ -361,6 +366,8 @@ def run_trial(opts: Options, trial: Trial, workdir: Path, ref: dict) -> Outcome:
                 trial.step = min(opts.steps - 2, first[0] + 2)
                 faults.append((trial.victims[1], strike(job, outcome, trial.victims[1], since=since)))
             outcome.code = job.wait(opts.trial_timeout_s)
+            for watch in outcome.watchers:
+                watch.join(65.0)
             judge_detection(job, outcome, faults)
             outcome.launches = 1 + len(job.events("restart"))
             diff = bit_identical(final_state(job.ckpt, opts.steps), ref)
