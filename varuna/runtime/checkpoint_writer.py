@@ -357,4 +357,8 @@ def commit(job: SaveJob, hook: Callable[[str], None]) -> None:
     job.committed = True
     hook("commit")
     shutil.rmtree(markers, ignore_errors=True)
-    prune(job.root, job.step, job.keep)
+    try:  # a generation that started since owns the store now: its steps are not ours to prune
+        with fence_held(job.root, job.fence, f"pruning after the checkpoint of step {job.step}"):
+            prune(job.root, job.step, job.keep)
+    except FencedOut as e:
+        log.warning("varuna: %s", e)
