@@ -58,7 +58,7 @@ import torch.distributed as dist
 from varuna.core.env import WorkerSettings
 from varuna.cutting.split import ModelProfile
 from varuna.runtime.checkpoint_convert import check_resumable, resolve_step_dir, weights_format
-from varuna.runtime.checkpoint_fence import FencedOut, FenceToken, fence_held, raise_fence
+from varuna.runtime.checkpoint_fence import FencedOut, FenceToken, fence_held, start_generation
 from varuna.runtime.checkpoint_files import CheckpointError, UnsoundCheckpoint
 from varuna.runtime.checkpoint_format import CheckpointFormat, LoadedShare, LoadRequest, StateLayout
 from varuna.runtime.checkpoint_manifest import MANIFEST, read_manifest, read_shard
@@ -308,36 +308,17 @@ class Checkpointer:
             self.load_weights(init_from)
 
     def start_generation(self, live: int) -> FenceToken | None:
-        """Agree on this generation's fence token (a collective when fenced) and have rank 0
-        raise the store's fence to it: from now on no save of an older generation commits
-        (Note [Checkpoint fence]). ``live``: the live-morph generation (0 at launch); a live
-        run calls it after each regroup. Returns the token (None: unfenced).
+        """Agree on this generation's fence token (a collective when fenced; ``live``: the
+        live-morph generation, 0 at launch) and raise the store's fence to it: no save of an
+        older generation commits from now on (Note [Checkpoint fence]). None: unfenced.
 
         Example::
 
             engine.checkpointer.start_generation(live.generation)   # after a live morph
         """
-        given = self._given_fence
-        if given is None or self.directory is None:
-            return None
-        epoch, generation = given.epoch, given.generation
-        if self.state.layout.world > 1:
-            # The minimum: a live joiner started by a later manager generation must not outrank
-            # the generation it joins (and the minimum never decreases as members change).
-            v = torch.tensor([epoch, generation], dtype=torch.int64)
-            dist.all_reduce(v, op=dist.ReduceOp.MIN)
-            epoch, generation = (int(x) for x in v.tolist())
-        self.fence = FenceToken(epoch, generation, live)
-        if self.rank == 0:
-            now = raise_fence(self.directory, self.fence)
-            if now > self.fence:
-                log.warning(
-                    "varuna: this run (%s) is older than the generation that last started on %s (%s):"
-                    " its checkpoints will be refused; it is a stale copy of the job, stop it",
-                    self.fence,
-                    self.directory,
-                    now,
-                )
+        if self._given_fence is not None and self.directory is not None:
+            self.fence = start_generation(self.directory, self._given_fence, live, rank=self.rank,
+                                          world=self.state.layout.world)
         return self.fence
 
     def load_weights(self, path: str | Path) -> None:

@@ -43,11 +43,15 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
 
 from varuna.core.env import WorkerSettings
 from varuna.runtime.checkpoint_files import JSON_MAX_BYTES, CheckpointError, atomic_write, read_regular
@@ -60,7 +64,10 @@ __all__ = [
     "fence_held",
     "raise_fence",
     "read_fence",
+    "start_generation",
 ]
+
+log = logging.getLogger("varuna.runtime.checkpoint")
 
 FENCE_FILE = "fence.json"
 _LOCK_FILE = ".fence.lock"
@@ -194,3 +201,28 @@ def fence_held(root: Path, token: FenceToken | None, what: str) -> Iterator[None
                 " from its launcher or manager) never commits"
             )
         yield
+
+
+def start_generation(root: Path, given: FenceToken, live: int, *, rank: int, world: int) -> FenceToken:
+    """The token of a generation starting on ``root`` (a collective over the default group when
+    ``world`` > 1): the minimum over the ranks of what each was ``given`` (a live joiner started
+    by a later manager generation must not outrank the generation it joins, and the minimum never
+    decreases as members change), at live generation ``live``; rank 0 raises the fence to it.
+
+    Example::
+
+        token = start_generation(Path("/ckpt"), FenceToken.from_settings(), 0, rank=0, world=1)
+    """
+    epoch, generation = given.epoch, given.generation
+    if world > 1:
+        v = torch.tensor([epoch, generation], dtype=torch.int64)
+        dist.all_reduce(v, op=dist.ReduceOp.MIN)
+        epoch, generation = (int(x) for x in v.tolist())
+    token = FenceToken(epoch, generation, live)
+    if rank == 0:
+        now = raise_fence(root, token)
+        if now > token:
+            log.warning("varuna: this run (%s) is older than the generation that last started on %s (%s):"
+                        " its checkpoints will be refused; it is a stale copy of the job, stop it",
+                        token, root, now)
+    return token
