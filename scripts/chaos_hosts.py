@@ -421,6 +421,10 @@ def row(o: Outcome) -> str:
     return line + (f"\n{'':<16} FAILED: {o.error}" if o.error else "")
 
 
+def _span(xs: list[float]) -> str:
+    return f"{min(xs):.1f}-{max(xs):.1f} s" if xs else "- (none named: a kill is a worker exit)"
+
+
 def parse_args(argv: list[str] | None) -> Options:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trials", type=int, default=10, help="trials, the faults in turn (default 10)")
@@ -487,9 +491,8 @@ def main(argv: list[str] | None = None) -> int:
         d = [x for o in mine for x in o.detect_s]
         f = [x for o in mine for x in o.fenced_s]
         if mine:
-            print(f"chaos: {kind}: {sum(o.ok for o in mine)}/{len(mine)} kept; detection"
-                  f" {min(d, default=0):.1f}-{max(d, default=0):.1f} s, worker fenced"
-                  f" {min(f, default=0):.1f}-{max(f, default=0):.1f} s after the fault")
+            print(f"chaos: {kind}: {sum(o.ok for o in mine)}/{len(mine)} kept; detection {_span(d)}, worker"
+                  f" fenced {_span(f)} after the fault")
     if failed:
         print(f"chaos: failed: {', '.join(failed)}", file=sys.stderr)
         return 1
