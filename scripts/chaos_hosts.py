@@ -135,7 +135,10 @@ def final_state(ckpt: Path, step: int) -> dict:
     done = [c for c in list_checkpoints(ckpt) if c.complete and c.step == step]
     if not done:
         raise TrialError(f"no complete checkpoint of step {step} in {ckpt}")
-    return _chaos_module().final_state(done[0].path)
+    try:
+        return _chaos_module().final_state(done[0].path)
+    except (OSError, ValueError) as e:  # a file of a committed checkpoint missing or refused
+        raise TrialError(f"the final checkpoint {done[0].path} is unreadable: {e}") from None
 
 
 def bit_identical(a: dict, b: dict) -> str:
