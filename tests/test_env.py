@@ -27,7 +27,8 @@ def test_a_launched_worker_reads_what_the_launcher_wrote():
     settings = {"VARUNA_CHECKPOINT_DIR": "/ckpt", "VARUNA_RESUME": "auto", "VARUNA_CUT_AFTER": "a.*, b",
                 "VARUNA_AUTO_CUTPOINTS": "", "VARUNA_PLAN_COST": "time", "VARUNA_TENSORBOARD_DIR": "/tb",
                 "VARUNA_NETEM": "latency=5ms", "VARUNA_ENGINE_PLUGINS": "m:f", "VARUNA_LIVE_STORE": "h:1",
-                "VARUNA_LIVE_JOIN": "1", "VARUNA_COMM_BACKEND": "gloo", "VARUNA_PEAK_TFLOPS": "989.4"}
+                "VARUNA_LIVE_JOIN": "1", "VARUNA_COMM_BACKEND": "gloo", "VARUNA_PEAK_TFLOPS": "989.4",
+                "VARUNA_FENCE_EPOCH": "17", "VARUNA_GENERATION": "3", "VARUNA_RESTARTS": "1"}
     worker = WorkerEnv(master_addr="h0", master_port=29500, rank=3, world_size=4, local_rank=1,
                        local_world_size=2, pipeline_depth=2, data_parallel=2,
                        extra={**plan.to_env(), **settings})
@@ -38,7 +39,7 @@ def test_a_launched_worker_reads_what_the_launcher_wrote():
     assert env.settings == worker.settings == WorkerSettings(
         checkpoint_dir="/ckpt", resume="auto", cut_after=("a.*", "b"), auto_cutpoints=None, plan_cost="time",
         tensorboard_dir="/tb", netem="latency=5ms", engine_plugins="m:f", live_store="h:1", live_join=True,
-        comm_backend="gloo", peak_tflops=989.4)
+        comm_backend="gloo", peak_tflops=989.4, fence_epoch=17, generation=3)
     assert set(settings) == set(SETTING_VARS)
 
 
@@ -59,6 +60,8 @@ def test_a_launched_worker_reads_what_the_launcher_wrote():
         ("VARUNA_REPLICA_SHARES", "3;1", "VARUNA_REPLICA_SHARES='3;1' is not a comma-separated list"),
         ("VARUNA_STAGE_SPEEDS", "fast", "VARUNA_STAGE_SPEEDS='fast' is not a comma-separated list"),
         ("VARUNA_AUTO_CUTPOINTS", "0", "VARUNA_AUTO_CUTPOINTS=0 must be >= 1"),
+        ("VARUNA_FENCE_EPOCH", "soon", "VARUNA_FENCE_EPOCH='soon' is not an integer"),
+        ("VARUNA_RESTARTS", "-1", "VARUNA_GENERATION/VARUNA_RESTARTS=-1 must be >= 0"),
         ("VARUNA_PLAN_COST", "fast", "VARUNA_PLAN_COST='fast' is not flop or time"),
         ("VARUNA_RECOMPUTE", "yes", "VARUNA_RECOMPUTE='yes' is not 1 or 0"),
         ("VARUNA_SHARD_OPTIMIZER", "2", "VARUNA_SHARD_OPTIMIZER='2' is not 1 or 0"),

@@ -305,7 +305,7 @@ def test_gloo_binds_to_the_interface_towards_master_when_the_host_name_is_loopba
     auto = job("auto")
     assert auto.returncode == 0, auto.stderr[-3000:]
     assert auto.stdout.count("interface eth0") == 2 and auto.stdout.count("sum 3") == 2, auto.stdout
-    probe = "from varuna.runtime.layout import choose_gloo_interface as c; c('10.99.0.1', {})"
+    probe = "from varuna.runtime.layout import choose_gloo_interface as c; c('10.99.0.1', environ={})"
     no_route = subprocess.run(net.run_in(1, [sys.executable, "-c", probe]), capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     last = no_route.stderr.strip().splitlines()[-1]

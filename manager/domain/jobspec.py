@@ -70,7 +70,8 @@ MAX_MEMORY_GIB = 1 << 20
 MAX_WEIGHT = 1e6
 
 # Environment variables the manager sets per worker itself: a spec may not override them.
-_RESERVED_ENV_PREFIXES = ("VARUNA_MANAGER", "VARUNA_JOB_ID", "VARUNA_VM_ID", "VARUNA_GENERATION")
+_RESERVED_ENV_PREFIXES = ("VARUNA_MANAGER", "VARUNA_JOB_ID", "VARUNA_VM_ID", "VARUNA_GENERATION",
+                           "VARUNA_FENCE_EPOCH")
 
 # varuna-profile flags that [profile] sets through its own keys (or the agent, for --out).
 _PROFILE_FLAGS_OF_KEYS = {

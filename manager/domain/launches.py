@@ -83,6 +83,9 @@ class WorkerLaunches:
                 "VARUNA_RESUME": "auto",
                 "VARUNA_JOB_ID": job.job_id,
                 "VARUNA_GENERATION": str(gen.generation),
+                # The job's creation: its generations outrank any earlier run's on the same
+                # checkpoint store (Note [Checkpoint fence] in varuna/runtime/checkpoint_fence.py).
+                "VARUNA_FENCE_EPOCH": str(int(job.created * 1000)),
             }
         )
         if spec.checkpoint_every:

@@ -140,6 +140,9 @@ SETTING_VARS = (
     "VARUNA_LIVE_JOIN",
     "VARUNA_COMM_BACKEND",
     "VARUNA_PEAK_TFLOPS",
+    "VARUNA_FENCE_EPOCH",
+    "VARUNA_GENERATION",
+    "VARUNA_RESTARTS",
 )
 
 #: Backends that may carry a CUDA job's traffic (``VarunaConfig.comm_backend``, ``VARUNA_COMM_BACKEND``).
@@ -579,6 +582,13 @@ class WorkerSettings:
     peak_tflops: float | None = None
     """``VARUNA_PEAK_TFLOPS``: one device's dense peak TFLOP/s, for MFU (``VarunaConfig``'s
     ``metrics.peak_tflops`` wins; varuna.runtime.flops.resolve_peak)."""
+    fence_epoch: int | None = None
+    """``VARUNA_FENCE_EPOCH``: the controller's start in ms (``varuna-launch``'s start, the manager
+    job's creation), the first part of the checkpoint fence token (Note [Checkpoint fence] in
+    varuna/runtime/checkpoint_fence.py); None: the run is unfenced."""
+    generation: int | None = None
+    """The launch's generation: the manager's ``VARUNA_GENERATION``, else the launcher's restart
+    count ``VARUNA_RESTARTS``; None when neither is set."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerSettings:
@@ -603,7 +613,17 @@ class WorkerSettings:
                 f"WorkerSettings: VARUNA_COMM_BACKEND={backend!r} is not {' or '.join(COMM_BACKENDS)}; "
                 "set one of them or unset it (automatic)"
             )
+        generation = _int_var(environ, "VARUNA_GENERATION", "WorkerSettings")
+        if generation is None:
+            generation = _int_var(environ, "VARUNA_RESTARTS", "WorkerSettings")
+        epoch = _int_var(environ, "VARUNA_FENCE_EPOCH", "WorkerSettings")
+        for name, value in (("VARUNA_FENCE_EPOCH", epoch), ("VARUNA_GENERATION/VARUNA_RESTARTS", generation)):
+            if value is not None and value < 0:
+                raise ValueError(f"WorkerSettings: {name}={value} must be >= 0 (set by varuna-launch or the"
+                                 " manager); unset it")
         return cls(
+            fence_epoch=epoch,
+            generation=generation,
             checkpoint_dir=_str_var(environ, "VARUNA_CHECKPOINT_DIR"),
             resume=_str_var(environ, "VARUNA_RESUME"),
             cut_after=(tuple(x.strip() for x in cuts.split(",") if x.strip()) or None) if cuts else None,

@@ -33,6 +33,7 @@ import math
 import os
 import re
 import sys
+import time
 
 from varuna.core.batching import microbatch_counts
 from varuna.core.cli import OneLineParser, add_planning_args, positive_int
@@ -371,7 +372,10 @@ def _usage_error(text: str) -> int:
 
 
 def _worker_env_from_args(args: argparse.Namespace) -> dict[str, str]:
-    env: dict[str, str] = {}
+    # This launcher's start: every generation it launches outranks those of the runs before it
+    # on the same checkpoint store (Note [Checkpoint fence] in checkpoint_fence.py).
+    epoch = str(time.time_ns() // 1_000_000)
+    env = {} if "VARUNA_FENCE_EPOCH" in os.environ else {"VARUNA_FENCE_EPOCH": epoch}
     if args.checkpoint_dir is not None:
         # Absolute: workers on other hosts (and in other working directories) resolve it alike.
         env["VARUNA_CHECKPOINT_DIR"] = os.path.abspath(args.checkpoint_dir)

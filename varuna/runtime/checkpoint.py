@@ -58,6 +58,7 @@ import torch.distributed as dist
 from varuna.core.env import WorkerSettings
 from varuna.cutting.split import ModelProfile
 from varuna.runtime.checkpoint_convert import check_resumable, resolve_step_dir, weights_format
+from varuna.runtime.checkpoint_fence import FencedOut, FenceToken, fence_held, start_generation
 from varuna.runtime.checkpoint_files import CheckpointError, UnsoundCheckpoint
 from varuna.runtime.checkpoint_format import CheckpointFormat, LoadedShare, LoadRequest, StateLayout
 from varuna.runtime.checkpoint_manifest import MANIFEST, read_manifest, read_shard
@@ -96,6 +97,8 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointState",
     "Checkpointer",
+    "FenceToken",
+    "FencedOut",
     "Resumed",
     "Shard",
     "checkpoint_format",
@@ -261,6 +264,11 @@ class Checkpointer:
         self.last_stall_s = self.last_wait_s = 0.0
         #: ranks known gone (set by a live run): a save in flight waiting for them is abandoned at once
         self.lost_writers: Callable[[], set[int]] | None = None
+        #: the generation this run's saves belong to, agreed by the ranks (Note [Checkpoint fence]
+        #: in checkpoint_fence.py); None: unfenced (no $VARUNA_FENCE_EPOCH: not started by
+        #: varuna-launch or the manager)
+        self.fence: FenceToken | None = None
+        self._given_fence = FenceToken.from_settings()
 
     def set_every(self, every: int) -> None:
         """Save every ``every`` steps from now on (0: only on a graceful stop or when asked).
@@ -285,6 +293,9 @@ class Checkpointer:
         from ``config.checkpoints.init_from``'s weights when set."""
         if self.directory is not None:
             self.state.add_stop_callback(lambda _state: self.save_on_stop())
+            # Before loading: a late commit of an older generation is then either visible to
+            # the load below or refused (Note [Checkpoint fence]).
+            self.start_generation(0)
         resumed = None
         if self.resume_mode != "never":
             if self.directory is None:
@@ -295,6 +306,20 @@ class Checkpointer:
         init_from = self.state.config.checkpoints.init_from
         if resumed is None and init_from:
             self.load_weights(init_from)
+
+    def start_generation(self, live: int) -> FenceToken | None:
+        """Agree on this generation's fence token (a collective when fenced; ``live``: the
+        live-morph generation, 0 at launch) and raise the store's fence to it: no save of an
+        older generation commits from now on (Note [Checkpoint fence]). None: unfenced.
+
+        Example::
+
+            engine.checkpointer.start_generation(live.generation)   # after a live morph
+        """
+        if self._given_fence is not None and self.directory is not None:
+            self.fence = start_generation(self.directory, self._given_fence, live, rank=self.rank,
+                                          world=self.state.layout.world)
+        return self.fence
 
     def load_weights(self, path: str | Path) -> None:
         """Load only the weights (parameters and buffers) of ``path`` into this stage (a
@@ -378,8 +403,13 @@ class Checkpointer:
         if self.rank == 0 and not busy:
             # A complete checkpoint of this step from an abandoned lineage (we resumed from an
             # older one), in any format: retire its commit file before anyone overwrites its
-            # files. Other ranks start writing only after the all-reduce below.
-            retire(target)
+            # files. Other ranks start writing only after the all-reduce below. Never for a
+            # stale generation: that complete checkpoint may be a newer generation's.
+            try:
+                with fence_held(root, self.fence, f"retiring {target}"):
+                    retire(target)
+            except FencedOut as e:
+                log.warning("varuna: %s", e)  # this save will be refused too
         # References to the live tensors (2bw: the stashed version rides along); sharded optimizer
         # state is gathered for the parameters of this rank's files only (a collective then).
         sd = self.state.state_dict(optimizer_for=[n for s in self._my_shares() for n in s.params])
@@ -457,6 +487,7 @@ class Checkpointer:
             chunk_bytes=self.copy_chunk_bytes,
             hook=self.progress_hook,
             lost_writers=self.lost_writers,
+            fence=self.fence,
         )
 
     def _metadata(self, step: int, sd: dict, extra: dict) -> dict:

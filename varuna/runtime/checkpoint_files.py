@@ -22,6 +22,7 @@ import json
 import os
 import stat
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -227,10 +228,17 @@ def read_json(path: Path, max_bytes: int | None = None) -> Any:
         raise UnsoundCheckpoint(f"{path}: unreadable ({e})") from None
 
 
-def copy_file(src: Path, dst: Path, chunk_bytes: int, on_chunk: Callable[[int], None]) -> None:
+def copy_file(
+    src: Path,
+    dst: Path,
+    chunk_bytes: int,
+    on_chunk: Callable[[int], None],
+    guard: Callable[[], AbstractContextManager] = nullcontext,
+) -> None:
     """Copy ``src`` to ``dst`` via a tmp name, fsynced, then renamed into place; ``on_chunk(n)``
     after each chunk of ``n`` bytes. The data moves inside the kernel (sendfile), so the copy
-    costs training processes almost no CPU."""
+    costs training processes almost no CPU. The rename happens inside ``guard()`` (the checkpoint
+    fence's check: Note [Checkpoint fence] in checkpoint_fence.py), which may refuse it by raising."""
     tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
     try:
         with open(src, "rb") as fi, open(tmp, "wb") as fo:
@@ -250,7 +258,8 @@ def copy_file(src: Path, dst: Path, chunk_bytes: int, on_chunk: Callable[[int], 
                 off += n
                 on_chunk(n)
             os.fsync(fo.fileno())
-        os.replace(tmp, dst)
+        with guard():
+            os.replace(tmp, dst)
     except BaseException:
         _discard(tmp)
         raise

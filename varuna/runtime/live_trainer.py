@@ -189,6 +189,9 @@ class LiveTrainer:
         # complete checkpoint stays the newest): old-layout ranks of members known dead.
         engine.checkpointer.lost_writers = lambda: {r for r, m in enumerate(members)
                                                     if m in live.known_dead()}
+        # A new generation of the live run: no save of an older one commits from now on (a
+        # member cut off mid-save may still reach the store: Note [Checkpoint fence]).
+        engine.checkpointer.start_generation(live.generation)
         return engine
 
     def _build(self, P: int, D: int) -> Engine:

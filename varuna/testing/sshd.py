@@ -98,6 +98,10 @@ class SshKeys:
 
 
 def _config(keys: SshKeys, *, port: int, listen: Sequence[str], name: str) -> str:
+    # ClientAlive*: a session whose client went silent ends after 6-8 s, as the launcher's side
+    # does (ServerAlive*, varuna/launch/ssh.py). Without it the per-connection sshd of a host cut
+    # off for a minute waits on TCP's retransmission back-off (another minute or more after the
+    # link heals) while the job's processes there are long gone: a leftover the chaos runs saw.
     listen_lines = "\n".join(f"ListenAddress {a}" for a in listen)
     return textwrap.dedent(
         f"""\
@@ -111,6 +115,8 @@ def _config(keys: SshKeys, *, port: int, listen: Sequence[str], name: str) -> st
         KbdInteractiveAuthentication no
         PermitRootLogin prohibit-password
         MaxStartups 50
+        ClientAliveInterval 2
+        ClientAliveCountMax 3
         """
     ) + listen_lines + "\n"
 
