@@ -47,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from varuna.runtime.checkpoint_store import list_checkpoints, read_manifest, read_shard  # noqa: E402
+from varuna.runtime.checkpoint_store import list_checkpoints  # noqa: E402
 from varuna.testing.netns import NetHosts, netns_unavailable  # noqa: E402
 from varuna.testing.sshd import sshd_unavailable  # noqa: E402
 
@@ -116,19 +116,12 @@ class Outcome:
 
 
 def final_state(ckpt: Path, step: int) -> dict:
-    """Every tensor (parameters and optimizer state, by name) of the checkpoint of ``step`` (the
-    job's last)."""
+    """Every tensor (parameters, buffers, optimizer state, by name) and the registered state of
+    the checkpoint of ``step`` (the job's last): ``scripts/chaos.py``'s reading of it."""
     done = [c for c in list_checkpoints(ckpt) if c.complete and c.step == step]
     if not done:
         raise TrialError(f"no complete checkpoint of step {step} in {ckpt}")
-    newest = done[0]
-    out: dict = {}
-    for f in read_manifest(newest.path)["files"]:
-        shard = read_shard(newest.path / f["name"])
-        out.update(shard["params"])
-        for name, state in shard["optimizer"]["state"].items():
-            out.update({f"opt:{name}:{k}": v for k, v in state.items() if hasattr(v, "view")})
-    return out
+    return _chaos_module().final_state(done[0].path)
 
 
 def bit_identical(a: dict, b: dict) -> str:
