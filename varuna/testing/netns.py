@@ -51,6 +51,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -184,6 +185,23 @@ class NetHosts:
         if self.keys is None:
             raise RuntimeError("this set was created without sshd")
         return self.keys.launcher_args()
+
+    def door(self, path: Path, host: int | None, port: int) -> subprocess.Popen[bytes]:
+        """A Unix socket at ``path`` relaying to ``host``'s ``port`` (None: the control host), for a
+        client on this machine that must reach a server inside the set (:mod:`varuna.testing.forward`).
+        The relay runs in the control namespace (removed with the set) and listens once this returns."""
+        proc = subprocess.Popen(
+            self.control([sys.executable, "-m", "varuna.testing.forward", str(path), self.address(host),
+                          str(port)]),
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": _package_root()},
+        )
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != b"ready":  # bounded: it exits (EOF) if it cannot listen
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"the door at {path} did not open")
+        return proc
 
     # -- faults ----------------------------------------------------------------------------------
 
@@ -339,6 +357,11 @@ class NetHosts:
         finally:
             if self._previous_sigterm is not None:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _package_root() -> str:
+    root = str(Path(__file__).resolve().parents[2])
+    return os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
 
 
 def _shape(ns: str, dev: str, rate_bytes_per_s: float) -> None:
