@@ -284,7 +284,7 @@ class VMBook:
             data=data,
         )
         if in_gen and gen is not None and gen.state == "running":
-            ctx.note_detection(job, f"{vm_label(vm.vm_id, ranks)} lost ({reason})", now)
+            ctx.note_detection(job, f"{vm_label(vm.vm_id, ranks)} gone ({reason})", now)
         gone_vm = ctx.store.vm(vm.vm_id)
         if gone_vm is not None:
             provider = ctx.provider_of(job, gone_vm)

@@ -17,6 +17,7 @@ Note [Hosts in namespaces]
   EHOSTUNREACH after ~3 s) instead of *silent*, which a cloud fabric never does.
 - **Links.** With ``rate_bytes_per_s``, a ``tbf`` qdisc on both ends of each host's link (the
   host's ``eth0`` and the bridge port towards it) caps each direction, as a full-duplex NIC.
+  ``net.ipv4.tcp_slow_start_after_idle`` is 0 in every namespace (as in profiler/hosts.py).
   (``netem`` does not exist in this kernel; latency is :mod:`varuna.testing.netem`'s business.)
 - **Faults.** :meth:`NetHosts.blackhole` sets the host's bridge port down: its packets, in both
   directions, vanish, no reset ever arrives, its processes keep running; :meth:`NetHosts.heal`
@@ -288,6 +289,11 @@ class NetHosts:
             _run(["ip", "-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", "eth0"])
             for dev in ("eth0", "lo"):
                 _run(["ip", "-n", ns, "link", "set", dev, "up"])
+            # As profiler/hosts.py's namespaces (measured there): a connection idle for a moment
+            # (a paced message, a ring all-reduce's step) must not restart TCP slow start behind
+            # the tbf, or a calibrated link reads slower than its cap.
+            _run(["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"],
+                 check=False)
             _run(["ip", "-n", br, "link", "set", port, "master", "br0"])
             _run(["ip", "-n", br, "link", "set", port, "up"])
             if loopback_hostname:
