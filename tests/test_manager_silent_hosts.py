@@ -117,7 +117,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory):
     return opts, chaos.reference(opts, tmp_path_factory.mktemp("reference") / "run")
 
 
-def _spec(net: NetHosts, tmp_path: Path, opts, *, live: bool) -> Path:
+def _spec(net: NetHosts, tmp_path: Path, opts, *, live: bool, **options) -> Path:
     chaos = _chaos_hosts()
     script, *args = chaos.train_args(opts)
     spec = {
@@ -127,7 +127,7 @@ def _spec(net: NetHosts, tmp_path: Path, opts, *, live: bool) -> Path:
         "live_morph": live, "env": {"OMP_NUM_THREADS": "1"},
         # Four namespaces, four VMs ever: the silent one is not replaced (its namespace stays dark).
         "provider_options": {"max_created": VMS, "standby": False,
-                             "netns": [net.namespace(h) for h in range(VMS)]},
+                             "netns": [net.namespace(h) for h in range(VMS)], **options},
     }
     path = tmp_path / "job.json"
     path.write_text(json.dumps(spec))
@@ -193,6 +193,57 @@ def test_a_silent_vm_is_named_within_5s_and_the_job_recovers(reference, tmp_path
             with __import__("contextlib").suppress(Exception):
                 for e in mp.events(job):
                     print(f"{e.time:.2f} {e.kind} {e.vm_id} {e.message}")
+            raise
+        finally:
+            mp.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(600)
+def test_a_cut_off_vm_fences_its_workers_when_its_delete_does_not_reach_it(reference, tmp_path: Path):
+    """Note [Fencing under the manager]: the provider's delete of the silent VM does not take effect
+    (``keep_deleted``), so only the agent's own rule can stop its workers: no answer and no refusal
+    from the manager for T + 2 s. They are gone within that bound of the silence (plus the load
+    margin), while the relaunch without them still ends bit-identical; once the link heals the
+    agent hears that its VM is not wanted and exits."""
+    from manager.providers.base import FENCE_SLACK_S
+
+    chaos = _chaos_hosts()
+    opts, ref = reference
+    timeout_s = 4.0
+    with NetHosts.create(VMS, workdir=tmp_path, sshd=False) as net:
+        mp = NetManager(net, tmp_path, "--heartbeat-interval", "0.5", "--heartbeat-timeout", f"{timeout_s:g}",
+                        "--stop-timeout", "30", "--orphan-timeout", "120", "--create-retry", "1")
+        try:
+            spec = _spec(net, tmp_path, opts, live=False, keep_deleted=True)
+            job = mp.client.submit(spec_to_pb(load_jobspec(spec)))
+            wait_for(lambda: mp.status(job).step >= 3 or mp.status(job).state in ("failed", "finished"), 300,
+                     "step 3")
+            st = mp.status(job)
+            victim = next(v for v in st.vms if any(w.rank == 1 for w in v.workers))
+            pids = [w.pid for w in victim.workers if w.pid]
+            assert pids and all(map(_alive, pids))
+            fault_at = net.blackhole(_host_of(net, victim.address))
+            gone_at = wait_for(lambda: not any(map(_alive, pids)) and time.time(), 60,
+                               "the workers to be fenced")
+            assert gone_at - fault_at <= timeout_s + FENCE_SLACK_S + chaos.LOAD_MARGIN_S, gone_at - fault_at
+            assert _alive(victim.agent_pid), "the agent itself lives on (its delete did not take effect)"
+            log = next(tmp_path.glob(f"**/{victim.vm_id}/agent.log")).read_text()
+            assert "this VM is cut off; fencing: killing its workers" in log, log[-2000:]
+            wait_for(lambda: mp.status(job).state in ("finished", "failed"), 400, "the job to end")
+            assert mp.status(job).state == "finished", mp.status(job).message
+            assert chaos.bit_identical(chaos.final_state(tmp_path / "ckpt", opts.steps), ref) == ""
+            net.heal(_host_of(net, victim.address))
+            wait_for(lambda: not any(net.pids(h) for h in range(VMS)), 60, "the namespaces to empty")
+            print(f"\nfenced {gone_at - fault_at:.2f} s after the fault (T = {timeout_s:g} s)")
+        except BaseException:
+            print((tmp_path / "manager.log").read_text(errors="replace")[-3000:])
             raise
         finally:
             mp.stop()

@@ -158,6 +158,7 @@ class ManagerContext:
             state_dir=config.state_dir,
             heartbeat_interval_s=config.heartbeat_interval_s,
             orphan_timeout_s=config.orphan_timeout_s,
+            heartbeat_timeout_s=config.heartbeat_timeout_s,
         )
 
     # -- per-job soft state --------------------------------------------------------------------

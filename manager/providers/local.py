@@ -33,6 +33,11 @@ Options (the job spec's ``provider_options``):
     generation's first step, importing at ``standby_priority`` (``idle`` or ``normal``).
 ``python``
     Interpreter for the agents (default: the manager's).
+``keep_deleted``
+    A delete that does not take effect (default false): the manager's delete of a pretend VM
+    leaves it running, as a cloud whose API call was lost, or that cannot reach a partitioned VM
+    before it is gone for good. Tests of fencing (Note [Fencing under the manager] in
+    manager/agent/vm_agent.py): the agent's own silence rule must then stop its workers.
 ``netns``
     Network namespaces to start the pretend VMs in, one VM per namespace at a time (Note [VMs in
     namespaces]): a list of names such as :class:`varuna.testing.netns.NetHosts` builds. A VM
@@ -101,6 +106,7 @@ class LocalProviderOptions:
     standby_priority: str = "idle"
     python: str = sys.executable or "python3"
     netns: tuple[str, ...] = ()
+    keep_deleted: bool = False
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> LocalProviderOptions:
@@ -324,6 +330,7 @@ class LocalProvider:
             log_dir=str(vm_dir),
             heartbeat_interval_s=c.heartbeat_interval_s,
             orphan_timeout_s=c.orphan_timeout_s,
+            fence_timeout_s=c.fence_timeout_s,
             tls_ca=str(Path(c.tls_ca).resolve()) if c.tls_ca else None,
             notice_source=self._notice_source() if o.metadata_url else None,
             notice_url=o.metadata_url,
@@ -341,6 +348,8 @@ class LocalProvider:
         return provider_entry(self.name).notice_source
 
     def delete_vm(self, vm: ProviderVM) -> None:
+        if self.options.keep_deleted:
+            return  # the module docstring: a delete that does not take effect
         child = self._children.pop(vm.vm_id, None)
         ref = vm.ref
         if child is not None:
