@@ -233,7 +233,7 @@ class VMAgent:
 
     def _loop(self) -> int:
         last_ok = last_refused = time.monotonic()
-        fenced = False
+        fenced = failing = False
         next_beat = 0.0
         reported: tuple = ()
         while not self._shutdown.is_set():
@@ -247,8 +247,12 @@ class VMAgent:
             # Beat on schedule, and at once when something changed (a worker exited, a notice):
             # the manager reacts to those within a round trip instead of an interval.
             if now >= next_beat or state != reported:
+                timeout_s = max(2.0, self._interval)
+                if failing and self.config.fence_timeout_s > 0:  # no call may overrun the fence
+                    fence_at = max(last_ok, last_refused) + self.config.fence_timeout_s
+                    timeout_s = max(0.5, min(timeout_s, fence_at - now + 0.05))
                 try:
-                    orders = self._client.vm_heartbeat(self._heartbeat(), timeout_s=max(2.0, self._interval))
+                    orders = self._client.vm_heartbeat(self._heartbeat(), timeout_s=timeout_s)
                 except grpc.RpcError as exc:
                     if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
                         self._say(f"the manager no longer knows this VM ({exc.details()}); exiting")
@@ -258,6 +262,7 @@ class VMAgent:
                             f"no manager for {self.config.orphan_timeout_s:g} s; killing workers and exiting"
                         )
                         return 3
+                    failing = True
                     if _refused(exc):
                         last_refused = time.monotonic()
                     fence = self.config.fence_timeout_s
@@ -271,7 +276,7 @@ class VMAgent:
                     next_beat = time.monotonic() + min(1.0, self._interval)
                 else:
                     last_ok = time.monotonic()
-                    fenced = False
+                    fenced = failing = False
                     reported = state
                     next_beat = last_ok + self._interval
                     if self._apply(orders):
