@@ -73,19 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "netns", "loopback"],
         help="auto: network namespaces when root, else loopback",
     )
-    p.add_argument(
-        "--host-list",
-        default=None,
-        metavar="HOSTS",
-        help="the job's hosts, [user@]host[:port] comma-separated, rank 0's first: measure their real"
-        " links over ssh (--procs-per-host workers on each, --hosts and --inter-netem do not apply; the"
-        " run directory, under TMPDIR, must be shared by the hosts at the same path)",
-    )
-    p.add_argument("--ssh-key", default=None, metavar="FILE", help="private key for --host-list (ssh -i)")
-    p.add_argument(
-        "--ssh-known-hosts", default=None, metavar="FILE",
-        help="known_hosts file for --host-list (new host keys are recorded there)",
-    )
+    _add_host_list(p)
     p.add_argument(
         "--inter-netem",
         default=d.inter_netem,
@@ -107,6 +95,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quiet", action="store_true")
     return p
+
+
+def _add_host_list(p: argparse.ArgumentParser) -> None:
+    """``--host-list`` and its ssh options (Note [Calibrating real links] in profiler/hosts.py)."""
+    p.add_argument(
+        "--host-list",
+        default=None,
+        metavar="HOSTS",
+        help="the job's hosts, [user@]host[:port] comma-separated, rank 0's first: measure their real"
+        " links over ssh (--procs-per-host workers on each, --hosts and --inter-netem do not apply; the"
+        " run directory, under TMPDIR, must be shared by the hosts at the same path)",
+    )
+    p.add_argument("--ssh-key", default=None, metavar="FILE", help="private key for --host-list (ssh -i)")
+    p.add_argument(
+        "--ssh-known-hosts", default=None, metavar="FILE",
+        help="known_hosts file for --host-list (new host keys are recorded there)",
+    )
 
 
 def _process_start() -> float:
