@@ -106,6 +106,9 @@ def run(
     t_import = time.perf_counter()
     torch.set_num_threads(int(plan.get("threads", 1)))
     timeout_s = float(plan.get("timeout_s", 300))
+    from varuna.runtime.layout import choose_gloo_interface
+
+    choose_gloo_interface(os.environ["MASTER_ADDR"])  # unless set (Note [Calibrating real links])
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),

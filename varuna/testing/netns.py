@@ -17,6 +17,7 @@ Note [Hosts in namespaces]
   EHOSTUNREACH after ~3 s) instead of *silent*, which a cloud fabric never does.
 - **Links.** With ``rate_bytes_per_s``, a ``tbf`` qdisc on both ends of each host's link (the
   host's ``eth0`` and the bridge port towards it) caps each direction, as a full-duplex NIC.
+  ``net.ipv4.tcp_slow_start_after_idle`` is 0 in every namespace (as in profiler/hosts.py).
   (``netem`` does not exist in this kernel; latency is :mod:`varuna.testing.netem`'s business.)
 - **Faults.** :meth:`NetHosts.blackhole` sets the host's bridge port down: its packets, in both
   directions, vanish, no reset ever arrives, its processes keep running; :meth:`NetHosts.heal`
@@ -51,6 +52,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -185,6 +187,23 @@ class NetHosts:
             raise RuntimeError("this set was created without sshd")
         return self.keys.launcher_args()
 
+    def door(self, path: Path, host: int | None, port: int) -> subprocess.Popen[bytes]:
+        """A Unix socket at ``path`` relaying to ``host``'s ``port`` (None: the control host), for a
+        client on this machine that must reach a server inside the set (:mod:`varuna.testing.forward`).
+        The relay runs in the control namespace (removed with the set) and listens once this returns."""
+        proc = subprocess.Popen(
+            self.control([sys.executable, "-m", "varuna.testing.forward", str(path), self.address(host),
+                          str(port)]),
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": _package_root()},
+        )
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != b"ready":  # bounded: it exits (EOF) if it cannot listen
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"the door at {path} did not open")
+        return proc
+
     # -- faults ----------------------------------------------------------------------------------
 
     def blackhole(self, host: int) -> float:
@@ -270,6 +289,11 @@ class NetHosts:
             _run(["ip", "-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", "eth0"])
             for dev in ("eth0", "lo"):
                 _run(["ip", "-n", ns, "link", "set", dev, "up"])
+            # As profiler/hosts.py's namespaces (measured there): a connection idle for a moment
+            # (a paced message, a ring all-reduce's step) must not restart TCP slow start behind
+            # the tbf, or a calibrated link reads slower than its cap.
+            _run(["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"],
+                 check=False)
             _run(["ip", "-n", br, "link", "set", port, "master", "br0"])
             _run(["ip", "-n", br, "link", "set", port, "up"])
             if loopback_hostname:
@@ -339,6 +363,11 @@ class NetHosts:
         finally:
             if self._previous_sigterm is not None:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _package_root() -> str:
+    root = str(Path(__file__).resolve().parents[2])
+    return os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
 
 
 def _shape(ns: str, dev: str, rate_bytes_per_s: float) -> None:
