@@ -27,7 +27,7 @@ def test_a_launched_worker_reads_what_the_launcher_wrote():
     settings = {"VARUNA_CHECKPOINT_DIR": "/ckpt", "VARUNA_RESUME": "auto", "VARUNA_CUT_AFTER": "a.*, b",
                 "VARUNA_AUTO_CUTPOINTS": "", "VARUNA_PLAN_COST": "time", "VARUNA_TENSORBOARD_DIR": "/tb",
                 "VARUNA_NETEM": "latency=5ms", "VARUNA_ENGINE_PLUGINS": "m:f", "VARUNA_LIVE_STORE": "h:1",
-                "VARUNA_LIVE_JOIN": "1"}
+                "VARUNA_LIVE_STORE_KEY": "k" * 64, "VARUNA_LIVE_JOIN": "1"}
     worker = WorkerEnv(master_addr="h0", master_port=29500, rank=3, world_size=4, local_rank=1,
                        local_world_size=2, pipeline_depth=2, data_parallel=2,
                        extra={**plan.to_env(), **settings})
@@ -37,8 +37,10 @@ def test_a_launched_worker_reads_what_the_launcher_wrote():
     assert env.plan == plan == worker.plan
     assert env.settings == worker.settings == WorkerSettings(
         checkpoint_dir="/ckpt", resume="auto", cut_after=("a.*", "b"), auto_cutpoints=None, plan_cost="time",
-        tensorboard_dir="/tb", netem="latency=5ms", engine_plugins="m:f", live_store="h:1", live_join=True)
+        tensorboard_dir="/tb", netem="latency=5ms", engine_plugins="m:f", live_store="h:1", live_join=True,
+        live_store_key="k" * 64)
     assert set(settings) == set(SETTING_VARS)
+    assert "k" * 64 not in repr(env), "the store's secret is never printed"
 
 
 @pytest.mark.parametrize(

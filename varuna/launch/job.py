@@ -208,7 +208,7 @@ def _run_restarting(
     ``config.restart_limit`` times, each resuming from the newest checkpoint. With live morph each
     launch gets a fresh rendezvous store the launcher hosts and only EXIT_RESTART (a live morph was
     impossible) relaunches (Note [Live morph supervision])."""
-    from varuna.launch.live_store import LIVE_STORE_ENV, RESTARTS_ENV, LiveStore
+    from varuna.launch.live_store import RESTARTS_ENV, LiveStore
 
     limit, events = config.restart_limit, EventLog(config.log_dir)
     for restarts in range(limit + 1):
@@ -218,7 +218,7 @@ def _run_restarting(
                 env[RESTARTS_ENV] = str(restarts)
             if config.live_morph:
                 store = stack.enter_context(LiveStore())
-                env[LIVE_STORE_ENV] = store.address
+                env.update(store.worker_env())  # the address and the run's secret, never in argv
                 live = {"on_lost": store.declare_dead, "frozen": store.frozen}
             word = "job failed" if restarts == limit else f"launch {restarts + 1} failed"
             code, reason = _run_once(dataclasses.replace(config, worker_env=env), hosts, signals, stdout,
@@ -529,7 +529,7 @@ def _live_store_for(
 ) -> tuple[LaunchConfig, dict[str, Callable]]:
     """The live run's store (Note [Live morph supervision]), on this machine's address towards the
     rendezvous host so that every host's workers reach it; the config and supervisor hooks for it."""
-    from varuna.launch.live_store import LIVE_STORE_ENV, LiveStore
+    from varuna.launch.live_store import LiveStore
 
     master = config.master_addr or hosts[0].address
     try:
@@ -538,7 +538,7 @@ def _live_store_for(
         raise AgentError(f"cannot tell this machine's address towards {master} for the live store:"
                          f" {exc}") from exc
     store = stack.enter_context(LiveStore(host=where))
-    config = dataclasses.replace(config, worker_env={**config.worker_env, LIVE_STORE_ENV: store.address})
+    config = dataclasses.replace(config, worker_env={**config.worker_env, **store.worker_env()})
     return config, {"on_lost": store.declare_dead, "frozen": store.frozen}
 
 
