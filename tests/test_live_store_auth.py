@@ -127,7 +127,8 @@ def test_a_flood_without_the_secret_is_bounded_and_does_not_keep_members_out():
         before = rss_bytes(os.getpid())
         sent = flood(server.port, 300 << 20)
         assert sent < 300 << 20, "the server stopped reading long before the flood's end"
-        idle = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(2 * MAX_PENDING)]
+        idle = [socket.create_connection(("127.0.0.1", server.port), timeout=10)
+                for _ in range(2 * MAX_PENDING)]
         member = AuthStore("127.0.0.1", server.port, key=key, timeout=timedelta(seconds=10))
         member.set("k", "v")
         assert member.get("k") == b"v"

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from varuna.core.batching import plan_microbatches
+from varuna.core.config_error import ConfigError, install_excepthook
 from varuna.core.env import ProcessEnv
 from varuna.core.partition import check_speeds
 from varuna.core.schedule import Task, schedule_kind
@@ -103,15 +104,21 @@ class Engine:
         param_init: Callable[[str, nn.Module], None] | None = None,
         lr_scheduler: Callable[[torch.optim.Optimizer], object] | None = None,
     ) -> None:
+        install_excepthook()  # a ConfigError is one line and exit 78 (Note [One-line refusals])
         config = dataclasses.replace(config)  # the caller's object stays as it was (groups are frozen)
-        env = ProcessEnv.from_env()  # the one read of this process's environment (Note [One parser])
-        plan_note = adopt_plan(config, env.plan)  # Note [Run plan] in varuna/core/env.py
-        config.fill_planned_defaults()
-        adopt_settings(config, env.settings)
-        adopt_tensorboard_settings(config, env.settings)
-        config.validate()
+        try:  # settings only (no user code runs here): any ValueError is a configuration error
+            env = ProcessEnv.from_env()  # the one read of this process's environment (Note [One parser])
+            plan_note = adopt_plan(config, env.plan)  # Note [Run plan] in varuna/core/env.py
+            config.fill_planned_defaults()
+            adopt_settings(config, env.settings)
+            adopt_tensorboard_settings(config, env.settings)
+            config.validate()
+            checkpoint_format(config.checkpoints.format)  # an unknown format: one line, before any group
+        except ConfigError:
+            raise
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         require_tensorboard(config)  # before any group: a missing package stops every rank at once
-        checkpoint_format(config.checkpoints.format)  # an unknown format: one line, before any group
         self._tb: TensorBoardLog | None = None
         self.config = config
         self.env = env
