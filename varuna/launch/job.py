@@ -57,6 +57,7 @@ __all__ = [
     "attempt_on_hosts",
     "check_before_agents",
     "check_hosts_capacity",
+    "check_local_paths",
     "check_local_script",
     "check_master_port_free",
     "default_pythonpath",
@@ -138,6 +139,7 @@ def launch(
         check_local_script(config)
         check_procs_per_host(config.world_size, "this machine", config.max_procs_per_host)
         check_master_port_free(config)
+        check_local_paths(config)
     prepare_log_dir(config)
     stderr = stderr if stderr is not None else sys.stderr
     with ForwardedSignals() as signals:
@@ -321,6 +323,49 @@ def prepare_log_dir(config: LaunchConfig) -> None:
             f"--log-dir {config.log_dir}: cannot write there ({exc.strerror or exc});"
             " pick a writable directory"
         ) from None
+
+
+def _setting(config: LaunchConfig, name: str) -> str | None:
+    """A pass-through setting as the workers will get it (the launcher's environment, then
+    ``worker_env``: ``plan_workers`` merges them so)."""
+    return config.worker_env.get(name) or os.environ.get(name) or None
+
+
+def _writable_dir(path: Path, flag: str) -> None:
+    """Create ``path`` (and its parents) and write a probe there; ValueError (one line) if not."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path} is a file, not a directory; pick a directory (it is created "
+                         "when missing)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".varuna-launch-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot write there ({exc.strerror or exc}); pick a writable "
+                         "directory") from None
+
+
+def check_local_paths(config: LaunchConfig) -> None:
+    """The workers' directories, checked here before any of them starts (they would each fail
+    with a traceback once running): ``--checkpoint-dir`` and ``--tensorboard-dir`` must be
+    writable directories, and ``--resume 1`` needs something to resume from.
+
+    Example::
+
+        >>> check_local_paths(LaunchConfig(script="t.py", pipeline_depth=1, data_parallel=1))
+    """
+    ckpt = _setting(config, "VARUNA_CHECKPOINT_DIR")
+    if ckpt is not None:
+        path = Path(ckpt)
+        if _setting(config, "VARUNA_RESUME") == "1" and (not path.is_dir() or not any(path.iterdir())):
+            state = "does not exist" if not path.exists() else "is empty" if path.is_dir() else "is a file"
+            raise ValueError(f"--resume 1 needs a checkpoint to resume from, but --checkpoint-dir {ckpt} "
+                             f"{state}; use --resume auto (resume when there is one) or drop --resume")
+        _writable_dir(path, "--checkpoint-dir")
+    tb = _setting(config, "VARUNA_TENSORBOARD_DIR")
+    if tb is not None:
+        _writable_dir(Path(tb), "--tensorboard-dir")
 
 
 def check_local_script(config: LaunchConfig) -> None:
@@ -556,6 +601,7 @@ def check_before_agents(config: LaunchConfig, entries: Sequence[HostEntry]) -> N
     check_hosts_capacity(entries, config.max_procs_per_host)
     if any(e.is_local for e in entries):
         check_local_script(config)
+        check_local_paths(config)  # the same absolute paths on every host
         if entries[0].is_local:
             check_master_port_free(config)
     prepare_log_dir(config)

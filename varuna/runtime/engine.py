@@ -114,6 +114,11 @@ class Engine:
             adopt_tensorboard_settings(config, env.settings)
             config.validate()
             checkpoint_format(config.checkpoints.format)  # an unknown format: one line, before any group
+            for what, where in (("checkpoints.dir", config.checkpoints.dir or env.settings.checkpoint_dir),
+                                ("checkpoints.local_dir", config.checkpoints.local_dir)):
+                if where and os.path.exists(where) and not os.path.isdir(where):  # else every save fails
+                    raise ConfigError(f"{what} {where} is a file, not a directory; pick a directory "
+                                      "(varuna-launch --checkpoint-dir DIR; it is created when missing)")
         except ConfigError:
             raise
         except ValueError as exc:
