@@ -214,11 +214,12 @@ def check_loaded_values(path: Path, loaded: LoadedShare) -> None:
         raise CheckpointError(f"{path}: step {step!r} is out of range (0..{MAX_STEP}); the manifest is "
                               f"damaged: {fix}")
     if path.name.startswith("step_") and path.name != step_dir_name(step):
-        raise CheckpointError(f"{path}: its manifest says step {step}, its directory another; the manifest is "
-                              f"damaged: {fix}")
+        raise CheckpointError(f"{path}: its manifest says step {step}, its directory another; the "
+                              f"manifest is damaged: {fix}")
     for name, t in loaded.tensors.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise CheckpointError(f"{path}: {name} holds NaN or Inf values; refusing to train from them ({fix})")
+            raise CheckpointError(f"{path}: {name} holds NaN or Inf values; refusing to train from them "
+                                  f"({fix})")
 
 
 class Checkpointer:
