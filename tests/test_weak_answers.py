@@ -148,3 +148,61 @@ def test_the_engine_refuses_a_checkpoint_directory_that_is_a_file(tmp_path):
     assert run.returncode == 78, run.stderr
     line = one_line(run.stderr, "varuna")
     assert f"checkpoints.dir {tmp_path / 'file'} is a file, not a directory" in line
+
+
+#: Saves a checkpoint (argv[1] "save": after one step; "nan": of NaN weights, so that its checksums
+#: are consistent) or only resumes ("load"); ``VARUNA_CHECKPOINT_DIR`` says where.
+CHECKPOINT = """
+import math, sys, torch, varuna
+from torch import nn
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.cut, self.b = nn.Linear(4, 4), varuna.CutPoint(), nn.Linear(4, 4)
+    def forward(self, x):
+        return self.b(self.cut(self.a(x))).sum()
+torch.set_num_threads(1)
+cfg = varuna.VarunaConfig(global_batch_size=4, micro_batch_size=1)
+engine = varuna.Engine(M(), cfg, example_batch=torch.zeros(4, 4),
+                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+if sys.argv[1] == "nan":
+    with torch.no_grad():
+        for p in dict(engine.named_parameters()).values():
+            p.fill_(math.nan)
+if sys.argv[1] == "save":
+    engine.train_step(torch.randn(4, 4))
+if sys.argv[1] != "load":
+    engine.save_checkpoint(wait=True)
+engine.close()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["nan", "huge-step", "other-step"])
+def test_a_checkpoint_with_nan_weights_or_a_bad_step_is_refused_in_one_line(damage, tmp_path):
+    """NaN weights with consistent checksums, a manifest step of 10**18, a manifest step that is not
+    its directory's: every rank refuses, the launcher ends with one line (once: loaded silently,
+    or resumed at step 10**18 without a word)."""
+    import json
+
+    path = tmp_path / "ckpt.py"
+    path.write_text(CHECKPOINT)
+    ckpt = tmp_path / "ckpt"
+    run = launch(tmp_path, "--procs", "2", "--pipeline-depth", "2", "--checkpoint-dir", str(ckpt), str(path),
+                 "nan" if damage == "nan" else "save")
+    assert run.returncode == 0, run.stderr[-3000:]
+    [step_dir] = list(ckpt.iterdir())
+    if damage != "nan":
+        manifest = step_dir / "manifest.json"
+        m = json.loads(manifest.read_text())
+        m["step"] = 10**18 if damage == "huge-step" else m["step"] + 7
+        manifest.write_text(json.dumps(m))
+    run = launch(tmp_path, "--procs", "2", "--pipeline-depth", "2", "--checkpoint-dir", str(ckpt), str(path),
+                 "load")
+    assert run.returncode == 2, run.stderr[-3000:]
+    line = one_line(run.stderr, "varuna-launch")
+    needle = {"nan": "holds NaN or Inf values; refusing to train from them",
+              "huge-step": "step 1000000000000000000 is out of range",
+              "other-step": "its manifest says step 8, its directory another"}[damage]
+    assert str(step_dir) in line and needle in line, line
+    assert "terminate called" not in run.stdout + run.stderr
