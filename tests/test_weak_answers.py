@@ -206,3 +206,42 @@ def test_a_checkpoint_with_nan_weights_or_a_bad_step_is_refused_in_one_line(dama
               "other-step": "its manifest says step 8, its directory another"}[damage]
     assert str(step_dir) in line and needle in line, line
     assert "terminate called" not in run.stdout + run.stderr
+
+
+#: A plain training script (no LiveTrainer): rank 3 SIGKILLs itself after step 1 of the first launch.
+NOT_LIVE = """
+import os, signal, torch, varuna
+from torch import nn
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.cut, self.b = nn.Linear(4, 4), varuna.CutPoint(), nn.Linear(4, 4)
+    def forward(self, x):
+        return self.b(self.cut(self.a(x))).sum()
+torch.set_num_threads(1)
+cfg = varuna.VarunaConfig(global_batch_size=4, micro_batch_size=1)
+engine = varuna.Engine(M(), cfg, example_batch=torch.zeros(4, 4),
+                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+for step in range(engine.step_count, 3):
+    engine.train_step(torch.randn(4, 4))
+    if step == 0 and os.environ["RANK"] == "3" and os.environ.get("VARUNA_RESTARTS") == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+engine.close()
+"""
+
+
+@pytest.mark.slow
+def test_live_morph_with_a_script_that_never_joins_the_live_run_says_so_once(tmp_path):
+    """``--live-morph`` with a script that does not use the live trainer: once, "the other worker(s)
+    regroup without a restart" three times while they died of gloo errors; now one line says why
+    nobody can regroup and the run takes the restart path (and finishes)."""
+    path = tmp_path / "plain.py"
+    path.write_text(NOT_LIVE)
+    run = launch(tmp_path, "--procs", "4", "--pipeline-depth", "2", "--live-morph", "--checkpoint-dir",
+                 str(tmp_path / "ckpt"), "--quiet", str(path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    said = [x for x in run.stderr.splitlines() if x.startswith("varuna-launch: ")]
+    assert len(said) == 1, run.stderr[-3000:]
+    assert "no worker ever joined the live run: the script does not use" in said[0]
+    assert "fallback: restarting all 4 workers" in said[0] and "regroup without a restart" not in said[0]
+    assert "Traceback" not in run.stdout + run.stderr

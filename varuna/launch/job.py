@@ -156,6 +156,7 @@ def _run_once(
     *,
     on_lost: Callable[[int], None] | None = None,
     frozen: Callable[[int], str | None] | None = None,
+    joined: Callable[[int], bool] | None = None,
     failure_word: str = "job failed",
 ) -> tuple[int, str]:
     """One launch of every worker, supervised to the end: the supervisor's code, and why a
@@ -172,6 +173,7 @@ def _run_once(
         progress=progress,
         on_lost=on_lost,
         frozen=frozen,
+        joined=joined,
         failure_word=failure_word,
     )
     signals.hand_to(supervisor)
@@ -221,7 +223,7 @@ def _run_restarting(
             if config.live_morph:
                 store = stack.enter_context(LiveStore())
                 env.update(store.worker_env())  # the address and the run's secret, never in argv
-                live = {"on_lost": store.declare_dead, "frozen": store.frozen}
+                live = {"on_lost": store.declare_dead, "frozen": store.frozen, "joined": store.joined}
             word = "job failed" if restarts == limit else f"launch {restarts + 1} failed"
             code, reason = _run_once(dataclasses.replace(config, worker_env=env), hosts, signals, stdout,
                                      stderr, progress, failure_word=word, **live)
@@ -584,7 +586,7 @@ def _live_store_for(
                          f" {exc}") from exc
     store = stack.enter_context(LiveStore(host=where))
     config = dataclasses.replace(config, worker_env={**config.worker_env, **store.worker_env()})
-    return config, {"on_lost": store.declare_dead, "frozen": store.frozen}
+    return config, {"on_lost": store.declare_dead, "frozen": store.frozen, "joined": store.joined}
 
 
 def _attempt_outcome(

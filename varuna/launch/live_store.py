@@ -116,6 +116,11 @@ class LiveStore:
             return None
         return why.decode(errors="replace")
 
+    def joined(self, rank: int) -> bool:
+        """Whether member ``rank`` ever joined the live run (the store received its heartbeat)."""
+        server = self._server
+        return server is not None and server.last_write(f"varuna/live/beat/{rank}") is not None
+
     def close(self) -> None:
         """Stop serving: the listening socket and every connection close."""
         client, server, self._client, self._server = self._client, self._server, None, None

@@ -204,12 +204,14 @@ class Supervisor:
         progress: bool | None = False,
         on_lost: Callable[[int], None] | None = None,
         frozen: Callable[[int], str | None] | None = None,
+        joined: Callable[[int], bool] | None = None,
         failure_word: str = "job failed",
     ) -> None:
         self._specs = list(specs)
         self._failure_word = failure_word  # the last line's start ("launch 1 failed" before a restart)
         self._on_lost = on_lost  # live morph (Note [Live morph supervision])
         self._frozen = frozen
+        self._joined = joined  # live morph: did member r ever join the live run (its heartbeat)?
         self._frozen_checked = 0.0
         self._frozen_killed: set[int] = set()
         #: ranks lost to a live morph, in the order their exits were seen
@@ -448,8 +450,18 @@ class Supervisor:
                 worker.send_signal(signal.SIGKILL)
 
     def _live_lost(self, worker: WorkerHandle, detail: str) -> None:
-        """A worker died under live morph: declare it dead, let the survivors regroup."""
+        """A worker died under live morph: declare it dead, let the survivors regroup -- unless no
+        worker ever joined the live run (a script without LiveTrainer): nobody can regroup, the
+        run takes the restart path at once, the others' dying output only logged."""
         rank = worker.spec.env.rank
+        if self._joined is not None and not any(self._joined(w.spec.env.rank) for w in self.workers):
+            self.restart_reason = (f"{_where(worker)} {detail}, and no worker ever joined the live run: the "
+                                   "script does not use varuna.runtime.live_trainer.LiveTrainer (or "
+                                   "LiveWorld.join), so the others cannot regroup")
+            self._cause = ("restart", self.restart_reason)
+            self._quiet = True
+            self._begin_stop(signal.SIGTERM)
+            return
         self.lost.append(rank)
         try:
             assert self._on_lost is not None
