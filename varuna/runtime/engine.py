@@ -75,6 +75,30 @@ from varuna.runtime.whole_state import StageExtras, preserved_buffers
 __all__ = ["VarunaConfig", "Engine", "StepResult", "NonFiniteLossStop"]
 
 
+def _adopt_environment(config: VarunaConfig) -> tuple[ProcessEnv, str | None]:
+    """Read this process's environment once (Note [One parser]), adopt the run plan and the
+    launcher's settings into ``config`` and check them: settings only, no user code, so any
+    ``ValueError`` is a :class:`ConfigError` (one line, Note [One-line refusals])."""
+    try:
+        env = ProcessEnv.from_env()
+        plan_note = adopt_plan(config, env.plan)  # Note [Run plan] in varuna/core/env.py
+        config.fill_planned_defaults()
+        adopt_settings(config, env.settings)
+        adopt_tensorboard_settings(config, env.settings)
+        config.validate()
+        checkpoint_format(config.checkpoints.format)  # an unknown format: one line, before any group
+        for what, where in (("checkpoints.dir", config.checkpoints.dir or env.settings.checkpoint_dir),
+                            ("checkpoints.local_dir", config.checkpoints.local_dir)):
+            if where and os.path.exists(where) and not os.path.isdir(where):  # else every save fails
+                raise ConfigError(f"{what} {where} is a file, not a directory; pick a directory "
+                                  "(varuna-launch --checkpoint-dir DIR; it is created when missing)")
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return env, plan_note
+
+
 class Engine:
     """Pipeline- and data-parallel training of an unmodified model annotated with CutPoints.
 
@@ -106,23 +130,7 @@ class Engine:
     ) -> None:
         install_excepthook()  # a ConfigError is one line and exit 78 (Note [One-line refusals])
         config = dataclasses.replace(config)  # the caller's object stays as it was (groups are frozen)
-        try:  # settings only (no user code runs here): any ValueError is a configuration error
-            env = ProcessEnv.from_env()  # the one read of this process's environment (Note [One parser])
-            plan_note = adopt_plan(config, env.plan)  # Note [Run plan] in varuna/core/env.py
-            config.fill_planned_defaults()
-            adopt_settings(config, env.settings)
-            adopt_tensorboard_settings(config, env.settings)
-            config.validate()
-            checkpoint_format(config.checkpoints.format)  # an unknown format: one line, before any group
-            for what, where in (("checkpoints.dir", config.checkpoints.dir or env.settings.checkpoint_dir),
-                                ("checkpoints.local_dir", config.checkpoints.local_dir)):
-                if where and os.path.exists(where) and not os.path.isdir(where):  # else every save fails
-                    raise ConfigError(f"{what} {where} is a file, not a directory; pick a directory "
-                                      "(varuna-launch --checkpoint-dir DIR; it is created when missing)")
-        except ConfigError:
-            raise
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        env, plan_note = _adopt_environment(config)
         require_tensorboard(config)  # before any group: a missing package stops every rank at once
         self._tb: TensorBoardLog | None = None
         self.config = config
