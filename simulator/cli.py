@@ -53,7 +53,7 @@ from varuna.core.calibration import Calibration
 from varuna.core.cli import OneLineParser, add_deprecated_alias, add_planning_args, positive_int
 from varuna.core.extras import MissingExtra, require_extra
 from varuna.core.planning import PlanRequest
-from varuna.core.schedule import DEFAULT_SCHEDULE, schedule_kind
+from varuna.core.schedule import DEFAULT_SCHEDULE, chunks_problem, schedule_kind
 
 PROG = "varuna-simulate"
 
@@ -219,6 +219,10 @@ def _run(args) -> int:
         raise _UsageError(
             f"unknown schedule kind {args.schedule!r}; choose one of {', '.join(SIM_SCHEDULE_KINDS)}"
         )
+    if args.chunks is not None:  # as varuna-launch refuses it: never silently ignored
+        problem = chunks_problem(args.schedule, args.chunks)
+        if problem is not None:
+            raise _UsageError(problem)
     if args.plot:  # before minutes of search, not after
         require_extra("plot", "--plot")
     if not 0 <= args.jitter_scale <= 1e6:  # also refuses nan and inf

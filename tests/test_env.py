@@ -28,7 +28,8 @@ def test_a_launched_worker_reads_what_the_launcher_wrote():
                 "VARUNA_AUTO_CUTPOINTS": "", "VARUNA_PLAN_COST": "time", "VARUNA_TENSORBOARD_DIR": "/tb",
                 "VARUNA_NETEM": "latency=5ms", "VARUNA_ENGINE_PLUGINS": "m:f", "VARUNA_LIVE_STORE": "h:1",
                 "VARUNA_LIVE_JOIN": "1", "VARUNA_COMM_BACKEND": "gloo", "VARUNA_PEAK_TFLOPS": "989.4",
-                "VARUNA_FENCE_EPOCH": "17", "VARUNA_GENERATION": "3", "VARUNA_RESTARTS": "1"}
+                "VARUNA_FENCE_EPOCH": "17", "VARUNA_GENERATION": "3", "VARUNA_RESTARTS": "1",
+                "VARUNA_LIVE_STORE_KEY": "k" * 64}
     worker = WorkerEnv(master_addr="h0", master_port=29500, rank=3, world_size=4, local_rank=1,
                        local_world_size=2, pipeline_depth=2, data_parallel=2,
                        extra={**plan.to_env(), **settings})
@@ -39,8 +40,9 @@ def test_a_launched_worker_reads_what_the_launcher_wrote():
     assert env.settings == worker.settings == WorkerSettings(
         checkpoint_dir="/ckpt", resume="auto", cut_after=("a.*", "b"), auto_cutpoints=None, plan_cost="time",
         tensorboard_dir="/tb", netem="latency=5ms", engine_plugins="m:f", live_store="h:1", live_join=True,
-        comm_backend="gloo", peak_tflops=989.4, fence_epoch=17, generation=3)
+        comm_backend="gloo", peak_tflops=989.4, fence_epoch=17, generation=3, live_store_key="k" * 64)
     assert set(settings) == set(SETTING_VARS)
+    assert "k" * 64 not in repr(env), "the store's secret is never printed"
 
 
 @pytest.mark.parametrize(
@@ -89,7 +91,8 @@ def test_every_plan_variable_round_trips():
 # spawner builds its children's environment, gloo's interface and deterministic mode's cuBLAS
 # workspace setting go where gloo and cuBLAS read them.
 _WRITERS = {"varuna/runtime/live_trainer.py": {"pop"}, "varuna/testing/emulated.py": {"get"},
-            "varuna/runtime/layout.py": {"update"}, "varuna/runtime/determinism.py": {"update"}}
+            "varuna/runtime/layout.py": {"update"}, "varuna/runtime/determinism.py": {"update"},
+            "varuna/testing/netns.py": {"get"}}  # the namespaces' children inherit this environment
 
 
 def test_the_runtime_reads_its_environment_only_through_the_one_parser():

@@ -182,10 +182,11 @@ def run_live_world(out: Path, ckpt: Path, *, world: int = 4, P: int = 2, args: t
     themselves) get SIGCONT once every other member exited, their process state just before it
     goes to ``states``. ``worker``: the script (tests/workers/state_worker.py runs the BatchNorm
     model). Returns pids and exit codes by member."""
+    from varuna.launch.live_store import LiveStore
     from varuna.runtime.live_morph import declare_dead, request_layout
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout_s))
+    live = LiveStore(timeout_s=timeout_s)
+    store = live.store
     if plan:
         request_layout(store, *plan)
     cmd = [sys.executable, str(worker), "--out", str(out), "--ckpt-dir", str(ckpt), "--steps", str(steps),
@@ -199,10 +200,10 @@ def run_live_world(out: Path, ckpt: Path, *, world: int = 4, P: int = 2, args: t
             procs[m].wait(timeout_s)
         except subprocess.TimeoutExpired:
             return
-        declare_dead(dist.TCPStore("127.0.0.1", store.port, is_master=False), m)
+        declare_dead(store, m)
 
     def start(m: int, joining: bool) -> None:
-        env = {**os.environ, "VARUNA_LIVE_STORE": f"127.0.0.1:{store.port}", "RANK": str(m),
+        env = {**os.environ, **live.worker_env(), "RANK": str(m),
                "WORLD_SIZE": str(world), "LOCAL_RANK": str(m), "VARUNA_PIPELINE_DEPTH": str(P),
                "VARUNA_LIVE_JOIN": "1" if joining else "0", "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -241,6 +242,7 @@ def run_live_world(out: Path, ckpt: Path, *, world: int = 4, P: int = 2, args: t
                 p.wait(10)
         for f in logs:
             f.close()
+        live.close()
     return {m: p.pid for m, p in procs.items()}, {m: p.returncode for m, p in procs.items()}
 
 
@@ -338,16 +340,18 @@ def test_a_torn_down_survivor_releases_a_peer_blocked_on_it_at_once(tmp_path):
     member 1 tears down as after a failed step. Severing its groups alone, before its engine closes
     (no thread join, no group destroyed), frees member 0: its receiver fails, far below
     comm_timeout_s (120 s)."""
+    from varuna.launch.live_store import LiveStore
+
     worker = ROOT / "tests" / "workers" / "live_cascade_worker.py"
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))
-    env = {**os.environ, "VARUNA_LIVE_STORE": f"127.0.0.1:{store.port}", "WORLD_SIZE": "2",
+    live = LiveStore(timeout_s=60)
+    env = {**os.environ, **live.worker_env(), "WORLD_SIZE": "2",
            "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, str(worker), "--out", str(tmp_path), "--within", "30"],
                               env={**env, "RANK": str(m), "LOCAL_RANK": str(m)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for m in (0, 1)]
     outs = _communicate_all(procs, 180)
+    live.close()
     assert [p.returncode for p in procs] == [0, 0], outs
     seen = json.loads((tmp_path / "member0.json").read_text())
     assert seen["released"], seen
@@ -536,10 +540,11 @@ from datetime import timedelta
 import torch.distributed as dist
 from varuna.runtime.live_morph import LiveWorld
 from varuna.runtime.live_watch import LiveWatch
-master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-address = f"127.0.0.1:{master.port}"
-me = LiveWorld.join(address, member=0, joining=True, freeze_s=1.0, timeout_s=30)
-other = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=30))
+from varuna.launch.live_store import LiveStore
+from varuna.runtime.auth_store import AuthStore
+master = LiveStore(timeout_s=30)
+me = LiveWorld.join(master.address, member=0, joining=True, freeze_s=1.0, timeout_s=30, key=master.key)
+other = AuthStore("127.0.0.1", master.server.port, key=master.key, timeout=timedelta(seconds=30))
 watcher = LiveWatch.start(other, member=1, watched=lambda: [0], freeze_s=1.0, on_dead=lambda dead: None,
                           beat_s=0.05)
 other.wait(["varuna/live/beat/0"], timedelta(seconds=30))
@@ -550,6 +555,7 @@ except Exception:
 verdict = other.check(["varuna/live/dead/0"])
 watcher.close()
 me.close()
+master.close()
 print("declared dead" if verdict else "alive")
 sys.exit(1 if verdict else 0)
 """

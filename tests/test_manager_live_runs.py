@@ -41,9 +41,12 @@ def start(tmp_path, **spec):
     return w, job
 
 
-def client(address: str):
-    host, port = address.rsplit(":", 1)
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+def client(env: dict[str, str]):
+    """A client of the store a worker with launch environment ``env`` reaches (address, secret)."""
+    from varuna.runtime.auth_store import AuthStore
+
+    host, port = env["VARUNA_LIVE_STORE"].rsplit(":", 1)
+    return AuthStore(host, int(port), key=env["VARUNA_LIVE_STORE_KEY"], timeout=timedelta(seconds=10))
 
 
 def kill_vms(w: World, job: str, *indices: int):
@@ -60,7 +63,11 @@ def test_every_worker_gets_the_generations_store(tmp_path):
     assert len(addresses) == 1 and w.mgr.ctx.live.open_count == 1
     [address] = addresses
     assert address.startswith("127.0.0.1:")  # the advertise host, nothing wider
-    c = client(address)  # a real TCPStore serves there
+    keys = {e["VARUNA_LIVE_STORE_KEY"] for e in envs}
+    assert len(keys) == 1 and len(next(iter(keys))) == 64, "one fresh secret for the generation's workers"
+    with pytest.raises(dist.DistNetworkError, match="refused this process's key"):
+        client({**envs[0], "VARUNA_LIVE_STORE_KEY": "0" * 64})
+    c = client(envs[0])  # the store serves there, to a client with the secret
     c.set("probe", "1")
     assert c.get("probe") == b"1"
     del c
@@ -83,7 +90,7 @@ def test_a_job_without_live_morph_gets_no_store(tmp_path):
 
 def test_a_lost_vm_is_a_live_morph_in_place(tmp_path):
     w, job = start(tmp_path)
-    address = w.running(job)[0].launches[0].env["VARUNA_LIVE_STORE"]
+    address = w.running(job)[0].launches[0].env  # the store's address and secret
     [victim] = kill_vms(w, job, 3)
     w.until(lambda: victim.vm_id not in w.gen(job).vm_ids)
     detected = w.clock.now
@@ -245,7 +252,7 @@ def report(w: World, job: str, step: int, layout: tuple[int, int]) -> None:
 
 def test_a_notice_hands_over_live_and_nothing_is_relaunched(tmp_path):
     w, job = start(tmp_path)
-    address = w.running(job)[0].launches[0].env["VARUNA_LIVE_STORE"]
+    address = w.running(job)[0].launches[0].env  # the store's address and secret
     assert w.running(job)[0].launches[0].env["VARUNA_LIVE_NOTICE_SIGNAL"] == "SIGUSR2"
     noticed = w.running(job)[3]
     noticed.notice = PreemptNotice(**NOTICE)
@@ -340,7 +347,7 @@ def test_new_vms_join_the_running_generation_live(tmp_path):
     for r, env in joiners.items():
         assert env["RANK"] == str(r) and env["VARUNA_LIVE_JOIN"] == "1"
         assert env["VARUNA_LIVE_STORE"] == old[0].launches[0].env["VARUNA_LIVE_STORE"], "the gen's store"
-    c = client(joiners[2]["VARUNA_LIVE_STORE"])
+    c = client(joiners[2])
     assert c.get(f"{ROOT}plan").decode() == f"{ref.pipeline_depth} {ref.data_parallel}"
     assert json.loads(gen.live_json)["next_id"] == 4
     report(w, job, 3, (1, 3))  # one joiner admitted first (the other still starting): not the plan yet
@@ -356,7 +363,7 @@ def test_member_ids_follow_the_morphs_and_are_never_reused(tmp_path):
     """A VM lost after a growth: the manager declares dead the members that VM held (not the
     ranks a launch placement would give it)."""
     w, job = grown(tmp_path)
-    address = w.running(job)[0].launches[0].env["VARUNA_LIVE_STORE"]
+    address = w.running(job)[0].launches[0].env  # the store's address and secret
     report(w, job, 4, (w.gen(job).pipeline_depth, w.gen(job).data_parallel))
     [victim] = kill_vms(w, job, 2)  # the first joiner's VM: member 2
     w.until(lambda: victim.vm_id not in w.gen(job).vm_ids)
@@ -505,7 +512,7 @@ def two_slot_start(tmp_path, monkeypatch):
     return w, job
 
 
-def declare_frozen(address: str, member: int) -> None:
+def declare_frozen(address: dict[str, str], member: int) -> None:
     """What a peer's heartbeat watch writes for a member silent for ``freeze_s`` (live_watch._look)."""
     c = client(address)
     c.compare_set(f"{ROOT}dead_why/{member}", "", "no heartbeat for 31s, seen by member 0: frozen or hung")
@@ -560,7 +567,7 @@ def test_a_frozen_verdict_gets_exactly_that_worker_killed(tmp_path, monkeypatch)
 
     w, job = two_slot_start(tmp_path, monkeypatch)
     a, b = w.running(job)
-    address = a.launches[0].env["VARUNA_LIVE_STORE"]
+    address = a.launches[0].env  # the store's address and secret
     declare_dead(client(address), 1)  # dead without a verdict (the supervisor's word): no kill
     w.tick(0.1)
     assert kill_orders(w, job) == {a.vm_id: [], b.vm_id: []} and w.event(job, "live-frozen") == []
@@ -594,7 +601,7 @@ def second_vm_frozen(tmp_path, monkeypatch):
     pass of the manager's loop: (world, job, first VM, second VM)."""
     w, job = two_slot_start(tmp_path, monkeypatch)
     a, b = w.running(job)
-    address = a.launches[0].env["VARUNA_LIVE_STORE"]
+    address = a.launches[0].env  # the store's address and secret
     declare_frozen(address, 2)
     declare_frozen(address, 3)
     w.tick(0.1)

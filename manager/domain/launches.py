@@ -90,9 +90,10 @@ class WorkerLaunches:
         )
         if spec.checkpoint_every:
             env["VARUNA_CHECKPOINT_EVERY"] = str(spec.checkpoint_every)
-        address = self.ctx.live.address(job, gen.generation) if self.ctx.live_morph_job(job) else None
+        live_env = self.ctx.live.worker_env(job, gen.generation) if self.ctx.live_morph_job(job) else {}
+        address = live_env.get(LIVE_STORE_ENV)
         if address is not None:
-            env[LIVE_STORE_ENV] = address  # docs/live_morph.md, API for the launcher
+            env.update(live_env)  # docs/live_morph.md, API for the launcher: address and secret
             env[LIVE_NOTICE_ENV] = MANAGER_NOTICE_SIGNAL
         env.update(self.run_plan(job, gen).to_env())
         config = LaunchConfig(

@@ -137,6 +137,7 @@ SETTING_VARS = (
     "VARUNA_NETEM",
     "VARUNA_ENGINE_PLUGINS",
     "VARUNA_LIVE_STORE",
+    "VARUNA_LIVE_STORE_KEY",
     "VARUNA_LIVE_JOIN",
     "VARUNA_COMM_BACKEND",
     "VARUNA_PEAK_TFLOPS",
@@ -569,6 +570,9 @@ class WorkerSettings:
     """``VARUNA_ENGINE_PLUGINS``: ``module:function`` entries (``varuna.runtime.plugins``)."""
     live_store: str | None = None
     """``VARUNA_LIVE_STORE``: host:port of a live run's store (``varuna.runtime.live_morph``)."""
+    live_store_key: str | None = field(default=None, repr=False)
+    """``VARUNA_LIVE_STORE_KEY``: the run's secret for that store (never printed; Note [Store
+    authentication] in varuna/runtime/auth_store.py)."""
     live_join: bool = False
     """``VARUNA_LIVE_JOIN=1``: this worker joins a running live job."""
     checkpoint_format: str | None = None
@@ -634,6 +638,7 @@ class WorkerSettings:
             netem=environ.get("VARUNA_NETEM") or None,
             engine_plugins=environ.get("VARUNA_ENGINE_PLUGINS", ""),
             live_store=_str_var(environ, "VARUNA_LIVE_STORE"),
+            live_store_key=_str_var(environ, "VARUNA_LIVE_STORE_KEY"),
             live_join=environ.get("VARUNA_LIVE_JOIN") == "1",
             checkpoint_format=_str_var(environ, "VARUNA_CHECKPOINT_FORMAT"),
             checkpoint_format_modules=tuple(

@@ -57,6 +57,7 @@ __all__ = [
     "attempt_on_hosts",
     "check_before_agents",
     "check_hosts_capacity",
+    "check_local_paths",
     "check_local_script",
     "check_master_port_free",
     "default_pythonpath",
@@ -138,6 +139,7 @@ def launch(
         check_local_script(config)
         check_procs_per_host(config.world_size, "this machine", config.max_procs_per_host)
         check_master_port_free(config)
+        check_local_paths(config)
     prepare_log_dir(config)
     stderr = stderr if stderr is not None else sys.stderr
     with ForwardedSignals() as signals:
@@ -154,6 +156,7 @@ def _run_once(
     *,
     on_lost: Callable[[int], None] | None = None,
     frozen: Callable[[int], str | None] | None = None,
+    joined: Callable[[int], bool] | None = None,
     failure_word: str = "job failed",
 ) -> tuple[int, str]:
     """One launch of every worker, supervised to the end: the supervisor's code, and why a
@@ -170,6 +173,7 @@ def _run_once(
         progress=progress,
         on_lost=on_lost,
         frozen=frozen,
+        joined=joined,
         failure_word=failure_word,
     )
     signals.hand_to(supervisor)
@@ -208,7 +212,7 @@ def _run_restarting(
     ``config.restart_limit`` times, each resuming from the newest checkpoint. With live morph each
     launch gets a fresh rendezvous store the launcher hosts and only EXIT_RESTART (a live morph was
     impossible) relaunches (Note [Live morph supervision])."""
-    from varuna.launch.live_store import LIVE_STORE_ENV, RESTARTS_ENV, LiveStore
+    from varuna.launch.live_store import RESTARTS_ENV, LiveStore
 
     limit, events = config.restart_limit, EventLog(config.log_dir)
     for restarts in range(limit + 1):
@@ -218,8 +222,8 @@ def _run_restarting(
                 env[RESTARTS_ENV] = str(restarts)
             if config.live_morph:
                 store = stack.enter_context(LiveStore())
-                env[LIVE_STORE_ENV] = store.address
-                live = {"on_lost": store.declare_dead, "frozen": store.frozen}
+                env.update(store.worker_env())  # the address and the run's secret, never in argv
+                live = {"on_lost": store.declare_dead, "frozen": store.frozen, "joined": store.joined}
             word = "job failed" if restarts == limit else f"launch {restarts + 1} failed"
             code, reason = _run_once(dataclasses.replace(config, worker_env=env), hosts, signals, stdout,
                                      stderr, progress, failure_word=word, **live)
@@ -321,6 +325,49 @@ def prepare_log_dir(config: LaunchConfig) -> None:
             f"--log-dir {config.log_dir}: cannot write there ({exc.strerror or exc});"
             " pick a writable directory"
         ) from None
+
+
+def _setting(config: LaunchConfig, name: str) -> str | None:
+    """A pass-through setting as the workers will get it (the launcher's environment, then
+    ``worker_env``: ``plan_workers`` merges them so)."""
+    return config.worker_env.get(name) or os.environ.get(name) or None
+
+
+def _writable_dir(path: Path, flag: str) -> None:
+    """Create ``path`` (and its parents) and write a probe there; ValueError (one line) if not."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path} is a file, not a directory; pick a directory (it is created "
+                         "when missing)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".varuna-launch-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot write there ({exc.strerror or exc}); pick a writable "
+                         "directory") from None
+
+
+def check_local_paths(config: LaunchConfig) -> None:
+    """The workers' directories, checked here before any of them starts (they would each fail
+    with a traceback once running): ``--checkpoint-dir`` and ``--tensorboard-dir`` must be
+    writable directories, and ``--resume 1`` needs something to resume from.
+
+    Example::
+
+        >>> check_local_paths(LaunchConfig(script="t.py", pipeline_depth=1, data_parallel=1))
+    """
+    ckpt = _setting(config, "VARUNA_CHECKPOINT_DIR")
+    if ckpt is not None:
+        path = Path(ckpt)
+        if _setting(config, "VARUNA_RESUME") == "1" and (not path.is_dir() or not any(path.iterdir())):
+            state = "does not exist" if not path.exists() else "is empty" if path.is_dir() else "is a file"
+            raise ValueError(f"--resume 1 needs a checkpoint to resume from, but --checkpoint-dir {ckpt} "
+                             f"{state}; use --resume auto (resume when there is one) or drop --resume")
+        _writable_dir(path, "--checkpoint-dir")
+    tb = _setting(config, "VARUNA_TENSORBOARD_DIR")
+    if tb is not None:
+        _writable_dir(Path(tb), "--tensorboard-dir")
 
 
 def check_local_script(config: LaunchConfig) -> None:
@@ -529,7 +576,7 @@ def _live_store_for(
 ) -> tuple[LaunchConfig, dict[str, Callable]]:
     """The live run's store (Note [Live morph supervision]), on this machine's address towards the
     rendezvous host so that every host's workers reach it; the config and supervisor hooks for it."""
-    from varuna.launch.live_store import LIVE_STORE_ENV, LiveStore
+    from varuna.launch.live_store import LiveStore
 
     master = config.master_addr or hosts[0].address
     try:
@@ -538,8 +585,8 @@ def _live_store_for(
         raise AgentError(f"cannot tell this machine's address towards {master} for the live store:"
                          f" {exc}") from exc
     store = stack.enter_context(LiveStore(host=where))
-    config = dataclasses.replace(config, worker_env={**config.worker_env, LIVE_STORE_ENV: store.address})
-    return config, {"on_lost": store.declare_dead, "frozen": store.frozen}
+    config = dataclasses.replace(config, worker_env={**config.worker_env, **store.worker_env()})
+    return config, {"on_lost": store.declare_dead, "frozen": store.frozen, "joined": store.joined}
 
 
 def _attempt_outcome(
@@ -556,6 +603,7 @@ def check_before_agents(config: LaunchConfig, entries: Sequence[HostEntry]) -> N
     check_hosts_capacity(entries, config.max_procs_per_host)
     if any(e.is_local for e in entries):
         check_local_script(config)
+        check_local_paths(config)  # the same absolute paths on every host
         if entries[0].is_local:
             check_master_port_free(config)
     prepare_log_dir(config)

@@ -30,7 +30,9 @@ worker's exit, quoted with its own one-line reason (which names the peer it lost
 
 Exit codes: 0 all workers exited 0 (with live morph: every worker not lost); 1 a worker failed
 (the message names its rank and exit code) or could not be started, an agent failed, or the job
-does not fit the reachable hosts; 2 bad usage; 128+N the launcher was stopped by signal N (130
+does not fit the reachable hosts; 2 bad usage, also found by a worker (it exited 78 with one
+``varuna: error:`` line, quoted as the job's last line; Note [One-line refusals] in
+varuna/core/config_error.py); 128+N the launcher was stopped by signal N (130
 for SIGINT, 143 for SIGTERM).
 
 Example::
@@ -61,6 +63,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, TextIO
 
+from varuna.core.config_error import CONFIG_EXIT_CODE, ERROR_PREFIX
 from varuna.core.progress import Progress
 from varuna.launch.procs import KILL_REAP_TIMEOUT_S
 from varuna.launch.spec import Host, WorkerHandle, WorkerSpec
@@ -201,12 +204,14 @@ class Supervisor:
         progress: bool | None = False,
         on_lost: Callable[[int], None] | None = None,
         frozen: Callable[[int], str | None] | None = None,
+        joined: Callable[[int], bool] | None = None,
         failure_word: str = "job failed",
     ) -> None:
         self._specs = list(specs)
         self._failure_word = failure_word  # the last line's start ("launch 1 failed" before a restart)
         self._on_lost = on_lost  # live morph (Note [Live morph supervision])
         self._frozen = frozen
+        self._joined = joined  # live morph: did member r ever join the live run (its heartbeat)?
         self._frozen_checked = 0.0
         self._frozen_killed: set[int] = set()
         #: ranks lost to a live morph, in the order their exits were seen
@@ -218,6 +223,10 @@ class Supervisor:
         #: the signals handled (a job stopped by one is never restarted)
         self.received_signals: list[int] = []
         self._last_note: dict[int, str] = {}  # rank -> its last "varuna: ..." output line
+        self._config_lines: dict[int, str] = {}  # rank -> its "varuna: error: ..." line
+        #: a worker refused its configuration (exit 78): the job ends with its line, exit 2
+        self.config_error = False
+        self._quiet = False  # after a configuration error: the others' output goes to the logs only
         self._suspects = _Suspects()  # Note [Blame]
         self._readers_of: dict[int, list[threading.Thread]] = {}
         self._progress = progress  # a bar while the workers start (varuna.core.progress)
@@ -383,7 +392,9 @@ class Supervisor:
         # Non-zero codes after we began stopping are our own doing (SIGTERM/SIGKILL), not failures.
         if code != 0 and self._cause is None:
             detail = getattr(worker, "exit_detail", None) or _describe_exit(code)
-            if self._on_lost is None and code == PEER_LOST_EXIT_CODE:
+            if code == CONFIG_EXIT_CODE:
+                self._config_error(worker)
+            elif self._on_lost is None and code == PEER_LOST_EXIT_CODE:
                 self._suspects.add(worker, detail)  # Note [Blame]
             elif self._on_lost is None:
                 self._fail(f"{_where(worker)} {detail}")
@@ -391,6 +402,20 @@ class Supervisor:
                 self._live_morph_impossible(worker)
             else:
                 self._live_lost(worker, detail)
+
+    def _config_error(self, worker: WorkerHandle) -> None:
+        """Note [One-line refusals] (varuna/core/config_error.py): a worker refused its
+        configuration. The others are stopped without a word and their output is only logged;
+        the job's one line quotes this worker's."""
+        rank = worker.spec.env.rank
+        for thread in self._readers_of.get(rank, []):  # its line relayed (and recorded) first
+            thread.join(timeout=LAST_WORDS_TIMEOUT_S)
+        line = self._config_lines.get(rank) or (f"exited with code {CONFIG_EXIT_CODE} (a configuration "
+                                                "error; see its log)")
+        self.config_error = True
+        self._quiet = True
+        self._cause = ("failed", f"{_where(worker)}: {line}")
+        self._begin_stop(signal.SIGTERM)
 
     def _blame(self, now: float, *, force: bool = False) -> None:
         """Note [Blame]: the first suspect becomes the cause once no primary cause can come
@@ -425,8 +450,18 @@ class Supervisor:
                 worker.send_signal(signal.SIGKILL)
 
     def _live_lost(self, worker: WorkerHandle, detail: str) -> None:
-        """A worker died under live morph: declare it dead, let the survivors regroup."""
+        """A worker died under live morph: declare it dead, let the survivors regroup -- unless no
+        worker ever joined the live run (a script without LiveTrainer): nobody can regroup, the
+        run takes the restart path at once, the others' dying output only logged."""
         rank = worker.spec.env.rank
+        if self._joined is not None and not any(self._joined(w.spec.env.rank) for w in self.workers):
+            self.restart_reason = (f"{_where(worker)} {detail}, and no worker ever joined the live run: the "
+                                   "script does not use varuna.runtime.live_trainer.LiveTrainer (or "
+                                   "LiveWorld.join), so the others cannot regroup")
+            self._cause = ("restart", self.restart_reason)
+            self._quiet = True
+            self._begin_stop(signal.SIGTERM)
+            return
         self.lost.append(rank)
         try:
             assert self._on_lost is not None
@@ -526,7 +561,7 @@ class Supervisor:
             assert isinstance(detail, int)
             return 128 + detail
         self._message(f"{self._failure_word}: {detail}")
-        return EXIT_WORKER_FAILED
+        return EXIT_USAGE if self.config_error else EXIT_WORKER_FAILED
 
     def _finish_live(self) -> int:
         """Workers were lost to live morphs: ok when the ones still standing finished."""
@@ -547,9 +582,11 @@ class Supervisor:
                 text = raw.decode("utf-8", errors="replace")
                 if not text.endswith("\n"):
                     text += "\n"  # a last line without newline must not glue onto the next prefix
-                if text.startswith("varuna: "):
+                if text.startswith(ERROR_PREFIX):  # the job's last line quotes it (_config_error)
+                    self._config_lines[rank] = text.strip().removeprefix(ERROR_PREFIX)
+                elif text.startswith("varuna: "):
                     self._last_note[rank] = text.strip()
-                shown = not frames.swallow(text)
+                shown = not (frames.swallow(text) or self._quiet or text.startswith(ERROR_PREFIX))
                 with self._out_lock:
                     if shown:
                         self._write(sink, prefix + text)

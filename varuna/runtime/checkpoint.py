@@ -197,6 +197,34 @@ class CheckpointState(Protocol):
     def add_stop_callback(self, fn: Callable[[Any], None]) -> None: ...
 
 
+#: The largest step a checkpoint may say it was taken at (no run takes 2**40 optimizer steps; a
+#: bigger number is a damaged or forged manifest that would end the run at once as "finished").
+MAX_STEP = 1 << 40
+
+
+def check_loaded_values(path: Path, loaded: LoadedShare) -> None:
+    """Refuse (:class:`CheckpointError`, one line) a checkpoint whose step is not the one its
+    directory names or is out of range, or whose floating-point weights hold NaN or Inf: its
+    checksums only say the bytes are the ones written, not that training can go on from them.
+
+    Example::
+
+        check_loaded_values(Path("ckpt/step_00000300"), loaded)  # CheckpointError: ... NaN or Inf ...
+    """
+    fix = "move this checkpoint out of the directory to resume from an older one"
+    step = loaded.metadata.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise CheckpointError(f"{path}: step {step!r} is out of range (0..{MAX_STEP}); the manifest is "
+                              f"damaged: {fix}")
+    if path.name.startswith("step_") and path.name != step_dir_name(step):
+        raise CheckpointError(f"{path}: its manifest says step {step}, its directory another; the "
+                              f"manifest is damaged: {fix}")
+    for name, t in loaded.tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{path}: {name} holds NaN or Inf values; refusing to train from them "
+                                  f"({fix})")
+
+
 class Checkpointer:
     """Saves and loads the checkpoints of one training state (an :class:`~varuna.runtime.engine.Engine`,
     or anything providing :class:`CheckpointState`).
@@ -681,6 +709,7 @@ class Checkpointer:
         try:
             loaded = fmt.read(path, request)
             check_resumable(path, loaded.metadata)
+            check_loaded_values(path, loaded)
             return _OK, None, loaded
         except CheckpointError as e:  # not one the format writes, or another model's: refuse
             return _FATAL, str(e), None

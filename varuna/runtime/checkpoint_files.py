@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from varuna.core.config_error import ConfigError
+
 __all__ = [
     "JSON_MAX_BYTES",
     "CheckpointError",
@@ -49,10 +51,11 @@ __all__ = [
 JSON_MAX_BYTES = 256 << 20
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ConfigError):
     """A checkpoint cannot be used (none found, corrupt, unsafe, or from a different model).
 
-    A ``ValueError``: like other bad input, scripts report it as one line. Raised by a format's
+    A ``ValueError`` (a :class:`varuna.core.config_error.ConfigError`): uncaught in a worker, one
+    line and exit 78 (Note [One-line refusals]). Raised by a format's
     ``read``, it refuses the load on every rank (something other than varuna changed the store)."""
 
 

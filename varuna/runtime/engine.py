@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from varuna.core.batching import plan_microbatches
+from varuna.core.config_error import ConfigError, install_excepthook
 from varuna.core.env import ProcessEnv
 from varuna.core.partition import check_speeds
 from varuna.core.schedule import Task, schedule_kind
@@ -76,6 +77,30 @@ from varuna.runtime.whole_state import StageExtras, preserved_buffers
 __all__ = ["VarunaConfig", "Engine", "StepResult", "NonFiniteLossStop"]
 
 
+def _adopt_environment(config: VarunaConfig) -> tuple[ProcessEnv, str | None]:
+    """Read this process's environment once (Note [One parser]), adopt the run plan and the
+    launcher's settings into ``config`` and check them: settings only, no user code, so any
+    ``ValueError`` is a :class:`ConfigError` (one line, Note [One-line refusals])."""
+    try:
+        env = ProcessEnv.from_env()
+        plan_note = adopt_plan(config, env.plan)  # Note [Run plan] in varuna/core/env.py
+        config.fill_planned_defaults()
+        adopt_settings(config, env.settings)
+        adopt_tensorboard_settings(config, env.settings)
+        config.validate()
+        checkpoint_format(config.checkpoints.format)  # an unknown format: one line, before any group
+        for what, where in (("checkpoints.dir", config.checkpoints.dir or env.settings.checkpoint_dir),
+                            ("checkpoints.local_dir", config.checkpoints.local_dir)):
+            if where and os.path.exists(where) and not os.path.isdir(where):  # else every save fails
+                raise ConfigError(f"{what} {where} is a file, not a directory; pick a directory "
+                                  "(varuna-launch --checkpoint-dir DIR; it is created when missing)")
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return env, plan_note
+
+
 class Engine:
     """Pipeline- and data-parallel training of an unmodified model annotated with CutPoints.
 
@@ -105,17 +130,12 @@ class Engine:
         param_init: Callable[[str, nn.Module], None] | None = None,
         lr_scheduler: Callable[[torch.optim.Optimizer], object] | None = None,
     ) -> None:
+        install_excepthook()  # a ConfigError is one line and exit 78 (Note [One-line refusals])
         config = dataclasses.replace(config)  # the caller's object stays as it was (groups are frozen)
-        env = ProcessEnv.from_env()  # the one read of this process's environment (Note [One parser])
-        plan_note = adopt_plan(config, env.plan)  # Note [Run plan] in varuna/core/env.py
-        config.fill_planned_defaults()
-        adopt_settings(config, env.settings)
-        adopt_tensorboard_settings(config, env.settings)
-        config.validate()
+        env, plan_note = _adopt_environment(config)
         if config.determinism.enabled:
             cuda_deterministic_env(env)  # before this process's first cuBLAS call (Note [Deterministic CUDA])
         require_tensorboard(config)  # before any group: a missing package stops every rank at once
-        checkpoint_format(config.checkpoints.format)  # an unknown format: one line, before any group
         self._tb: TensorBoardLog | None = None
         self.config = config
         self.env = env

@@ -4,9 +4,9 @@ and keep their state (docs/live_morph.md has the protocol, its findings and the 
 Public API (the launcher/supervisor and :class:`varuna.runtime.live_trainer.LiveTrainer` use it):
 
 - :meth:`LiveWorld.join` ``(address=$VARUNA_LIVE_STORE, *, member=$RANK, world=$WORLD_SIZE,
-  timeout_s=60, backend="gloo", joining=$VARUNA_LIVE_JOIN=="1")``: connect to the store the
-  supervisor hosts; generation-0 members join the first default group, a joiner registers and
-  waits to be admitted at a step boundary.
+  timeout_s=60, backend="gloo", joining=$VARUNA_LIVE_JOIN=="1", key=$VARUNA_LIVE_STORE_KEY)``:
+  connect to the store the supervisor hosts (proving the run's secret); generation-0 members
+  join the first default group, a joiner registers and waits to be admitted at a step boundary.
 - :func:`declare_dead` ``(store, member)``: the supervisor saw ``member``'s process exit (any
   code): nobody waits for it any more.
 - :func:`request_layout` ``(store, P, D)``: the manager's P×D for the next generations (used when
@@ -53,6 +53,7 @@ from torch import nn
 
 from varuna.core.env import ProcessEnv, stage_and_replica
 from varuna.core.live_layout import plan_generation, transfer_plan
+from varuna.runtime.auth_store import AuthStore
 from varuna.runtime.engine import Engine
 from varuna.runtime.layout import choose_gloo_interface
 from varuna.runtime.live_transfer import describe_state, receive_targets
@@ -60,12 +61,14 @@ from varuna.runtime.live_watch import DECLARED_DEAD_EXIT_CODE, LiveWatch, sever
 from varuna.runtime.optimizer_state import merge_optimizer_states
 from varuna.runtime.state_codec import from_json, to_json
 
-__all__ = ["DECLARED_DEAD_EXIT_CODE", "LIVE_JOIN_ENV", "LIVE_STORE_ENV", "DeclaredDead", "LiveMorphFailed",
-           "LiveWorld", "MorphReport", "WaitExpired", "declare_dead", "end_job", "morph", "recover",
-           "request_layout"]
+__all__ = ["DECLARED_DEAD_EXIT_CODE", "LIVE_JOIN_ENV", "LIVE_STORE_ENV", "LIVE_STORE_KEY_ENV",
+           "DeclaredDead", "LiveMorphFailed", "LiveWorld", "MorphReport", "WaitExpired", "declare_dead",
+           "end_job", "morph", "recover", "request_layout"]
 
 #: ``host:port`` of the rendezvous store the workers' supervisor hosts (outlives every worker).
 LIVE_STORE_ENV = "VARUNA_LIVE_STORE"
+#: The store's secret (Note [Store authentication] in varuna/runtime/auth_store.py).
+LIVE_STORE_KEY_ENV = "VARUNA_LIVE_STORE_KEY"
 #: "1": this worker joins a running job (growth) instead of starting generation 0.
 LIVE_JOIN_ENV = "VARUNA_LIVE_JOIN"
 ROOT = "varuna/live/"
@@ -212,10 +215,11 @@ class LiveWorld:
     def join(
         cls, address: str | None = None, *, member: int | None = None, world: int | None = None,
         timeout_s: float = 60.0, backend: str = "gloo", joining: bool | None = None,
-        freeze_s: float = 30.0,
+        freeze_s: float = 30.0, key: str | None = None,
     ) -> LiveWorld:
         """Connect to the supervisor's store; join generation 0's default group, or (a joiner)
-        register to be admitted at the next step boundary. A heartbeat thread starts
+        register to be admitted at the next step boundary. ``key``: the store's secret (default
+        ``$VARUNA_LIVE_STORE_KEY``). A heartbeat thread starts
         (Note [Live watch]): a member silent for ``freeze_s`` (0: never) is declared dead.
 
         Example::
@@ -224,10 +228,15 @@ class LiveWorld:
         """
         env = ProcessEnv.from_env()  # Note [One parser] in varuna/core/env.py
         address = address or env.settings.live_store or ""
+        key = key or env.settings.live_store_key
         host, _, port = address.rpartition(":")
+        host = host.strip("[]")
         if not host or not port.isdigit():
             raise ValueError(f"live morph needs the rendezvous store as host:port (got {address!r}); "
                              f"set ${LIVE_STORE_ENV}")
+        if not key:
+            raise ValueError(f"live morph needs the store's secret in ${LIVE_STORE_KEY_ENV} (varuna-launch "
+                             "--live-morph and the manager set it for their workers)")
         # A morph collects the old groups' handles (engine.close); with the imports frozen out of
         # the collector that walk covers only what the run made since (docs/live_morph.md,
         # Benchmark: the full collections were most of the tear down).
@@ -236,8 +245,10 @@ class LiveWorld:
         joining = env.settings.live_join if joining is None else joining
         # Every generation's gloo group binds to the interface towards the job's rendezvous host.
         choose_gloo_interface(env.master_addr or host, env)
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
-        beats = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+        # Two connections: the heartbeat thread must not wait behind the main thread's blocking
+        # waits (start_watch). Both prove the run's key (Note [Store authentication]).
+        store = AuthStore(host, int(port), key=key, timeout=timedelta(seconds=timeout_s))
+        beats = AuthStore(host, int(port), key=key, timeout=timedelta(seconds=timeout_s))
         if joining:
             live = cls(store=store, member=member, members=[], timeout_s=timeout_s, joining=True)
             live.start_watch(freeze_s, beats)  # beating before it registers: nobody takes it for frozen

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from varuna.core.calibration import plan_model_mismatch
+from varuna.core.config_error import ConfigError
 from varuna.core.env import ProcessEnv
 from varuna.core.memory import ENGINE_OVERHEAD_BYTES, GRAD_BUCKET_BYTES, MEMORY_MARGIN, comm_buffer_bytes
 from varuna.core.partition import balanced_stages
@@ -68,8 +69,8 @@ def chunks_per_process(config: VarunaConfig, P: int, num_cutpoints: int, micro_p
 
 
 def check_chunks_fit(P: int, chunks: int, num_cutpoints: int) -> None:
-    """Raise ``ValueError`` (one line) when P processes of ``chunks`` model chunks each (P·chunks
-    virtual stages) need more cut-points than the model has.
+    """Raise :class:`ConfigError` (a ``ValueError``, one line) when P processes of ``chunks`` model
+    chunks each (P·chunks virtual stages) need more cut-points than the model has.
 
     Example::
 
@@ -77,7 +78,7 @@ def check_chunks_fit(P: int, chunks: int, num_cutpoints: int) -> None:
     """
     V = P * chunks
     if chunks > 1 and V > num_cutpoints + 1:
-        raise ValueError(
+        raise ConfigError(
             f"the interleaved schedule with P={P} and chunks={chunks} needs {V} virtual stages, i.e. >= "
             f"{V - 1} cut-points, but the model has {num_cutpoints}; lower chunks or the pipeline depth, or "
             f"place more cut-points (--auto-cutpoints {V - 1}, or --cut-after selecting >= {V - 1} modules)"
@@ -85,7 +86,8 @@ def check_chunks_fit(P: int, chunks: int, num_cutpoints: int) -> None:
 
 
 def check_pipeline_depth(P: int, num_cutpoints: int) -> None:
-    """Raise ``ValueError`` (one line) when the model's CutPoints cannot make ``P`` stages.
+    """Raise :class:`ConfigError` (a ``ValueError``, one line) when the model's CutPoints cannot
+    make ``P`` stages.
 
     Example::
 
@@ -93,14 +95,14 @@ def check_pipeline_depth(P: int, num_cutpoints: int) -> None:
     """
     K = num_cutpoints
     if P > 1 and K == 0:
-        raise ValueError(
+        raise ConfigError(
             f"the model has no CutPoint, so it cannot be split into {P} pipeline stages; place cut-points "
             f"by module name (cut_after=('model.layers.*',) or varuna-launch --cut-after 'model.layers.*'), "
             f"let the engine choose them (auto_cutpoints={P - 1} or --auto-cutpoints {P - 1}), call "
             "varuna.CutPoint() in the model, or use --pipeline-depth 1"
         )
     if P > K + 1:
-        raise ValueError(
+        raise ConfigError(
             f"pipeline depth {P} exceeds the {K + 1} segments defined by the model's {K} cut-points; use "
             f"--pipeline-depth <= {K + 1}, or place more cut-points (by name: --cut-after with a pattern "
             f"selecting >= {P - 1} modules; automatically: --auto-cutpoints {P - 1})"
