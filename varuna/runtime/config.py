@@ -26,6 +26,7 @@ import torch
 
 from varuna.core.env import PLAN_COSTS, ProcessEnv, RunPlan, WorkerSettings
 from varuna.core.schedule import DEFAULT_SCHEDULE, SCHEDULE_KINDS, schedule_kind
+from varuna.core.selective_recompute import check_recompute_segments
 from varuna.runtime.config_groups import (
     FLAT_FIELDS,
     GRAD_REDUCES,
@@ -259,6 +260,19 @@ class VarunaConfig:
             )
         self._validate_mixed()
         self._validate_optimizer_state()
+        self._validate_recompute_segments()
+
+    def _validate_recompute_segments(self) -> None:
+        segments = self.pipeline.recompute_segments
+        problem = check_recompute_segments(segments)
+        if problem is not None:
+            raise ValueError(problem)
+        schedule = DEFAULT_SCHEDULE if self.schedule is None else self.schedule
+        if segments is not None and schedule_kind(schedule).splits_backward:
+            raise ValueError(
+                f"pipeline.recompute_segments is not supported with schedule {schedule} (its split backward "
+                "needs one graph per stage); drop recompute_segments or pick another schedule"
+            )
 
     def _validate_optimizer_state(self) -> None:
         o = self.optimizer_state
