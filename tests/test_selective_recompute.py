@@ -95,3 +95,97 @@ def test_recompute_segments_past_the_model_get_one_line():
 def test_blocks_partition_the_stage():
     assert recompute_blocks(0, 4, {0, 1, 3}) == [(0, 1, True), (2, 2, False), (3, 3, True), (4, 4, False)]
     assert recompute_blocks(0, 4, set()) == [(0, 4, False)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The memory model and the planner
+
+
+def _cal(acts=(8, 2, 8, 2, 8, 2, 8, 2)):
+    """Eight segments of equal time and parameters whose activations alternate large and small
+    (as attention's score tensors against an MLP's), 1 KiB crossing each cut-point per example."""
+    return Calibration.synthetic(0.01, num_segments=len(acts), micro_batch_sizes=(1, 2), param_bytes=1 << 20,
+                                 act_bytes_per_example=1 << 10,
+                                 activation_bytes_per_example=[a << 20 for a in acts])
+
+
+def test_the_memory_model_moves_with_the_recompute_set():
+    """Each segment added to the set frees its activations on every in-flight micro-batch but one
+    and adds its block's input; the empty set is no recompute, the whole stage whole-stage recompute
+    (independent reference: the formula on the calibration's own numbers)."""
+    cal, m, stash = _cal(), 2, 3
+    seg_in = [cal.segments[s].stashed_input_bytes[1] for s in range(4)]
+    acts = [cal.activation_bytes(s, m) for s in range(4)]
+    static = sum(cal.segments[s].param_bytes * 4 for s in range(4))  # weights, grads, Adam's two moments
+    work = sum(acts)  # Note [Backward workspace]
+
+    def model(S):
+        return stage_memory(cal, [(0, 3)], m, stash, True, recompute_segments=S)
+
+    assert model(()) == stage_memory(cal, [(0, 3)], m, stash, False) == \
+        static + stash * (seg_in[0] + sum(acts)) + work
+    assert model((0, 1, 2, 3)) == stage_memory(cal, [(0, 3)], m, stash, True) == \
+        static + stash * seg_in[0] + sum(acts) + work
+    # blocks [0] recomputed, [1] kept, [2, 3] recomputed: three block inputs per micro-batch
+    want = static + stash * (seg_in[0] + seg_in[1] + seg_in[2] + acts[1]) + acts[0] + acts[2] + acts[3] + work
+    assert model((0, 2, 3)) == want
+    sizes = [model(S) for S in [(), (2,), (0, 2), (0, 2, 3), (0, 1, 2, 3)]]
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
+
+
+def test_the_simulator_charges_only_the_recomputed_segments():
+    cal = _cal()
+    full = stage_cost_tables(cal, [(0, 3), (4, 7)], {2}, task_overhead_s=0.0, placeholder_s=0.0)[2]
+    some = stage_cost_tables(cal, [(0, 3), (4, 7)], {2}, task_overhead_s=0.0, placeholder_s=0.0,
+                             recompute_segments=(0, 2))[2]
+    assert some.rec[0] == pytest.approx(full.rec[0] / 2) and some.rec[1] == 0.0
+    assert some.fwd == full.fwd and some.bwd == full.bwd
+    base = dict(num_stages=2, micro_batch_size=2, num_microbatches=8, schedule="1f1b", jitter_scale=0.0,
+                stage_segments=((0, 3), (4, 7)))
+    t_none, t_some, t_full = (simulate(cal, SimConfig(**base, recompute=r, recompute_segments=s)).minibatch_s
+                              for r, s in [(False, None), (True, (0, 2)), (True, None)])
+    assert t_none < t_some < t_full
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "varuna"])
+def test_the_planner_recomputes_part_of_a_stage_when_memory_lies_between_the_extremes(schedule):
+    """At P = 2 (pipeline_depth fixed, no sharding): with room for every activation nothing is
+    recomputed (varuna's R tasks then do nothing); with room only for whole-stage recompute the
+    whole stage is; in between the plan recomputes some segments -- the large ones first (most
+    bytes per second) -- fits, and spends less time than whole-stage recompute."""
+    cal = _cal((8, 2, 8, 2, 1, 1, 1, 1))  # large early: the first stage, stashing the most, binds
+    kw = dict(gpus=2, global_batch_size=16, micro_batch_size=2, pipeline_depth=2, schedule=schedule,
+              recompute=None if schedule == "1f1b" else True, shard_optimizer=False)
+    free = autoconfigure(cal, gpu_memory_bytes=1 << 40, **kw).best
+    assert free.num_stages == 2 and not free.config.recompute or free.config.recompute_segments == ()
+    whole_plan = autoconfigure(cal, **{**kw, "recompute": True}).best  # no memory given: whole stages
+    assert whole_plan.config.recompute and whole_plan.config.recompute_segments is None
+    tight, roomy = whole_plan.memory_bytes, free.memory_bytes
+    assert tight < roomy
+    middle = autoconfigure(cal, gpu_memory_bytes=(tight + roomy) // 2, **kw).best
+    S = middle.config.recompute_segments
+    a, b = middle.stage_segments[0]
+    assert middle.config.recompute and S is not None and 0 < len(S) < b - a + 1, S
+    large = {s for s in range(a, b + 1) if cal.activation_bytes(s, 2) == 16 << 20}
+    assert set(S) <= large or large <= set(S), "the large activations go first"
+    assert middle.memory_bytes <= (tight + roomy) // 2
+    whole = simulate(cal, dataclasses_replace(middle.config, recompute_segments=None))
+    assert middle.result.minibatch_s <= whole.minibatch_s
+    assert middle.result.stage_busy_s[0] < whole.stage_busy_s[0], "fewer seconds of recompute"
+    squeezed = autoconfigure(cal, gpu_memory_bytes=tight, **kw).best
+    a, b = squeezed.stage_segments[0]
+    S = squeezed.config.recompute_segments
+    assert squeezed.config.recompute and (S is None or set(range(a, b + 1)) <= set(S))
+
+
+def test_the_greedy_takes_most_bytes_per_second_first():
+    acts, secs = [1.0, 8.0, 4.0, 8.0], [1.0, 1.0, 1.0, 4.0]
+    order = []
+    choose_recompute_segments(0, 3, lambda s: order.append(sorted(s)) or len(s) == 4, acts, secs)
+    assert order == [[], [1], [1, 2], [1, 2, 3], [0, 1, 2, 3]]
+
+
+def dataclasses_replace(cfg, **kw):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **kw)

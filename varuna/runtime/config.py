@@ -389,6 +389,7 @@ PLANNED_FIELDS: Mapping[str, tuple[str, ...]] = {
     "replica_shares": ("pipeline", "replica_shares"),
     "stage_speeds": ("pipeline", "stage_speeds"),
     "recompute": ("pipeline", "recompute"),
+    "recompute_segments": ("pipeline", "recompute_segments"),
     "shard_optimizer": ("optimizer_state", "shard"),
 }
 
@@ -407,6 +408,8 @@ _HOW_TO_AGREE = {
     "replica_shares": ("VARUNA_REPLICA_SHARES", "to run the shares planned for the cluster's VM types"),
     "stage_speeds": ("VARUNA_STAGE_SPEEDS", "to run the speeds planned for the cluster's VM types"),
     "recompute": ("VARUNA_RECOMPUTE", "to run what auto-config chose for the memory it planned with"),
+    "recompute_segments": ("VARUNA_RECOMPUTE_SEGMENTS", "to run what auto-config chose for the memory it "
+                           "planned with"),
     "shard_optimizer": ("VARUNA_SHARD_OPTIMIZER", "to run what auto-config chose for the memory it "
                         "planned with"),
 }
@@ -434,7 +437,7 @@ def _comparable(name: str, value: Any) -> Any:
         return tuple((int(a), int(b)) for a, b in value)
     if name == "stage_speeds":
         return tuple(float(v) for v in value)
-    if name == "replica_shares":
+    if name in ("replica_shares", "recompute_segments"):
         return tuple(value)
     return value
 
@@ -446,7 +449,7 @@ def _shown(name: str, value: Any) -> str:
     if isinstance(value, bool):
         return str(int(value))
     if isinstance(value, (tuple, list)):
-        return ",".join(str(v) for v in value)
+        return ",".join(str(v) for v in value) or ("none" if name == "recompute_segments" else "")
     return str(value)
 
 
