@@ -75,10 +75,10 @@ def test_selective_recompute_trains_the_bits_of_whole_stage_recompute_and_of_non
 
 def test_the_comparison_can_fail(whole_stage):
     """Negative control: a change far smaller than a wrong chain of blocks would make (the learning
-    rate by one part in 10^6) shows in the losses and the digests the tests above compare."""
+    rate by one part in 10^6) shows in the digests the tests above compare."""
     losses, digests, _, _ = _train("gpipe", True, (1,), lr=1e-2 * (1 + 1e-6))
     assert losses[0] == whole_stage[0][0]  # the first loss precedes any update
-    assert losses != whole_stage[0] and digests != whole_stage[1]
+    assert digests != whole_stage[1]
 
 
 def test_recompute_segments_past_the_model_get_one_line():
