@@ -87,16 +87,20 @@ class Run:
     recompute: bool = True
     shard: bool = False
     tiny: bool = False
+    #: selective recompute: ``PipelineConfig.recompute_segments`` (None: whole stages)
+    segments: tuple[int, ...] | None = None
 
     @property
     def label(self) -> str:
         kind = self.schedule + ("" if self.schedule == "varuna" else ("+R" if self.recompute else " no R"))
         tiny, shard = " (tiny)" if self.tiny else "", " sharded" if self.shard else ""
-        return f"{self.model}{tiny} {self.P}x{self.D} {kind}{shard}"
+        sel = "" if self.segments is None else " R" + ",".join(map(str, self.segments))
+        return f"{self.model}{tiny} {self.P}x{self.D} {kind}{sel}{shard}"
 
 
 RUNS = {
     "gpt": [Run("gpt", 1, 1, tiny=True), Run("gpt", 1, 1), Run("gpt", 2, 1), Run("gpt", 2, 1, "1f1b", False),
+            Run("gpt", 2, 1, "1f1b", True, segments=(1, 3)),
             Run("gpt", 2, 2), Run("gpt", 2, 2, shard=True), Run("gpt", 1, 2, shard=True)],
     "llama": [Run("llama", 1, 1, tiny=True), Run("llama", 2, 1), Run("llama", 2, 1, "1f1b", False),
               Run("llama", 2, 2), Run("llama", 2, 2, shard=True)],
@@ -118,6 +122,8 @@ def worker(a: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     run = Run(**json.loads(a.run))
+    if run.segments is not None:
+        run = dataclasses.replace(run, segments=tuple(run.segments))
     # Counting FLOPs once loads ~75 MB of torch's Python machinery; the baseline holds it at
     # every P (the engine counts only when it splits), so no rank's peak includes it.
     tb._warm_up(splits=True)
@@ -132,7 +138,8 @@ def worker(a: argparse.Namespace) -> int:
         model,
         varuna.VarunaConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO, pipeline_depth=run.P,
                             schedule=run.schedule, seed=0, stop_signals=(),
-                            pipeline=varuna.PipelineConfig(recompute=run.recompute),
+                            pipeline=varuna.PipelineConfig(recompute=run.recompute,
+                                                           recompute_segments=run.segments),
                             optimizer_state=varuna.OptimizerStateConfig(shard=run.shard)),
         example_batch=batch,
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4),
@@ -202,12 +209,14 @@ def predict(cal, run: Run, ranges: list[tuple[int, int]]) -> list[int]:
     cfg = SimConfig.for_global_batch(global_batch_size=GLOBAL_BATCH, num_replicas=run.D,
                                      micro_batch_size=MICRO, num_stages=run.P,
                                      stage_segments=tuple(tuple(r) for r in ranges), schedule=run.schedule,
-                                     recompute=run.recompute, jitter_scale=0.0, shard_optimizer=run.shard)
+                                     recompute=run.recompute, jitter_scale=0.0, shard_optimizer=run.shard,
+                                     recompute_segments=run.segments)
     stash = simulate(cal, cfg).peak_stashed
     kind = schedule_kind(run.schedule)
     shards = run.D if run.shard else 1
     rec = [kind.recomputes(run.P, k, recompute=run.recompute) for k in range(run.P)]
-    return [stage_memory(cal, [r], MICRO, stash[k], rec[k], optimizer_shards=shards, replicas=run.D)
+    return [stage_memory(cal, [r], MICRO, stash[k], rec[k], optimizer_shards=shards, replicas=run.D,
+                         recompute_segments=run.segments)
             for k, r in enumerate(ranges)]
 
 

@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from varuna.core.partition import balanced_stages, candidate_maxima
 from varuna.core.planning import PlanRequest
 from varuna.core.progress import Progress
 from varuna.core.schedule import DEFAULT_SCHEDULE, PLANNED_KINDS, schedule_kind
+from varuna.core.selective_recompute import choose_recompute_segments
 
 __all__ = [
     "Candidate",
@@ -121,6 +123,8 @@ class Candidate:
             "stage_segments": [list(r) for r in self.stage_segments],
             "schedule": self.config.schedule,
             "recompute": self.config.recompute,
+            "recompute_segments": None if self.config.recompute_segments is None
+            else list(self.config.recompute_segments),
             "shard_optimizer": self.config.shard_optimizer,
         }
 
@@ -197,6 +201,11 @@ class _Planner:
         self._seg: dict[int, tuple] = {}
         self._part: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
         self._fit: dict[tuple[int, int, int, int], tuple[tuple[tuple[int, int], ...], int]] = {}
+        self._sel: dict[tuple, tuple[int, ...] | None] = {}
+        #: Note [Selective recompute] (varuna/core/selective_recompute.py): where the stages
+        #: recompute and the memory is known, recompute only what it needs
+        self.selective = (recompute or not self.kind.recompute_optional) and memory is not None \
+            and not self.kind.splits_backward and self.chunks_per_device == 1
 
     def seg_costs(self, m: int):
         if m not in self._seg:
@@ -233,21 +242,52 @@ class _Planner:
         return D if self.shard else 1
 
     def stage_memories(
-        self, P: int, m: int, nm: int, ranges, stash: Sequence[int] | None = None, *, D: int = 1
+        self, P: int, m: int, nm: int, ranges, stash: Sequence[int] | None = None, *, D: int = 1,
+        segments: tuple[int, ...] | None = None,
     ) -> list[int]:
-        """Per device, the memory estimate (analytic stash counts unless ``stash`` is given)."""
-        out = []
-        for k in range(P):
-            s = stash[k] if stash is not None else self.stash_estimate(P, k, nm)
-            out.append(stage_memory(self.cal, list(ranges[k::P]), m, s, self.stage_recomputes(P, k),
-                                    weight_versions=self.kind.weight_versions,
-                                    optimizer_shards=self.shards(D), replicas=D))
-        return out
+        """Per device, the memory estimate (analytic stash counts unless ``stash`` is given;
+        ``segments``: the recompute set, None: whole stages)."""
+        return [self._stage_memory(P, k, m, nm, ranges, stash, D, segments) for k in range(P)]
+
+    def _stage_memory(self, P: int, k: int, m: int, nm: int, ranges, stash, D: int, segments) -> int:
+        s = stash[k] if stash is not None else self.stash_estimate(P, k, nm)
+        return stage_memory(self.cal, list(ranges[k::P]), m, s, self.stage_recomputes(P, k),
+                            weight_versions=self.kind.weight_versions, optimizer_shards=self.shards(D),
+                            replicas=D, recompute_segments=segments)
 
     def memory_of(
-        self, P: int, m: int, nm: int, ranges, stash: Sequence[int] | None = None, *, D: int = 1
+        self, P: int, m: int, nm: int, ranges, stash: Sequence[int] | None = None, *, D: int = 1,
+        segments: tuple[int, ...] | None = None,
     ) -> int:
-        return max(self.stage_memories(P, m, nm, ranges, stash, D=D))
+        return max(self.stage_memories(P, m, nm, ranges, stash, D=D, segments=segments))
+
+    def recompute_segments(
+        self, P: int, m: int, nm: int, ranges, D: int, stash: Sequence[int] | None = None
+    ) -> tuple[int, ...] | None:
+        """The recompute set of a selective plan (Note [Selective recompute]): per recomputing
+        stage the fewest seconds of recompute that keep it within the memory; None (whole stages)
+        where the plan is not selective or a stage needs every segment recomputed."""
+        if not self.selective:
+            return None
+        key = (P, m, nm, tuple(ranges), D, None if stash is None else tuple(stash))
+        if key not in self._sel:
+            cal, chosen, everything = self.cal, set(), set()
+            acts = [cal.activation_bytes(i, m) for i in range(cal.num_segments)]
+            secs = [cal.recompute_s(i, m) for i in range(cal.num_segments)]
+            for k in range(P):
+                if not self.stage_recomputes(P, k):
+                    continue
+                a, b = ranges[k]
+                whole = set(range(a, b + 1))
+
+                def fits(s: frozenset[int], k: int = k) -> bool:
+                    return self._stage_memory(P, k, m, nm, ranges, stash, D, tuple(sorted(s))) <= self.memory
+
+                got = choose_recompute_segments(a, b, fits, acts, secs)
+                chosen |= whole if got is None else got
+                everything |= whole
+            self._sel[key] = None if chosen == everything else tuple(sorted(chosen))
+        return self._sel[key]
 
     def fit(self, P: int, m: int, nm: int, D: int = 1) -> tuple[tuple[tuple[int, int], ...], int]:
         """The time-balanced map, or, when that overflows memory, the fastest map found whose
@@ -285,8 +325,10 @@ class _Planner:
             self._fit[key] = best
         return self._fit[key]
 
-    def config(self, P: int, D: int, m: int, M: int, ranges) -> SimConfig:
+    def config(self, P: int, D: int, m: int, M: int, ranges, nm: int | None = None) -> SimConfig:
+        segments = None if nm is None else self.recompute_segments(P, m, nm, ranges, D)
         return SimConfig.for_global_batch(
+            recompute_segments=segments,
             global_batch_size=M,
             num_replicas=D,
             micro_batch_size=m,
@@ -317,7 +359,8 @@ class _Planner:
         host = host_of_ranks(cfg)  # replica 0 holds ranks 0..P-1 and the most micro-batches
         fk = [sum(f[a : e + 1]) for a, e in ranges]
         bk = [sum(b[a : e + 1]) for a, e in ranges]
-        rk = [sum(r[a : e + 1]) for a, e in ranges]
+        sel = cfg.recompute_segments  # Note [Selective recompute]: only those are forwarded twice
+        rk = [sum(r[i] for i in range(a, e + 1) if sel is None or i in sel) for a, e in ranges]
         hop = []
         for k in range(P - 1):
             nbytes = cal.act_bytes(ranges[k][1], m)
@@ -534,7 +577,9 @@ def _candidate(
         if reason is not None:
             notes.append(f"P={P}: {reason} (Nm={max(counts)})")
             return None
-    cfg = planner.config(P, D, m, M, ranges)
+    cfg = planner.config(P, D, m, M, ranges, counts[0] if fits else None)
+    if cfg.recompute_segments is not None:
+        mem = planner.memory_of(P, m, counts[0], ranges, D=D, segments=cfg.recompute_segments)
     return Candidate(
         num_stages=P,
         num_replicas=D,
@@ -609,14 +654,16 @@ def _branch_and_bound(
         simulations += 1
         bar.update()
         cand.status = "simulated"
-        cand.memory_bytes = own.memory_of(
-            cand.num_stages,
-            cand.micro_batch_size,
-            max(cand.num_microbatches),
-            cand.stage_segments,
-            stash=cand.result.peak_stashed,
-            D=cand.num_replicas,
-        )
+        cand.memory_bytes = _simulated_memory(own, cand)
+        if own.selective and planner.memory is not None and cand.memory_bytes > planner.memory:
+            # The simulated stash exceeds the analytic one: choose the recompute set again for it.
+            P, m, D = cand.num_stages, cand.micro_batch_size, cand.num_replicas
+            segments = own.recompute_segments(P, m, max(cand.num_microbatches), cand.stage_segments, D,
+                                              stash=cand.result.peak_stashed)
+            cand.config = dataclasses.replace(cand.config, recompute_segments=segments)
+            cand.result = simulate(own.cal, cand.config)
+            simulations += 1
+            cand.memory_bytes = _simulated_memory(own, cand)
         if planner.memory is not None and cand.memory_bytes > planner.memory:
             cand.status = "no-memory"
             continue
@@ -628,6 +675,13 @@ def _branch_and_bound(
             f"use GPUs with more memory or a smaller micro-batch size"
         )
     return best, simulations
+
+
+def _simulated_memory(planner: _Planner, cand: Candidate) -> int:
+    """The candidate's largest stage memory with the stash counts its simulation found."""
+    return planner.memory_of(cand.num_stages, cand.micro_batch_size, max(cand.num_microbatches),
+                             cand.stage_segments, stash=cand.result.peak_stashed, D=cand.num_replicas,
+                             segments=cand.config.recompute_segments)
 
 
 def _rank(c: Candidate):

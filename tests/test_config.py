@@ -30,6 +30,7 @@ CASES = [
     ("replica_shares", "VARUNA_REPLICA_SHARES", (3, 1), (3, 1), (2, 2), "3,1", "2,2"),
     ("stage_speeds", "VARUNA_STAGE_SPEEDS", (1, 2), (1.0, 2.0), (1.0, 1.6), "1,2", "1.0,1.6"),
     ("recompute", "VARUNA_RECOMPUTE", False, False, True, "0", "1"),
+    ("recompute_segments", "VARUNA_RECOMPUTE_SEGMENTS", (1, 3), (1, 3), (), "1,3", "none"),
     ("shard_optimizer", "VARUNA_SHARD_OPTIMIZER", True, True, False, "1", "0"),
 ]
 IDS = [c[0] for c in CASES]

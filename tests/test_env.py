@@ -81,9 +81,11 @@ def test_a_malformed_value_is_one_line_naming_the_variable(var, value, words):
 def test_every_plan_variable_round_trips():
     plan = RunPlan(global_batch_size=8, micro_batch_size=2, schedule="interleaved", chunks=2,
                    stage_ranges=((0, 1), (2, 3), (4, 5), (6, 7)), replica_shares=(3, 1),
-                   stage_speeds=(1.0, 1.5), recompute=False, shard_optimizer=True)
+                   stage_speeds=(1.0, 1.5), recompute=False, recompute_segments=(1, 3), shard_optimizer=True)
     assert set(plan.to_env()) == set(PLAN_VARS)
     assert ProcessEnv.from_env(plan.to_env()).plan == plan
+    empty = RunPlan(recompute_segments=())  # the empty set (recompute nothing) is not "unset"
+    assert ProcessEnv.from_env(empty.to_env()).plan == empty
 
 
 # The runtime's reads of the environment go through varuna/core/env.py (Note [One parser]). Writes

@@ -45,8 +45,11 @@ def main() -> None:
     p.add_argument("--grad-reduce", default="auto")
     p.add_argument("--precision", default="fp32")
     p.add_argument("--loss-scale", type=float, default=2.0**16)
+    p.add_argument("--recompute-segments", default=None, help="selective recompute, e.g. 1,3 ('none': empty)")
     a = p.parse_args()
     shares = tuple(int(x) for x in a.replica_shares.split(",")) if a.replica_shares else None
+    segments = None if a.recompute_segments is None else tuple(
+        int(x) for x in a.recompute_segments.split(",") if x not in ("", "none"))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo")
     model = build_model("gpt", dropout=0.1)
@@ -58,7 +61,8 @@ def main() -> None:
                                 schedule=a.schedule, max_grad_norm=1.0, precision=a.precision,
                                 numerics=varuna.NumericsConfig(loss_scale=a.loss_scale),
                                 determinism=varuna.DeterminismConfig(enabled=not a.no_deterministic),
-                                pipeline=varuna.PipelineConfig(replica_shares=shares),
+                                pipeline=varuna.PipelineConfig(replica_shares=shares,
+                                                               recompute_segments=segments),
                                 optimizer_state=varuna.OptimizerStateConfig(
                                     shard=a.shard, offload=a.offload, grad_reduce=a.grad_reduce)),
             canonical_reduction=not a.no_canonical, rng_keyed=not a.unkeyed_rng,

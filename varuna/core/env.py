@@ -119,6 +119,7 @@ PLAN_VARS = (
     "VARUNA_REPLICA_SHARES",
     "VARUNA_STAGE_SPEEDS",
     "VARUNA_RECOMPUTE",
+    "VARUNA_RECOMPUTE_SEGMENTS",
     "VARUNA_SHARD_OPTIMIZER",
 )
 
@@ -403,6 +404,10 @@ class RunPlan:
     recompute: bool | None = None
     """Whether the stages recompute, as auto-config chose it with the schedule (``VARUNA_RECOMPUTE``,
     ``"1"``/``"0"``; Note [Joint plan] in simulator/autoconfig.py)."""
+    recompute_segments: tuple[int, ...] | None = None
+    """The segments a recomputed micro-batch recomputes, as auto-config chose them for the memory
+    (``VARUNA_RECOMPUTE_SEGMENTS``, ``"1,3"``, ``"none"`` for the empty set; Note [Selective
+    recompute] in varuna/core/selective_recompute.py)."""
     shard_optimizer: bool | None = None
     """Whether the optimizer state is sharded over each stage's replicas, as auto-config chose it
     (``VARUNA_SHARD_OPTIMIZER``, ``"1"``/``"0"``)."""
@@ -453,6 +458,8 @@ class RunPlan:
             out["VARUNA_STAGE_SPEEDS"] = ",".join(repr(v) for v in self.stage_speeds)
         if self.recompute is not None:
             out["VARUNA_RECOMPUTE"] = str(int(self.recompute))
+        if self.recompute_segments is not None:
+            out["VARUNA_RECOMPUTE_SEGMENTS"] = ",".join(str(s) for s in self.recompute_segments) or "none"
         if self.shard_optimizer is not None:
             out["VARUNA_SHARD_OPTIMIZER"] = str(int(self.shard_optimizer))
         return out
@@ -484,6 +491,8 @@ class RunPlan:
             replica_shares=_parse_list(environ, "VARUNA_REPLICA_SHARES", int, "3,1"),
             stage_speeds=_parse_list(environ, "VARUNA_STAGE_SPEEDS", float, "1,1.6"),
             recompute=_bool_var(environ, "VARUNA_RECOMPUTE"),
+            recompute_segments=() if environ.get("VARUNA_RECOMPUTE_SEGMENTS", "").strip() == "none"
+            else _parse_list(environ, "VARUNA_RECOMPUTE_SEGMENTS", int, "1,3"),
             shard_optimizer=_bool_var(environ, "VARUNA_SHARD_OPTIMIZER"),
         )
 

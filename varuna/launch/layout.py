@@ -62,6 +62,9 @@ class Layout:
     """Relative speed of each stage's VM type (``VARUNA_STAGE_SPEEDS``), else None."""
     recompute: bool | None = None
     """Recompute as auto-config chose it with the schedule (``VARUNA_RECOMPUTE``), else None."""
+    recompute_segments: tuple[int, ...] | None = None
+    """The segments recomputed micro-batches recompute, as auto-config chose them for the memory
+    (``VARUNA_RECOMPUTE_SEGMENTS``), else None (whole stages)."""
     shard_optimizer: bool | None = None
     """Sharded optimizer state as auto-config chose it (``VARUNA_SHARD_OPTIMIZER``), else None."""
     note: str = ""
@@ -95,6 +98,7 @@ class Layout:
             replica_shares=self.replica_shares,
             stage_speeds=self.stage_speeds,
             recompute=self.recompute,
+            recompute_segments=self.recompute_segments,
             shard_optimizer=self.shard_optimizer,
         )
 
@@ -123,7 +127,9 @@ def auto_configure(request: PlanRequest, *, progress: bool | None = False) -> La
     speed = f", simulated {best.examples_per_s:.3g} examples/s" if best.examples_per_s else ""
     kind = schedule_kind(cfg.schedule)
     chosen = kind.label(recompute=cfg.recompute, chunks=cfg.chunks) + (
-        " + sharded optimizer state" if cfg.shard_optimizer else "")
+        " + sharded optimizer state" if cfg.shard_optimizer else "") + (
+        "" if cfg.recompute_segments is None
+        else f" recomputing segments {','.join(map(str, cfg.recompute_segments)) or 'none'}")
     return Layout(
         pipeline_depth=best.num_stages,
         data_parallel=best.num_replicas,
@@ -134,6 +140,7 @@ def auto_configure(request: PlanRequest, *, progress: bool | None = False) -> La
         # script's or the engine's default.
         recompute=cfg.recompute if request.recompute is None and kind.recompute_optional else None,
         shard_optimizer=cfg.shard_optimizer if request.shard_optimizer is None else None,
+        recompute_segments=cfg.recompute_segments,
         note=f"auto-config for G={request.gpus}: P={best.num_stages} D={best.num_replicas}"
         f" m={best.micro_batch_size}, {chosen}{speed}",
     )

@@ -27,6 +27,7 @@ import torch
 from varuna.core.env import COMM_BACKENDS, PLAN_COSTS, ProcessEnv, RunPlan, WorkerSettings
 from varuna.core.flops import check_peak_tflops
 from varuna.core.schedule import DEFAULT_SCHEDULE, SCHEDULE_KINDS, schedule_kind
+from varuna.core.selective_recompute import check_recompute_segments
 from varuna.runtime.config_groups import (
     FLAT_FIELDS,
     GRAD_REDUCES,
@@ -274,6 +275,19 @@ class VarunaConfig:
             )
         self._validate_mixed()
         self._validate_optimizer_state()
+        self._validate_recompute_segments()
+
+    def _validate_recompute_segments(self) -> None:
+        segments = self.pipeline.recompute_segments
+        problem = check_recompute_segments(segments)
+        if problem is not None:
+            raise ValueError(problem)
+        schedule = DEFAULT_SCHEDULE if self.schedule is None else self.schedule
+        if segments is not None and schedule_kind(schedule).splits_backward:
+            raise ValueError(
+                f"pipeline.recompute_segments is not supported with schedule {schedule} (its split backward "
+                "needs one graph per stage); drop recompute_segments or pick another schedule"
+            )
 
     def _validate_optimizer_state(self) -> None:
         o = self.optimizer_state
@@ -390,6 +404,7 @@ PLANNED_FIELDS: Mapping[str, tuple[str, ...]] = {
     "replica_shares": ("pipeline", "replica_shares"),
     "stage_speeds": ("pipeline", "stage_speeds"),
     "recompute": ("pipeline", "recompute"),
+    "recompute_segments": ("pipeline", "recompute_segments"),
     "shard_optimizer": ("optimizer_state", "shard"),
 }
 
@@ -408,6 +423,8 @@ _HOW_TO_AGREE = {
     "replica_shares": ("VARUNA_REPLICA_SHARES", "to run the shares planned for the cluster's VM types"),
     "stage_speeds": ("VARUNA_STAGE_SPEEDS", "to run the speeds planned for the cluster's VM types"),
     "recompute": ("VARUNA_RECOMPUTE", "to run what auto-config chose for the memory it planned with"),
+    "recompute_segments": ("VARUNA_RECOMPUTE_SEGMENTS", "to run what auto-config chose for the memory it "
+                           "planned with"),
     "shard_optimizer": ("VARUNA_SHARD_OPTIMIZER", "to run what auto-config chose for the memory it "
                         "planned with"),
 }
@@ -435,7 +452,7 @@ def _comparable(name: str, value: Any) -> Any:
         return tuple((int(a), int(b)) for a, b in value)
     if name == "stage_speeds":
         return tuple(float(v) for v in value)
-    if name == "replica_shares":
+    if name in ("replica_shares", "recompute_segments"):
         return tuple(value)
     return value
 
@@ -447,7 +464,7 @@ def _shown(name: str, value: Any) -> str:
     if isinstance(value, bool):
         return str(int(value))
     if isinstance(value, (tuple, list)):
-        return ",".join(str(v) for v in value)
+        return ",".join(str(v) for v in value) or ("none" if name == "recompute_segments" else "")
     return str(value)
 
 

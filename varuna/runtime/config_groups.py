@@ -61,6 +61,13 @@ class PipelineConfig:
     """Activation recompute for gpipe/1f1b (varuna always recomputes except on its last stage).
     None: the run plan's (auto-config's choice: off wherever memory allows, ``$VARUNA_RECOMPUTE``),
     else on."""
+    recompute_segments: tuple[int, ...] | None = None
+    """Selective recompute: the segments (global indices) whose activations a recomputed
+    micro-batch recomputes; the stage's other segments keep theirs from the forward (Note
+    [Selective recompute] in varuna/core/selective_recompute.py). ``()``: none (the recomputing
+    stages keep every activation). None: every segment of a recomputing stage (whole-stage recompute).
+    Applies where the schedule recomputes (``recompute``; varuna's stages but the last); not with
+    the zero-bubble kinds, whose split backward needs one graph per stage."""
     stash_headroom: int = DEFAULT_STASH_HEADROOM
     """varuna schedule: how many more boundary inputs than its list's peak a stage may stash by
     running graph-less forwards out of list order -- while it waits for a late gradient, or to

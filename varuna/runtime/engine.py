@@ -44,6 +44,7 @@ from varuna.core.config_error import ConfigError, install_excepthook
 from varuna.core.env import ProcessEnv
 from varuna.core.partition import check_speeds
 from varuna.core.schedule import Task, schedule_kind
+from varuna.core.selective_recompute import recompute_set
 from varuna.core.timeline import Timeline
 from varuna.cutting.batches import batch_size_of, slice_batch
 from varuna.cutting.cutpoint import CarryPlan, CutPoint, SplitState
@@ -324,6 +325,9 @@ class Engine:
             device=self.device,
             carry_plan=CarryPlan.for_stage(
                 self.profile.carried, self.first_segment, self.last_segment, self.is_last_stage
+            ),
+            recompute_segments=recompute_set(
+                self.config.pipeline.recompute_segments, self.profile.num_segments
             ),
         )
         stage.set_chunks(self.stage_ranges[self.stage :: self.layout.P], self.profile.carried)
