@@ -21,6 +21,7 @@ from varuna.core.calibration import (
     RuntimeOverheads,
 )
 from varuna.core.calibration_fit import fit_allreduce_model, fit_link_model
+from varuna.core.memory import WORKSPACE_FACTOR
 
 
 def _cal(**kw) -> Calibration:
@@ -147,10 +148,12 @@ def test_link_allreduce_and_optimizer_models_follow_their_formulas():
 def test_stage_memory_parts():
     cal = _cal()  # param 1000, grad 1000, optimizer 2000 per segment; inputs 100·m, activations 400·m
     static = 2 * (1000 + 1000 + 2000)
+    # one micro-batch's activations again: the backward's transients (Note [Backward workspace])
+    workspace = WORKSPACE_FACTOR * (800 + 800)
     # segments 1 and 2 at m=2, 5 in flight: with recompute, inputs of all + one full set of activations
-    assert cal.stage_memory_bytes([1, 2], 2, 5) == static + 5 * 200 + (800 + 800)
+    assert cal.stage_memory_bytes([1, 2], 2, 5) == static + 5 * 200 + (800 + 800) + workspace
     # without recompute every in-flight micro-batch keeps its activations
-    assert cal.stage_memory_bytes([1, 2], 2, 5, recompute=False) == static + 5 * (200 + 1600)
+    assert cal.stage_memory_bytes([1, 2], 2, 5, recompute=False) == static + 5 * (200 + 1600) + workspace
 
 
 def test_fits_recover_known_models_and_report_error():
