@@ -37,6 +37,7 @@ from varuna.launch.agent_host import AgentError, AgentHost, new_job_id, record_o
 from varuna.launch.hosts import HostEntry
 from varuna.launch.local import LocalHost
 from varuna.launch.procs import find_free_port
+from varuna.launch.remote import RemoteStart
 from varuna.launch.spec import Host, LaunchConfig, WorkerSpec, check_procs_per_host, plan_workers
 from varuna.launch.ssh import SshOptions
 from varuna.launch.supervisor import (
@@ -65,16 +66,17 @@ class _ForwardedSignals:
     handed to it (:meth:`hand_to`); the previous handlers come back on exit. Installs nothing
     outside the main thread (Python handles signals there only; the caller forwards them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, observe: Callable[[int], None] | None = None) -> None:
         # deque.append is atomic: a signal handler must not take locks the main thread may hold.
         self.pending: collections.deque[int] = collections.deque()
         self._sink = self.pending.append
+        self._observe = observe  # told of every signal (appends to a list: no locks either)
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> _ForwardedSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in FORWARDED_SIGNALS:
-                self._previous[signum] = signal.signal(signum, lambda s, _frame: self._sink(s))
+                self._previous[signum] = signal.signal(signum, lambda s, _frame: self.notify(s))
         return self
 
     def __exit__(
@@ -83,6 +85,13 @@ class _ForwardedSignals:
         for signum, handler in self._previous.items():
             # None means a handler installed outside Python; the default is the best we can do.
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)  # type: ignore[arg-type]
+
+    def notify(self, signum: int) -> None:
+        """A signal for the job: the launcher's own (from its handler) or one an srun agent
+        reported (from a reader thread); queued, or handed to the supervisor."""
+        if self._observe is not None:
+            self._observe(signum)
+        self._sink(signum)
 
     def stop_requested(self) -> bool:
         """Whether a signal arrived before a supervisor took over."""
@@ -357,6 +366,8 @@ def launch_on_hosts(
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
     progress: bool | None = False,
+    remote: RemoteStart | None = None,
+    stop_seen: Callable[[int], None] | None = None,
 ) -> int:
     """Run the job on ``entries`` (:class:`varuna.launch.hosts.HostEntry`, slots assigned) through one
     agent per host; return the launcher's exit code. The hosts must hold ``config.world_size``
@@ -365,6 +376,11 @@ def launch_on_hosts(
     Signals are handled as in :func:`launch` (called from the main thread), including while the
     agents start. Every exit path closes every agent: each kills what is left of its workers.
     ``progress``: bars while the agents and the workers start, as in :func:`launch`.
+
+    ``remote``: how agents start on hosts other than pretend ``localhost`` ones (default ``ssh``;
+    :class:`varuna.launch.srun.SrunOptions` in a Slurm allocation: the scheduler's SIGUSR1/SIGTERM,
+    reported by the agents, are then one graceful stop, Note [Stop protocol]). ``stop_seen`` is
+    called with every stop signal the job got (the launcher's own or an agent's report).
 
     Example::
 
@@ -383,6 +399,8 @@ def launch_on_hosts(
 
     _check_before_agents(config, entries)
     job_id = job_id or new_job_id()
+    scheduler_stop = remote is not None and remote.reports_signals
+    signals = _ForwardedSignals(observe=stop_seen)
     agent_host = functools.partial(
         AgentHost,
         job_id=job_id,
@@ -391,10 +409,12 @@ def launch_on_hosts(
         pythonpath=default_pythonpath() if pythonpath is None else pythonpath,
         heartbeat_timeout_s=heartbeat_timeout_s,
         message=message,
+        remote=remote,
+        on_signal=signals.notify,
     )
     hosts = [agent_host(entry, host_id) for host_id, entry in enumerate(entries)]
     supervisor: Supervisor | None = None
-    with _ForwardedSignals() as signals:  # queued until the supervisor exists
+    with signals:  # queued until the supervisor exists
         try:
             stopped = _start_agents(hosts, signals, message, progress, stderr)
             if stopped is not None:
@@ -411,6 +431,7 @@ def launch_on_hosts(
                 log_dir=config.log_dir,
                 out_lock=out_lock,
                 progress=progress,
+                scheduler_stop=scheduler_stop,
             )
             signals.hand_to(supervisor)
             supervisor.start()

@@ -11,7 +11,10 @@ Note [Agent protocol] (version :data:`PROTOCOL_VERSION`). Agent → launcher:
 - ``{"type": "out", "rank": r, "stream": "stdout"|"stderr", "line": "...\\n"}`` per output line;
 - ``{"type": "exit", "rank": r, "code": c}`` after the worker's last output line (``c < 0``:
   killed by signal ``-c``; its leftover processes are already killed);
-- ``{"type": "message", "text": "..."}`` agent diagnostics; ``{"type": "bye"}`` last.
+- ``{"type": "message", "text": "..."}`` agent diagnostics; ``{"type": "bye"}`` last;
+- ``{"type": "signaled", "signal": "SIGUSR1"|"SIGTERM"|"SIGINT"}``: the agent (started with
+  ``--report-signals``, a Slurm job step) received this signal from the scheduler and leaves the
+  stop to the launcher (an older launcher ignores the line, as any unknown type).
 
 Launcher → agent:
 
