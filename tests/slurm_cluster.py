@@ -43,6 +43,10 @@ NODES = ("n1", "n2")
 CPUS_PER_NODE = 2
 BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel")
 START_TIMEOUT_S = 60.0
+#: Job credential lifetime. A requeued job may start again only this long after it was stopped
+#: (a node refuses a job whose credential it revoked: "Job credential revoked"), so Slurm's
+#: default, 120 s, would be two minutes of every requeue test; Slurm accepts 5 and more.
+CRED_EXPIRE_S = 10
 
 
 def why_not_available() -> str | None:
@@ -239,7 +243,7 @@ ClusterName=varunatest
 SlurmctldHost={socket.gethostname()}(127.0.0.1)
 SlurmctldPort={ctld_port}
 AuthType=auth/munge
-AuthInfo=socket={self.munge_socket}
+AuthInfo=socket={self.munge_socket},cred_expire={CRED_EXPIRE_S}
 CredType=cred/munge
 SlurmUser=root
 SlurmdUser=root
