@@ -95,7 +95,8 @@ def test_gpt_sbatch_2x2_stopped_by_usr1_requeued_on_one_node_bit_identical(
     env = {
         **_clean_env(),
         "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
-        "VARUNA_ENGINE_PLUGINS": "slurm_gate:attach",  # holds the first run after step 2 (tests/slurm_gate.py)
+        # Holds the first run after step 2 until the stop arrived (tests/slurm_gate.py).
+        "VARUNA_ENGINE_PLUGINS": "slurm_gate:attach",
         "VARUNA_TEST_GATE": str(gate),
         "VARUNA_CKPT": str(ckpt),
         "VARUNA_LAUNCH": f"{sys.executable} -m varuna.launch",
@@ -103,8 +104,8 @@ def test_gpt_sbatch_2x2_stopped_by_usr1_requeued_on_one_node_bit_identical(
     job = ""
     try:
         job = cluster.run(
-            "sbatch", "--parsable", f"--output={out}", str(SBATCH), *train_args, "--metrics-out", str(metrics),
-            env=env, cwd=ROOT,
+            "sbatch", "--parsable", f"--output={out}", str(SBATCH), *train_args,
+            "--metrics-out", str(metrics), env=env, cwd=ROOT,
         ).stdout.strip().split(";")[0]
 
         def text() -> str:
