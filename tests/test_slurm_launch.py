@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))
+from slurm_cluster import wait_for  # noqa: E402 - a polling helper; no Slurm needed
+
 from varuna.launch.agent import Agent
 from varuna.launch.agent_host import AgentHost
 from varuna.launch.hosts import HostEntry
@@ -223,8 +226,6 @@ def test_scheduler_stop_sigterm_is_graceful_and_copies_are_ignored(
     """Slurm's SIGTERM arrives at the launcher and through every agent: with ``scheduler_stop``
     the first is forwarded without a deadline, the copies are ignored and the workers' exit 0 is
     the job's; without it (negative control) the second SIGTERM kills them at once (143)."""
-    from slurm_cluster import wait_for  # noqa: PLC0415 - test helper, no Slurm needed
-
     ready = tmp_path / "ready"
     cfg = LaunchConfig(script="-c", script_args=(WAITER, str(ready)), pipeline_depth=2, data_parallel=1,
                        stop_timeout_s=60)  # fmt: skip
@@ -247,5 +248,3 @@ def test_scheduler_stop_sigterm_is_graceful_and_copies_are_ignored(
     else:
         assert code == 128 + signal.SIGTERM and "killing 2 worker(s) now" in err.getvalue(), err.getvalue()
 
-
-sys.path.insert(0, str(Path(__file__).parent))
