@@ -38,7 +38,10 @@ requeue the job (``scontrol requeue``, as Lightning's SLURMEnvironment and submi
 script runs again on whatever nodes the job gets and ``--checkpoint-dir`` (``VARUNA_RESUME=auto``)
 resumes from the newest complete checkpoint at the P×D those nodes hold. A job already ending
 (``scancel``, a preemption Slurm requeues itself, ``--no-requeue`` in the script) is not requeued;
-the launcher says why in one line.
+the launcher says why in one line. A SIGTERM to the batch step also reaches the srun clients there,
+and srun kills its step at once on SIGTERM: only the signals that reach the steps alone (``--signal``
+without ``B:``, ``scancel --signal``, ``PreemptParameters=send_user_signal``) give the workers time
+to checkpoint (docs/slurm.md).
 """
 
 from __future__ import annotations
