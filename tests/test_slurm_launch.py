@@ -102,6 +102,14 @@ def test_slots_from_tasks_gpus_and_their_conflict() -> None:
         _alloc(SLURM_JOB_NODELIST="n1,n1", SLURM_TASKS_PER_NODE="1(x2)")
 
 
+def test_launcher_under_a_many_task_srun_is_one_line() -> None:
+    with pytest.raises(ValueError, match="task 1 of 4 of job step 0: .* not under srun"):
+        _alloc(SLURM_JOB_NODELIST="n1", SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS="4", SLURM_PROCID="1")
+    # The batch script itself (no step), or a one-task step, is fine.
+    assert _alloc(SLURM_JOB_NODELIST="n1", SLURM_NTASKS="4", SLURM_TASKS_PER_NODE="4").slots == (4,)
+    assert _alloc(SLURM_JOB_NODELIST="n1", SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS="1").slots == (1,)
+
+
 def test_node_names_varuna_cannot_use_are_one_line() -> None:
     with pytest.raises(ValueError, match="SLURM_JOB_NODELIST node 1.*a Slurm node name varuna cannot use"):
         _alloc(SLURM_JOB_NODELIST="bad_name", SLURM_TASKS_PER_NODE="1").entries()

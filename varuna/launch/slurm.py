@@ -295,6 +295,14 @@ def allocation_from_env(
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
     if not job_id or nodelist is None:
         raise ValueError(_NOT_IN_ALLOCATION)
+    step_tasks = environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS") or "1"
+    if environ.get("SLURM_STEP_ID") is not None and step_tasks.isdigit() and int(step_tasks) > 1:
+        task, step = environ.get("SLURM_PROCID", "?"), environ.get("SLURM_STEP_ID")
+        raise ValueError(
+            f"varuna-launch --slurm is running as task {task} of {step_tasks} of job step {step}: it starts"
+            " one agent per node itself, so run it once, in the batch script (or salloc shell), not under"
+            " srun"
+        )
     try:
         expected = expand_hostlist(nodelist)
     except ValueError as exc:
