@@ -256,3 +256,84 @@ def test_scheduler_stop_sigterm_is_graceful_and_copies_are_ignored(
     else:
         assert code == 128 + signal.SIGTERM and "killing 2 worker(s) now" in err.getvalue(), err.getvalue()
 
+
+
+# -- P×D for what the allocation holds, and the requeue decision (nothing started) ----------------
+
+
+@pytest.fixture
+def hosts_launched(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """What ``varuna-launch --slurm`` hands to ``launch_on_hosts`` (nothing is started)."""
+    import varuna.launch.launcher
+
+    calls: list[dict] = []
+
+    def fake(config, entries, **kwargs) -> int:
+        calls.append({"config": config, "entries": list(entries), **kwargs})
+        return 0
+
+    monkeypatch.setattr(varuna.launch.launcher, "launch_on_hosts", fake)
+    return calls
+
+
+def _slurm_env(monkeypatch: pytest.MonkeyPatch, nodes: str, tasks: str) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "5")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", nodes)
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", tasks)
+    monkeypatch.setenv("SLURM_JOB_CPUS_PER_NODE", tasks)
+
+
+def test_auto_config_plans_for_the_nodes_the_allocation_has(
+    no_slurm_commands: Path, monkeypatch: pytest.MonkeyPatch, hosts_launched: list[dict]
+) -> None:
+    from varuna.core.calibration import Calibration
+
+    cal = no_slurm_commands.parent / "cal.json"
+    Calibration.synthetic(0.01, num_segments=4, micro_batch_sizes=(1, 2, 4)).save(cal)
+    plan = ["--slurm", "--calibration", str(cal), "--global-batch-size", "16", str(no_slurm_commands)]
+    for nodes, tasks, slots in (("n[1-2]", "2(x2)", 4), ("n1", "2", 2)):
+        _slurm_env(monkeypatch, nodes, tasks)
+        assert main(plan) == 0
+        call = hosts_launched[-1]
+        config, entries, remote = call["config"], call["entries"], call["remote"]
+        assert 1 <= config.pipeline_depth * config.data_parallel <= slots
+        assert sum(e.slots for e in entries) >= config.world_size and entries[0].host == "n1"
+        assert isinstance(remote, SrunOptions) and remote.cpus["n1"] == 2
+        assert "VARUNA_STAGE_RANGES" in config.worker_env  # auto-config's plan reaches the workers
+
+
+def test_requeue_after_slurms_stop_signal_only(
+    no_slurm_commands: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After a SIGUSR1/SIGTERM the launcher asks Slurm to requeue (scontrol is absent here, so the
+    answer is the one line saying why not); after SIGINT, with --no-requeue, or without a signal,
+    it does not."""
+    import varuna.launch.launcher
+
+    stops: tuple[int, ...] = ()
+
+    def fake(config, entries, **kwargs) -> int:  # the job got these signals, then ended with 0
+        for signum in stops:
+            kwargs["stop_seen"](signum)
+        return 0
+
+    monkeypatch.setattr(varuna.launch.launcher, "launch_on_hosts", fake)
+    _slurm_env(monkeypatch, "n[1-2]", "1(x2)")
+    argv = ["--slurm", "--pipeline-depth", "2", str(no_slurm_commands)]
+    usr1, term = signal.SIGUSR1, signal.SIGTERM
+    cases = [((usr1, usr1), [], True), ((term,), [], True), ((signal.SIGINT,), [], False),
+             ((usr1,), ["--no-requeue"], False), ((), [], False)]  # fmt: skip
+    for stops, extra, requeued in cases:
+        assert main([*extra, *argv]) == 0
+        err = capsys.readouterr().err
+        said = [line for line in err.splitlines() if "requeue" in line]
+        if requeued:
+            name = signal.Signals(stops[0]).name
+            assert said == [
+                f"varuna-launch: stopped by {name} from Slurm; requeueing job 5 (the next run resumes from"
+                " the newest checkpoint)",
+                "varuna-launch: job 5 not requeued: cannot run scontrol: No such file or directory; submit"
+                " the script again to resume",
+            ], err
+        else:
+            assert said == [], err
