@@ -122,8 +122,11 @@ def test_srun_agent_argv_takes_the_whole_node_and_never_a_shell() -> None:
     assert argv[0] == "srun" and "--overlap" in argv and "--nodelist=n1" in argv
     assert "--cpus-per-task=16" in argv and "--mem=0" in argv and "--ntasks=1" in argv
     assert argv[-5:] == ["/opt/py", "-m", "varuna.launch.agent", "--job-id", "j"]
-    env = SrunOptions().agent_env({"PATH": "/bin", "VARUNA_SSH_KEY": "k", "PYTHONPATH": "/x"}, ["/src"])
-    assert env == {"PATH": "/bin", "PYTHONPATH": "/src:/x"}
+    environ = {"PATH": "/bin", "VARUNA_SSH_KEY": "k", "PYTHONPATH": "/x", "SLURM_JOB_ID": "5",
+               "SLURM_GPUS_PER_TASK": "1", "SLURM_NTASKS_PER_NODE": "4",
+               "SLURM_CPUS_PER_TASK": "2"}  # fmt: skip
+    env = SrunOptions().agent_env(environ, ["/src"])
+    assert env == {"PATH": "/bin", "PYTHONPATH": "/src:/x", "SLURM_JOB_ID": "5"}
 
 
 def test_srun_agents_report_signals_and_the_host_hands_them_on() -> None:

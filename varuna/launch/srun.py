@@ -40,6 +40,15 @@ __all__ = ["SrunOptions", "requeue"]
 
 #: How long ``scontrol requeue`` may take.
 REQUEUE_TIMEOUT_S = 30.0
+#: srun reads these from its environment as options (sbatch exports the job's shape in them); an
+#: agent's step is one task that gets the whole node, so the job's per-task shape must not apply
+#: to it (``--gpus-per-task=1`` would leave every worker of the node one GPU). Without them srun
+#: gives the step all of the job's GPUs (GRES) on the node and, with ``--mem=0``, all its memory.
+STEP_SHAPE_VARS = frozenset({
+    "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NTASKS_PER_NODE", "SLURM_CPUS_PER_TASK", "SLURM_GPUS_PER_TASK",
+    "SLURM_TRES_PER_TASK", "SLURM_CPUS_PER_GPU", "SLURM_MEM_PER_CPU", "SLURM_MEM_PER_GPU",
+    "SLURM_MEM_PER_NODE", "SLURM_DISTRIBUTION", "SLURM_CPU_BIND",
+})  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,8 +88,12 @@ class SrunOptions:
         return argv
 
     def agent_env(self, environ: Mapping[str, str], pythonpath: Sequence[str]) -> dict[str, str] | None:
-        """The launcher's environment with ``PYTHONPATH`` (srun exports it to the agent)."""
-        return agent_environ(environ, pythonpath)
+        """The launcher's environment with ``PYTHONPATH`` (srun exports it to the agent), without
+        the job's per-task shape (:data:`STEP_SHAPE_VARS`)."""
+        env = agent_environ(environ, pythonpath)
+        for name in STEP_SHAPE_VARS:
+            env.pop(name, None)
+        return env
 
 
 def requeue(job_id: str, *, scontrol: str = "scontrol") -> str | None:
