@@ -98,13 +98,35 @@ def _add_serve_parser(sub: Any) -> None:
     serve.add_argument("--tls-ca", default=None, help="CA agents verify us with (default: --tls-cert)")
     serve.add_argument("--advertise", default=None, metavar="HOST:PORT", help="address agents/workers dial")
     serve.add_argument("--state-dir", default=None, help="pretend-VM directories (default: DB.d)")
+    _add_dashboard_options(serve)
+    serve.add_argument("--pool", metavar="POOL.toml", help="VM types shared by --pool jobs (docs/pool.md)")
+    _add_tuning_options(serve)
+
+
+def _add_dashboard_options(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--dashboard",
         default=None,
         metavar="HOST:PORT",
         help="also serve the read-only web dashboard here (needs varuna[dashboard]; the same token)",
     )
-    serve.add_argument("--pool", metavar="POOL.toml", help="VM types shared by --pool jobs (docs/pool.md)")
+    serve.add_argument(
+        "--dashboard-timeout",
+        type=_positive(float),
+        default=10.0,
+        metavar="S",
+        help="close a dashboard connection whose request takes longer, or idle that long (default 10)",
+    )
+    serve.add_argument(
+        "--dashboard-max-connections",
+        type=_positive(int),
+        default=256,
+        metavar="N",
+        help="dashboard connections held at once (default 256; fewer under a low descriptor limit)",
+    )
+
+
+def _add_tuning_options(serve: argparse.ArgumentParser) -> None:
     tune = serve.add_argument_group("supervision")
     tune.add_argument("--heartbeat-interval", type=_positive(float), default=2.0, metavar="S")
     tune.add_argument(
@@ -229,23 +251,12 @@ def _add_client_parsers(sub: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from manager.domain.policy import StutterConfig
-    from manager.transport.server import ManagerServer, ServeConfig, insecure_listen_warning
+    from manager.common.descriptors import raise_soft_limit
+    from manager.transport.server import ManagerServer, ServeConfig
 
-    tuning = {
-        "heartbeat_interval_s": args.heartbeat_interval,
-        "heartbeat_timeout_s": args.heartbeat_timeout,
-        "stop_timeout_s": args.stop_timeout,
-        "kill_timeout_s": args.kill_timeout,
-        "gather_timeout_s": args.gather_timeout,
-        "register_timeout_s": args.register_timeout,
-        "create_retry_s": args.create_retry,
-        "orphan_timeout_s": args.orphan_timeout,
-        "max_failed_launches": args.max_failed_launches,
-        "grow_min_gain_pct": args.grow_min_gain_pct,
-        "grow_cooldown_s": args.grow_cooldown,
-        "stutter": StutterConfig(threshold_pct=args.slow_threshold_pct, heartbeats=args.slow_heartbeats),
-    }
+    # A daemon that serves many clients: the soft descriptor limit (often 1,024) up to the hard
+    # one, before anything opens a descriptor (Note [Dashboard limits] in manager/dashboard/web.py).
+    raise_soft_limit()
     if args.heartbeat_timeout <= args.heartbeat_interval:
         raise _UsageError("--heartbeat-timeout must exceed --heartbeat-interval (a few intervals)")
     pool = None
@@ -268,7 +279,9 @@ def _serve(args: argparse.Namespace) -> int:
                 advertise=args.advertise,
                 state_dir=args.state_dir,
                 dashboard=args.dashboard,
-                manager=tuning,
+                dashboard_timeout_s=args.dashboard_timeout,
+                dashboard_max_connections=args.dashboard_max_connections,
+                manager=_tuning(args),
                 pool=pool,
             )
         )
@@ -276,6 +289,34 @@ def _serve(args: argparse.Namespace) -> int:
         raise _UsageError(str(exc)) from None
     except OSError as exc:  # another manager holds the state file, or it cannot be written
         raise _Failure(str(exc)) from None
+    return _run_server(server, args)
+
+
+def _tuning(args: argparse.Namespace) -> dict[str, Any]:
+    """``ManagerConfig`` overrides from the supervision options."""
+    from manager.domain.policy import StutterConfig
+
+    return {
+        "heartbeat_interval_s": args.heartbeat_interval,
+        "heartbeat_timeout_s": args.heartbeat_timeout,
+        "stop_timeout_s": args.stop_timeout,
+        "kill_timeout_s": args.kill_timeout,
+        "gather_timeout_s": args.gather_timeout,
+        "register_timeout_s": args.register_timeout,
+        "create_retry_s": args.create_retry,
+        "orphan_timeout_s": args.orphan_timeout,
+        "max_failed_launches": args.max_failed_launches,
+        "grow_min_gain_pct": args.grow_min_gain_pct,
+        "grow_cooldown_s": args.grow_cooldown,
+        "stutter": StutterConfig(threshold_pct=args.slow_threshold_pct, heartbeats=args.slow_heartbeats),
+    }
+
+
+def _run_server(server: Any, args: argparse.Namespace) -> int:
+    """Start ``server`` (a ManagerServer), say where it listens, serve until SIGTERM/SIGINT or
+    until the manager stops by itself (its state file replaced: exit 1 with that line)."""
+    from manager.transport.server import insecure_listen_warning
+
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -283,6 +324,8 @@ def _serve(args: argparse.Namespace) -> int:
         server.start()
     except OSError as exc:
         raise _Failure(str(exc)) from None
+    except ValueError as exc:  # e.g. the pool config stored in the state file no longer validates
+        raise _UsageError(str(exc).splitlines()[0]) from None
     assert server.manager is not None
     warning = insecure_listen_warning(args.listen.rpartition(":")[0], tls=bool(args.tls_cert))
     if warning is not None:
@@ -299,7 +342,7 @@ def _serve(args: argparse.Namespace) -> int:
         url = server.dashboard.url
         print(f"{PROG}: dashboard on {url} (open {url}?token=TOKEN once)", flush=True)
     try:
-        while not stop.wait(1.0):
+        while not stop.wait(1.0) and server.failure is None:
             pass
     finally:
         print(
@@ -307,6 +350,8 @@ def _serve(args: argparse.Namespace) -> int:
             flush=True,
         )
         server.stop()
+    if server.failure is not None:
+        raise _Failure(server.failure)
     return EXIT_OK
 
 

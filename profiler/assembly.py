@@ -128,10 +128,13 @@ class CalibrationState:
     link_points: dict[str, list[LinkPoint]] = field(default_factory=lambda: {"intra": [], "inter": []})
     ar_points: list[AllReducePoint] = field(default_factory=list)
     memory_source: str = "saved_tensors"
+    fwd_flops_per_example: list[float] | None = None
+    """Each segment's forward FLOPs per example (``model.fwd_flops_per_example``)."""
 
 
 def state_from_file(cal: Calibration, extra: Mapping[str, Any]) -> CalibrationState:
-    st = CalibrationState(cutpoint_names=list(cal.model.cutpoint_names), num_segments=cal.num_segments)
+    st = CalibrationState(cutpoint_names=list(cal.model.cutpoint_names), num_segments=cal.num_segments,
+                          fwd_flops_per_example=cal.model.fwd_flops_per_example)
     ex_segs = extra.get("segments") or []
     for i, seg in enumerate(cal.segments):
         ex = ex_segs[i] if i < len(ex_segs) else {}
@@ -238,7 +241,8 @@ def assemble(st: CalibrationState, *, created: str, host: HostInfo, model_name: 
     cal = Calibration(
         created=created,
         model=ModelInfo(
-            name=model_name, cutpoint_names=list(st.cutpoint_names), num_segments=st.num_segments
+            name=model_name, cutpoint_names=list(st.cutpoint_names), num_segments=st.num_segments,
+            fwd_flops_per_example=st.fwd_flops_per_example,
         ),
         host=host,
         micro_batch_sizes=ms,

@@ -15,7 +15,7 @@ import argparse
 import sys
 import time
 
-from profiler.hosts import HostEmulationError
+from profiler.hosts import HostEmulationError, RemoteHost
 from profiler.runner import ProfileOptions, calibrate
 from profiler.spec import parse_micro_batch_sizes, parse_model_args
 from varuna.core.cli import OneLineParser
@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "netns", "loopback"],
         help="auto: network namespaces when root, else loopback",
     )
+    _add_host_list(p)
     p.add_argument(
         "--inter-netem",
         default=d.inter_netem,
@@ -96,6 +97,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_host_list(p: argparse.ArgumentParser) -> None:
+    """``--host-list`` and its ssh options (Note [Calibrating real links] in profiler/hosts.py)."""
+    p.add_argument(
+        "--host-list",
+        default=None,
+        metavar="HOSTS",
+        help="the job's hosts, [user@]host[:port] comma-separated, rank 0's first: measure their real"
+        " links over ssh (--procs-per-host workers on each, --hosts and --inter-netem do not apply; the"
+        " run directory, under TMPDIR, must be shared by the hosts at the same path)",
+    )
+    p.add_argument("--ssh-key", default=None, metavar="FILE", help="private key for --host-list (ssh -i)")
+    p.add_argument(
+        "--ssh-known-hosts", default=None, metavar="FILE",
+        help="known_hosts file for --host-list (new host keys are recorded there)",
+    )
+
+
 def _process_start() -> float:
     """``time.perf_counter()`` at this process's start (Linux), so the reported wall time includes the
     interpreter start and the torch import; now where /proc is missing."""
@@ -117,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     netem = None if str(args.inter_netem).lower() in ("", "none") else args.inter_netem
     try:
         ms = parse_micro_batch_sizes(args.micro_batch_sizes)
+        remote = [
+            RemoteHost.parse(h, key_file=args.ssh_key, known_hosts_file=args.ssh_known_hosts)
+            for h in (args.host_list.split(",") if args.host_list else [])
+        ]
         opts = ProfileOptions(
             procs=args.procs,
             threads=args.threads,
@@ -134,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             timeout_s=args.timeout,
             verbose=not args.quiet,
             clock_start=t0,
+            remote_hosts=remote,
         )
         calibrate(
             args.model,

@@ -266,6 +266,14 @@ class SegmentProfiler:
         self.num_cutpoints = self.profile.num_cutpoints
         self._crossings: dict[int, tuple[Any, list[tuple]]] = {}
 
+    def fwd_flops_per_example(self) -> list[float] | None:
+        """Each segment's forward FLOPs per example, from the dry run's ``FlopCounterMode`` count
+        (calibration ``model.fwd_flops_per_example``: the simulator's TFLOP/s and MFU)."""
+        p = self.profile
+        if p.fwd_flops is None or p.flops_examples <= 0:
+            return None
+        return [f / p.flops_examples for f in p.fwd_flops]
+
     # -- helpers -------------------------------------------------------------------------------
 
     def _sync(self) -> None:

@@ -13,9 +13,27 @@ ways (:func:`open_hosts` picks; ``auto`` prefers the first):
   ``net.ipv4.tcp_slow_start_after_idle`` is 0: with it on, every step of a ring all-reduce (idle
   for a moment while the previous chunk is reduced) restarts TCP slow start behind the tbf, and
   all-reduce times grow with the number of steps instead of the bytes (measured: 2x at 4 ranks).
+- **ssh** (``varuna-profile --host-list``): the job's real hosts, reached with OpenSSH as
+  ``varuna-launch --hosts`` reaches them (key authentication, ``BatchMode``, ``accept-new`` host
+  keys; Note [Calibrating real links]). Nothing is emulated: the links are what they are.
 - **loopback**: every process on 127.0.0.1; links between "hosts" get the whole emulated network
   (latency, jitter, bandwidth) from :mod:`varuna.testing.netem`, which delays point-to-point messages only:
   all-reduces run at loopback speed (a documented limit of that mode).
+
+Note [Calibrating real links]: with ``--host-list`` the profiler's workers run on the listed hosts
+(``k`` = ``--procs-per-host`` on each, rank 0's host first), so the intra-host link, the inter-host
+links and the all-reduces are measured on the job's own machines and network, not emulated. Each
+worker is started by ``ssh HOST 'cd CWD && export VARUNA_PARENT_PID=$PPID && exec env K=V...
+python -m profiler.worker RUN_DIR'`` (every word but ``$PPID`` quoted: Note [No shell injection]
+in varuna/launch/ssh.py): ssh forwards no environment, and the worker dies with its ssh session
+(its parent is the session's sshd once the shell exec'd it). The run directory (plan and results)
+must be on a file system every host shares, at the same path (``TMPDIR`` picks where), as the
+launcher's checkpoint directory is. The clocks of different machines are related from the links'
+ping-pongs (``same_clock`` False in :func:`profiler.network.link_stats`); a constant clock error
+moves the fitted latency, never the bandwidth (the slope). The workers find the interface that
+routes to ``MASTER_ADDR`` themselves (Note [Interface towards a host] in varuna/core/netif.py).
+The profiler sits below ``varuna.launch`` (pyproject.toml's layers), so its ssh command line is its
+own, with the launcher's options.
 
 Namespaces are named ``vprof<pid>h<i>`` / ``vprof<pid>br`` and deleted on exit; namespaces left by
 a profiler that was killed (its pid gone) are deleted the next time one starts.
@@ -32,13 +50,17 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["HostSet", "open_hosts", "netns_available", "HostEmulationError"]
+from varuna.core.process import PARENT_PID_VAR
+
+__all__ = ["HostSet", "RemoteHost", "open_hosts", "netns_available", "HostEmulationError"]
 
 _PREFIX = "vprof"
 _SUBNET = "10.213.0"  # only ever configured inside namespaces this module creates
@@ -58,21 +80,37 @@ class HostSet:
     namespaces: list[str] = field(default_factory=list)
     bandwidth_shaped: bool = False
     """True when the kernel (tbf) applies the inter-host bandwidth, so netem must not add it again."""
+    remote: list[RemoteHost] = field(default_factory=list)
+    """The hosts of the ``ssh`` mode (Note [Calibrating real links])."""
+
+    @property
+    def same_clock(self) -> bool:
+        """Whether every process reads one clock (one machine)."""
+        return self.mode != "ssh"
 
     def address(self, host: int) -> str:
+        if self.mode == "ssh":
+            return self.remote[host].host
         return f"{_SUBNET}.{host + 1}" if self.mode == "netns" else "127.0.0.1"
 
-    def wrap(self, host: int, argv: Sequence[str]) -> list[str]:
-        """The command line that runs ``argv`` on ``host``."""
+    def wrap(self, host: int, argv: Sequence[str], env: dict[str, str] | None = None) -> list[str]:
+        """The command line that runs ``argv`` on ``host``; ``env``: what the ``ssh`` mode passes
+        to the remote process (the other modes hand the whole environment to ``Popen``)."""
+        if self.mode == "ssh":
+            return self.remote[host].argv(argv, env or {})
         if self.mode == "netns":
             return ["ip", "netns", "exec", self.namespaces[host], *argv]
         return list(argv)
 
     def env(self, host: int) -> dict[str, str]:
+        if self.mode == "ssh":
+            return {}  # the worker picks the interface towards MASTER_ADDR (Note [Calibrating real links])
         iface = "eth0" if self.mode == "netns" else "lo"
         return {"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface}
 
     def free_port(self) -> int:
+        if self.mode == "ssh":
+            return SSH_MASTER_PORT
         if self.mode == "netns":
             return 29500  # a fresh namespace: nothing else listens there
         with socket.socket() as s:
@@ -80,10 +118,70 @@ class HostSet:
             return s.getsockname()[1]
 
     def describe(self) -> str:
+        if self.mode == "ssh":
+            names = ", ".join(h.display for h in self.remote)
+            return f"{self.num_hosts} hosts over ssh ({names}, real links)"
         if self.mode == "netns":
             shaped = "tbf-shaped" if self.bandwidth_shaped else "unshaped"
             return f"{self.num_hosts} network namespaces on a bridge ({shaped} veths)"
         return f"{self.num_hosts} emulated hosts on loopback"
+
+
+#: Rank 0's store port on the first host in the ``ssh`` mode (torchrun's default MASTER_PORT).
+SSH_MASTER_PORT = 29500
+_HOST_RE = re.compile(r"^(?:([A-Za-z0-9_][A-Za-z0-9_.-]*)@)?([A-Za-z0-9_][A-Za-z0-9_.-]*)(?::(\d{1,5}))?$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RemoteHost:
+    """One host of ``--host-list`` and how to start a process there (Note [Calibrating real links]).
+
+    Example::
+
+        >>> h = RemoteHost.parse("bob@10.0.0.5:2222", key_file="/k")
+        >>> h.host, h.display
+        ('10.0.0.5', 'bob@10.0.0.5:2222')
+        >>> argv = h.argv(["python3", "-m", "profiler.worker", "/tmp/run"], {"RANK": "1"}, cwd="/src")
+        >>> argv[-3:-1]
+        ['--', '10.0.0.5']
+        >>> argv[-1].split(" && ")
+        ['cd /src', 'export VARUNA_PARENT_PID=$PPID', 'exec env RANK=1 python3 -m profiler.worker /tmp/run']
+    """
+
+    host: str
+    user: str | None = None
+    port: int | None = None
+    key_file: str | None = None
+    known_hosts_file: str | None = None
+    connect_timeout_s: float = 10.0
+
+    @classmethod
+    def parse(cls, text: str, **ssh: Any) -> RemoteHost:
+        """``[user@]host[:port]`` (``ValueError``, one line, otherwise)."""
+        m = _HOST_RE.match(text.strip())
+        if m is None or (m.group(3) and not 0 < int(m.group(3)) < 65536):
+            raise ValueError(f"--host-list entry {text!r} is not [user@]host[:port] (letters, digits, . _ -)")
+        return cls(host=m.group(2), user=m.group(1), port=int(m.group(3)) if m.group(3) else None, **ssh)
+
+    @property
+    def display(self) -> str:
+        return f"{self.user + '@' if self.user else ''}{self.host}{f':{self.port}' if self.port else ''}"
+
+    def argv(self, argv: Sequence[str], env: dict[str, str], *, cwd: str | None = None) -> list[str]:
+        """``ssh ... HOST 'cd CWD && export VARUNA_PARENT_PID=$PPID && exec env K=V ... ARGV'``."""
+        ssh = ["ssh", "-T", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new", "-o",
+               f"ConnectTimeout={max(1, round(self.connect_timeout_s))}", "-o", "LogLevel=ERROR"]
+        if self.known_hosts_file:
+            ssh += ["-o", f"UserKnownHostsFile={self.known_hosts_file}"]
+        if self.key_file:
+            ssh += ["-i", self.key_file, "-o", "IdentitiesOnly=yes"]
+        if self.port is not None:
+            ssh += ["-p", str(self.port)]
+        if self.user is not None:
+            ssh += ["-l", self.user]
+        words = " ".join(shlex.quote(w) for w in ["env", *(f"{k}={v}" for k, v in env.items()), *argv])
+        remote = f"cd {shlex.quote(cwd or os.getcwd())} && export {PARENT_PID_VAR}=$PPID && exec {words}"
+        return [*ssh, "--", self.host, remote]
 
 
 def _ip(*args: str) -> None:
@@ -176,8 +274,13 @@ def _create_netns(num_hosts: int, bandwidth_bytes_per_s: float | None) -> HostSe
 
 
 @contextlib.contextmanager
-def open_hosts(mode: str, *, num_hosts: int, bandwidth_bytes_per_s: float | None = None) -> Iterator[HostSet]:
-    """Emulate ``num_hosts`` hosts (``mode``: auto, netns or loopback) for the block's duration."""
+def open_hosts(mode: str, *, num_hosts: int, bandwidth_bytes_per_s: float | None = None,
+               remote: Sequence[RemoteHost] = ()) -> Iterator[HostSet]:
+    """Emulate ``num_hosts`` hosts (``mode``: auto, netns or loopback) for the block's duration;
+    with ``remote``, use those hosts over ssh instead (Note [Calibrating real links])."""
+    if remote:
+        yield HostSet(mode="ssh", num_hosts=len(remote), remote=list(remote))
+        return
     if mode not in ("auto", "netns", "loopback"):
         raise ValueError(f"unknown host emulation {mode!r}; choose auto, netns or loopback")
     if num_hosts < 1:

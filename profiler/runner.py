@@ -40,13 +40,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from profiler.assembly import CalibrationState, add_compute, assemble, state_from_file
 from profiler.compute import SegmentMeasurement, dry_run
-from profiler.hosts import HostSet, open_hosts
+from profiler.hosts import HostSet, RemoteHost, open_hosts
 from profiler.network import MessageSpec, allreduce_times, link_stats, mean_std, payload_bytes
 from profiler.phase_progress import PhaseProgress
 from profiler.spec import load_target, parse_micro_batch_sizes
@@ -114,10 +114,16 @@ class ProfileOptions:
     """Print progress, the results and the wall time."""
     clock_start: float | None = None
     """``time.perf_counter()`` where the reported wall time starts (default: the call of calibrate)."""
+    remote_hosts: list[RemoteHost] = field(default_factory=list)
+    """The job's hosts (``--host-list``): measure their real links over ssh instead of emulating
+    ``hosts`` (Note [Calibrating real links] in profiler/hosts.py)."""
 
     def validate(self) -> None:
         if self.procs < 1 or self.threads < 1:
             raise ValueError("--procs and --threads must be >= 1")
+        if self.remote_hosts:
+            self.hosts = len(self.remote_hosts)
+            self.inter_netem = None  # real links: nothing emulated between the hosts
         if self.hosts < 2:
             raise ValueError("--hosts must be >= 2 to measure links between hosts and all-reduces")
         if self.procs_per_host < 2:
@@ -232,7 +238,11 @@ class _Workers:
                 env[PARENT_PID_VAR] = str(os.getpid())
                 log = open(self.run_dir / f"rank{rank}.log", "w")
                 self.logs.append(log)
-                argv = hosts.wrap(host, [sys.executable, "-m", "profiler.worker", str(self.run_dir)])
+                worker = [sys.executable, "-m", "profiler.worker", str(self.run_dir)]
+                # ssh forwards no environment: the remote process gets what the worker reads.
+                remote_env = {k: env[k] for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                                  "OMP_NUM_THREADS", "PYTHONPATH")}
+                argv = hosts.wrap(host, worker, remote_env)
                 self.procs.append(
                     subprocess.Popen(
                         argv,
@@ -463,11 +473,13 @@ def _build_plan(opts: ProfileOptions, info: Any, new_ms: list[int], old: Calibra
 
 
 def _reduce_links(st: CalibrationState, plan: dict, results: Sequence[dict], act_msgs: dict[str, MessageSpec],
-                  grad_msgs: dict[str, MessageSpec], info: Any, new_ms: list[int]) -> None:
+                  grad_msgs: dict[str, MessageSpec], info: Any, new_ms: list[int], *,
+                  same_clock: bool = True) -> None:
     """The links phase's timings into ``st``: link points for the fits and per-cut-point sends."""
     keys_act, keys_grad = list(act_msgs), list(grad_msgs)
     for kind, (a, b) in plan["links"]["pairs"].items():
-        act_t, grad_t = link_stats(results[a]["links"][kind], results[b]["links"][kind], warmup=2)
+        act_t, grad_t = link_stats(results[a]["links"][kind], results[b]["links"][kind], warmup=2,
+                                   same_clock=same_clock)
         stat = {key: mean_std(t) for key, t in [*zip(keys_act, act_t), *zip(keys_grad, grad_t)]}
         act_stat = {key: SendStat(mean=stat[key][0], jitter=stat[key][1]) for key in keys_act}
         grad_stat = {key: SendStat(mean=stat[key][0], jitter=stat[key][1]) for key in keys_grad}
@@ -489,6 +501,9 @@ def _reduce_links(st: CalibrationState, plan: dict, results: Sequence[dict], act
 def _reduce_compute(st: CalibrationState, results: Sequence[dict], info: Any, new_ms: list[int]) -> None:
     """The compute phase's measurements and the dry run's activation sizes into ``st``."""
     add_compute(st, [SegmentMeasurement.from_dict(d) for r in results for d in r.get("compute", [])])
+    flops = next((r["fwd_flops_per_example"] for r in results if r.get("fwd_flops_per_example")), None)
+    if flops is not None:  # every compute rank counts the same model: any one will do
+        st.fwd_flops_per_example = list(flops)
     for m in new_ms:
         for c, cut in enumerate(info.act_meta[m]):
             st.act_bytes[(c, m)] = payload_bytes([(tuple(s), d) for s, d in cut])
@@ -608,7 +623,8 @@ def calibrate(
     boot = _boot(opts, target, device, new_ms)
 
     with (
-        open_hosts(opts.host_emulation, num_hosts=opts.hosts, bandwidth_bytes_per_s=inter_bw) as hosts,
+        open_hosts(opts.host_emulation, num_hosts=opts.hosts, bandwidth_bytes_per_s=inter_bw,
+                   remote=opts.remote_hosts) as hosts,
         _Workers(hosts, world, k, opts, boot) as workers,
     ):  # Note [Early start]
         info = dry_run(target, new_ms or ms[:1])  # shapes at the m's the file already has are in it
@@ -630,7 +646,7 @@ def calibrate(
     # -- reduce the raw results --------------------------------------------------------------
     _reduce_compute(st, results, info, new_ms)
     if "links" in plan:
-        _reduce_links(st, plan, results, act_msgs, grad_msgs, info, new_ms)
+        _reduce_links(st, plan, results, act_msgs, grad_msgs, info, new_ms, same_clock=hosts.same_clock)
     if "allreduce" in plan:
         _reduce_allreduce(st, plan, results, opts.allreduce_sweep_bytes)
 

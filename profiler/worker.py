@@ -106,6 +106,9 @@ def run(
     t_import = time.perf_counter()
     torch.set_num_threads(int(plan.get("threads", 1)))
     timeout_s = float(plan.get("timeout_s", 300))
+    from varuna.runtime.layout import choose_gloo_interface
+
+    choose_gloo_interface(os.environ["MASTER_ADDR"])  # unless set (Note [Calibrating real links])
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
@@ -134,6 +137,7 @@ def run(
         if rank in assign and assign[rank]:
             prof = profiler or _make_profiler(plan, rank)
             result["compute"] = _run_compute(prof, assign[rank], compute["micro_batch_sizes"], run_dir, rank)
+            result["fwd_flops_per_example"] = prof.fwd_flops_per_example()
             for r in result["compute"]:  # the all-reduce phase moves each segment's gradient bytes
                 store.set(f"grad_bytes/{r['segment']}", str(r["grad_bytes"]))
         _phase(store, "compute", rank, sorted(assign), timeout_s)

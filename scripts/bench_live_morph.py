@@ -33,7 +33,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,16 +160,15 @@ class World:
     """Workers of one job around a store this process hosts (the launcher's role)."""
 
     def __init__(self, n: int, P: int, argv: list[str], out: Path, tag: str) -> None:
-        import torch.distributed as dist
-
+        from varuna.launch.live_store import LiveStore
         from varuna.launch.procs import pdeathsig_preexec
 
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=WAIT_S))
+        self.live = LiveStore(timeout_s=WAIT_S)  # the launcher's authenticated store
+        self.store = self.live.store
         self.out = out
         self.procs: list[subprocess.Popen] = []
         for r in range(n):
-            env = {**os.environ, "VARUNA_LIVE_STORE": f"127.0.0.1:{self.store.port}", "RANK": str(r),
+            env = {**os.environ, **self.live.worker_env(), "RANK": str(r),
                    "WORLD_SIZE": str(n), "LOCAL_RANK": str(r), "VARUNA_PIPELINE_DEPTH": str(P),
                    "OMP_NUM_THREADS": "1",
                    "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -189,6 +187,7 @@ class World:
                 os.killpg(p.pid, signal.SIGKILL)
         for p in self.procs:
             p.wait(WAIT_S)
+        self.live.close()
 
     def check(self, ranks: list[int]) -> None:
         bad = {r: self.procs[r].returncode for r in ranks if self.procs[r].returncode != 0}

@@ -244,9 +244,7 @@ def _run_ours(spec: WorldSpec, run: RunSpec, rank: int) -> tuple[list, list, dic
 
         cfg = _gpt_config(spec)
         model = GPT(cfg)
-        per = cfg.n_layer // V  # segments: 0 = embedding + block 0, i = block i, n_layer = head
-        ranges = [(k * per, (k + 1) * per - 1) for k in range(V)]
-        ranges[-1] = (ranges[-1][0], cfg.n_layer)
+        ranges = _gpt_ranges(spec, V)
         optimizer = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
     else:
         from varuna.testing.emulated import emulated_model
@@ -325,20 +323,33 @@ def _checkpointed(inner: Any) -> Any:
     return Checkpointed(inner)
 
 
+def _gpt_ranges(spec: WorldSpec, num_pieces: int) -> list[tuple[int, int]]:
+    """The engine's segment range of each piece: ``spec.gpt_ranges`` (a planned split), else
+    equal blocks (segments: 0 = embedding + block 0, i = block i, n_layer = the head)."""
+    if spec.gpt_ranges:
+        return [tuple(r) for r in spec.gpt_ranges]
+    n_layer = spec.gpt["n_layer"]
+    if n_layer % num_pieces:
+        raise ValueError(f"--gpt-layers {n_layer} must be a multiple of the {num_pieces} pipeline pieces")
+    per = n_layer // num_pieces
+    ranges = [(k * per, (k + 1) * per - 1) for k in range(num_pieces)]
+    ranges[-1] = (ranges[-1][0], n_layer)
+    return ranges
+
+
 def _gpt_pieces(spec: WorldSpec, num_pieces: int) -> list[Any]:
-    """The GPT cut into ``num_pieces`` sequential modules (embedding in the first, head in the last);
-    the last holds its own copy of the tied embedding (gradients summed after each step)."""
+    """The GPT cut into ``num_pieces`` sequential modules as the engine cuts it (:func:`_gpt_ranges`:
+    embedding in the first, head in the last); the last holds its own copy of the tied embedding
+    (gradients summed after each step)."""
     import torch
     import torch.nn.functional as F
     from model import GPT
     from torch import nn
 
     cfg = _gpt_config(spec)
-    if cfg.n_layer % num_pieces:
-        raise ValueError(f"--gpt-layers {cfg.n_layer} must be a multiple of the {num_pieces} pipeline pieces")
+    ranges = _gpt_ranges(spec, num_pieces)
     torch.manual_seed(0)
     gpt = GPT(cfg)
-    per = cfg.n_layer // num_pieces
 
     class Piece(nn.Module):
         def __init__(self, index: int) -> None:
@@ -346,7 +357,8 @@ def _gpt_pieces(spec: WorldSpec, num_pieces: int) -> list[Any]:
             self.first, self.last = index == 0, index == num_pieces - 1
             if self.first:
                 self.wte, self.wpe, self.drop = gpt.wte, gpt.wpe, gpt.drop
-            self.blocks = nn.ModuleList(gpt.blocks[index * per:(index + 1) * per])
+            a, b = ranges[index]
+            self.blocks = nn.ModuleList(gpt.blocks[a : min(b, cfg.n_layer - 1) + 1])
             if self.last:
                 self.ln_f = gpt.ln_f
                 self.head = gpt.wte.weight if self.first else nn.Parameter(gpt.wte.weight.detach().clone())

@@ -106,6 +106,8 @@ class WorldSpec:
     """Where each rank writes ``rank{r}.json`` (and its log)."""
     gpt: dict = field(default_factory=dict)
     """GPTConfig fields (gpt model)."""
+    gpt_ranges: list | None = None
+    """The GPT's segment range per stage for both systems (a planned split); None: equal blocks."""
     comm_timeout_s: float = 120.0
     """Every wait on another process gives up after this long."""
 

@@ -71,6 +71,11 @@ class Setup:
     steps: int = 4
     lr: float = 1e-3
     timeout_s: float = 900.0
+    shard: bool = False
+    """Optimizer state sharded over each stage's replicas (issue #32; ``bench_sharding.py --largest``)."""
+    time_balanced: bool = False
+    """Keep the time-balanced split even where it overflows a stage's memory (the engine before
+    the memory-aware split, issue #32): ``pipeline.stage_memory`` set out of reach."""
 
     @property
     def cap_bytes(self) -> int:
@@ -277,6 +282,8 @@ def _build_engine(a: argparse.Namespace, s: Setup):
             checkpoints=varuna.CheckpointConfig(dir=a.ckpt, resume=a.resume),
             stop_signals=(),
             timeouts=varuna.TimeoutConfig(peer_s=120.0, comm_s=s.timeout_s),
+            optimizer_state=varuna.OptimizerStateConfig(shard=s.shard),
+            pipeline=varuna.PipelineConfig(stage_memory=1 << 60 if s.time_balanced else None),
         ),
         example_batch=batch_for(1, s),
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=s.lr, eps=1e-6),

@@ -12,6 +12,11 @@ a property (docs/reliability.md).
 
     python scripts/chaos.py                      # 20 + 20 trials (about 40 s a trial on 2 cores)
     python scripts/chaos.py --trials 2 --ckpt-trials 2 --seed 7
+    python scripts/chaos.py --launcher --trials 10   # varuna-launch on hosts whose packets vanish
+
+``--launcher`` runs the launcher's trials instead (``scripts/chaos_hosts.py``: silent hosts at any
+rank, a partition that heals mid-recovery, two faults in a row, under ``varuna-launch --hosts``
+on network namespaces; root only); the options after it are that script's.
 
 Every wait has a timeout; every manager, agent and worker the script started is killed on any
 exit (the trial directories are removed unless ``--keep``).
@@ -54,7 +59,7 @@ from varuna.runtime.checkpoint import (  # noqa: E402
     verify_checkpoint,
 )
 
-TRAIN = ROOT / "examples" / "gpt2" / "train.py"
+TRAIN = {"gpt2": ROOT / "examples" / "gpt2" / "train.py", "resnet": ROOT / "examples" / "resnet" / "train.py"}
 TARGETS = ("worker", "agent", "agent-group", "manager")
 MANAGER_FLAGS = (
     "--heartbeat-interval", "0.25", "--heartbeat-timeout", "3",
@@ -82,6 +87,9 @@ class Options:
     vms: int = 3
     pipeline_depth: int = 0
     n_layer: int = 2
+    example: str = "resnet"
+    """The job's script: ``resnet`` (BatchNorm buffers, an LR schedule and a stateful data loader in
+    every checkpoint: the whole state) or ``gpt2``."""
     workdir: Path | None = None
     keep: bool = False
     trial_timeout_s: float = 300.0
@@ -215,16 +223,26 @@ class Manager:
 
 
 def job_spec(opts: Options, trial_dir: Path) -> dict:
-    """The GPT example, small, deterministic, on ``opts.vms`` pretend VMs that are not replaced."""
-    args = [
-        "--steps", str(opts.steps), "--n-layer", str(opts.n_layer), "--n-embd", "32", "--n-head", "2",
-        "--block-size", "32", "--global-batch-size", "12", "--micro-batch-size", "2",
-        "--eval-every", "0", "--seed", "0", "--deterministic",
-        "--metrics-out", str(trial_dir / "metrics.jsonl"),
+    """The example, small, deterministic, on ``opts.vms`` pretend VMs that are not replaced: GPT
+    (``--n-layer`` blocks, a cut after each) or the ResNet (``--n-layer`` residual blocks, 96
+    images: an epoch every 8 steps, so the data loader's state crosses epochs)."""
+    if opts.example == "gpt2":
+        args = [
+            "--n-layer", str(opts.n_layer), "--n-embd", "32", "--n-head", "2", "--block-size", "32",
+            "--eval-every", "0",
+        ]  # fmt: skip
+        segments = opts.n_layer + 1
+    else:
+        args = ["--widths", ",".join(["8"] * opts.n_layer), "--blocks", "1", "--image-size", "8",
+                "--samples", "96"]  # fmt: skip
+        segments = opts.n_layer + 2
+    args += [
+        "--steps", str(opts.steps), "--global-batch-size", "12", "--micro-batch-size", "2", "--seed", "0",
+        "--deterministic", "--metrics-out", str(trial_dir / "metrics.jsonl"),
     ]  # fmt: skip
     return {
         "name": "chaos",
-        "script": str(TRAIN),
+        "script": str(TRAIN[opts.example]),
         "args": args,
         "global_batch_size": 12,
         "micro_batch_size": 2,
@@ -234,7 +252,7 @@ def job_spec(opts: Options, trial_dir: Path) -> dict:
         "max_vms": opts.vms,
         "target_steps": opts.steps,
         "pipeline_depth": opts.pipeline_depth,
-        "num_segments": opts.n_layer + 1,
+        "num_segments": segments,
         "env": {"OMP_NUM_THREADS": "1"},
         # Lost VMs are not replaced: each kill of a VM shrinks the job (a different P×D).
         "provider_options": {"max_created": opts.vms},
@@ -337,10 +355,14 @@ def write_in_progress(ckpt: Path) -> str:
 
 
 def final_state(step_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint, by parameter name (and ``opt:NAME:KEY`` for optimizer state),
-    whatever P×D wrote it (files are split per segment and replica)."""
-    out: dict[str, torch.Tensor] = {}
-    for f in read_manifest(step_dir)["files"]:
+    """Every tensor of a checkpoint, by parameter or buffer name (and ``opt:NAME:KEY`` for
+    optimizer state), whatever P×D wrote it (files are split per segment and replica), and the
+    registered state (the data loader's position and generator, the LR schedule) as ``state``:
+    the bytes of its JSON, keys sorted."""
+    manifest = read_manifest(step_dir)
+    registered = json.dumps(manifest.get("state", {}), sort_keys=True).encode()
+    out: dict[str, torch.Tensor] = {"state": torch.frombuffer(bytearray(registered), dtype=torch.uint8)}
+    for f in manifest["files"]:
         shard = read_shard(step_dir / f["name"])
         out.update(shard["params"])
         for name, state in shard["optimizer"]["state"].items():
@@ -534,7 +556,9 @@ def parse_args(argv: list[str] | None) -> Options:
     p.add_argument("--checkpoint-every", type=int, default=2)
     p.add_argument("--vms", type=int, default=3, help="pretend VMs (not replaced when lost; default 3)")
     p.add_argument("--pipeline-depth", type=int, default=0, help="force P (0: the manager's fallback rule)")
-    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--n-layer", type=int, default=2, help="GPT blocks, or ResNet stages of one block")
+    p.add_argument("--example", choices=sorted(TRAIN), default="resnet",
+                   help="the job: resnet (buffers, LR schedule, data loader state: default) or gpt2")
     p.add_argument(
         "--workdir", type=Path, default=None, help="where the trial directories go (default: a temp dir)"
     )
@@ -552,7 +576,8 @@ def parse_args(argv: list[str] | None) -> Options:
     return Options(
         trials=a.trials, ckpt_trials=a.ckpt_trials, seed=a.seed, steps=a.steps,
         checkpoint_every=a.checkpoint_every, vms=a.vms, pipeline_depth=a.pipeline_depth,
-        n_layer=a.n_layer, workdir=a.workdir, keep=a.keep, trial_timeout_s=a.trial_timeout, targets=targets,
+        n_layer=a.n_layer, example=a.example, workdir=a.workdir, keep=a.keep,
+        trial_timeout_s=a.trial_timeout, targets=targets,
     )  # fmt: skip
 
 
@@ -575,11 +600,22 @@ def trial_root(opts: Options) -> Iterator[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     """Reference run, then the trials; 0 when every trial kept every property."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--launcher" in argv:  # varuna-launch's faults on real network hosts (scripts/chaos_hosts.py)
+        import importlib.util
+
+        path = Path(__file__).with_name("chaos_hosts.py")
+        spec = importlib.util.spec_from_file_location("varuna_chaos_hosts", path)
+        hosts = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = hosts
+        spec.loader.exec_module(hosts)
+        return hosts.main([a for a in argv if a != "--launcher"])
     opts = parse_args(argv)
     results: list[TrialResult] = []
     with trial_root(opts) as root:
-        print(f"chaos: seed {opts.seed}, {opts.vms} pretend VMs, {opts.steps} steps, checkpoint every "
-              f"{opts.checkpoint_every}, deterministic; trial directories in {root}", flush=True)  # fmt: skip
+        print(f"chaos: {opts.example}, seed {opts.seed}, {opts.vms} pretend VMs, {opts.steps} steps, "
+              f"checkpoint every {opts.checkpoint_every}, deterministic; trial directories in {root}",
+              flush=True)
         print(HEADER, flush=True)
         ref_result, reference = run_trial(opts, root, 0, None, None)
         print(row(ref_result), flush=True)

@@ -40,7 +40,7 @@ say "installed in $((SECONDS - start)) s"
 
 # Nothing but the core's dependencies (and theirs): no extra, no CUDA.
 "$BIN/python" -m pip list --format=freeze > "$WORK/pip-list.txt"
-extras=$(grep -iE '^(grpcio|grpcio-tools|protobuf|azure-[a-z-]+|transformers|scipy|matplotlib|tqdm|tensorboard|nvidia-[a-z0-9-]+)==' \
+extras=$(grep -iE '^(grpcio|grpcio-tools|protobuf|azure-[a-z-]+|boto3|botocore|transformers|scipy|matplotlib|tqdm|tensorboard|nvidia-[a-z0-9-]+)==' \
     "$WORK/pip-list.txt" || true)
 [ -z "$extras" ] || fail "the light install pulled in: $(echo "$extras" | tr '\n' ' ')"
 grep -qE '^torch==2\.13\.0\+cpu$' "$WORK/pip-list.txt" || fail "torch is not the 2.13.0 CPU build: $(grep -i '^torch==' "$WORK/pip-list.txt")"
@@ -50,7 +50,7 @@ cd "$WORK"  # not the checkout: `python -m` would put its varuna/ first on sys.p
 where=$("$BIN/python" -c 'import varuna; print(varuna.__file__)')
 case "$where" in "$WORK"/venv/*) ;; *) fail "varuna imported from $where, not the venv" ;; esac
 
-for cmd in varuna-launch varuna-simulate varuna-profile varuna-trace; do
+for cmd in varuna-launch varuna-simulate varuna-profile varuna-trace varuna-checkpoint; do
     timeout 120 "$BIN/$cmd" --help > /dev/null || fail "$cmd --help failed"
 done
 

@@ -9,7 +9,7 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.
     "$PY" -m pip install -q torch==2.13.0
 fi
 "$PY" -m pip install -q numpy
-# all: every extra (manager, azure, hf, plot, progress, tensorboard, dashboard). transformers and
+# all: every extra (manager, azure, aws, hf, plot, progress, tensorboard, dashboard). transformers and
 # tensorboard depend on torch/numpy without a pin, so the CPU wheel installed above satisfies them
 # and no other torch is pulled.
 "$PY" -m pip install -q -e ".[all,test]"

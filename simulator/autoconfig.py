@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,7 +44,8 @@ from varuna.core.calibration import Calibration
 from varuna.core.partition import balanced_stages, candidate_maxima
 from varuna.core.planning import PlanRequest
 from varuna.core.progress import Progress
-from varuna.core.schedule import DEFAULT_SCHEDULE, schedule_kind
+from varuna.core.schedule import DEFAULT_SCHEDULE, PLANNED_KINDS, schedule_kind
+from varuna.core.selective_recompute import choose_recompute_segments
 
 __all__ = [
     "Candidate",
@@ -52,6 +54,7 @@ __all__ = [
     "autoconfigure_request",
     "autoconfigure_schedules",
     "choose_micro_batch_size",
+    "plan_variants",
     "sweep_gpus",
     "GpuSweepPoint",
 ]
@@ -79,6 +82,16 @@ class Candidate:
     """"simulated", "pruned" (its bound cannot beat the best), or "no-memory" (does not fit)."""
     config: SimConfig
     result: SimResult | None = None
+    planner: _Planner | None = field(default=None, repr=False, compare=False)
+    """The variant (schedule kind, recompute, sharding) that made it: its memory model."""
+
+    @property
+    def recompute(self) -> bool:
+        return self.config.recompute
+
+    @property
+    def shard_optimizer(self) -> bool:
+        return self.config.shard_optimizer
 
     @property
     def num_gpus(self) -> int:
@@ -108,6 +121,11 @@ class Candidate:
             else self.examples_per_s / self.num_gpus,
             "memory_bytes": self.memory_bytes,
             "stage_segments": [list(r) for r in self.stage_segments],
+            "schedule": self.config.schedule,
+            "recompute": self.config.recompute,
+            "recompute_segments": None if self.config.recompute_segments is None
+            else list(self.config.recompute_segments),
+            "shard_optimizer": self.config.shard_optimizer,
         }
 
 
@@ -170,17 +188,24 @@ def choose_micro_batch_size(cal: Calibration) -> int:
 class _Planner:
     """Caches per-(m) segment costs and per-(m, P) partitions across candidates and G values."""
 
-    def __init__(self, cal: Calibration, schedule: str, recompute: bool, chunks: int, host_slots, memory):
+    def __init__(self, cal: Calibration, schedule: str, recompute: bool, chunks: int, host_slots, memory,
+                 shard: bool = False):
         self.cal = cal
         self.schedule = schedule
         self.kind = schedule_kind(schedule)
         self.recompute = recompute
+        self.shard = shard
         self.chunks = chunks
         self.host_slots = host_slots
         self.memory = memory
         self._seg: dict[int, tuple] = {}
         self._part: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
-        self._fit: dict[tuple[int, int, int], tuple[tuple[tuple[int, int], ...], int]] = {}
+        self._fit: dict[tuple[int, int, int, int], tuple[tuple[tuple[int, int], ...], int]] = {}
+        self._sel: dict[tuple, tuple[int, ...] | None] = {}
+        #: Note [Selective recompute] (varuna/core/selective_recompute.py): where the stages
+        #: recompute and the memory is known, recompute only what it needs
+        self.selective = (recompute or not self.kind.recompute_optional) and memory is not None \
+            and not self.kind.splits_backward and self.chunks_per_device == 1
 
     def seg_costs(self, m: int):
         if m not in self._seg:
@@ -212,38 +237,77 @@ class _Planner:
         v = self.chunks_per_device
         return any(self.kind.recomputes(P * v, ch * P + k, recompute=self.recompute) for ch in range(v))
 
+    def shards(self, D: int) -> int:
+        """Replicas the optimizer state is split over at D replicas."""
+        return D if self.shard else 1
+
     def stage_memories(
-        self, P: int, m: int, nm: int, ranges, stash: Sequence[int] | None = None
+        self, P: int, m: int, nm: int, ranges, stash: Sequence[int] | None = None, *, D: int = 1,
+        segments: tuple[int, ...] | None = None,
     ) -> list[int]:
-        """Per device, the memory estimate (analytic stash counts unless ``stash`` is given)."""
-        out = []
-        for k in range(P):
-            s = stash[k] if stash is not None else self.stash_estimate(P, k, nm)
-            out.append(stage_memory(self.cal, list(ranges[k::P]), m, s, self.stage_recomputes(P, k),
-                                    weight_versions=self.kind.weight_versions))
-        return out
+        """Per device, the memory estimate (analytic stash counts unless ``stash`` is given;
+        ``segments``: the recompute set, None: whole stages)."""
+        return [self._stage_memory(P, k, m, nm, ranges, stash, D, segments) for k in range(P)]
 
-    def memory_of(self, P: int, m: int, nm: int, ranges, stash: Sequence[int] | None = None) -> int:
-        return max(self.stage_memories(P, m, nm, ranges, stash))
+    def _stage_memory(self, P: int, k: int, m: int, nm: int, ranges, stash, D: int, segments) -> int:
+        s = stash[k] if stash is not None else self.stash_estimate(P, k, nm)
+        return stage_memory(self.cal, list(ranges[k::P]), m, s, self.stage_recomputes(P, k),
+                            weight_versions=self.kind.weight_versions, optimizer_shards=self.shards(D),
+                            replicas=D, recompute_segments=segments)
 
-    def fit(self, P: int, m: int, nm: int) -> tuple[tuple[tuple[int, int], ...], int]:
+    def memory_of(
+        self, P: int, m: int, nm: int, ranges, stash: Sequence[int] | None = None, *, D: int = 1,
+        segments: tuple[int, ...] | None = None,
+    ) -> int:
+        return max(self.stage_memories(P, m, nm, ranges, stash, D=D, segments=segments))
+
+    def recompute_segments(
+        self, P: int, m: int, nm: int, ranges, D: int, stash: Sequence[int] | None = None
+    ) -> tuple[int, ...] | None:
+        """The recompute set of a selective plan (Note [Selective recompute]): per recomputing
+        stage the fewest seconds of recompute that keep it within the memory; None (whole stages)
+        where the plan is not selective or a stage needs every segment recomputed."""
+        if not self.selective:
+            return None
+        key = (P, m, nm, tuple(ranges), D, None if stash is None else tuple(stash))
+        if key not in self._sel:
+            cal, chosen, everything = self.cal, set(), set()
+            acts = [cal.activation_bytes(i, m) for i in range(cal.num_segments)]
+            secs = [cal.recompute_s(i, m) for i in range(cal.num_segments)]
+            for k in range(P):
+                if not self.stage_recomputes(P, k):
+                    continue
+                a, b = ranges[k]
+                whole = set(range(a, b + 1))
+
+                def fits(s: frozenset[int], k: int = k) -> bool:
+                    return self._stage_memory(P, k, m, nm, ranges, stash, D, tuple(sorted(s))) <= self.memory
+
+                got = choose_recompute_segments(a, b, fits, acts, secs)
+                chosen |= whole if got is None else got
+                everything |= whole
+            self._sel[key] = None if chosen == everything else tuple(sorted(chosen))
+        return self._sel[key]
+
+    def fit(self, P: int, m: int, nm: int, D: int = 1) -> tuple[tuple[tuple[int, int], ...], int]:
         """The time-balanced map, or, when that overflows memory, the fastest map found whose
-        stages keep their static bytes (parameters, gradients, optimizer state) under the
-        memory left after their activations. Returns (ranges, largest stage memory)."""
+        stages keep their static bytes (parameters, gradients, optimizer state: 1/D of it when
+        sharded) under the memory left after their activations (Note [Memory-aware split] in
+        varuna/core/partition.py). Returns (ranges, largest stage memory)."""
         v = self.chunks_per_device
         ranges = self.partition(m, P * v)
-        mem = self.memory_of(P, m, nm, ranges)
+        mem = self.memory_of(P, m, nm, ranges, D=D)
         if self.memory is None or mem <= self.memory or v > 1:
             return ranges, mem
-        key = (P, m, nm)
+        key = (P, m, nm, self.shards(D))
         if key not in self._fit:
-            cal = self.cal
-            static = [s.param_bytes + s.grad_bytes + s.optimizer_bytes for s in cal.segments]
+            cal, shards = self.cal, self.shards(D)
+            static = [s.param_bytes + s.grad_bytes + s.optimizer_bytes / shards for s in cal.segments]
             _, _, _, full, last, cands = self.seg_costs(m)
             best = (ranges, mem)
             cap_prev = None
             for _ in range(4):  # the activation allowance depends on the map: iterate a little
-                per_stage = self.stage_memories(P, m, nm, best[0])
+                per_stage = self.stage_memories(P, m, nm, best[0], D=D)
                 allowance = max(per_stage[k] - sum(static[a : b + 1]) for k, (a, b) in enumerate(best[0]))
                 cap = self.memory - allowance
                 if cap <= 0 or cap == cap_prev:
@@ -255,14 +319,16 @@ class _Planner:
                     )
                 except ValueError:
                     break
-                best = (cand, self.memory_of(P, m, nm, cand))
+                best = (cand, self.memory_of(P, m, nm, cand, D=D))
                 if best[1] <= self.memory:
                     break
             self._fit[key] = best
         return self._fit[key]
 
-    def config(self, P: int, D: int, m: int, M: int, ranges) -> SimConfig:
+    def config(self, P: int, D: int, m: int, M: int, ranges, nm: int | None = None) -> SimConfig:
+        segments = None if nm is None else self.recompute_segments(P, m, nm, ranges, D)
         return SimConfig.for_global_batch(
+            recompute_segments=segments,
             global_batch_size=M,
             num_replicas=D,
             micro_batch_size=m,
@@ -270,6 +336,7 @@ class _Planner:
             stage_segments=ranges,
             schedule=self.schedule,
             recompute=self.recompute,
+            shard_optimizer=self.shard and D > 1,
             chunks=self.chunks_per_device,
             host_slots=self.host_slots,
             jitter_scale=0.0,
@@ -292,7 +359,8 @@ class _Planner:
         host = host_of_ranks(cfg)  # replica 0 holds ranks 0..P-1 and the most micro-batches
         fk = [sum(f[a : e + 1]) for a, e in ranges]
         bk = [sum(b[a : e + 1]) for a, e in ranges]
-        rk = [sum(r[a : e + 1]) for a, e in ranges]
+        sel = cfg.recompute_segments  # Note [Selective recompute]: only those are forwarded twice
+        rk = [sum(r[i] for i in range(a, e + 1) if sel is None or i in sel) for a, e in ranges]
         hop = []
         for k in range(P - 1):
             nbytes = cal.act_bytes(ranges[k][1], m)
@@ -337,18 +405,29 @@ def autoconfigure(
     gpus: int,
     global_batch_size: int,
     gpu_memory_bytes: int | None = None,
-    schedule: str = DEFAULT_SCHEDULE,
-    recompute: bool = True,
+    schedule: str | None = DEFAULT_SCHEDULE,
+    recompute: bool | None = True,
+    shard_optimizer: bool | None = False,
     chunks: int = 2,
     micro_batch_size: int | None = None,
     host_slots: int | tuple[int, ...] = 1,
     exhaustive: bool = False,
     progress: bool | None = False,
+    pipeline_depth: int | None = None,
     _planner: _Planner | None = None,
 ) -> AutoConfigResult:
     """Rank configurations for ``gpus`` GPUs (see the module docstring).
 
-    ``micro_batch_size`` fixes m (it must be measured, or interpolable from two measured sizes);
+    Note [Joint plan]: ``schedule``, ``recompute`` and ``shard_optimizer`` may be left to the
+    planner (None): it then considers every kind that plans by default
+    (``varuna.core.schedule.PLANNED_KINDS``), with and without recompute where the kind makes it
+    optional, with and without sharded optimizer state, at every P, D, m and map, and keeps the
+    fastest simulated configuration that fits ``gpu_memory_bytes``. So a model that fits without
+    recompute runs without it (no forward is paid twice), and recompute or sharding appear only
+    where memory needs them. Given values are kept as they are.
+
+    ``micro_batch_size`` fixes m (it must be measured, or interpolable from two measured sizes),
+    ``pipeline_depth`` fixes P;
     ``exhaustive`` simulates every candidate instead of pruning by the lower bound (for tests and
     "why not P=..." questions). Simulations use mean times (no jitter), so the ranking is
     deterministic. ``progress``: a bar over the candidates (:class:`varuna.core.progress.Progress`
@@ -361,12 +440,23 @@ def autoconfigure(
     ValueError: unknown schedule kind 'pipedream'; choose one of varuna, gpipe, 1f1b, ...
     """
     t0 = time.perf_counter()
+    if schedule is None:  # Note [Joint plan]: the fastest of the kinds that plan by default
+        return autoconfigure_schedules(
+            cal, gpus=gpus, global_batch_size=global_batch_size, schedules=PLANNED_KINDS,
+            chunk_options=(chunks,), gpu_memory_bytes=gpu_memory_bytes, recompute=recompute,
+            shard_optimizer=shard_optimizer, micro_batch_size=micro_batch_size, host_slots=host_slots,
+            exhaustive=exhaustive, progress=progress, pipeline_depth=pipeline_depth,
+        )
     _check_schedule(schedule)
     if not 1 <= gpus <= MAX_GPUS:
         raise ValueError(f"gpus must be between 1 and {MAX_GPUS}, got {gpus}")
     if global_batch_size < 1:
         raise ValueError(f"global batch size must be >= 1, got {global_batch_size}")
-    planner = _planner or _Planner(cal, schedule, recompute, chunks, host_slots, gpu_memory_bytes)
+    planners = [_planner] if _planner is not None else [
+        _Planner(cal, schedule, r, chunks, host_slots, gpu_memory_bytes, shard=sh)
+        for r, sh in plan_variants(schedule, recompute, shard_optimizer)
+    ]
+    planner = planners[-1]  # the most frugal variant: what "nothing fits" is explained with
     if micro_batch_size is not None:
         cal.fwd_s(0, micro_batch_size)  # raises the "calibration lacks m=..." error when it must
         preferred = micro_batch_size
@@ -376,10 +466,13 @@ def autoconfigure(
         m_options = [x for x in reversed(cal.micro_batch_sizes) if x <= preferred]
     notes: list[str] = []
     max_p = min(cal.num_segments // planner.chunks_per_device, gpus)
+    depths = range(1, max_p + 1) if pipeline_depth is None else [pipeline_depth]
     candidates = [
         cand
-        for P in range(1, max_p + 1)
-        if (cand := _candidate(planner, P, gpus, global_batch_size, m_options, notes)) is not None
+        for P in depths
+        for variant in planners
+        if (variant.shard is False or gpus // P > 1)  # sharding over one replica is no sharding
+        and (cand := _candidate(variant, P, gpus, global_batch_size, m_options, notes)) is not None
     ]
     if not any(c.status == "pruned" for c in candidates):
         _explain_nothing_fits(planner, candidates, notes, gpus, global_batch_size, m_options, max_p)
@@ -423,12 +516,36 @@ def autoconfigure_request(
         gpu_memory_bytes=request.gpu_memory_bytes,
         schedule=request.schedule,
         recompute=request.recompute,
+        shard_optimizer=request.shard_optimizer,
         chunks=request.chunks,
         micro_batch_size=request.micro_batch_size,
         host_slots=request.host_slots,
         exhaustive=exhaustive,
         progress=progress,
     )
+
+
+def plan_variants(
+    schedule: str, recompute: bool | None, shard_optimizer: bool | None
+) -> list[tuple[bool, bool]]:
+    """(recompute, shard) pairs auto-config weighs for ``schedule`` (Note [Joint plan]), the
+    likely fastest first: a given value as it is (as the kind runs it), else both where the kind
+    makes recompute optional.
+
+    >>> plan_variants("1f1b", None, None)
+    [(False, False), (False, True), (True, False), (True, True)]
+    >>> plan_variants("varuna", None, False)   # varuna always recomputes
+    [(True, False)]
+    """
+    kind = schedule_kind(schedule)
+    if recompute is None:
+        recomputes = [False, True] if kind.recompute_optional else [kind.effective_recompute(True)]
+    else:
+        recomputes = [kind.effective_recompute(recompute)]
+    shards = [False, True] if shard_optimizer is None else [shard_optimizer]
+    if kind.weight_versions > 1:
+        shards = [False]  # the runtime refuses sharded state with two weight versions
+    return [(r, sh) for r in recomputes for sh in shards]
 
 
 def _candidate(
@@ -450,7 +567,7 @@ def _candidate(
     fits = False
     for m in usable:
         counts, _ = microbatch_counts(M, m, D)
-        ranges, mem = planner.fit(P, m, counts[0])
+        ranges, mem = planner.fit(P, m, counts[0], D)
         fits = planner.memory is None or mem <= planner.memory
         if fits:
             break
@@ -460,7 +577,9 @@ def _candidate(
         if reason is not None:
             notes.append(f"P={P}: {reason} (Nm={max(counts)})")
             return None
-    cfg = planner.config(P, D, m, M, ranges)
+    cfg = planner.config(P, D, m, M, ranges, counts[0] if fits else None)
+    if cfg.recompute_segments is not None:
+        mem = planner.memory_of(P, m, counts[0], ranges, D=D, segments=cfg.recompute_segments)
     return Candidate(
         num_stages=P,
         num_replicas=D,
@@ -471,6 +590,7 @@ def _candidate(
         memory_bytes=mem,
         status="pruned" if fits else "no-memory",
         config=cfg,
+        planner=planner,
     )
 
 
@@ -491,7 +611,7 @@ def _explain_nothing_fits(
         # Which depth would fit if G were larger? Tell the user how many GPUs to ask for.
         m = m_options[-1]
         for P in range(max_p + 1, num_segments // v + 1):
-            if planner.fit(P, m, -(-M // m))[1] <= memory:
+            if planner.fit(P, m, -(-M // m), max(1, gpus // P))[1] <= memory:
                 raise ValueError(
                     f"the model needs at least P={P} pipeline stages to fit in {mem_txt} per GPU, but "
                     f"only G={gpus} GPUs were given; ask for at least {P} GPUs or use GPUs with more "
@@ -515,8 +635,11 @@ def _branch_and_bound(
 ) -> tuple[Candidate, int]:
     """Simulate the candidates in increasing order of their lower bound until the next bound
     cannot beat the best time; returns (best, simulations run)."""
+    # On a tie the plan without recompute, then without sharding, is simulated first and kept
+    # (Note [Joint plan]: neither is paid for when it buys nothing).
     live = sorted(
-        (c for c in candidates if c.status == "pruned"), key=lambda c: (c.lower_bound_s, c.num_stages)
+        (c for c in candidates if c.status == "pruned"),
+        key=lambda c: (c.lower_bound_s, c.num_stages, c.config.recompute, c.config.shard_optimizer),
     )
     best: Candidate | None = None
     simulations = 0
@@ -526,17 +649,21 @@ def _branch_and_bound(
             bar.update(len(live) - simulations)  # decided without simulating
             break  # sorted: no later candidate can win either
         bar.set_postfix(f"P={cand.num_stages} D={cand.num_replicas} m={cand.micro_batch_size}")
-        cand.result = simulate(planner.cal, cand.config)
+        own = cand.planner or planner
+        cand.result = simulate(own.cal, cand.config)
         simulations += 1
         bar.update()
         cand.status = "simulated"
-        cand.memory_bytes = planner.memory_of(
-            cand.num_stages,
-            cand.micro_batch_size,
-            max(cand.num_microbatches),
-            cand.stage_segments,
-            stash=cand.result.peak_stashed,
-        )
+        cand.memory_bytes = _simulated_memory(own, cand)
+        if own.selective and planner.memory is not None and cand.memory_bytes > planner.memory:
+            # The simulated stash exceeds the analytic one: choose the recompute set again for it.
+            P, m, D = cand.num_stages, cand.micro_batch_size, cand.num_replicas
+            segments = own.recompute_segments(P, m, max(cand.num_microbatches), cand.stage_segments, D,
+                                              stash=cand.result.peak_stashed)
+            cand.config = dataclasses.replace(cand.config, recompute_segments=segments)
+            cand.result = simulate(own.cal, cand.config)
+            simulations += 1
+            cand.memory_bytes = _simulated_memory(own, cand)
         if planner.memory is not None and cand.memory_bytes > planner.memory:
             cand.status = "no-memory"
             continue
@@ -548,6 +675,13 @@ def _branch_and_bound(
             f"use GPUs with more memory or a smaller micro-batch size"
         )
     return best, simulations
+
+
+def _simulated_memory(planner: _Planner, cand: Candidate) -> int:
+    """The candidate's largest stage memory with the stash counts its simulation found."""
+    return planner.memory_of(cand.num_stages, cand.micro_batch_size, max(cand.num_microbatches),
+                             cand.stage_segments, stash=cand.result.peak_stashed, D=cand.num_replicas,
+                             segments=cand.config.recompute_segments)
 
 
 def _rank(c: Candidate):

@@ -42,11 +42,18 @@ from simulator.autoconfig import (
 from simulator.config import SIM_SCHEDULE_KINDS, SimConfig, SimResult
 from simulator.engine import simulate
 from simulator.mixed_plan import plan_mixed
+from simulator.training import (
+    TrainingEstimate,
+    add_training_args,
+    device_peak_of,
+    estimate_training,
+    flops_per_example,
+)
 from varuna.core.calibration import Calibration
 from varuna.core.cli import OneLineParser, add_deprecated_alias, add_planning_args, positive_int
 from varuna.core.extras import MissingExtra, require_extra
 from varuna.core.planning import PlanRequest
-from varuna.core.schedule import DEFAULT_SCHEDULE, schedule_kind
+from varuna.core.schedule import DEFAULT_SCHEDULE, chunks_problem, schedule_kind
 
 PROG = "varuna-simulate"
 
@@ -156,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--plot", metavar="OUT.png", help="write the chosen config's timeline as a Gantt chart")
     p.add_argument("--quiet", action="store_true", help="no progress bars (also: VARUNA_QUIET=1)")
-    return p
+    return add_training_args(p)
 
 
 def _table(plan: AutoConfigResult, top: int) -> str:
@@ -212,6 +219,10 @@ def _run(args) -> int:
         raise _UsageError(
             f"unknown schedule kind {args.schedule!r}; choose one of {', '.join(SIM_SCHEDULE_KINDS)}"
         )
+    if args.chunks is not None:  # as varuna-launch refuses it: never silently ignored
+        problem = chunks_problem(args.schedule, args.chunks)
+        if problem is not None:
+            raise _UsageError(problem)
     if args.plot:  # before minutes of search, not after
         require_extra("plot", "--plot")
     if not 0 <= args.jitter_scale <= 1e6:  # also refuses nan and inf
@@ -268,8 +279,9 @@ def _estimate(args, request: PlanRequest) -> dict:
             f"largest stage, more than --gpu-memory",
             file=sys.stderr,
         )
+    train = _training(args, request, cal, res.examples_per_s, P * D)
     if args.json:
-        return {"best": res.summary(), "candidates": [res.summary()]}
+        return {"best": res.summary(), "candidates": [res.summary()], "training": train.to_dict()}
     nm = cfg.num_microbatches
     print(f"config {cfg.label()}  Nm per replica {min(nm)}-{max(nm)}")
     print(
@@ -283,6 +295,7 @@ def _estimate(args, request: PlanRequest) -> dict:
             f"{res.stage_allreduce_s[k]:11.4f} {res.peak_stashed[k]:>6} "
             f"{res.stage_memory_bytes[k] / 2**30:8.2f}"
         )
+    print(f"  {train.describe()}")
     return {}
 
 
@@ -293,9 +306,11 @@ def _search(args, request: PlanRequest) -> dict:
     cfg = best.config
     if args.jitter_scale > 0:
         cfg = dataclasses.replace(cfg, jitter_scale=args.jitter_scale, seed=args.seed)
-    _outputs(args, request.load_calibration(), cfg)
+    cal = request.load_calibration()
+    _outputs(args, cal, cfg)
+    train = _training(args, request, cal, best.result.examples_per_s, best.num_gpus)
     if args.json:
-        return plan.to_dict()
+        return {**plan.to_dict(), "training": train.to_dict()}
     b = best.result
     print(
         f"best: P={best.num_stages} D={best.num_replicas} m={best.micro_batch_size} "
@@ -303,6 +318,7 @@ def _search(args, request: PlanRequest) -> dict:
         f"{b.examples_per_s:.2f} examples/s  [{plan.simulations} simulated of {len(plan.candidates)} "
         f"candidates in {plan.elapsed_s:.2f} s]"
     )
+    print(train.describe())
     print(_table(plan, args.top))
     return {}
 
@@ -331,20 +347,60 @@ def _mixed(args, request: PlanRequest) -> int:
         host_slots=request.host_slots,
         pipeline_depths=args.pipeline_depths,
     )
+    train = _training(args, request, None, plan.examples_per_s, sum(plan.vms_used.values()),
+                      price_per_hour=_cluster_price(args, costs, plan.vms_used))
     if args.json:
-        print(json.dumps(plan.to_dict(), indent=1))
+        print(json.dumps({**plan.to_dict(), "training": train.to_dict()}, indent=1))
         return 0
     print(plan.explain())
+    print(train.describe())
     env = plan.run_plan().to_env()
     print("run plan: " + " ".join(f"{k}={v}" for k, v in env.items()))
     print(f"[{plan.layouts_considered} layouts estimated, {plan.simulations} simulated]")
     return 0
 
 
+def _training(args, request: PlanRequest, cal: Calibration | None, examples_per_s: float, devices: int,
+              *, price_per_hour: float | None = None) -> TrainingEstimate:
+    """``--train-steps/--train-tokens/--price-per-device-hour/--peak-tflops`` applied to a predicted
+    rate (``cal`` None: a mixed cluster, no single device peak)."""
+    if args.tokens_per_example is not None and args.tokens_per_example < 1:
+        raise _UsageError(f"--tokens-per-example must be >= 1, got {args.tokens_per_example}")
+    device_price = args.price_per_device_hour
+    if isinstance(device_price, dict):
+        if cal is not None:
+            raise _UsageError("--price-per-device-hour TYPE=PRICE,... is for --cluster; give one number")
+        device_price = None
+    return estimate_training(
+        examples_per_s=examples_per_s, devices=devices, global_batch_size=request.global_batch_size,
+        flops_per_example=flops_per_example(cal) if cal is not None else None,
+        peak=device_peak_of(cal, args.peak_tflops, args.precision) if cal is not None else None,
+        train_steps=args.train_steps, train_tokens=args.train_tokens,
+        tokens_per_example=args.tokens_per_example,
+        device_price_per_hour=device_price, price_per_hour=price_per_hour,
+    )
+
+
+def _cluster_price(args, costs, vms_used: dict[str, int]) -> float | None:
+    """Price per hour of the VMs a mixed plan uses: ``--price-per-device-hour`` (one price, or one per
+    type), else the calibration types' ``price_per_hour``; None when a type has no price."""
+    given = args.price_per_device_hour
+    if isinstance(given, float):
+        return given * sum(vms_used.values())
+    prices = dict(given or {})
+    if not prices and isinstance(costs, Calibration):
+        prices = {n: t.price_per_hour for n, t in costs.types.items() if t.price_per_hour is not None}
+    missing = sorted(t for t in vms_used if t not in prices)
+    if given and missing:
+        raise _UsageError(f"--price-per-device-hour has no price for VM type(s) {', '.join(missing)}")
+    return None if missing else sum(n * prices[t] for t, n in vms_used.items())
+
+
 def _sweep(args, request: PlanRequest) -> list[dict]:
     """``--sweep-gpus``: the best configuration at each G; prints a table unless ``--json``."""
+    cal = request.load_calibration()
     points = sweep_gpus(
-        request.load_calibration(),
+        cal,
         args.sweep_gpus,
         global_batch_size=request.global_batch_size,
         gpu_memory_bytes=request.gpu_memory_bytes,
@@ -355,15 +411,21 @@ def _sweep(args, request: PlanRequest) -> list[dict]:
         host_slots=request.host_slots,
         progress=False if args.quiet else None,
     )
+    trains = {p.gpus: _training(args, request, cal, p.examples_per_s, p.best.num_gpus)
+              for p in points if p.best}
     if not args.json:
-        print(f"\n{'G':>6} {'P':>4} {'D':>5} {'examples/s':>11} {'ex/s/GPU':>9}")
+        print(f"\n{'G':>6} {'P':>4} {'D':>5} {'examples/s':>11} {'ex/s/GPU':>9} {'TFLOP/s/GPU':>11} "
+              f"{'hours':>9} {'cost':>10}")
         for p in points:
             if p.best is None:
                 print(f"{p.gpus:>6}    -     - {'':>11} {'':>9}  {p.error}")
             else:
+                t = trains[p.gpus]
                 print(
                     f"{p.gpus:>6} {p.best.num_stages:>4} {p.best.num_replicas:>5} "
-                    f"{p.examples_per_s:11.2f} {p.examples_per_s_per_gpu:9.3f}"
+                    f"{p.examples_per_s:11.2f} {p.examples_per_s_per_gpu:9.3f} "
+                    + " ".join(f"{'-' if v is None else format(v, f):>{w}}" for v, f, w in (
+                        (t.tflops_per_device, ".3g", 11), (t.hours, ",.2f", 9), (t.cost, ",.2f", 10)))
                 )
     return [
         {
@@ -371,6 +433,7 @@ def _sweep(args, request: PlanRequest) -> list[dict]:
             "examples_per_s": p.examples_per_s,
             "examples_per_s_per_gpu": p.examples_per_s_per_gpu,
             "best": p.best.summary() if p.best else None,
+            "training": trains[p.gpus].to_dict() if p.best else None,
             "error": p.error,
         }
         for p in points

@@ -70,6 +70,12 @@ class SimConfig:
     """One of SIM_SCHEDULE_KINDS."""
     recompute: bool = True
     """Recompute for gpipe / 1f1b / interleaved (varuna always recomputes, except on the last stage)."""
+    recompute_segments: tuple[int, ...] | None = None
+    """Selective recompute (``PipelineConfig.recompute_segments``): the segments a recomputed
+    micro-batch recomputes; the rest keep their activations. None: all of a recomputing stage's."""
+    shard_optimizer: bool = False
+    """Optimizer state sharded over the D replicas (``VarunaConfig.optimizer_state.shard``): each
+    steps 1/D of it and the weights are all-gathered after (``simulator.costs.sync_costs``)."""
     chunks: int = 1
     """v: model chunks per device (interleaved only)."""
     host_slots: int | tuple[int, ...] = 1
@@ -194,6 +200,7 @@ class SimResult:
             "Nm": list(c.num_microbatches) if not isinstance(c.num_microbatches, int) else c.num_microbatches,
             "schedule": c.schedule,
             "recompute": c.recompute,
+            "recompute_segments": None if c.recompute_segments is None else list(c.recompute_segments),
             "chunks": c.chunks,
             "minibatch_s": self.minibatch_s,
             "examples_per_s": self.examples_per_s,

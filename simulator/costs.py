@@ -12,11 +12,13 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from simulator.config import SimConfig, host_of_ranks
 from varuna.core.calibration import Calibration, RuntimeOverheads
+from varuna.core.memory import comm_buffer_bytes
+from varuna.core.selective_recompute import recompute_blocks
 
 __all__ = [
     "StageCosts",
@@ -47,15 +49,23 @@ def stage_cost_tables(
     *,
     task_overhead_s: float,
     placeholder_s: float,
+    recompute_segments: Collection[int] | None = None,
 ) -> dict[int, StageCosts]:
     """:class:`StageCosts` at each micro-batch size in ``sizes``. F and R also pay
     ``placeholder_s`` per segment before the stage (its placeholders); every task pays
-    ``task_overhead_s``."""
+    ``task_overhead_s``. With ``recompute_segments`` (Note [Selective recompute]) R re-runs only
+    the stage's recomputed blocks, and F of a micro-batch that will be recomputed runs block by
+    block, each block paying the placeholders before it: F and R are then upper bounds for the
+    stage's micro-batches that are not recomputed (they run whole)."""
     glue = [task_overhead_s + placeholder_s * a for a, _ in ranges]  # F and R also pass segments 0..a-1
+    blocks = [recompute_blocks(a, b, recompute_segments) for a, b in ranges]
+    extra_glue = [placeholder_s * sum(x for x, _, _ in bl[1:]) for bl in blocks]
     out = {}
     for size in sorted(set(sizes)):
-        fwd = [g + sum(cal.fwd_s(s, size) for s in range(a, b + 1)) for g, (a, b) in zip(glue, ranges)]
-        rec = [g + sum(cal.recompute_s(s, size) for s in range(a, b + 1)) for g, (a, b) in zip(glue, ranges)]
+        fwd = [g + e + sum(cal.fwd_s(s, size) for s in range(a, b + 1))
+               for g, e, (a, b) in zip(glue, extra_glue, ranges)]
+        rec = [task_overhead_s + sum(_block_s(cal, size, x, y, placeholder_s) for x, y, r in bl if r)
+               for bl in blocks]
         bwd = [task_overhead_s + sum(cal.bwd_s(s, size) for s in range(a, b + 1)) for a, b in ranges]
         # Bytes leaving virtual stage c forwards (and its gradient backwards): the cut-point
         # after its last segment. The last virtual stage sends nothing.
@@ -64,6 +74,11 @@ def stage_cost_tables(
         wire = [(x / cal.inter.bandwidth_bytes_per_s, x / cal.intra.bandwidth_bytes_per_s) for x in nbytes]
         out[size] = StageCosts(fwd, rec, bwd, wire)
     return out
+
+
+def _block_s(cal: Calibration, size: int, a: int, b: int, placeholder_s: float) -> float:
+    """R of one recomputed block [a, b]: its placeholders before it and its segments' recomputes."""
+    return placeholder_s * a + sum(cal.recompute_s(s, size) for s in range(a, b + 1))
 
 
 def runtime_overheads(cal: Calibration, config: SimConfig) -> tuple[float, float, float]:
@@ -111,6 +126,11 @@ def sync_costs(
             else:
                 ar = cal.allreduce_s(nbytes, D, concurrency[k])
         opt = cal.optimizer_s(cal.param_bytes(device_segments[k])) if c.optimizer else 0.0
+        if c.shard_optimizer and D > 1:
+            # Each replica steps 1/D of the state, then the updated weights are all-gathered: half
+            # a ring all-reduce's traffic ((D-1)/D of the bytes once), modelled as half its time.
+            ar *= 1.5
+            opt /= D
         out.append((ar, opt))
     return out
 
@@ -143,22 +163,38 @@ def stage_memory(
     recompute: bool,
     *,
     weight_versions: int = 1,
+    optimizer_shards: int = 1,
+    replicas: int = 1,
+    recompute_segments: Collection[int] | None = None,
 ) -> int:
     """Peak memory of one device holding the segment ``ranges`` (one per model chunk) with
     ``stashed`` micro-batches in flight (``Calibration.stage_memory_bytes``), plus the parameters
-    once more per extra weight version (2bw keeps two)."""
+    once more per extra weight version (2bw keeps two); ``optimizer_shards``: the optimizer state
+    split over that many replicas (sharded optimizer state, docs/memory.md); with ``replicas`` > 1
+    one gradient bucket of the sync (``varuna.core.memory.comm_buffer_bytes``);
+    ``recompute_segments``: what a recomputing stage recomputes (Note [Selective recompute])."""
+    if replicas > 1:
+        grads = sum(cal.segments[i].grad_bytes for a, b in ranges for i in range(a, b + 1))
+        bucket = comm_buffer_bytes(replicas, grads)
+        return bucket + stage_memory(cal, ranges, m, stashed, recompute, weight_versions=weight_versions,
+                                     optimizer_shards=optimizer_shards, recompute_segments=recompute_segments)
+    shards = {"optimizer_shards": optimizer_shards, "recompute_segments": recompute_segments}
     if weight_versions > 1:
         params = sum(cal.segments[i].param_bytes for a, b in ranges for i in range(a, b + 1))
         extra = (weight_versions - 1) * params
-        return extra + stage_memory(cal, ranges, m, stashed, recompute)
+        return extra + stage_memory(cal, ranges, m, stashed, recompute, **shards)  # type: ignore[arg-type]
     if len(ranges) == 1:
         a, b = ranges[0]
-        return cal.stage_memory_bytes(range(a, b + 1), m, stashed, recompute=recompute)
+        return cal.stage_memory_bytes(range(a, b + 1), m, stashed, recompute=recompute, **shards)
     # Interleaved: the static memory of every chunk; in-flight activations are counted per chunk
     # and sized by the largest chunk (an upper bound).
-    static = sum(cal.stage_memory_bytes(range(a, b + 1), m, 0, recompute=False) for a, b in ranges)
+    static = sum(
+        cal.stage_memory_bytes(range(a, b + 1), m, 0, recompute=False, optimizer_shards=optimizer_shards)
+        for a, b in ranges
+    )
     dynamic = max(
-        cal.stage_memory_bytes(range(a, b + 1), m, stashed, recompute=recompute)
+        cal.stage_memory_bytes(range(a, b + 1), m, stashed, recompute=recompute,
+                               recompute_segments=recompute_segments)
         - cal.stage_memory_bytes(range(a, b + 1), m, 0, recompute=False)
         for a, b in ranges
     )

@@ -124,7 +124,9 @@ def _simulate(cal: Calibration, config: SimConfig, *, record: bool, steps: int =
     host = host_of_ranks(c)
     over, placeholder_s, step_overhead_s = runtime_overheads(cal, c)
     sizes = {c.micro_batch_size} | {c.last_size_of(d) for d in range(c.num_replicas)}
-    costs = stage_cost_tables(cal, ranges, sizes, task_overhead_s=over, placeholder_s=placeholder_s)
+    sel = c.recompute_segments
+    costs = stage_cost_tables(cal, ranges, sizes, task_overhead_s=over, placeholder_s=placeholder_s,
+                              recompute_segments=sel)
     links = Links.of(cal, c)
     sim_replicas = _replicas_to_simulate(c, host, links.random)
     rank_costs = None
@@ -132,7 +134,8 @@ def _simulate(cal: Calibration, config: SimConfig, *, record: bool, steps: int =
         # Mixed VM types: each device computes at its type's costs (Calibration.for_type).
         by_type = {
             t: stage_cost_tables(
-                cal.for_type(t), ranges, sizes, task_overhead_s=over, placeholder_s=placeholder_s
+                cal.for_type(t), ranges, sizes, task_overhead_s=over, placeholder_s=placeholder_s,
+                recompute_segments=sel,
             )
             for t in sorted({t for row in c.device_types for t in row})
         }
@@ -250,7 +253,8 @@ def _result(
         peak_stashed=tuple(peak),
         stage_memory_bytes=tuple(
             stage_memory(cal, device_ranges[k], m, peak[k], recomputes[k],
-                         weight_versions=schedule_kind(c.schedule).weight_versions)
+                         weight_versions=schedule_kind(c.schedule).weight_versions,
+                         recompute_segments=c.recompute_segments)
             for k in range(P)
         ),
         stage_segments=ranges,

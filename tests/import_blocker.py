@@ -22,6 +22,8 @@ BLOCKED = (
     "grpc_tools",
     "google.protobuf",
     "azure",
+    "boto3",
+    "botocore",
     "transformers",
     "scipy",
     "matplotlib",

@@ -29,19 +29,25 @@ CASES = [
      "0-1,2-3", "0-0,1-3"),
     ("replica_shares", "VARUNA_REPLICA_SHARES", (3, 1), (3, 1), (2, 2), "3,1", "2,2"),
     ("stage_speeds", "VARUNA_STAGE_SPEEDS", (1, 2), (1.0, 2.0), (1.0, 1.6), "1,2", "1.0,1.6"),
+    ("recompute", "VARUNA_RECOMPUTE", False, False, True, "0", "1"),
+    ("recompute_segments", "VARUNA_RECOMPUTE_SEGMENTS", (1, 3), (1, 3), (), "1,3", "none"),
+    ("shard_optimizer", "VARUNA_SHARD_OPTIMIZER", True, True, False, "1", "0"),
 ]
 IDS = [c[0] for c in CASES]
 
 
 def _with(name: str, value) -> VarunaConfig:
     """A config whose planned field ``name`` is ``value`` (None: unset) and the others unset."""
-    if name in ("global_batch_size", "micro_batch_size", "schedule"):
+    path = PLANNED_FIELDS[name]
+    if len(path) == 1:
         return VarunaConfig(**{name: value})
-    return VarunaConfig(pipeline=PipelineConfig(**{name: value}))
+    group = GROUPS[path[0]]
+    return VarunaConfig(**{path[0]: group(**{path[1]: value})})
 
 
 def _get(cfg: VarunaConfig, name: str):
-    return getattr(cfg, name) if len(PLANNED_FIELDS[name]) == 1 else getattr(cfg.pipeline, name)
+    path = PLANNED_FIELDS[name]
+    return getattr(cfg, name) if len(path) == 1 else getattr(getattr(cfg, path[0]), path[1])
 
 
 def test_the_cases_cover_every_planned_field_and_every_run_plan_field():

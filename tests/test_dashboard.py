@@ -409,3 +409,22 @@ def test_manager_server_with_a_taken_dashboard_port_stops_everything(tmp_path):
     finally:
         again.stop()
     assert not again.dashboard._thread
+
+
+def test_tflops_per_device_from_the_calibrations_flop_count():
+    """The job page's TFLOP/s per device is the engine's ``StepResult.tflops``: samples/s × 3 × the
+    calibration's forward FLOPs per example / (P×D); MFU when the job's env names a peak; nothing
+    (not a zero) without a FLOP count."""
+    store = Store(":memory:")
+    cal = {"model": {"fwd_flops_per_example": [1e9, 2e9]}}
+    store.add_job("with", {**SPEC, "env": {"VARUNA_PEAK_TFLOPS": "50"}}, calibration_json=json.dumps(cal))
+    store.add_job("without", SPEC)
+    for job in ("with", "without"):
+        store.add_progress(ProgressRecord(job_id=job, generation=1, step=1, time=time.time(),
+                                          samples_per_s=1000.0, loss=1.0, pipeline_depth=2, data_parallel=2))
+    view = DashboardView(store, health=lambda vm, now: "healthy")
+    point = view.job("with")["progress"][0]
+    assert point["tflops"] == pytest.approx(1000.0 * 3 * 3e9 / 4 / 1e12)
+    assert point["mfu"] == pytest.approx(point["tflops"] / 50.0)
+    bare = view.job("without")["progress"][0]
+    assert bare["tflops"] is None and bare["mfu"] is None

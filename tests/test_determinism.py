@@ -92,6 +92,61 @@ def test_weights_and_losses_are_bit_identical_at_every_layout(tmp_path):
         )
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> tuple[list[float], dict[str, str]]:
+    """The tiny GPT trained in one process (deterministic): the reference every layout equals."""
+    return run(tmp_path_factory.mktemp("one"), 1, 1)
+
+
+def reports_of(tmp_path: Path, P: int, D: int, *flags: str) -> list[dict]:
+    out = tmp_path / f"det_worker-{P}x{D}{''.join(flags)}"
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(P * D)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("P,D", [(2, 2), (2, 4), (1, 4)])
+def test_sharded_optimizer_state_is_bit_identical_to_one_process(tmp_path, one_process, P, D):
+    """Issue #32: with the optimizer state sharded over the D replicas (tied embedding, dropout,
+    clipping), every loss and every parameter equals the one-process run bit for bit, and each
+    replica holds only its part of its stage's Adam moments."""
+    losses, digests = run(tmp_path, P, D, "--shard")
+    assert losses == one_process[0], f"{P}x{D} sharded: per-step losses differ"
+    assert digests == one_process[1], f"{P}x{D} sharded: parameters differ: " + ", ".join(
+        n for n in one_process[1] if digests.get(n) != one_process[1][n])
+    reports = reports_of(tmp_path, P, D, "--shard")
+    for k in range(P):  # rank = replica * P + stage
+        stage = [reports[d * P + k] for d in range(D)]
+        whole = 2 * stage[0]["stage_elems"]  # exp_avg + exp_avg_sq
+        assert sum(r["opt_elems"] for r in stage) == whole, "the replicas' pieces partition the stage"
+        assert max(r["opt_elems"] for r in stage) < whole, "some replica holds all of the stage's state"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("P,D,common,layout", [
+    # 3 overflowing steps skipped (agreed by every rank), then 3 taken
+    (2, 2, ("--precision", "fp16", "--loss-scale", str(2**23)), ()),
+    # mixed VM types: replica 0 runs 5 of the 6 micro-batches
+    (1, 2, (), ("--replica-shares", "5,1")),
+])
+def test_sharded_state_with_fp16_scaling_and_mixed_shares_is_bit_identical(tmp_path, P, D, common, layout):
+    """Issue #32: sharding keeps fp16's overflow skips and the mixed replica shares
+    bit-identical to one process with the same settings."""
+    ref = run(tmp_path, 1, 1, "--steps", "6", *common)
+    flags = ("--steps", "6", *common, *layout, "--shard")
+    assert run(tmp_path, P, D, *flags) == ref
+    if common:
+        skipped = reports_of(tmp_path, P, D, *flags)[0]["skipped"]
+        assert True in skipped and False in skipped, f"the scale was meant to overflow some steps: {skipped}"
+
+
+@pytest.mark.slow
+def test_sharded_run_without_canonical_reduction_is_not_bit_identical(tmp_path, one_process):
+    """Negative control for the sharded comparison: the same 2×2 sharded run with the
+    ring all-reduce instead of the canonical tree differs from the one-process bits."""
+    _, digests = run(tmp_path, 2, 2, "--shard", "--no-canonical")
+    assert digests != one_process[1]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "flag,P,D", [("--no-canonical", 2, 2), ("--unkeyed-rng", 2, 1), ("--unkeyed-data", 1, 2)]
@@ -137,6 +192,23 @@ def test_morphing_through_checkpoints_equals_the_uninterrupted_run_bitwise(tmp_p
     assert (b["first_step"], c["first_step"]) == (3, 5)
     assert a["losses"] + b["losses"] + c["losses"] == ref["losses"], "per-step losses differ"
     assert params.keys() == ref_params.keys()
+    assert [n for n in ref_params if not torch.equal(params[n], ref_params[n])] == []
+
+
+@pytest.mark.slow
+def test_sharded_checkpoints_resume_unsharded_at_another_layout_and_back_bitwise(tmp_path):
+    """Issue #32: 2×4 with the optimizer state sharded over the 4 replicas for steps 1–2 →
+    checkpoint (state gathered by name) → 4×1 unsharded for steps 3–4 → checkpoint → 2×4 sharded
+    again for steps 5–6: bit-identical to the uninterrupted one-process run."""
+    ckpt = str(tmp_path / "ckpt")
+    ref, ref_params = ckpt_run(tmp_path, "ref", 1, 1, "--ckpt-dir", str(tmp_path / "unused"), "--steps", "6")
+    a, _ = ckpt_run(tmp_path, "a", 2, 4, "--ckpt-dir", ckpt, "--steps", "2", "--save-at", "2", "--shard")
+    b, _ = ckpt_run(
+        tmp_path, "b", 4, 1, "--ckpt-dir", ckpt, "--steps", "4", "--resume", "1", "--save-at", "4"
+    )
+    c, params = ckpt_run(tmp_path, "c", 2, 4, "--ckpt-dir", ckpt, "--steps", "6", "--resume", "1", "--shard")
+    assert (b["first_step"], c["first_step"]) == (3, 5)
+    assert a["losses"] + b["losses"] + c["losses"] == ref["losses"], "per-step losses differ"
     assert [n for n in ref_params if not torch.equal(params[n], ref_params[n])] == []
 
 
@@ -270,6 +342,16 @@ def test_attention_with_a_learned_mask_is_bit_identical_at_every_depth(tmp_path,
     """Issue #16 end to end: SDPA whose CPU kernel depends on autograd state, dropout on, 3 steps."""
     ref = run(tmp_path, 1, 1, worker=ATTN_WORKER)
     assert run(tmp_path, P, 1, worker=ATTN_WORKER) == ref
+
+
+@pytest.mark.slow
+def test_hf_llama_with_sharded_optimizer_state_is_bit_identical(tmp_path):
+    """Issue #32 on a Hugging Face Llama (tiny config, default attention): sharded at 2×2, 2×4
+    and 1×4 equals one process bit for bit."""
+    pytest.importorskip("transformers")
+    ref = run(tmp_path, 1, 1, "--model", "llama", worker=ATTN_WORKER)
+    for P, D in [(2, 2), (2, 4), (1, 4)]:
+        assert run(tmp_path, P, D, "--model", "llama", "--shard", worker=ATTN_WORKER) == ref, f"{P}x{D}"
 
 
 #: Hugging Face models built from tiny configs (tests/workers/hf_worker.py ``build``) with their

@@ -27,7 +27,9 @@ def test_a_launched_worker_reads_what_the_launcher_wrote():
     settings = {"VARUNA_CHECKPOINT_DIR": "/ckpt", "VARUNA_RESUME": "auto", "VARUNA_CUT_AFTER": "a.*, b",
                 "VARUNA_AUTO_CUTPOINTS": "", "VARUNA_PLAN_COST": "time", "VARUNA_TENSORBOARD_DIR": "/tb",
                 "VARUNA_NETEM": "latency=5ms", "VARUNA_ENGINE_PLUGINS": "m:f", "VARUNA_LIVE_STORE": "h:1",
-                "VARUNA_LIVE_JOIN": "1"}
+                "VARUNA_LIVE_JOIN": "1", "VARUNA_COMM_BACKEND": "gloo", "VARUNA_PEAK_TFLOPS": "989.4",
+                "VARUNA_FENCE_EPOCH": "17", "VARUNA_GENERATION": "3", "VARUNA_RESTARTS": "1",
+                "VARUNA_LIVE_STORE_KEY": "k" * 64}
     worker = WorkerEnv(master_addr="h0", master_port=29500, rank=3, world_size=4, local_rank=1,
                        local_world_size=2, pipeline_depth=2, data_parallel=2,
                        extra={**plan.to_env(), **settings})
@@ -37,8 +39,10 @@ def test_a_launched_worker_reads_what_the_launcher_wrote():
     assert env.plan == plan == worker.plan
     assert env.settings == worker.settings == WorkerSettings(
         checkpoint_dir="/ckpt", resume="auto", cut_after=("a.*", "b"), auto_cutpoints=None, plan_cost="time",
-        tensorboard_dir="/tb", netem="latency=5ms", engine_plugins="m:f", live_store="h:1", live_join=True)
+        tensorboard_dir="/tb", netem="latency=5ms", engine_plugins="m:f", live_store="h:1", live_join=True,
+        comm_backend="gloo", peak_tflops=989.4, fence_epoch=17, generation=3, live_store_key="k" * 64)
     assert set(settings) == set(SETTING_VARS)
+    assert "k" * 64 not in repr(env), "the store's secret is never printed"
 
 
 @pytest.mark.parametrize(
@@ -58,7 +62,14 @@ def test_a_launched_worker_reads_what_the_launcher_wrote():
         ("VARUNA_REPLICA_SHARES", "3;1", "VARUNA_REPLICA_SHARES='3;1' is not a comma-separated list"),
         ("VARUNA_STAGE_SPEEDS", "fast", "VARUNA_STAGE_SPEEDS='fast' is not a comma-separated list"),
         ("VARUNA_AUTO_CUTPOINTS", "0", "VARUNA_AUTO_CUTPOINTS=0 must be >= 1"),
+        ("VARUNA_FENCE_EPOCH", "soon", "VARUNA_FENCE_EPOCH='soon' is not an integer"),
+        ("VARUNA_RESTARTS", "-1", "VARUNA_GENERATION/VARUNA_RESTARTS=-1 must be >= 0"),
         ("VARUNA_PLAN_COST", "fast", "VARUNA_PLAN_COST='fast' is not flop or time"),
+        ("VARUNA_RECOMPUTE", "yes", "VARUNA_RECOMPUTE='yes' is not 1 or 0"),
+        ("VARUNA_SHARD_OPTIMIZER", "2", "VARUNA_SHARD_OPTIMIZER='2' is not 1 or 0"),
+        ("VARUNA_COMM_BACKEND", "mpi", "VARUNA_COMM_BACKEND='mpi' is not nccl or gloo"),
+        ("VARUNA_PEAK_TFLOPS", "fast", "VARUNA_PEAK_TFLOPS='fast' is not a peak TFLOP/s"),
+        ("VARUNA_PEAK_TFLOPS", "-1", "VARUNA_PEAK_TFLOPS='-1' is not a peak TFLOP/s"),
     ],
 )
 def test_a_malformed_value_is_one_line_naming_the_variable(var, value, words):
@@ -70,15 +81,20 @@ def test_a_malformed_value_is_one_line_naming_the_variable(var, value, words):
 def test_every_plan_variable_round_trips():
     plan = RunPlan(global_batch_size=8, micro_batch_size=2, schedule="interleaved", chunks=2,
                    stage_ranges=((0, 1), (2, 3), (4, 5), (6, 7)), replica_shares=(3, 1),
-                   stage_speeds=(1.0, 1.5))
+                   stage_speeds=(1.0, 1.5), recompute=False, recompute_segments=(1, 3), shard_optimizer=True)
     assert set(plan.to_env()) == set(PLAN_VARS)
     assert ProcessEnv.from_env(plan.to_env()).plan == plan
+    empty = RunPlan(recompute_segments=())  # the empty set (recompute nothing) is not "unset"
+    assert ProcessEnv.from_env(empty.to_env()).plan == empty
 
 
 # The runtime's reads of the environment go through varuna/core/env.py (Note [One parser]). Writes
 # stay where they are: the live trainer drops plan variables sized for an old layout, the local-world
-# spawner builds its children's environment.
-_WRITERS = {"varuna/runtime/live_trainer.py": {"pop"}, "varuna/testing/emulated.py": {"get"}}
+# spawner builds its children's environment, gloo's interface and deterministic mode's cuBLAS
+# workspace setting go where gloo and cuBLAS read them.
+_WRITERS = {"varuna/runtime/live_trainer.py": {"pop"}, "varuna/testing/emulated.py": {"get"},
+            "varuna/runtime/layout.py": {"update"}, "varuna/runtime/determinism.py": {"update"},
+            "varuna/testing/netns.py": {"get"}}  # the namespaces' children inherit this environment
 
 
 def test_the_runtime_reads_its_environment_only_through_the_one_parser():

@@ -30,17 +30,19 @@ def test_the_launcher_knows_the_runtime_fallback_code() -> None:
 
 
 @pytest.mark.parametrize(
-    ("extra", "needle"),
+    ("argv", "needle"),
     [
-        (["--checkpoint-dir", "c"], "--live-morph runs with --procs N"),
-        ([], "--live-morph needs --checkpoint-dir DIR"),
+        (["--procs", "4", "--live-morph"], "--live-morph needs --checkpoint-dir DIR"),
+        (["--hosts", "localhost,localhost", "--procs-per-host", "2", "--live-morph"],
+         "--live-morph needs --checkpoint-dir DIR"),
+        (["--procs", "4", "--max-restarts", "2"], "--max-restarts 2 needs --checkpoint-dir DIR"),
     ],
 )
-def test_live_morph_usage_errors(extra: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_live_morph_usage_errors(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """--live-morph and --max-restarts resume from a checkpoint, on one machine or several hosts."""
     from varuna.launch.launcher import main
 
-    where = ["--hosts", "localhost,localhost"] if extra else ["--procs", "4"]
-    assert main([*where, "--pipeline-depth", "2", "--live-morph", *extra, str(WORKER)]) == 2
+    assert main([*argv, "--pipeline-depth", "2", str(WORKER)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0]
 

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from varuna.core.env import RunPlan
+from varuna.core.schedule import PLANNED_KINDS
 from varuna.launch.launcher import main
 from varuna.launch.layout import Layout
 from varuna.launch.spec import LaunchConfig
@@ -65,11 +66,12 @@ def test_launcher_passes_the_schedule_to_auto_config(
     argv = ["--procs", "2", "--calibration", cal, "--global-batch-size", "16"]
     assert main([*argv, "--schedule", "1f1b", str(script)]) == 0
     assert main([*argv, str(script)]) == 0
-    assert [kwargs["schedule"] for kwargs in seen] == ["1f1b", "varuna"]
-    # The plan reaches every worker, with auto-config's m and stage map.
-    for config, schedule in zip(launched, ("1f1b", "varuna")):
+    # Without --schedule auto-config weighs every kind that plans by default (Note [Joint plan]).
+    assert [kwargs["schedule"] for kwargs in seen] == ["1f1b", None, *PLANNED_KINDS]
+    # The plan reaches every worker, with auto-config's m and stage map (and kind).
+    for config, schedules in zip(launched, (("1f1b",), PLANNED_KINDS)):
         plan = RunPlan.from_env(config.worker_env)
-        assert (plan.global_batch_size, plan.schedule) == (16, schedule)
+        assert plan.global_batch_size == 16 and plan.schedule in schedules
         assert plan.micro_batch_size in (1, 2, 4)
         assert plan.stage_ranges is not None and len(plan.stage_ranges) == config.pipeline_depth
 

@@ -178,14 +178,16 @@ def test_plan_workers_follows_rank_hosts() -> None:
 
 @pytest.fixture
 def on_hosts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[LaunchConfig, list[HostEntry]]]:
-    """What main() would run with --hosts: (config, hosts) handed to ``launch_on_hosts``."""
+    """What main() would run with --hosts: (config, hosts) of the first launch's placement, as
+    ``run_with_restarts`` plans it (nothing is started)."""
     runs: list[tuple[LaunchConfig, list[HostEntry]]] = []
 
-    def fake(config: LaunchConfig, entries: list[HostEntry], **_: Any) -> int:
-        runs.append((config, list(entries)))
+    def fake(config: LaunchConfig, reachable: list[HostEntry], plan: Any, **_: Any) -> int:
+        placement = plan(list(reachable))
+        runs.append((placement.config, list(placement.hosts)))
         return 0
 
-    monkeypatch.setattr(varuna.launch.launcher, "launch_on_hosts", fake)
+    monkeypatch.setattr(varuna.launch.launcher, "run_with_restarts", fake)
     return runs
 
 

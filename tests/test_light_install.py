@@ -89,7 +89,7 @@ def test_core_dependencies_are_torch_and_numpy():
     from manager.providers.registry import provider_entry, provider_names
 
     declared = [e.extra for e in map(provider_entry, provider_names()) if e.extra is not None]
-    assert {"azure", "kubernetes"} <= {x.name for x in declared}
+    assert {"azure", "aws", "kubernetes"} <= {x.name for x in declared}
     for x in declared:
         assert x.name in extras and x.name not in EXTRAS, x.name
         for package in x.packages.values():
@@ -202,6 +202,8 @@ ctx = ProviderContext(manager_address="127.0.0.1:1", token_file="t", state_dir=s
 opts = dict(subscription_id="s", resource_group="r", location="l", vm_size="v", subnet_id="n",
             ssh_public_key="k")
 hint(lambda: make_provider("azure", opts, ctx))
+hint(lambda: make_provider("aws", dict(region="r", instance_type="t", image_id="i", subnet_id="s",
+                                     token_delivery="user_data"), ctx))
 
 from simulator.cli import main
 err = io.StringIO()
@@ -221,6 +223,7 @@ def test_extras_reached_without_their_packages_say_which_pip_install(tmp_path):
         "pool allocation (manager/allocation) needs the manager extra (scipy): pip install 'varuna[manager]'",
         "the azure provider (on the manager's host) needs the azure extra "
         "(azure-identity, azure-mgmt-compute): pip install 'varuna[azure]'",
+        "the aws provider (on the manager's host) needs the aws extra (boto3): pip install 'varuna[aws]'",
         # --plot is checked before the calibration is read (here it does not even exist).
         "2 varuna-simulate: error: --plot needs the plot extra (matplotlib): pip install 'varuna[plot]'",
     ]

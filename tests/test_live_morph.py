@@ -174,19 +174,22 @@ def test_live_watch_declares_only_a_silent_member_dead_and_a_declared_one_learns
 def run_live_world(out: Path, ckpt: Path, *, world: int = 4, P: int = 2, args: tuple[str, ...] = (),
                    joiners: tuple[int, ...] = (), plan: tuple[int, int] | None = None,
                    timeout_s: float = 240.0, frozen: tuple[int, ...] = (),
-                   states: dict[int, str] | None = None) -> tuple[dict[int, int], dict[int, int | None]]:
+                   states: dict[int, str] | None = None, worker: Path = WORKER,
+                   steps: int = STEPS) -> tuple[dict[int, int], dict[int, int | None]]:
     """``world`` workers at P×(world/P) around a store this process hosts (the supervisor's role):
     a thread per worker waits for its exit and declares it dead; ``joiners`` start (with
     $VARUNA_LIVE_JOIN) once member 0 set ``test/joiners``; ``frozen`` members (they SIGSTOP
     themselves) get SIGCONT once every other member exited, their process state just before it
-    goes to ``states``. Returns pids and exit codes by member."""
+    goes to ``states``. ``worker``: the script (tests/workers/state_worker.py runs the BatchNorm
+    model). Returns pids and exit codes by member."""
+    from varuna.launch.live_store import LiveStore
     from varuna.runtime.live_morph import declare_dead, request_layout
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout_s))
+    live = LiveStore(timeout_s=timeout_s)
+    store = live.store
     if plan:
         request_layout(store, *plan)
-    cmd = [sys.executable, str(WORKER), "--out", str(out), "--ckpt-dir", str(ckpt), "--steps", str(STEPS),
+    cmd = [sys.executable, str(worker), "--out", str(out), "--ckpt-dir", str(ckpt), "--steps", str(steps),
            "--timeout", "60", *args]
     out.mkdir(parents=True)
     procs: dict[int, subprocess.Popen] = {}
@@ -197,10 +200,10 @@ def run_live_world(out: Path, ckpt: Path, *, world: int = 4, P: int = 2, args: t
             procs[m].wait(timeout_s)
         except subprocess.TimeoutExpired:
             return
-        declare_dead(dist.TCPStore("127.0.0.1", store.port, is_master=False), m)
+        declare_dead(store, m)
 
     def start(m: int, joining: bool) -> None:
-        env = {**os.environ, "VARUNA_LIVE_STORE": f"127.0.0.1:{store.port}", "RANK": str(m),
+        env = {**os.environ, **live.worker_env(), "RANK": str(m),
                "WORLD_SIZE": str(world), "LOCAL_RANK": str(m), "VARUNA_PIPELINE_DEPTH": str(P),
                "VARUNA_LIVE_JOIN": "1" if joining else "0", "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -239,6 +242,7 @@ def run_live_world(out: Path, ckpt: Path, *, world: int = 4, P: int = 2, args: t
                 p.wait(10)
         for f in logs:
             f.close()
+        live.close()
     return {m: p.pid for m, p in procs.items()}, {m: p.returncode for m, p in procs.items()}
 
 
@@ -336,16 +340,18 @@ def test_a_torn_down_survivor_releases_a_peer_blocked_on_it_at_once(tmp_path):
     member 1 tears down as after a failed step. Severing its groups alone, before its engine closes
     (no thread join, no group destroyed), frees member 0: its receiver fails, far below
     comm_timeout_s (120 s)."""
+    from varuna.launch.live_store import LiveStore
+
     worker = ROOT / "tests" / "workers" / "live_cascade_worker.py"
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))
-    env = {**os.environ, "VARUNA_LIVE_STORE": f"127.0.0.1:{store.port}", "WORLD_SIZE": "2",
+    live = LiveStore(timeout_s=60)
+    env = {**os.environ, **live.worker_env(), "WORLD_SIZE": "2",
            "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, str(worker), "--out", str(tmp_path), "--within", "30"],
                               env={**env, "RANK": str(m), "LOCAL_RANK": str(m)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for m in (0, 1)]
     outs = _communicate_all(procs, 180)
+    live.close()
     assert [p.returncode for p in procs] == [0, 0], outs
     seen = json.loads((tmp_path / "member0.json").read_text())
     assert seen["released"], seen
@@ -447,6 +453,48 @@ def test_a_lost_stage_falls_back_to_the_restart_path(tmp_path):
         assert "live morph impossible: stage 1 has no live replica" in (out / f"member{m}.log").read_text()
 
 
+@pytest.mark.slow
+def test_notice_with_sharded_optimizer_state_hands_it_over_whole(tmp_path, reference):
+    """Issue #32: at 2×2 with the optimizer state sharded over the replicas, both replicas of
+    stage 1 leave after a notice; at the boundary each stage gathers its shards whole, the
+    leavers hand stage 1 over peer to peer, and the survivors go on at 2×1 bit-identical."""
+    out = tmp_path / "notice-shard"
+    pids, codes = run_live_world(out, tmp_path / "ckpt", args=("--notice", "1:2,3:2", "--shard"))
+    assert codes == {m: 0 for m in range(4)}, logs_of(out)
+    reports = check_bit_identical(out, [0, 2], reference)
+    for m, report in reports.items():
+        assert report["pid"] == pids[m] and report["failed_steps"] == []
+        assert (report["P"], report["D"]) == (2, 1) and report["morphs"][0]["left"] == [1, 3]
+    assert reports[2]["morphs"][0]["received_bytes"] > 0, "stage 1 came from the leavers"
+
+
+@pytest.mark.slow
+def test_growth_with_sharded_optimizer_state_reshards_it(tmp_path, reference):
+    """Issue #32: 1×2 sharded grows to 2×2 sharded: the holders gather their shards at the
+    boundary, joiners receive their stage whole from a peer, and every replica keeps its new
+    shard; bit-identical to the one-process run."""
+    out = tmp_path / "grow-shard"
+    _, codes = run_live_world(out, tmp_path / "ckpt", world=2, P=1,
+                              args=("--joiners-after", "2:2", "--shard"), joiners=(2, 3), plan=(2, 2))
+    assert codes == {m: 0 for m in range(4)}, logs_of(out)
+    reports = check_bit_identical(out, [0, 1, 2, 3], reference)
+    assert all((r["P"], r["D"]) == (2, 2) for r in reports.values())
+
+
+@pytest.mark.slow
+def test_a_failed_step_with_sharded_optimizer_state_takes_the_restart_path(tmp_path):
+    """A replica dies with its shard: nobody else holds those moments, so the survivors say so
+    in one line and exit with the peer-lost code (restart from a checkpoint), never hang."""
+    from varuna.runtime.peer_watch import PEER_LOST_EXIT_CODE
+
+    out = tmp_path / "lost-shard"
+    _, codes = run_live_world(out, tmp_path / "ckpt", args=("--die", "3:1", "--shard"), timeout_s=120)
+    lost = PEER_LOST_EXIT_CODE
+    assert codes == {0: lost, 1: lost, 2: lost, 3: -signal.SIGKILL}
+    for m in (0, 1, 2):
+        assert "optimizer state was sharded over the replicas" in (out / f"member{m}.log").read_text()
+
+
 @pytest.mark.parametrize("overrides, needle", [({"schedule": "2bw"}, "second weight version"),
                                                ({"schedule": "interleaved", "chunks": 2}, "chunks=2")])
 def test_live_trainer_refuses_state_it_cannot_carry_in_one_line(overrides: dict, needle: str) -> None:
@@ -492,10 +540,11 @@ from datetime import timedelta
 import torch.distributed as dist
 from varuna.runtime.live_morph import LiveWorld
 from varuna.runtime.live_watch import LiveWatch
-master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-address = f"127.0.0.1:{master.port}"
-me = LiveWorld.join(address, member=0, joining=True, freeze_s=1.0, timeout_s=30)
-other = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=30))
+from varuna.launch.live_store import LiveStore
+from varuna.runtime.auth_store import AuthStore
+master = LiveStore(timeout_s=30)
+me = LiveWorld.join(master.address, member=0, joining=True, freeze_s=1.0, timeout_s=30, key=master.key)
+other = AuthStore("127.0.0.1", master.server.port, key=master.key, timeout=timedelta(seconds=30))
 watcher = LiveWatch.start(other, member=1, watched=lambda: [0], freeze_s=1.0, on_dead=lambda dead: None,
                           beat_s=0.05)
 other.wait(["varuna/live/beat/0"], timedelta(seconds=30))
@@ -506,6 +555,7 @@ except Exception:
 verdict = other.check(["varuna/live/dead/0"])
 watcher.close()
 me.close()
+master.close()
 print("declared dead" if verdict else "alive")
 sys.exit(1 if verdict else 0)
 """

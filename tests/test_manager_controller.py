@@ -37,6 +37,7 @@ from manager.domain.store import Store, VMRecord
 from manager.providers.base import NewVM
 from manager.transport.convert import spec_to_pb, submission_from_pb
 from varuna.core.calibration import Calibration
+from varuna.launch.supervisor import PEER_LOST_EXIT_CODE
 
 
 class Clock:
@@ -333,6 +334,56 @@ def test_failed_worker_waits_for_every_vm_to_prove_alive(tmp_path):
     w.until(lambda: w.store.job(job).generation == 2)
     gen = w.gen(job)
     assert gen.generation == 2 and dead.vm_id not in gen.vm_ids
+
+
+def test_a_silent_vm_is_blamed_not_the_survivors_that_lost_it(tmp_path):
+    """Note [Blame] in manager/domain/generations.py: a VM goes silent and the other workers' peer
+    watches give up on it first (exit 75) while the manager still counts it as up. The killing
+    event and the relaunch's recorded cause name the silent VM with its rank, not the survivors
+    (before the fix: "failure on vm1 (worker failed), vm2 (worker failed), ...")."""
+    w = World(tmp_path, provider=FakeProvider(capacity=4))
+    job = w.submit(max_vms=4)
+    w.tick()
+    w.tick(0.1)
+    w.steps(job, 1, 5)
+    w.tick(2.0)  # past the manager's start grace (Note [Restart grace] in manager/domain/context.py)
+    silent = w.running(job)[2]
+    rank = next(iter(silent.workers))
+    silent.alive = False
+    w.tick(1.1)  # quiet for two heartbeat intervals: it may be silent
+    survivors = [vm for vm in w.running(job) if vm is not silent]
+    for vm in survivors:
+        vm.finish(code=PEER_LOST_EXIT_CODE)
+    w.tick(0.5)
+    assert w.gen(job).state == "running", "symptoms only: the cause may yet show"
+    w.until(lambda: w.event(job, "killing"))
+    [killing] = w.event(job, "killing")
+    cause = f"failure on {silent.vm_id} (rank {rank}) gone (no heartbeat for"
+    assert cause in killing.message, killing.message
+    assert not [vm.vm_id for vm in survivors if vm.vm_id in killing.message], killing.message
+    [gone] = w.event(job, "vm-gone")
+    assert gone.data["ranks"] == [rank] and gone.data["silent_s"] > w.mgr.config.heartbeat_timeout_s
+    assert silent.vm_id in w.store.job(job).detection_reason
+    assert not [vm.vm_id for vm in survivors if vm.vm_id in w.store.job(job).detection_reason]
+
+
+def test_exits_75_without_a_cause_are_blamed_after_the_window(tmp_path):
+    """The negative control of the test above: every VM alive and heartbeating, one worker exits
+    75 (its peer watch named a peer that then came back): after the blame window that worker's
+    VM is the cause."""
+    w = World(tmp_path, provider=FakeProvider(capacity=4))
+    job = w.submit(max_vms=4)
+    w.tick()
+    w.tick(0.1)
+    w.steps(job, 1, 3)
+    vm = w.running(job)[1]
+    vm.finish(code=PEER_LOST_EXIT_CODE)
+    w.tick(0.1)
+    assert not w.event(job, "killing")
+    w.until(lambda: w.event(job, "killing"), dt=0.25, max_ticks=8)
+    [killing] = w.event(job, "killing")
+    assert f"failure on {vm.vm_id} (rank" in killing.message
+    assert "worker failed (exit code 75)" in killing.message
 
 
 def test_preempt_notice_stops_gracefully_and_excludes_vm(tmp_path):

@@ -181,19 +181,40 @@ def test_cached_records_follow_every_write_and_readers_keep_their_snapshot(tmp_p
 
 
 def test_a_failed_flush_keeps_the_deferred_values_for_the_next(tmp_path):
+    """A write that fails for a reason that may pass (here SQLite refusing every write, as for a
+    file whose permissions changed) keeps the batch for the next flush."""
     store = _store_with_a_vm(tmp_path)
     store.note_vm("v1", last_heartbeat=5.0)
-    conn = sqlite3.connect(str(tmp_path / "state.sqlite"))
-    conn.execute(
-        "CREATE TRIGGER full BEFORE UPDATE OF last_heartbeat ON vms"
-        " BEGIN SELECT RAISE(ABORT, 'disk full'); END"
-    )
-    conn.commit()
-    with pytest.raises(sqlite3.DatabaseError, match="disk full"):
+    store._conn.execute("PRAGMA query_only=ON")
+    with pytest.raises(sqlite3.OperationalError, match="readonly"):
         store.flush()
     store.note_vm("v1", free_port=99)  # deferred meanwhile: goes with the next batch
-    conn.execute("DROP TRIGGER full")
-    conn.commit()
-    conn.close()
+    store._conn.execute("PRAGMA query_only=OFF")
     assert store.flush() == 1
     assert _on_file(tmp_path, "SELECT last_heartbeat, free_port FROM vms") == [(5.0, 99)]
+
+
+def test_a_row_the_file_refuses_is_dropped_with_one_line_and_the_rest_written(tmp_path, capsys):
+    """Note [Non-finite values]: a batch that fails on a row's content (a constraint) is written
+    row by row; the refused row is dropped with one line and never deferred again (it once made
+    every later tick and status call fail), the others reach the file."""
+    store = _store_with_a_vm(tmp_path)
+    store.add_vm(VMRecord(vm_id="v2", job_id="j", provider="local", seq=2, state="up", slots=1, created=1.0))
+    conn = sqlite3.connect(str(tmp_path / "state.sqlite"))
+    conn.execute(
+        "CREATE TRIGGER refuse BEFORE UPDATE OF last_heartbeat ON vms WHEN NEW.vm_id = 'v1'"
+        " BEGIN SELECT RAISE(ABORT, 'refused by a constraint'); END"
+    )
+    conn.commit()
+    conn.close()
+    store.note_vm("v1", last_heartbeat=5.0)
+    store.note_vm("v2", last_heartbeat=6.0)
+    store.add_progress(ProgressRecord(job_id="j", generation=1, step=3, time=1.0, samples_per_s=None,
+                                      loss=None, pipeline_depth=1, data_parallel=1))  # fmt: skip
+    assert store.flush() == 2  # v2's time and the progress point; v1's is dropped
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "dropped 1 row(s)" in err[0] and "VM v1" in err[0] and "Traceback" not in err[0]
+    assert store.flush() == 0, "the refused row is not deferred again"
+    on_file = _on_file(tmp_path, "SELECT vm_id, last_heartbeat FROM vms ORDER BY vm_id")
+    assert on_file == [("v1", None), ("v2", 6.0)]
+    assert _on_file(tmp_path, "SELECT step, loss, samples_per_s FROM progress") == [(3, None, None)]

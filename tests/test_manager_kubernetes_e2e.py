@@ -85,7 +85,8 @@ def reference_state(tmp_path: Path, chaos) -> dict:
     """The final checkpoint of the undisturbed run: one process, same arguments."""
     ckpt = tmp_path / "reference-ckpt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    for key in ("VARUNA_CHECKPOINT_DIR", "VARUNA_RESUME", "VARUNA_MANAGER", "VARUNA_LIVE_STORE"):
+    for key in ("VARUNA_CHECKPOINT_DIR", "VARUNA_RESUME", "VARUNA_MANAGER", "VARUNA_LIVE_STORE",
+                "VARUNA_LIVE_STORE_KEY"):
         env.pop(key, None)
     cmd = [
         sys.executable,

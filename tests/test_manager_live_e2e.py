@@ -65,7 +65,8 @@ from varuna.runtime.live_morph import ROOT as LIVE_ROOT  # noqa: E402
 def reference_losses(tmp_path: Path) -> dict[int, float]:
     metrics = tmp_path / "reference.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    for key in ("VARUNA_CHECKPOINT_DIR", "VARUNA_RESUME", "VARUNA_MANAGER", "VARUNA_LIVE_STORE"):
+    for key in ("VARUNA_CHECKPOINT_DIR", "VARUNA_RESUME", "VARUNA_MANAGER", "VARUNA_LIVE_STORE",
+                "VARUNA_LIVE_STORE_KEY"):
         env.pop(key, None)
     cmd = [sys.executable, str(TRAIN), "--steps", str(STEPS), *MODEL_ARGS, "--metrics-out", str(metrics)]
     subprocess.run(cmd, check=True, env=env, timeout=300, capture_output=True)
@@ -188,10 +189,12 @@ def redone_lines(tmp_path: Path) -> list[str]:
             for x in log.read_text(errors="replace").splitlines() if "; regrouping" in x]
 
 
-def wait_joiners(address: str, n: int) -> None:
+def wait_joiners(address: str, key: str, n: int) -> None:
     """Until ``n`` joiners registered in the live store at ``address`` (its joins counter)."""
+    from varuna.runtime.auth_store import AuthStore
+
     host, port = address.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
+    store = AuthStore(host, int(port), key=key, timeout=timedelta(seconds=30))
     wait_for(lambda: store.add(f"{LIVE_ROOT}joins", 0) >= n, 300, f"{n} joiners to register")
 
 
@@ -302,11 +305,12 @@ def test_new_vms_join_the_running_generation_live(tmp_path):
         before = (st.pipeline_depth, st.data_parallel)
         assert before[0] * before[1] == 2
         pids = worker_pids(st)
-        address = next(x.split("=", 1)[1] for x in Path(f"/proc/{pids[0]}/environ").read_bytes().decode()
-                       .split("\0") if x.startswith("VARUNA_LIVE_STORE="))
+        environ = dict(x.split("=", 1) for x in Path(f"/proc/{pids[0]}/environ").read_bytes().decode()
+                       .split("\0") if "=" in x)
+        address, key = environ["VARUNA_LIVE_STORE"], environ["VARUNA_LIVE_STORE_KEY"]
         pause(pids.values())
         capacity.write_text("4\n")  # spot capacity comes back
-        wait_joiners(address, 2)  # started by the new VMs' agents as RANK 2, 3 with VARUNA_LIVE_JOIN=1
+        wait_joiners(address, key, 2)  # started by the new VMs' agents as RANK 2, 3 with VARUNA_LIVE_JOIN=1
         pause(pids.values(), signal.SIGCONT)
         _, ev = live_morph_event(mp, job, "the growth")
         assert ev["reason_kind"] == "growth" and ev["joined_ranks"] == [2, 3] and ev["old"] == list(before)

@@ -421,6 +421,11 @@ def test_worker_shim_fast_exit_keeps_what_a_normal_exit_keeps(tmp_path):
         "manager.providers.agent_start",
         "manager.agent.notices",
         "manager.transport.convert",
+        "manager.common.log_lines",
+        "manager.common.descriptors",
+        "manager.common.daemon_lock",
+        "manager.domain.state_file",
+        "manager.domain.store_schema",
     ],
 )
 def test_seam_docstring_examples(module):

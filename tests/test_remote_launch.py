@@ -18,7 +18,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -47,9 +46,9 @@ from varuna.launch.layout import Layout, resolve_layout
 from varuna.launch.protocol import decode_message, encode_message
 from varuna.launch.spec import LaunchConfig
 from varuna.launch.ssh import SshOptions, probe_hosts, remote_agent_command
+from varuna.testing.sshd import SshKeys, sshd_unavailable, start_sshd, stop_sshd
 
 ROOT = Path(__file__).resolve().parent.parent
-SSHD = "/usr/sbin/sshd"
 PREFIX_RE = re.compile(r"^\[h(\d+)=(\S+) rank (\d+) stage (\d+) replica (\d+)\] (.*)$")
 
 
@@ -127,6 +126,14 @@ def _assert_nothing_left(job_id: str, pids: list[int], sshd: Sshd | None = None)
         ) from None
 
 
+def _next_message(stream) -> dict:
+    """The agent's next protocol message that is not a beat (it beats every second)."""
+    while True:
+        msg = decode_message(stream.readline())
+        if msg["type"] != "beat":
+            return msg
+
+
 def _kill_leftovers(job_id: str, pids: list[int]) -> None:
     """Test hygiene after a failed assertion."""
     for pid in pids + [p for p, _ in _processes_mentioning(job_id)]:
@@ -184,59 +191,24 @@ class Sshd:
 
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
-    if not os.path.exists(SSHD):
-        pytest.skip(f"{SSHD} not installed (apt-get install -y openssh-server, or scripts/setup.sh --tests)")
-    if shutil.which("ssh") is None or shutil.which("ssh-keygen") is None:
-        pytest.skip("the OpenSSH client (ssh, ssh-keygen) is not installed")
-    if not os.path.isdir("/run/sshd"):
-        # sshd insists on its privilege separation directory (the Debian package creates it at
-        # boot through systemd, which containers lack).
-        if os.geteuid() != 0:
-            pytest.skip("sshd needs /run/sshd, which only root can create here")
-        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
-    d = tmp_path_factory.mktemp("sshd")
-    for name in ("host_key", "user_key"):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)
-    (d / "authorized_keys").write_text((d / "user_key.pub").read_text())
+    why = sshd_unavailable()
+    if why is not None:
+        pytest.skip(why)
+    keys = SshKeys.generate(tmp_path_factory.mktemp("sshd"))
     port = _free_port()
-    (d / "sshd_config").write_text(
-        textwrap.dedent(
-            f"""
-            Port {port}
-            ListenAddress 127.0.0.1
-            ListenAddress 127.0.0.2
-            HostKey {d / "host_key"}
-            AuthorizedKeysFile {d / "authorized_keys"}
-            PidFile {d / "sshd.pid"}
-            StrictModes no
-            UsePAM no
-            PasswordAuthentication no
-            KbdInteractiveAuthentication no
-            PermitRootLogin prohibit-password
-            MaxStartups 50
-            """
-        )
-    )
-    log = open(d / "sshd.log", "wb")
-    proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(d / "sshd_config")], stdout=log, stderr=log)
+    proc = start_sshd(keys, port=port, listen=["127.0.0.1", "127.0.0.2"], name="loopback")
     try:
 
         def listening() -> bool:
             if proc.poll() is not None:
-                raise AssertionError(f"sshd exited: {(d / 'sshd.log').read_text()}")
+                raise AssertionError(f"sshd exited: {(keys.directory / 'sshd-loopback.log').read_text()}")
             with socket.socket() as sock:
                 return sock.connect_ex(("127.0.0.2", port)) == 0
 
         _wait_until(listening, timeout_s=10.0, what="sshd to listen")
-        yield Sshd(port=port, pid=proc.pid, key=d / "user_key", known_hosts=d / "known_hosts")
+        yield Sshd(port=port, pid=proc.pid, key=keys.user_key, known_hosts=keys.known_hosts)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        stop_sshd(proc)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -660,7 +632,9 @@ def test_agent_kills_its_workers_when_the_launcher_goes_away(tmp_path: Path) -> 
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     agent = subprocess.Popen(
-        [sys.executable, "-m", "varuna.launch.agent", "--job-id", "agenttest", "--host-id", "0"],
+        # No pings from this test: the agent must not give up on it (0: no heartbeat timeout).
+        [sys.executable, "-m", "varuna.launch.agent", "--job-id", "agenttest", "--host-id", "0",
+         "--heartbeat-timeout", "0"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env=env,
@@ -670,6 +644,7 @@ def test_agent_kills_its_workers_when_the_launcher_goes_away(tmp_path: Path) -> 
         assert agent.stdin is not None and agent.stdout is not None
         ready = decode_message(agent.stdout.readline())
         assert ready["type"] == "ready" and ready["pid"] == agent.pid and 0 < ready["free_port"] < 65536
+        beats = [agent.stdout.readline() for _ in range(2)]  # idle: beats every second
         worker_env = {
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": "1234",
@@ -682,10 +657,10 @@ def test_agent_kills_its_workers_when_the_launcher_goes_away(tmp_path: Path) -> 
         agent.stdin.write(encode_message({"type": "spawn", "workers": [{**request, "cwd": str(tmp_path)}]}))
         agent.stdin.write(b"this is not json\n")  # must be reported, not fatal
         agent.stdin.flush()
-        spawned = decode_message(agent.stdout.readline())
+        spawned = _next_message(agent.stdout)
         assert spawned["type"] == "spawned" and spawned["failed"] is None
         pids = [spawned["started"][0]["pid"]]
-        seen = [decode_message(agent.stdout.readline()) for _ in range(2)]
+        seen = [_next_message(agent.stdout) for _ in range(2)]
         assert {"type": "out", "rank": 0, "stream": "stdout", "line": "ready 0\n"} in seen
         assert any(m["type"] == "message" and "bad request" in m["text"] for m in seen)
         agent.stdin.close()  # the launcher is gone
@@ -693,6 +668,7 @@ def test_agent_kills_its_workers_when_the_launcher_goes_away(tmp_path: Path) -> 
         assert rest[-1] == {"type": "bye"} and {"type": "exit", "rank": 0, "code": -9} in rest
         assert agent.wait(timeout=10) == 1
         assert not _alive(pids[0])
+        assert {"type": "beat"} in [decode_message(line) for line in beats], "the agent beats (protocol 2)"
     finally:
         agent.kill()
         agent.wait()
@@ -726,14 +702,14 @@ def test_agent_heartbeat_timeout_and_spawn_failure(tmp_path: Path) -> None:
     pids: list[int] = []
     try:
         assert agent.stdin is not None and agent.stdout is not None
-        assert decode_message(agent.stdout.readline())["type"] == "ready"
+        assert _next_message(agent.stdout)["type"] == "ready"
         env = {"MASTER_ADDR": "h", "MASTER_PORT": "1", "RANK": "0", "WORLD_SIZE": "2"}
         env |= {"VARUNA_PIPELINE_DEPTH": "2", "VARUNA_DATA_PARALLEL": "1"}
         good = {"rank": 0, "argv": [sys.executable, str(script), str(out), "block"], "env": env}
         bad = {"rank": 1, "argv": ["/no/such/python"], "env": {**env, "RANK": "1"}}
         agent.stdin.write(encode_message({"type": "spawn", "workers": [good, bad]}))
         agent.stdin.flush()  # ... and nothing more: no pings
-        spawned = decode_message(agent.stdout.readline())
+        spawned = _next_message(agent.stdout)
         assert [w["rank"] for w in spawned["started"]] == [0]
         assert spawned["failed"]["rank"] == 1 and "No such file" in spawned["failed"]["error"]
         pids = [spawned["started"][0]["pid"]]

@@ -81,7 +81,7 @@ def test_an_unknown_format_is_refused_in_one_line(tmp_path):
         )
     msg = str(e.value)
     assert "\n" not in msg and "unknown checkpoint format 'safetensor'" in msg
-    assert "registered: varuna, toy" in msg and "VARUNA_CHECKPOINT_FORMAT_MODULES" in msg
+    assert "registered: varuna, hf, dcp, toy" in msg and "VARUNA_CHECKPOINT_FORMAT_MODULES" in msg
 
 
 def test_a_taken_name_or_a_missing_module_is_refused():
@@ -106,7 +106,8 @@ def test_list_and_prune_recognise_every_registered_format(tmp_path):
     assert [(c.step, c.format) for c in list_checkpoints(tmp_path)] == [
         (1, "varuna"), (2, "toy"), (3, "varuna"), (4, None)]
     assert verify_checkpoint(tmp_path / step_dir_name(4)) == [
-        f"{tmp_path / step_dir_name(4)}: no manifest.json or toy-index.json (an incomplete checkpoint)"]
+        f"{tmp_path / step_dir_name(4)}: no manifest.json or model.safetensors.index.json or .metadata or "
+        "toy-index.json (an incomplete checkpoint)"]
     prune(tmp_path, 3, keep=2)
     # The toy checkpoint counts as complete: kept as the second newest (an unrecognised one
     # would have been removed as an incomplete leftover, and step 1 kept instead).

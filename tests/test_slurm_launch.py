@@ -21,6 +21,7 @@ from slurm_cluster import wait_for  # noqa: E402 - a polling helper; no Slurm ne
 from varuna.launch.agent import Agent
 from varuna.launch.agent_host import AgentHost
 from varuna.launch.hosts import HostEntry
+from varuna.launch.job import HostsAttempt
 from varuna.launch.launcher import main
 from varuna.launch.local import LocalHost
 from varuna.launch.protocol import encode_message
@@ -145,7 +146,9 @@ def test_srun_agents_report_signals_and_the_host_hands_them_on() -> None:
 def test_reporting_agent_leaves_its_workers_running() -> None:
     out = io.BytesIO()
     agent = Agent(job_id="j", host_id=0, stdout=out, report_signals=True)
+    agent._writer.start()  # lines go out through the agent's writer thread (its run() starts it)
     agent._on_signal(signal.SIGTERM)
+    agent._flush_and_stop_writer(timeout_s=30)
     assert json.loads(out.getvalue().decode().splitlines()[0]) == {"type": "signaled", "signal": "SIGTERM"}
     assert agent._stopping is None
     acting = Agent(job_id="j", host_id=0, stdout=io.BytesIO())
@@ -205,12 +208,15 @@ def test_slurm_fewer_slots_than_p_is_one_line(no_slurm_commands: Path, monkeypat
     assert "--procs-per-host 1" in line
 
 
-def test_slurm_with_procs_or_hosts_or_live_morph_is_one_line(no_slurm_commands: Path, capsys) -> None:
+def test_slurm_with_procs_or_hosts_is_one_line(no_slurm_commands: Path, capsys) -> None:
     p2 = ["--pipeline-depth", "2", str(no_slurm_commands)]
     assert "not both --procs and --slurm" in _one_error_line(capsys, ["--procs", "2", "--slurm", *p2])
     assert "--no-requeue needs --slurm" in _one_error_line(capsys, ["--procs", "2", "--no-requeue", *p2])
-    live = ["--slurm", "--live-morph", "--checkpoint-dir", "c", *p2]
-    assert "--live-morph" in _one_error_line(capsys, live)
+    # --live-morph and --max-restarts run under --slurm as under --hosts (the same supervision
+    # and restart path); they need a checkpoint directory there too.
+    for option in (["--live-morph"], ["--max-restarts", "2"]):
+        line = _one_error_line(capsys, ["--slurm", *option, *p2])
+        assert f"{' '.join(option)} needs --checkpoint-dir DIR" in line, line
 
 
 # -- one graceful stop of the scheduler's many copies (multi-process) ----------------------------
@@ -266,16 +272,17 @@ def test_scheduler_stop_sigterm_is_graceful_and_copies_are_ignored(
 
 @pytest.fixture
 def hosts_launched(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
-    """What ``varuna-launch --slurm`` hands to ``launch_on_hosts`` (nothing is started)."""
-    import varuna.launch.launcher
+    """What ``varuna-launch --slurm`` hands to each launch of ``run_with_restarts``
+    (``attempt_on_hosts``; nothing is started)."""
+    import varuna.launch.recovery
 
     calls: list[dict] = []
 
-    def fake(config, entries, **kwargs) -> int:
+    def fake(config, entries, signals, **kwargs) -> HostsAttempt:
         calls.append({"config": config, "entries": list(entries), **kwargs})
-        return 0
+        return HostsAttempt(0)
 
-    monkeypatch.setattr(varuna.launch.launcher, "launch_on_hosts", fake)
+    monkeypatch.setattr(varuna.launch.recovery, "attempt_on_hosts", fake)
     return calls
 
 
@@ -311,16 +318,18 @@ def test_requeue_after_slurms_stop_signal_only(
     """After a SIGUSR1/SIGTERM the launcher asks Slurm to requeue (scontrol is absent here, so the
     answer is the one line saying why not); after SIGINT, with --no-requeue, or without a signal,
     it does not."""
-    import varuna.launch.launcher
+    import varuna.launch.recovery
 
     stops: tuple[int, ...] = ()
 
-    def fake(config, entries, **kwargs) -> int:  # the job got these signals, then ended with 0
+    def fake(config, entries, signals, **kwargs) -> HostsAttempt:
+        # The job got these signals (as an srun agent's report reaches them), then ended with 0.
         for signum in stops:
-            kwargs["stop_seen"](signum)
-        return 0
+            signals.notify(signum)
+        signals.pending.clear()  # no supervisor here to take them
+        return HostsAttempt(0)
 
-    monkeypatch.setattr(varuna.launch.launcher, "launch_on_hosts", fake)
+    monkeypatch.setattr(varuna.launch.recovery, "attempt_on_hosts", fake)
     _slurm_env(monkeypatch, "n[1-2]", "1(x2)")
     argv = ["--slurm", "--pipeline-depth", "2", str(no_slurm_commands)]
     usr1, term = signal.SIGUSR1, signal.SIGTERM
@@ -340,3 +349,36 @@ def test_requeue_after_slurms_stop_signal_only(
             ], err
         else:
             assert said == [], err
+
+
+def test_max_restarts_under_slurm_relaunches_on_the_nodes_left(
+    no_slurm_commands: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """``--slurm --max-restarts`` takes ``--hosts``' restart path (Note [Restarts on hosts]): a
+    node lost in the first launch is left out, P×D is planned again for the node left, the
+    relaunch's workers get VARUNA_RESTARTS=1 and srun agents, and events.jsonl records it."""
+    import varuna.launch.recovery
+
+    calls: list[dict] = []
+
+    def fake(config, entries, signals, **kwargs) -> HostsAttempt:
+        calls.append({"config": config, "entries": list(entries), **kwargs})
+        if len(calls) == 1:
+            return HostsAttempt(1, [entries[1]], "host h1=n2 went silent")
+        return HostsAttempt(0)
+
+    monkeypatch.setattr(varuna.launch.recovery, "attempt_on_hosts", fake)
+    _slurm_env(monkeypatch, "n[1-2]", "2(x2)")
+    logs = tmp_path / "logs"
+    argv = ["--slurm", "--pipeline-depth", "2", "--max-restarts", "1", "--checkpoint-dir",
+            str(tmp_path / "c"), "--log-dir", str(logs), "--host-timeout", "7", str(no_slurm_commands)]
+    assert main(argv) == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert [len(c["entries"]) for c in calls] == [2, 1] and calls[1]["entries"][0].host == "n1"
+    assert [(c["config"].pipeline_depth, c["config"].data_parallel) for c in calls] == [(2, 2), (2, 1)]
+    assert [c["config"].worker_env["VARUNA_RESTARTS"] for c in calls] == ["0", "1"]
+    assert all(isinstance(c["remote"], SrunOptions) and c["host_timeout_s"] == 7 for c in calls)
+    relaunch = "relaunching on the 1 host(s) left from the newest checkpoint (restart 1 of 1); left out: n2"
+    assert relaunch in err, err
+    events = [json.loads(line) for line in (logs / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["restart"] and events[0]["left_out"] == ["n2"]

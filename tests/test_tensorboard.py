@@ -62,7 +62,16 @@ def last_record_per_step(jsonl: Path) -> dict[int, dict]:
 
 def assert_series_match(scalars: dict, records: dict[int, dict]) -> None:
     steps = sorted(records)
-    for tag, key in SERIES.items():
+    series = dict(SERIES)
+    optional = (("train/tflops", "tflops"), ("train/hardware_tflops", "hardware_tflops"),
+                ("train/mfu", "mfu"))
+    for tag, key in optional:
+        # Written only when known (MFU: when a peak is given): as the JSON Lines say.
+        if all(records[s].get(key) is not None for s in steps):
+            series[tag] = key
+        else:
+            assert tag not in scalars, f"{tag} written although the JSON Lines have no value"
+    for tag, key in series.items():
         got = scalars[tag]
         assert [s for s, _, _ in got] == steps, f"{tag}: steps {[s for s, _, _ in got]}, JSON Lines {steps}"
         for step, value, wall in got:
@@ -80,13 +89,15 @@ def run_example(args: list[str], env: dict | None = None, timeout: float = 120):
 def test_events_match_the_json_lines_of_the_gpt_example(tmp_path):
     tb, jsonl = tmp_path / "tb", tmp_path / "metrics.jsonl"
     res = run_example([str(TRAIN), "--steps", "3", "--eval-every", "2", *SMALL,
-                       "--tensorboard-dir", str(tb), "--metrics-out", str(jsonl)])
+                       "--tensorboard-dir", str(tb), "--metrics-out", str(jsonl)],
+                      env={"VARUNA_PEAK_TFLOPS": "1"})
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert len(list(tb.glob("events.out.tfevents.*"))) == 1
     records = last_record_per_step(jsonl)
     assert sorted(records) == [1, 2, 3]
     scalars, texts = read_events(tb)
     assert_series_match(scalars, records)
+    assert {"train/tflops", "train/hardware_tflops", "train/mfu"} <= set(scalars)  # a peak was given
     assert {v for _, v, _ in scalars["layout/P"]} == {1.0} and {v for _, v, _ in scalars["layout/D"]} == {1.0}
     evals = {s: r["val_loss"] for s, r in records.items() if "val_loss" in r}
     assert [(s, v) for s, v, _ in scalars["eval/loss"]] == [(s, f32(v)) for s, v in sorted(evals.items())]

@@ -23,6 +23,7 @@ _EXPORTS = {
     "TimeoutConfig": "varuna.runtime.config_groups",
     "NumericsConfig": "varuna.runtime.config_groups",
     "MetricsConfig": "varuna.runtime.config_groups",
+    "OptimizerStateConfig": "varuna.runtime.config_groups",
     "balanced_partition": "varuna.core.partition",
     "auto_cutpoints": "varuna.cutting.autocut",
     "apply_cutpoints": "varuna.cutting.routing",

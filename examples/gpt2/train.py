@@ -182,7 +182,7 @@ def run_live(args: argparse.Namespace, data: ByteBatches) -> int:
                 out.write(json.dumps({"step": r.step, "loss": r.loss, "samples_per_s": r.samples_per_s,
                                       "P": engine.layout.P, "D": engine.layout.D, "wall_time": r.wall_time,
                                       "step_s": r.step_s, "grad_norm": r.grad_norm, "skipped": r.skipped,
-                                      "pid": os.getpid()}) + "\n")
+                                      "tflops": r.tflops, "mfu": r.mfu, "pid": os.getpid()}) + "\n")
 
     engine = trainer.run(args.steps, lambda step: data.get("train", step, args.global_batch_size), on_step)
     if engine is not None:  # None: this worker left (a spare at the end)
@@ -231,14 +231,19 @@ def _report(engine, args: argparse.Namespace, data, info: dict, r, out, leader: 
         "step_s": r.step_s,
         "grad_norm": r.grad_norm,
         "skipped": r.skipped,
+        "tflops": r.tflops,
+        "hardware_tflops": r.hardware_tflops,
+        "mfu": r.mfu,
     }
     if args.eval_every and (r.step % args.eval_every == 0 or r.step == args.steps):
         row["val_loss"] = engine.evaluate(data.get("val", r.step, args.global_batch_size))
     if leader:
         extra = f" val {row['val_loss']:.4f}" if "val_loss" in row else ""
+        perf = f" {r.tflops:.3g} TFLOP/s per device" if r.tflops is not None else ""
+        perf += f" MFU {r.mfu:.1%}" if r.mfu is not None else ""
         print(
             f"step {r.step:5d}/{args.steps} loss {r.loss:.4f}{extra} |g| {r.grad_norm:.3f} "
-            f"{r.samples_per_s:8.1f} samples/s",
+            f"{r.samples_per_s:8.1f} samples/s{perf}",
             flush=True,
         )
         if out:

@@ -9,9 +9,10 @@ the engine (``--auto-cutpoints``). The data is the byte corpus of the GPT exampl
     varuna-launch --procs 4 --pipeline-depth 4 --auto-cutpoints 3 examples/hf/train.py --model qwen2
     python examples/hf/train.py --model llama --steps 5        # one process (P = D = 1)
 
-A pretrained checkpoint works the same way: build the model with ``from_pretrained`` instead of
-``from_config`` (weights are then loaded on every process before the engine keeps each stage's).
-Needs the ``[hf]`` extra: ``pip install 'varuna[hf]'``.
+Pretrained weights: ``--init-from DIR`` (a ``save_pretrained`` directory, safetensors, sharded or
+not, or a varuna/DCP checkpoint) builds the model on ``meta`` and each stage reads only its own
+tensors (docs/checkpoints.md "Formats"); ``--checkpoint-format hf`` writes checkpoints
+``from_pretrained`` loads as they are. Needs the ``[hf]`` extra: ``pip install 'varuna[hf]'``.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-out", type=Path, help="JSON Lines, one object per step (rank 0)")
     p.add_argument("--checkpoint-dir", help="global checkpoint store (also the launcher's --checkpoint-dir)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: on stop)")
+    p.add_argument("--checkpoint-format", help="varuna (default), hf (from_pretrained loads it) or dcp")
+    p.add_argument("--init-from", help="start from these weights (HF model directory, checkpoint): "
+                                       "the model is built on meta, each stage reads its own tensors")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
@@ -101,7 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     data = ByteBatches(args.seq, seed=args.seed)
-    model = build_model(args)
+    if args.init_from:
+        with torch.device("meta"):  # no process holds the whole model: each stage reads its tensors
+            model = build_model(args)
+        init = {"param_init": lambda name, m: model._init_weights(m)}  # also rotary frequencies
+    else:
+        model, init = build_model(args), {}
     # Cut-points: VARUNA_CUT_AFTER / VARUNA_AUTO_CUTPOINTS from the launcher, or set
     # cutting=varuna.CuttingConfig(cut_after=("model.layers.*",)) here. The batch sizes the command
     # line left unset come from the launcher's run plan (else PLAN_DEFAULTS): the data needs them.
@@ -110,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         micro_batch_size=args.micro_batch_size,
         seed=args.seed,
         determinism=varuna.DeterminismConfig(enabled=args.deterministic, threads=args.threads),
-        checkpoints=varuna.CheckpointConfig(dir=args.checkpoint_dir, every=args.checkpoint_every),
+        checkpoints=varuna.CheckpointConfig(dir=args.checkpoint_dir, every=args.checkpoint_every,
+                                            format=args.checkpoint_format, init_from=args.init_from),
     ).with_plan(defaults=PLAN_DEFAULTS)
     args.global_batch_size = config.global_batch_size
     engine = varuna.Engine(
@@ -119,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         example_batch=batch(data, "train", 0, args.global_batch_size),
         optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0),
         # no loss_fn: the engine takes the HF output's `loss`
+        **init,
     )
     info = engine.describe()
     leader = engine.layout.rank == 0
@@ -133,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"step {r.step:5d}/{args.steps} loss {r.loss:.4f} {r.samples_per_s:8.1f} samples/s",
                       flush=True)
                 if out:
-                    row = {"step": r.step, "loss": r.loss, "P": info["P"], "D": info["D"]}
+                    row = {"step": r.step, "loss": r.loss, "P": info["P"], "D": info["D"],
+                           "samples_per_s": r.samples_per_s, "step_s": r.step_s, "tflops": r.tflops,
+                           "mfu": r.mfu}
                     out.write(json.dumps(row) + "\n")
                     out.flush()
     finally:

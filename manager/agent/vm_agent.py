@@ -6,6 +6,20 @@ in each reply (Note [Orders]). It needs no listening port, and a manager restart
 it keeps its workers running and retries until ``--orphan-timeout`` passes without an answer,
 then kills its workers and exits (so nothing runs forever unsupervised).
 
+Note [Fencing under the manager]: a manager that is *down* refuses connections (its host
+answers); a VM that is *cut off* hears nothing at all (a partition, an eviction: its RPCs time
+out). The manager declares a VM gone after ``--heartbeat-timeout`` T of silence and relaunches
+without it, so with ``--fence-timeout`` (the provider passes T + 2 s: ``ProviderContext.
+fence_timeout_s``; the 2 s keep a reply merely slowed by a loaded manager from killing workers the
+manager still counts) an agent that has had no answer and no refusal for that long kills its
+workers: 2 s after the manager named the VM gone, while the next generation's workers are still
+starting (a process start and a torch import; they cannot commit a checkpoint before their
+first step), even where the provider's delete does not reach the VM. The store's fencing token
+is what refuses a late commit for certain; this bounds how long a stale writer lives. A refusal
+within the window means the manager restarts: the workers keep running, as before, until
+``--orphan-timeout``. The agent keeps trying; an answer afterwards brings it back (the
+manager's orders: IDLE, a new RUN).
+
 Workers (:class:`manager.agent.workers.WorkerPool`) run as ``python -m manager.worker.shim
 SCRIPT ARGS`` (heartbeats, checkpoint interval),
 each in its own session (SIGUSR1/SIGKILL go to its whole process group) and with a parent-death
@@ -101,6 +115,9 @@ class AgentConfig:
     heartbeat_interval_s: float = 2.0
     """Until the manager says otherwise."""
     orphan_timeout_s: float = 300.0
+    fence_timeout_s: float = 0.0
+    """Note [Fencing under the manager]: kill the workers after this long with neither an answer
+    nor a refusal from the manager (0: never; the manager's ``--heartbeat-timeout``)."""
     log_dir: str = ""
     """Worker logs (``gen{g}-rank{r}.log``); default: the current directory."""
     standby: int = 0
@@ -215,7 +232,8 @@ class VMAgent:
         return False
 
     def _loop(self) -> int:
-        last_ok = time.monotonic()
+        last_ok = last_refused = time.monotonic()
+        fenced = failing = False
         next_beat = 0.0
         reported: tuple = ()
         while not self._shutdown.is_set():
@@ -229,8 +247,12 @@ class VMAgent:
             # Beat on schedule, and at once when something changed (a worker exited, a notice):
             # the manager reacts to those within a round trip instead of an interval.
             if now >= next_beat or state != reported:
+                timeout_s = max(2.0, self._interval)
+                if failing and self.config.fence_timeout_s > 0:  # no call may overrun the fence
+                    fence_at = max(last_ok, last_refused) + self.config.fence_timeout_s
+                    timeout_s = max(0.5, min(timeout_s, fence_at - now + 0.05))
                 try:
-                    orders = self._client.vm_heartbeat(self._heartbeat(), timeout_s=max(2.0, self._interval))
+                    orders = self._client.vm_heartbeat(self._heartbeat(), timeout_s=timeout_s)
                 except grpc.RpcError as exc:
                     if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
                         self._say(f"the manager no longer knows this VM ({exc.details()}); exiting")
@@ -240,9 +262,21 @@ class VMAgent:
                             f"no manager for {self.config.orphan_timeout_s:g} s; killing workers and exiting"
                         )
                         return 3
+                    failing = True
+                    if _refused(exc):
+                        last_refused = time.monotonic()
+                    fence = self.config.fence_timeout_s
+                    quiet = time.monotonic() - max(last_ok, last_refused)
+                    if fence > 0 and not fenced and quiet > fence:  # Note [Fencing under the manager]
+                        fenced = True
+                        self._say(f"no answer from the manager for {quiet:.1f} s and no refusal: this VM"
+                                  " is cut off; fencing: killing its workers")
+                        self._pool.kill_all()
+                        self._pool.kill_standbys()
                     next_beat = time.monotonic() + min(1.0, self._interval)
                 else:
                     last_ok = time.monotonic()
+                    fenced = failing = False
                     reported = state
                     next_beat = last_ok + self._interval
                     if self._apply(orders):
@@ -494,6 +528,13 @@ class VMAgent:
         return req
 
 
+def _refused(exc: grpc.RpcError) -> bool:
+    """Whether a failed RPC was refused by the manager's host (the manager is down, the network
+    is not: Note [Fencing under the manager]), as opposed to unanswered."""
+    details = (exc.details() or "") if hasattr(exc, "details") else ""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and "refused" in details.lower()
+
+
 def _route_address(manager: str) -> str:
     """The local IP address that routes to the manager (what other VMs can reach us at)."""
     host = manager.rsplit(":", 1)[0].strip("[]")
@@ -522,6 +563,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--notice-poll", type=float, default=1.0, metavar="S")
     parser.add_argument("--heartbeat-interval", type=float, default=2.0, metavar="S")
     parser.add_argument("--orphan-timeout", type=float, default=300.0, metavar="S")
+    parser.add_argument("--fence-timeout", type=float, default=0.0, metavar="S",
+                        help="kill the workers after S s without an answer or a refusal from the manager"
+                             " (0: never; Note [Fencing under the manager])")
     parser.add_argument("--log-dir", default="")
     parser.add_argument(
         "--standby",
@@ -561,6 +605,7 @@ def main(argv: list[str] | None = None) -> int:
                 notice_poll_s=args.notice_poll,
                 heartbeat_interval_s=args.heartbeat_interval,
                 orphan_timeout_s=args.orphan_timeout,
+                fence_timeout_s=args.fence_timeout,
                 log_dir=args.log_dir,
                 standby=args.standby,
                 standby_delay_s=args.standby_delay,

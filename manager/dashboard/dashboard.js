@@ -115,7 +115,8 @@ function seriesChart(id, data, field, heading, axis) {
   const points = data.progress;
   return Plotly.react(el(id), [{
     x: points.map((p) => when(p.time)), y: points.map((p) => p[field]),
-    text: points.map((p) => `step ${p.step}, g${p.generation}, P×D ${p.pxd}`),
+    text: points.map((p) => `step ${p.step}, g${p.generation}, P×D ${p.pxd}` +
+                     (p.mfu == null ? "" : `, MFU ${(100 * p.mfu).toFixed(1)}%`)),
     mode: "lines+markers", marker: { size: 4 }, line: { width: 1.5 }, connectgaps: false,
   }], {
     ...LAYOUT, title: title(heading), yaxis: { title: { text: axis } },
@@ -167,6 +168,8 @@ async function refresh() {
       pxdChart(data),
       seriesChart("throughput-chart", data, "samples_per_s", "throughput (dotted: morphs)", "samples/s"),
       seriesChart("loss-chart", data, "loss", "loss", "loss"),
+      seriesChart("tflops-chart", data, "tflops", "model TFLOP/s per device (needs the calibration's FLOP count)",
+                  "TFLOP/s"),
       ganttChart(data),
     ]);
     state.renders += 1;

@@ -14,6 +14,7 @@ being watched cannot slow the control loop down.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 from manager.dashboard.gantt import measured_timeline, timeline_json
 from manager.domain.records import GenerationRecord, JobRecord, VMRecord
 from manager.domain.store import Store
+from varuna.core.flops import check_peak_tflops
 from varuna.core.schedule import DEFAULT_SCHEDULE
 
 __all__ = ["DashboardView"]
@@ -49,6 +51,37 @@ def _pxd(p: int, d: int) -> str:
     return f"{p}×{d}"
 
 
+def _flops_per_example(job: JobRecord) -> float | None:
+    """Model FLOPs of training one example -- 3 × the forward the job's calibration counted
+    (``model.fwd_flops_per_example``, Note [Model FLOPs] in varuna/core/flops.py) -- or None."""
+    try:
+        model = json.loads(job.calibration_json or "{}").get("model") or {}
+    except (ValueError, AttributeError):
+        return None
+    f = model.get("fwd_flops_per_example")
+    if not isinstance(f, list) or not f or not all(isinstance(x, (int, float)) and x >= 0 for x in f):
+        return None
+    return 3.0 * sum(f)
+
+
+def _peak_tflops(job: JobRecord) -> float | None:
+    """The peak the job's workers are told (``VARUNA_PEAK_TFLOPS`` in its spec's env), else None."""
+    try:
+        env = _spec_of(job).get("env") or {}
+        return check_peak_tflops(env.get("VARUNA_PEAK_TFLOPS"), "VARUNA_PEAK_TFLOPS")
+    except (ValueError, AttributeError):
+        return None
+
+
+def _flop_rates(samples_per_s: float, devices: int, flops: float | None, peak: float | None) -> dict:
+    """A throughput point's model TFLOP/s per device and MFU: the engine's ``StepResult.tflops``
+    (samples/s = M / step_s, so samples/s × FLOPs per example = model FLOPs / step_s)."""
+    if flops is None or devices < 1:
+        return {"tflops": None, "mfu": None}
+    tflops = samples_per_s * flops / devices / 1e12
+    return {"tflops": tflops, "mfu": tflops / peak if peak else None}
+
+
 class DashboardView:
     """Read-only JSON of the jobs (module docstring). ``health(vm, now)`` is the manager's word
     for a VM; ``clock`` gives wall-clock seconds (the store's times are wall-clock).
@@ -57,7 +90,7 @@ class DashboardView:
 
         view = DashboardView.from_manager(manager)
         view.jobs()            # one summary per job
-        view.job("gpt-3f9a1c") # VMs, P×D history with morphs, throughput, loss, events, Gantt
+        view.job("gpt-3f9a1c") # VMs, P×D history with morphs, throughput (and TFLOP/s), loss, events, Gantt
     """
 
     def __init__(
@@ -90,10 +123,11 @@ class DashboardView:
         now = self._clock()
         gens = self._store.generations(job_id)
         current = gens[-1] if gens else None
+        flops, peak = _flops_per_example(job), _peak_tflops(job)
         return {
             "job": self._summary(job),
             "now": now,
-            "vms": [self._vm(vm, current, job.spec, now) for vm in self._store.vms(job_id)],
+            "vms": [self._vm(vm, current, _spec_of(job), now) for vm in self._store.vms(job_id)],
             "generations": [self._generation(g) for g in gens],
             "morphs": self._morphs(job_id),
             "progress": [
@@ -104,6 +138,7 @@ class DashboardView:
                     "samples_per_s": p.samples_per_s,
                     "loss": p.loss,
                     "pxd": _pxd(p.pipeline_depth, p.data_parallel),
+                    **_flop_rates(p.samples_per_s, p.pipeline_depth * p.data_parallel, flops, peak),
                 }
                 for p in self._store.peek_progress(job_id, last=MAX_POINTS)
             ],
@@ -124,7 +159,7 @@ class DashboardView:
     # -- parts ---------------------------------------------------------------------------------
 
     def _summary(self, job: JobRecord) -> dict[str, Any]:
-        spec = job.spec
+        spec = _spec_of(job)
         gen = self._store.generation(job.job_id, job.generation) if job.generation else None
         return {
             "job_id": job.job_id,
@@ -206,9 +241,9 @@ class DashboardView:
             cached = self._gantt.get(job.job_id)
             if cached is not None and now - cached[0] < GANTT_EVERY_S and cached[1] == job.generation:
                 return cached[2]
-        spec = job.spec
+        spec = _spec_of(job)
         chart = None
-        for g in reversed(gens):
+        for g in reversed(gens if isinstance(spec.get("global_batch_size"), int) else []):
             stats = self._store.peek_worker_stats(job.job_id, g.generation)
             tl = measured_timeline(
                 stats,
@@ -227,3 +262,13 @@ class DashboardView:
         with self._gantt_lock:
             self._gantt[job.job_id] = (now, job.generation, chart)
         return chart
+
+
+def _spec_of(job: JobRecord) -> dict[str, Any]:
+    """The job's stored spec, or {} when it cannot be read (a quarantined row: Note [Corrupt rows]
+    in manager/domain/store_schema.py): one such job must not blank the whole dashboard."""
+    try:
+        spec = job.spec
+    except (ValueError, TypeError):
+        return {}
+    return spec if isinstance(spec, dict) else {}

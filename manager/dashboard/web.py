@@ -15,6 +15,21 @@ time (``hmac.compare_digest``); anything else is 401 before any handler runs. An
 framing and inline scripts (Content-Security-Policy) so a job name or event message, which users
 choose, can never run as code; the page's script writes them as text only.
 
+Note [Dashboard limits]: the dashboard shares the manager's process, so its descriptors are the
+gRPC port's. A client without the token once opened 1,100 connections that sent half a request
+and never finished it: the process ran out of descriptors, ``status`` and ``submit`` timed out and
+asyncio logged ~25,000 lines a second (issue 35). So the server accepts connections itself
+(``loop.sock_accept``, one at a time, handed to aiohttp with ``connect_accepted_socket``) and
+holds at most ``DashboardLimits.max_connections`` (more are closed at once, one line a minute);
+a connection that has not sent a whole request's headers within ``header_timeout_s`` of being
+accepted is closed, as is one idle that long after an answer (aiohttp's keep-alive timeout), and
+a body still arriving ``body_timeout_s`` after its headers (aiohttp's lingering time; every route
+is GET and never reads one). A malformed request is answered 400 by aiohttp with one line a
+minute in the log, never a traceback, and accept errors (a descriptor shortage) are one line a
+minute too (Note [Rate-limited lines] in manager/common/log_lines.py). ``serve`` raises its soft
+descriptor limit and sizes the cap so that gRPC keeps descriptors of its own
+(``manager.common.descriptors``).
+
     >>> value = session_value("0123456789abcdef")
     >>> len(value), value == session_value("0123456789abcdef"), "0123456789abcdef" in value
     (64, True, False)
@@ -28,17 +43,50 @@ import hashlib
 import hmac
 import json
 import math
+import socket
 import ssl
 import threading
+import traceback
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 from aiohttp import web
 
+from manager.common.log_lines import RateLimitedLines
 from manager.dashboard.view import DashboardView
 
-__all__ = ["COOKIE", "DashboardServer", "session_value"]
+__all__ = ["COOKIE", "DashboardLimits", "DashboardServer", "session_value"]
+
+#: After an accept error (no descriptor left), wait this long before the next accept: the error
+#: repeats at once otherwise, and a connection closing is what frees a descriptor.
+ACCEPT_RETRY_S = 0.1
+
+
+@dataclass(frozen=True, kw_only=True)
+class DashboardLimits:
+    """What one client may hold of the dashboard (Note [Dashboard limits])."""
+
+    header_timeout_s: float = 10.0
+    """A connection's first request must have sent all its headers this long after it was
+    accepted (a TLS handshake included)."""
+    body_timeout_s: float = 10.0
+    """A request's body must have arrived this long after its headers."""
+    idle_timeout_s: float = 10.0
+    """A kept-alive connection with no new request (or half of one) is closed after this."""
+    max_connections: int = 256
+    """Connections held at once; more are closed as soon as they are accepted."""
+
+    def __post_init__(self) -> None:
+        for name in ("header_timeout_s", "body_timeout_s", "idle_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"dashboard {name} must be a number > 0, got {value!r}")
+        cap = self.max_connections
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            raise ValueError(f"dashboard max_connections must be an integer >= 1, got {cap!r}")
+
 
 COOKIE = "varuna_dashboard"
 _HEADERS = {
@@ -103,9 +151,14 @@ class DashboardServer:
         host: str,
         port: int,
         ssl_context: ssl.SSLContext | None = None,
+        limits: DashboardLimits | None = None,
+        log: RateLimitedLines | None = None,
     ) -> None:
         self.view = view
         self.host, self.port = host, port
+        self.limits = limits or DashboardLimits()
+        self.log = log or RateLimitedLines()
+        """Its lines (Note [Dashboard limits]): at most one a minute of each kind."""
         self._ssl = ssl_context
         self._bearer = f"Bearer {token}".encode()
         self._token = token.encode("utf-8")
@@ -114,6 +167,11 @@ class DashboardServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
+        self._listeners: list[socket.socket] = []
+        self._accepting: list[asyncio.Task[None]] = []
+        self._conns: dict[asyncio.BaseTransport, bool] = {}
+        """Open connections -> whether a whole request came on it yet (the loop's thread only)."""
+        self._connecting = 0
 
     @property
     def url(self) -> str:
@@ -159,18 +217,18 @@ class DashboardServer:
                 loop.run_until_complete(self._bind())
             except BaseException as exc:  # reported by start(); the loop still closes below
                 failure.append(exc)
-                if self._runner is not None:
-                    loop.run_until_complete(self._runner.cleanup())
+                loop.run_until_complete(self._close())
                 return
             finally:
                 ready.set()
             loop.run_forever()
-            assert self._runner is not None
-            loop.run_until_complete(self._runner.cleanup())
+            loop.run_until_complete(self._close())
         finally:
             loop.close()
 
     async def _bind(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(self._loop_error)
         app = web.Application(middlewares=[self._secure])
         app.add_routes(
             [
@@ -181,12 +239,105 @@ class DashboardServer:
                 web.get("/api/jobs/{job_id}", self._job),
             ]
         )
+        limits = self.limits
         # A short shutdown: the page polls, so an open request is never worth waiting for.
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+        self._runner = web.AppRunner(
+            app,
+            access_log=None,
+            handle_signals=False,
+            shutdown_timeout=1.0,
+            keepalive_timeout=limits.idle_timeout_s,
+            lingering_time=limits.body_timeout_s,
+            logger=_OneLineLogger(self.log),
+        )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self._ssl, reuse_address=True)
-        await site.start()
-        self.port = int(self._runner.addresses[0][1])
+        self._listeners = _listen(self.host, self.port)
+        self.port = int(self._listeners[0].getsockname()[1])
+        self._accepting = [loop.create_task(self._accept(sock)) for sock in self._listeners]
+
+    async def _close(self) -> None:
+        """Stop accepting, close every connection, free the port."""
+        for task in self._accepting:
+            task.cancel()
+        for task in self._accepting:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        for sock in self._listeners:
+            sock.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        for transport in list(self._conns):  # a TLS handshake still under way
+            transport.abort()
+        self._conns.clear()
+
+    # -- connections (Note [Dashboard limits]) -------------------------------------------------
+
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except OSError as exc:  # EMFILE and friends: the next accept would fail the same way
+                self.log.line(
+                    ("accept", exc.errno),
+                    f"varuna-manager: dashboard: cannot accept a connection ({exc.strerror or exc});"
+                    " retrying",
+                )
+                await asyncio.sleep(ACCEPT_RETRY_S)
+                continue
+            if self._open_connections() >= self.limits.max_connections:
+                conn.close()
+                self.log.line(
+                    "full",
+                    f"varuna-manager: dashboard: {self.limits.max_connections} connections open;"
+                    " closing new ones until some end",
+                )
+                continue
+            self._connecting += 1
+            loop.create_task(self._serve(conn))
+
+    async def _serve(self, conn: socket.socket) -> None:
+        """Hand an accepted connection to aiohttp, with its header deadline."""
+        loop = asyncio.get_running_loop()
+        assert self._runner is not None and self._runner.server is not None
+        limits = self.limits
+        try:
+            conn.setblocking(False)
+            transport, _ = await loop.connect_accepted_socket(
+                self._runner.server,
+                conn,
+                ssl=self._ssl,
+                ssl_handshake_timeout=limits.header_timeout_s if self._ssl else None,
+            )
+        except (OSError, asyncio.TimeoutError, ssl.SSLError) as exc:
+            conn.close()
+            why = f"varuna-manager: dashboard: connection dropped: {exc}".splitlines()[0]
+            self.log.line("handshake", why)
+            return
+        finally:
+            self._connecting -= 1
+        self._conns[transport] = False
+        loop.call_later(limits.header_timeout_s, self._header_deadline, transport)
+
+    def _header_deadline(self, transport: asyncio.BaseTransport) -> None:
+        """The first request's headers did not come in time: close (a request on the way is
+        answered first: aiohttp closes once it is done)."""
+        served = self._conns.pop(transport, True)
+        if not served and not transport.is_closing():
+            transport.close()
+
+    def _open_connections(self) -> int:
+        for transport in [t for t in self._conns if t.is_closing()]:
+            del self._conns[transport]
+        return len(self._conns) + self._connecting
+
+    def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        """asyncio's own error reports (a transport's fatal error...): one line a minute each."""
+        exc = context.get("exception")
+        what = f"{context.get('message', 'error')}" + (f": {type(exc).__name__}: {exc}" if exc else "")
+        self.log.line(("loop", context.get("message")), f"varuna-manager: dashboard: {what}".splitlines()[0])
 
     # -- auth and headers ----------------------------------------------------------------------
 
@@ -194,6 +345,8 @@ class DashboardServer:
     async def _secure(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Note [Dashboard auth]: 401 unless the token or the session cookie is right; then the
         route (405 for a method other than GET); security headers on every answer."""
+        if request.transport is not None and request.transport in self._conns:
+            self._conns[request.transport] = True  # headers complete: aiohttp's timeouts from here
         given = request.query.get("token")
         if request.method == "GET" and given is not None:
             if not hmac.compare_digest(given.encode("utf-8"), self._token):
@@ -272,3 +425,62 @@ def _finite(data: Any) -> Any:
 def _json(data: Any, status: int = 200) -> web.Response:
     text = json.dumps(_finite(data), allow_nan=False)
     return web.Response(text=text, status=status, content_type="application/json")
+
+
+def _listen(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets on every address of ``host`` (``port`` 0: a free one, the same on all),
+    non-blocking. ``OSError`` when one cannot be bound."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    out: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):  # each address once
+            sock = socket.socket(family, kind, proto)
+            out.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if out[:-1] and address[1] == 0:  # port 0: the first socket's port for the others
+                address = (address[0], out[0].getsockname()[1], *address[2:])
+            sock.bind(address)
+            sock.listen(128)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in out:
+            sock.close()
+        raise
+    return out
+
+
+class _OneLineLogger:
+    """What aiohttp's request handler logs through (its ``logger``): a malformed request or a
+    failed handler is one rate-limited line, not a traceback (Note [Dashboard limits]); a
+    handler's own exception (a bug) keeps its traceback, once a minute."""
+
+    def __init__(self, log: RateLimitedLines) -> None:
+        self._log = log
+
+    def debug(self, *args: Any, **kw: Any) -> None:
+        pass
+
+    info = debug
+
+    def isEnabledFor(self, level: int) -> bool:  # noqa: N802 (logging.Logger's name)
+        return level >= 30
+
+    def warning(self, msg: str, *args: Any, exc_info: Any = None, **kw: Any) -> None:
+        self._line(msg, args, exc_info)
+
+    error = warning
+
+    def exception(self, msg: str, *args: Any, exc_info: Any = True, **kw: Any) -> None:
+        self._line(msg, args, exc_info)
+
+    def _line(self, msg: str, args: tuple[Any, ...], exc_info: Any) -> None:
+        exc = exc_info if isinstance(exc_info, BaseException) else None
+        text = (msg % args) if args else str(msg)
+        status = getattr(exc, "status", None) or getattr(exc, "code", None)
+        detail = f": {type(exc).__name__}: {getattr(exc, 'message', None) or exc}" if exc is not None else ""
+        key = (type(exc).__name__ if exc is not None else msg, status)
+        written = self._log.line(key, f"varuna-manager: dashboard: {text}{detail}".splitlines()[0])
+        if written and exc is not None and status is None and not isinstance(exc, (OSError, ValueError)):
+            traceback.print_exception(exc)  # a bug in a handler: its traceback, once a minute

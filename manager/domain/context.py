@@ -99,6 +99,8 @@ class JobCache:
     """VM type -> (its stored calibration JSON, parsed): the fail-stutter reference per type."""
     create_after: float = 0.0
     provider_error_logged: float = 0.0
+    suspects_since: dict[int, float] = field(default_factory=dict)
+    """gen -> when its first worker exited as a symptom (Note [Blame] in generations.py)."""
 
 
 # Note [Restart grace]: after a restart the manager counts a VM's silence from the moment its RPC
@@ -156,6 +158,7 @@ class ManagerContext:
             state_dir=config.state_dir,
             heartbeat_interval_s=config.heartbeat_interval_s,
             orphan_timeout_s=config.orphan_timeout_s,
+            heartbeat_timeout_s=config.heartbeat_timeout_s,
         )
 
     # -- per-job soft state --------------------------------------------------------------------

@@ -78,6 +78,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from manager.common.log_lines import RateLimitedLines, stderr_line
 from manager.domain.calibration_orders import CalibrationOrders
 from manager.domain.context import ManagerConfig, ManagerContext
 from manager.domain.generations import JobController
@@ -114,7 +115,9 @@ CHECKPOINT_EVERY_S = 1.0
 
 class Manager:
     """See the module docstring. ``provider_factory`` and ``clock`` (wall-clock seconds) are for
-    tests: a fake cloud, and time that moves only when the test says so.
+    tests: a fake cloud, and time that moves only when the test says so. ``relock``: take the
+    daemon lock again before a vanished state file is put back (``serve``'s
+    ``DaemonLock.ensure``; ``OSError`` when another manager holds it now).
 
     Example::
 
@@ -132,6 +135,7 @@ class Manager:
         provider_factory: Callable[[str, dict[str, Any], ProviderContext], Provider] = make_provider,
         clock: Callable[[], float] = time.time,
         pool: PoolConfig | None = None,
+        relock: Callable[[], None] = lambda: None,
     ) -> None:
         self.ctx = ManagerContext(store, config, provider_factory=provider_factory, clock=clock)
         if pool is not None or PoolStore(store).load()[0]:
@@ -148,6 +152,12 @@ class Manager:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._checkpointed = 0.0  # time.monotonic() of the last WAL checkpoint
+        self._relock = relock
+        self._tick_errors = RateLimitedLines()
+        self.failure: str | None = None
+        """Why the manager stopped by itself (its state file replaced), for ``serve`` to say."""
+        for line in store.problems:  # job rows quarantined when the file was opened
+            stderr_line(f"varuna-manager: {line}")
         for job in store.jobs(active_only=True):
             store.add_event(
                 job.job_id,
@@ -245,50 +255,119 @@ class Manager:
     # -- the control loop ----------------------------------------------------------------------
 
     def tick(self) -> None:
-        """One pass over every active job (the loop calls it every ``tick_s``; tests call it)."""
+        """One pass over every active job (the loop calls it every ``tick_s``; tests call it).
+        A job whose pass fails does not stop the others' (Note [Corrupt rows] in
+        manager/domain/store_schema.py: an unreadable job is quarantined)."""
         ctx = self.ctx
-        if ctx.pool.active:
-            with ctx.lock:
+        with ctx.lock:  # unreadable jobs out first: the pool's round reads every job's spec
+            jobs = [job for job in ctx.store.jobs(active_only=True) if self._readable(job)]
+            if ctx.pool.active:
                 ctx.pool.tick(ctx.clock())  # a round when one is due: placements for this pass
-        for job in ctx.store.jobs(active_only=True):
-            with ctx.lock:  # each provider sees its own VMs (a pool type may name its own)
-                by_provider: dict[int, tuple[Any, list]] = {id(ctx.provider(job)): (ctx.provider(job), [])}
-                for vm in ctx.store.vms(job.job_id, states=["requested", "up"]):
-                    provider = ctx.provider_of(job, vm)
-                    by_provider.setdefault(id(provider), (provider, []))[1].append(vm)
-            # Provider news first, outside the lock (a cloud listing takes time).
-            gone: list[str] = []
-            for provider, vms in by_provider.values():
-                try:
-                    gone += provider.gone_vms(vms)
-                except Exception as exc:  # provider trouble must not stop supervision
-                    self.vms.provider_error(job, f"listing VMs failed: {exc}")
-            with ctx.lock:
-                ctx.actions = []
-                fresh = ctx.store.job(job.job_id)
-                if fresh is None or fresh.terminal:
-                    continue
-                now = ctx.clock()
-                for vm_id in gone:
-                    vm = ctx.store.vm(vm_id)
-                    if vm is not None and vm.state in ("requested", "up"):
-                        self.vms.mark_gone(fresh, vm, "the provider reports it gone", now)
-                self._tick_job(fresh, now)
-                actions, ctx.actions = ctx.actions, []
-            # Provider calls run in this thread, in order, without the lock: heartbeats are
-            # answered meanwhile. A slow cloud call delays only the next tick.
-            for action in actions:
-                try:
-                    action()
-                except Exception as exc:
-                    self.vms.provider_error(job, str(exc))
+        for job in jobs:
+            try:
+                self._tick_one(job)
+            except Exception as exc:  # this job's trouble is not the others'
+                self._job_failed_tick(job, exc)
         # The heartbeats' deferred values, one transaction per tick (Note [Deferred writes] in
         # manager/domain/record_cache.py), and the WAL checkpoint about once a second: outside the
         # state lock, so RPCs are answered meanwhile.
         ctx.store.flush()
         if time.monotonic() - self._checkpointed >= CHECKPOINT_EVERY_S:
+            self._guard_state_file()
             ctx.store.checkpoint()
             self._checkpointed = time.monotonic()
+
+    def _tick_one(self, job: JobRecord) -> None:
+        ctx = self.ctx
+        with ctx.lock:  # each provider sees its own VMs (a pool type may name its own)
+            by_provider: dict[int, tuple[Any, list]] = {id(ctx.provider(job)): (ctx.provider(job), [])}
+            for vm in ctx.store.vms(job.job_id, states=["requested", "up"]):
+                provider = ctx.provider_of(job, vm)
+                by_provider.setdefault(id(provider), (provider, []))[1].append(vm)
+        # Provider news first, outside the lock (a cloud listing takes time).
+        gone: list[str] = []
+        for provider, vms in by_provider.values():
+            try:
+                gone += provider.gone_vms(vms)
+            except Exception as exc:  # provider trouble must not stop supervision
+                self.vms.provider_error(job, f"listing VMs failed: {exc}")
+        with ctx.lock:
+            ctx.actions = []
+            fresh = ctx.store.job(job.job_id)
+            if fresh is None or fresh.terminal:
+                return
+            now = ctx.clock()
+            for vm_id in gone:
+                vm = ctx.store.vm(vm_id)
+                if vm is not None and vm.state in ("requested", "up"):
+                    self.vms.mark_gone(fresh, vm, "the provider reports it gone", now)
+            try:
+                self._tick_job(fresh, now)
+            finally:
+                actions, ctx.actions = ctx.actions, []
+        # Provider calls run in this thread, in order, without the lock: heartbeats are
+        # answered meanwhile. A slow cloud call delays only the next tick.
+        for action in actions:
+            try:
+                action()
+            except Exception as exc:
+                self.vms.provider_error(job, str(exc))
+
+    def _readable(self, job: JobRecord) -> bool:
+        """Whether the job's stored spec and calibration can be read; else the job is quarantined
+        (failed, one line; Note [Corrupt rows] in manager/domain/store_schema.py). ``ctx.lock`` held."""
+        try:
+            self.ctx.cache(job)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            why = " ".join(str(exc).split())[:300] or type(exc).__name__
+            message = f"quarantined: its stored spec or calibration cannot be read ({why})"
+            self.ctx.store.update_job(job.job_id, state="failed", message=message)
+            self.ctx.event(job.job_id, "failed", message)
+            vms = [vm.vm_id for vm in self.ctx.store.vms(job.job_id, states=["requested", "up"])]
+            left = f"; its VMs {', '.join(vms)} are left to you (no provider without a spec)" if vms else ""
+            stderr_line(f"varuna-manager: job {job.job_id}: {message}{left}; the other jobs go on")
+            return False
+        return True
+
+    def _job_failed_tick(self, job: JobRecord, exc: Exception) -> None:
+        """One job's pass failed (a bug, or a row the checks above do not catch): one line a
+        minute per job and kind of error, with the traceback (a bug needs it); the next tick
+        tries again."""
+        key = (job.job_id, type(exc).__name__)
+        if self._tick_errors.line(key, f"varuna-manager: job {job.job_id}: control loop pass failed: "
+                                  f"{type(exc).__name__}: {exc}".splitlines()[0]):
+            traceback.print_exc(file=sys.stderr)
+
+    def _guard_state_file(self) -> None:
+        """Note [State file vanishing] in manager/domain/state_file.py: put a vanished state file
+        back; a replaced one stops the manager (:attr:`failure`)."""
+        store = self.ctx.store
+        state = store.file_state()
+        if state == "ok":
+            return
+        if state == "missing":
+            try:
+                with self.ctx.lock:
+                    self._relock()
+                    store.restore()
+            except OSError as exc:
+                self._fail(f"the state file {store.path} was deleted under the running manager and {exc}")
+                return
+            stderr_line(
+                f"varuna-manager: the state file {store.path} was deleted under the running manager;"
+                " put it back from the open copy (nothing lost)"
+            )
+            return
+        self._fail(
+            f"the state file {store.path} was replaced by another file under the running manager;"
+            " stopping (its own state is still in the open file: nothing more is written there)"
+        )
+
+    def _fail(self, message: str) -> None:
+        """Stop the control loop for good with ``message`` (``serve`` says it and exits 1)."""
+        if self.failure is None:
+            self.failure = message
+        self._stop.set()
 
     def _tick_job(self, job: JobRecord, now: float) -> None:
         store = self.ctx.store

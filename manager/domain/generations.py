@@ -5,6 +5,20 @@ it, record its end, and finish the job.
 Each method takes one step from the state in the store (callers hold ``ctx.lock``), so the
 control loop can be restarted at any point.
 
+Note [Blame]: when a VM goes silent (a partition, an eviction without notice: its packets
+vanish, nothing is reset), its peers' peer watches may give up on it before the manager's
+heartbeat timeout does: the healthy VMs' workers then exit with :data:`PEER_LOST_EXIT_CODE`
+(75: "a peer was lost") while the silent VM still counts as up. Those exits are *symptoms*; the
+generation's failure must name its *cause*, as ``varuna-launch`` does (Note [Blame] in
+varuna/launch/supervisor.py). So a generation whose only failures are such exits waits
+(:meth:`JobController._await_cause`): :data:`BLAME_WINDOW_S` for a racing report, and while a VM
+of the generation has been quiet for over two heartbeat intervals, at most the heartbeat timeout
+plus the window, for a primary cause (a VM declared gone, a worker that failed otherwise). The
+``killing`` event, and the cause the relaunch records (``resumed``), then name only the causes,
+each with its ranks (``vm3 (rank 2) gone (no heartbeat for 4.1 s)``); the survivors are named
+only when no cause shows up. Detection of a silent VM is the heartbeat timeout T plus one tick
+(``--heartbeat-timeout``: T ≤ 4 s keeps it within 5 s).
+
     >>> vm = VMRecord(vm_id="v", job_id="j", provider="local", seq=1, state="gone", slots=1, created=0.0)
     >>> vm_progress(vm, 1)   # (done, failed, clean): a VM gone before reporting the generation
     (True, True, False)
@@ -19,9 +33,10 @@ from typing import Any
 from manager.domain.context import ManagerContext
 from manager.domain.live_members import LiveMembers
 from manager.domain.ports import Calibrations, Placement, Planner
-from manager.domain.records import GenerationRecord, JobRecord, VMRecord
+from manager.domain.records import GenerationRecord, JobRecord, VMRecord, WorkerStatRecord
+from manager.domain.vm_book import ranks_of, vm_label
 
-__all__ = ["JobController", "vm_progress"]
+__all__ = ["JobController", "stopped_at", "vm_progress"]
 
 
 def vm_progress(vm: VMRecord, g: int) -> tuple[bool, bool, bool]:
@@ -41,6 +56,43 @@ def vm_progress(vm: VMRecord, g: int) -> tuple[bool, bool, bool]:
     done = all(not w["running"] for w in workers)
     failed = any(not w["running"] and w["exit_code"] != 0 for w in workers)
     return done, failed, done and not failed
+
+
+def stopped_at(gen: GenerationRecord, stats: list[WorkerStatRecord]) -> int:
+    """The step every worker of ``gen`` reached: the lowest of the ranks' latest steps (``stats``:
+    the generation's worker rows), or ``gen.last_step`` when no worker reported a step past the
+    one it resumed from (Note [Trusted progress] in manager/domain/worker_reports.py). Ranks at
+    or above the current P × D (members a live morph let go) do not count."""
+    world = gen.pipeline_depth * gen.data_parallel
+    steps = [s.step for s in stats if 0 <= s.rank < world]
+    return min(steps) if steps else gen.last_step
+
+
+#: Note [Blame]: how long workers that exited as symptoms wait for their cause to show (an
+#: agent's report of a kill -9 and the survivors' own exits race by a heartbeat or two).
+BLAME_WINDOW_S = 1.0
+#: A worker's exit code when it stopped because a peer was lost (its peer watch named the peer):
+#: ``varuna.runtime.peer_watch.PEER_LOST_EXIT_CODE``, not imported (the domain does not load torch).
+PEER_LOST_EXIT_CODE = 75
+
+
+def _symptom_only(vm: VMRecord, g: int) -> bool:
+    """Note [Blame]: ``vm`` is up and every worker of generation ``g`` that failed there exited
+    with :data:`PEER_LOST_EXIT_CODE` (it stopped because of another)."""
+    if vm.state != "up" or vm.reported_generation != g:
+        return False
+    codes = [w["exit_code"] for w in vm.workers if not w["running"] and w["exit_code"] != 0]
+    return bool(codes) and all(c == PEER_LOST_EXIT_CODE for c in codes)
+
+
+def _failure(vm: VMRecord, g: int) -> str:
+    """How a failed VM of generation ``g`` is named in events: ``vm3 (rank 2) gone (no heartbeat
+    for 4.1 s)``, ``vm1 (rank 0): worker failed (exit code 1)``."""
+    label = vm_label(vm.vm_id, ranks_of(vm, g))
+    if vm.state != "up":
+        return f"{label} gone" + (f" ({vm.gone_reason})" if vm.gone_reason else "")
+    codes = sorted({w["exit_code"] for w in vm.workers if not w["running"] and w["exit_code"] != 0})
+    return f"{label}: worker failed (exit code {', '.join(map(str, codes))})"
 
 
 class JobController:
@@ -100,12 +152,19 @@ class JobController:
         all_clean_exit: bool,
         now: float,
     ) -> None:
+        causes: list[str] = []
+        if failed:
+            causes = [_failure(vm, gen.generation) for vm in failed if not _symptom_only(vm, gen.generation)]
+            # Note [Blame]: only symptoms. A VM this generation already lost (a live morph went on
+            # without it) is their cause; else the cause may yet show.
+            causes = causes or self._lost_by(job, gen)
+            if not causes and self._await_cause(job, gen, gen_vms, now):
+                return
         if failed and self.ctx.live_morph_job(job) and self.ctx.live.on_failure(job, gen, failed, now):
             return  # the survivors go on in their processes (manager/domain/live_runs.py)
         if failed:
-            what = ", ".join(
-                f"{vm.vm_id} ({'gone' if vm.state != 'up' else 'worker failed'})" for vm in failed
-            )
+            what = ", ".join(causes or [_failure(vm, gen.generation) for vm in failed])
+            self.ctx.cache(job).suspects_since.pop(gen.generation, None)
             self.ctx.note_detection(job, f"generation {gen.generation} failed: {what}", now)
             self.ctx.begin_kill(job, gen, f"failure on {what}", now)
             return
@@ -117,6 +176,32 @@ class JobController:
             if not trigger.startswith("cancel"):
                 self.ctx.note_detection(job, trigger, now)
             self.ctx.begin_stop(job, gen, trigger, now)
+
+    def _lost_by(self, job: JobRecord, gen: GenerationRecord) -> list[str]:
+        """The VMs ``gen`` lost while it ran (its ``vm-gone`` events), named as causes."""
+        out = []
+        for e in self.ctx.store.events(job.job_id, kinds=["vm-gone"]):
+            if e.generation == gen.generation:
+                data = e.data
+                label = vm_label(e.vm_id, [int(r) for r in data.get("ranks", [])])
+                out.append(f"{label} gone" + (f" ({data['reason']})" if data.get("reason") else ""))
+        return out
+
+    def _await_cause(
+        self, job: JobRecord, gen: GenerationRecord, gen_vms: list[VMRecord], now: float
+    ) -> bool:
+        """Note [Blame]: whether to wait before blaming workers that exited as symptoms: for
+        :data:`BLAME_WINDOW_S` after the first, and while a VM of the generation has been quiet
+        for over two heartbeat intervals (it may yet be declared gone), at most the heartbeat
+        timeout plus the window."""
+        cfg = self.ctx.config
+        since = self.ctx.cache(job).suspects_since.setdefault(gen.generation, now)
+        waited = now - since
+        if waited < BLAME_WINDOW_S:
+            return True
+        quiet_after = max(2 * cfg.heartbeat_interval_s, BLAME_WINDOW_S)
+        quiet = [vm for vm in gen_vms if vm.state == "up" and self.ctx.age(vm, now) > quiet_after]
+        return bool(quiet) and waited < cfg.heartbeat_timeout_s + BLAME_WINDOW_S
 
     def _workers_exited_cleanly(
         self, job: JobRecord, gen: GenerationRecord, gen_vms: list[VMRecord], now: float
@@ -130,8 +215,12 @@ class JobController:
             self.end_generation(job, gen, now, graceful=True, reason=why)
             return
         spec = self.ctx.cache(job).spec
-        last = max(gen.last_step, job.step)
-        if last < spec.target_steps and gen.last_step > (gen.resumed_from or 0):
+        progressed = gen.last_step > (gen.resumed_from or 0)
+        # What every worker reached, not the highest step anyone claimed (Note [Trusted progress]
+        # in manager/domain/worker_reports.py); a generation that trained nothing stopped where
+        # the job already was.
+        last = self._stopped_at(job, gen) if progressed else max(gen.last_step, job.step)
+        if last < spec.target_steps and progressed:
             # Every worker stopped cleanly short of the target (a graceful stop this manager did
             # not ask for, e.g. one asked by a manager process that has since been restarted):
             # relaunch and resume. A generation that makes no progress at all ends the job below
@@ -156,12 +245,16 @@ class JobController:
         fresh = self.ctx.store.job(job.job_id) or job
         gen = self.ctx.store.generation(job.job_id, gen.generation) or gen
         spec = self.ctx.cache(fresh).spec
-        last = max(gen.last_step, fresh.step)
+        last = self._stopped_at(fresh, gen)
         if fresh.terminal or fresh.cancel_requested or last < spec.target_steps:
             return
         self.ctx.finish_job(
             fresh, "finished", f"reached step {last} (generation {gen.generation} stopped at the target)"
         )
+
+    def _stopped_at(self, job: JobRecord, gen: GenerationRecord) -> int:
+        """:func:`stopped_at` of ``gen`` from its workers' rows (the deferred ones included)."""
+        return stopped_at(gen, self.ctx.store.peek_worker_stats(job.job_id, gen.generation))
 
     def _graceful_trigger(
         self, job: JobRecord, gen: GenerationRecord, gen_vms: list[VMRecord], vms: list[VMRecord], now: float
@@ -201,6 +294,7 @@ class JobController:
         cache = ctx.cache(job)
         cache.compute.pop(gen.generation, None)
         cache.launches.pop(gen.generation, None)
+        cache.suspects_since.pop(gen.generation, None)
         ctx.event(
             job.job_id,
             "generation-ended",

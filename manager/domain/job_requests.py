@@ -9,6 +9,7 @@ of failing at the first tick.
 from __future__ import annotations
 
 import json
+import math
 import re
 import secrets
 
@@ -33,6 +34,12 @@ def job_id_for(display_name: str) -> str:
     """
     slug = re.sub(r"[^a-z0-9]+", "-", display_name.lower()).strip("-")[:24] or "job"
     return f"{slug}-{secrets.token_hex(3)}"
+
+
+def _nan_if_none(value: float | None) -> float:
+    """A value stored as NULL (non-finite when reported) as NaN: what the wire and ``status``
+    show for "not a number" (Note [Non-finite values] in manager/domain/store.py)."""
+    return math.nan if value is None else value
 
 
 def _not_found(job_id: str) -> ManagerError:
@@ -150,7 +157,15 @@ class JobRequests:
     def _job_status(self, job: JobRecord, history: int) -> JobStatus:
         store = self.ctx.store
         now = self.ctx.clock()
-        spec = JobSpec.from_dict(job.spec)
+        try:
+            spec = JobSpec.from_dict(job.spec)
+        except (ValueError, TypeError, KeyError):  # a quarantined row (manager/domain/store_schema.py)
+            return JobStatus(
+                job_id=job.job_id, name=job.job_id, state=job.state,
+                message=job.message or "its stored spec cannot be read", generation=job.generation,
+                step=job.step, target_steps=0, created=job.created, provider="", checkpoint_dir="",
+                calibration_state=job.calibration_status, calibration="",
+            )
         gen = store.generation(job.job_id, job.generation) if job.generation else None
         out = JobStatus(
             job_id=job.job_id,
@@ -171,15 +186,17 @@ class JobRequests:
             out.generation_state = gen.state
             out.pipeline_depth, out.data_parallel = gen.pipeline_depth, gen.data_parallel
             out.micro_batch_size = gen.micro_batch_size
-            stats = {s.rank: s for s in store.worker_stats(job.job_id, gen.generation)}
+            # Reads that write nothing: a status never waits for (or fails with) a deferred write.
+            stats = {s.rank: s for s in store.peek_worker_stats(job.job_id, gen.generation)}
         for vm in store.vms(job.job_id):
             self._add_vm_status(out, vm, gen, stats, now)
         if self.ctx.pool_job(job):
             out.pool = self.ctx.pool.share(job)
         out.throughput = [
-            ThroughputPoint(step=p.step, generation=p.generation, time=p.time, samples_per_s=p.samples_per_s,
-                            loss=p.loss, pipeline_depth=p.pipeline_depth, data_parallel=p.data_parallel)
-            for p in store.progress(job.job_id, last=history)
+            ThroughputPoint(step=p.step, generation=p.generation, time=p.time,
+                            samples_per_s=_nan_if_none(p.samples_per_s), loss=_nan_if_none(p.loss),
+                            pipeline_depth=p.pipeline_depth, data_parallel=p.data_parallel)
+            for p in store.peek_progress(job.job_id, last=history)
         ]
         return out
 

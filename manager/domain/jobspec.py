@@ -51,16 +51,27 @@ from manager.domain.vm_types import VMTypeSpec, parse_vm_types
 from manager.providers.registry import JobShape, provider_entry
 from varuna.core.schedule import DEFAULT_SCHEDULE, SCHEDULE_KINDS, chunks_problem, schedule_kind
 
-__all__ = ["MAX_PROCS_PER_VM", "MAX_VMS", "JobSpec", "ProfileSpec", "load_jobspec"]
+__all__ = ["MAX_CHUNKS", "MAX_COUNT", "MAX_PROCS_PER_VM", "MAX_VMS", "JobSpec", "ProfileSpec", "load_jobspec"]
 
 #: Most VMs one job may ask for: the manager is sized and load-tested for 1,000 VMs (docs/manager.md);
 #: a larger number is a typo that would have the provider create VMs without end.
 MAX_VMS = 1024
 #: Most workers per VM (accelerators of one machine; the largest VM sizes hold 8-16).
 MAX_PROCS_PER_VM = 64
+#: Largest step count, batch size or segment count a spec may name: far beyond any run (10^12
+#: steps at 1,000 a second take 31 years), yet it keeps every such number well inside the wire's
+#: and the state file's 64-bit integers (a target of 10^19 once made every status call fail).
+MAX_COUNT = 10**12
+_COUNTS = ("global_batch_size", "target_steps", "micro_batch_size", "checkpoint_every", "num_segments")
+#: Most model chunks per process (interleaved kinds; each is a copy of the stage's modules).
+MAX_CHUNKS = 64
+#: Largest accelerator memory (GiB) and priority weight a spec may name.
+MAX_MEMORY_GIB = 1 << 20
+MAX_WEIGHT = 1e6
 
 # Environment variables the manager sets per worker itself: a spec may not override them.
-_RESERVED_ENV_PREFIXES = ("VARUNA_MANAGER", "VARUNA_JOB_ID", "VARUNA_VM_ID", "VARUNA_GENERATION")
+_RESERVED_ENV_PREFIXES = ("VARUNA_MANAGER", "VARUNA_JOB_ID", "VARUNA_VM_ID", "VARUNA_GENERATION",
+                           "VARUNA_FENCE_EPOCH")
 
 # varuna-profile flags that [profile] sets through its own keys (or the agent, for --out).
 _PROFILE_FLAGS_OF_KEYS = {
@@ -129,11 +140,12 @@ class ProfileSpec:
         except (TypeError, ValueError):
             raise ValueError("jobspec: profile.model_args values must be JSON values") from None
         ms = spec.micro_batch_sizes
-        if not isinstance(ms, list) or not all(
-            isinstance(m, int) and not isinstance(m, bool) and m >= 1 for m in ms
+        if not isinstance(ms, list) or len(ms) > 64 or not all(
+            isinstance(m, int) and not isinstance(m, bool) and 1 <= m <= MAX_COUNT for m in ms
         ):
             raise ValueError(
-                f"jobspec: profile.micro_batch_sizes must be a list of integers >= 1, got {ms!r}"
+                f"jobspec: profile.micro_batch_sizes must be a list of integers >= 1 (at most 64 of"
+                f" them, each <= 10^12), got {str(ms)[:200]}"
             )
         if not isinstance(spec.args, list) or not all(isinstance(a, str) for a in spec.args):
             raise ValueError("jobspec: profile.args must be a list of strings (varuna-profile flags)")
@@ -143,7 +155,7 @@ class ProfileSpec:
                 why = _PROFILE_FLAGS_OF_KEYS[flag]
                 raise ValueError(f"jobspec: profile.args may not contain {flag}: {why}")
         timeout = spec.timeout_s
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= 1e7:
             raise ValueError(f"jobspec: profile.timeout_s must be a number of seconds > 0, got {timeout!r}")
         if not isinstance(spec.required, bool):
             raise ValueError(f"jobspec: profile.required must be true or false, got {spec.required!r}")
@@ -264,8 +276,12 @@ class JobSpec:
         if not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir:
             raise ValueError("jobspec: 'checkpoint_dir' is required: morphs resume from its checkpoints")
         self._check_env()
-        if not isinstance(self.gpu_memory_gib, (int, float)) or self.gpu_memory_gib < 0:
-            raise ValueError(f"jobspec: 'gpu_memory_gib' must be a number >= 0, got {self.gpu_memory_gib!r}")
+        memory = self.gpu_memory_gib
+        is_number = isinstance(memory, (int, float)) and not isinstance(memory, bool)
+        if not is_number or not 0 <= memory <= MAX_MEMORY_GIB:
+            raise ValueError(
+                f"jobspec: 'gpu_memory_gib' must be a number in 0..{MAX_MEMORY_GIB}, got {memory!r}"
+            )
         self._check_calibration()
         if self.pipeline_depth and self.pipeline_depth > self.max_vms * self.procs_per_vm:
             raise ValueError(
@@ -277,8 +293,9 @@ class JobSpec:
         self._check_chunks()
         if not isinstance(self.pool, bool):
             raise ValueError(f"jobspec: 'pool' must be true or false, got {self.pool!r}")
-        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or not self.weight > 0:
-            raise ValueError(f"jobspec: 'weight' must be a number > 0, got {self.weight!r}")
+        weight = self.weight
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= MAX_WEIGHT:
+            raise ValueError(f"jobspec: 'weight' must be a number in (0, {MAX_WEIGHT:g}], got {weight!r}")
         self._check_vm_types()
         self._check_live_morph()
 
@@ -335,6 +352,11 @@ class JobSpec:
             )
         if self.max_vms > MAX_VMS:
             raise ValueError(f"jobspec: max_vms {self.max_vms} is above the limit of {MAX_VMS}; lower it")
+        for name in _COUNTS:
+            if (value := getattr(self, name)) > MAX_COUNT:
+                raise ValueError(f"jobspec: {name} {value} is above the limit of 10^12; lower it")
+        if self.chunks > MAX_CHUNKS:
+            raise ValueError(f"jobspec: chunks {self.chunks} is above the limit of {MAX_CHUNKS}; lower it")
         if self.procs_per_vm > MAX_PROCS_PER_VM:
             raise ValueError(
                 f"jobspec: procs_per_vm {self.procs_per_vm} is above the limit of {MAX_PROCS_PER_VM};"

@@ -83,13 +83,17 @@ class WorkerLaunches:
                 "VARUNA_RESUME": "auto",
                 "VARUNA_JOB_ID": job.job_id,
                 "VARUNA_GENERATION": str(gen.generation),
+                # The job's creation: its generations outrank any earlier run's on the same
+                # checkpoint store (Note [Checkpoint fence] in varuna/runtime/checkpoint_fence.py).
+                "VARUNA_FENCE_EPOCH": str(int(job.created * 1000)),
             }
         )
         if spec.checkpoint_every:
             env["VARUNA_CHECKPOINT_EVERY"] = str(spec.checkpoint_every)
-        address = self.ctx.live.address(job, gen.generation) if self.ctx.live_morph_job(job) else None
+        live_env = self.ctx.live.worker_env(job, gen.generation) if self.ctx.live_morph_job(job) else {}
+        address = live_env.get(LIVE_STORE_ENV)
         if address is not None:
-            env[LIVE_STORE_ENV] = address  # docs/live_morph.md, API for the launcher
+            env.update(live_env)  # docs/live_morph.md, API for the launcher: address and secret
             env[LIVE_NOTICE_ENV] = MANAGER_NOTICE_SIGNAL
         env.update(self.run_plan(job, gen).to_env())
         config = LaunchConfig(

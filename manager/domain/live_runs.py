@@ -5,7 +5,9 @@ an eviction notice on one of its VMs, and to new VMs it can grow onto.
 The daemon hosts one :class:`varuna.launch.live_store.LiveStore` per generation (a fresh one per
 launch, as ``varuna-launch --live-morph`` does: member ids and ``dead/{id}`` keys must never be
 reused, and a relaunch numbers its ranks from 0 again), bound to the manager's advertise host
-only; its address is every worker's ``$VARUNA_LIVE_STORE``. It is closed when the generation ends,
+only; its address is every worker's ``$VARUNA_LIVE_STORE`` and its secret (a fresh one per
+store) their ``$VARUNA_LIVE_STORE_KEY``, sent in the RUN orders over the authenticated gRPC
+channel (Note [Store authentication] in varuna/runtime/auth_store.py). It is closed when the generation ends,
 when the job ends and when the manager stops (the store's server thread ends with its last
 handle, and the listening socket is closed with it).
 
@@ -26,7 +28,8 @@ running generation, their workers started as joiners with fresh member ids. The 
 members (``manager.domain.live_members.LiveMembers``) change in the same write as its VMs and P×D.
 
 A frozen member (:meth:`LiveRuns.drop_frozen`): its peers declared it dead for lack of heartbeats
-(``varuna.runtime.live_watch.frozen_verdict``) and regrouped without it; the manager, polling the
+(``LiveStore.frozen``: the verdict, once the store too has heard no heartbeat from it, Note
+[Verdict check] in varuna/launch/live_store.py) and regrouped without it; the manager, polling the
 store on its loop, drops it from the members (its VM and the VM's other workers stay), orders its
 agent to kill it (``kill`` in the RUN orders) and takes its exit — 76 if it resumed first, -9 —
 as no failure (:meth:`LiveRuns.member_views`).
@@ -107,6 +110,11 @@ class LiveRuns:
         """The store of a generation this manager process launched (None after a restart)."""
         store = self._stores.get((job.job_id, generation))
         return store.address if store is not None else None
+
+    def worker_env(self, job: JobRecord, generation: int) -> dict[str, str]:
+        """The store's address and secret for the generation's workers ({} after a restart)."""
+        store = self._stores.get((job.job_id, generation))
+        return store.worker_env() if store is not None else {}
 
     def close(self, job_id: str, generation: int | None = None) -> None:
         """Close the job's store of ``generation`` (every one of the job's: None)."""
@@ -307,7 +315,7 @@ class LiveRuns:
         store = self._stores.get((job.job_id, gen.generation))
         if store is None:
             return gen
-        from varuna.runtime.live_watch import DECLARED_DEAD_EXIT_CODE, frozen_verdict  # torch: only when live
+        from varuna.runtime.live_watch import DECLARED_DEAD_EXIT_CODE  # torch: only when live
 
         members = self.members(gen)
         why: dict[int, str] = {}
@@ -318,7 +326,7 @@ class LiveRuns:
             exited = {w["rank"] for w in vm.workers if vm.reported_generation == gen.generation
                       and not w["running"] and w["exit_code"] == DECLARED_DEAD_EXIT_CODE}
             for m in ids:
-                verdict = frozen_verdict(store.store, m)
+                verdict = store.frozen(m)  # checked against the store's own view (Note [Verdict check])
                 if verdict is not None or m in exited:
                     why[m] = verdict or f"exited with {DECLARED_DEAD_EXIT_CODE}: declared dead by its peers"
         dropped = members.drop(why)

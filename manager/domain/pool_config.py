@@ -28,12 +28,23 @@ from pathlib import Path
 from typing import Any
 
 from manager.allocation.pool import VMType
+from manager.domain.jobspec import MAX_PROCS_PER_VM, MAX_VMS
 from manager.providers.registry import provider_entry
 
-__all__ = ["POLICIES", "CapacityChange", "PoolConfig", "PoolType", "load_pool_config"]
+__all__ = ["MAX_POOL_TYPES", "POLICIES", "CapacityChange", "PoolConfig", "PoolType", "load_pool_config"]
 
 #: Policy names of ``manager.allocation.policies.solve`` a pool may use.
 POLICIES = ("las", "makespan", "cost")
+
+#: Most VM types in one pool (each is a column group of every round's LP). Every number that
+#: sizes something the daemon builds is bounded like a job's ``max_vms`` (issue 35: a capacity of
+#: 10^9 passed and the first round built one object per VM): a type's capacity by
+#: ``jobspec.MAX_VMS``, its slots by ``jobspec.MAX_PROCS_PER_VM``.
+MAX_POOL_TYPES = 64
+#: Largest memory per accelerator (GiB) and relative speed a type may declare (beyond them the
+#: arithmetic of the allocation overflows, and no accelerator is anywhere near).
+MAX_MEMORY_GIB = 1 << 20
+MAX_SPEED = 1e3
 
 
 def _check_keys(data: Any, cls: type, where: str) -> dict[str, Any]:
@@ -55,12 +66,23 @@ def _make(cls: type, data: Any, where: str) -> Any:
     return cls(**d)
 
 
-def _number(value: Any, where: str, *, low: float, strict: bool = False, integer: bool = False) -> None:
+def _number(
+    value: Any,
+    where: str,
+    *,
+    low: float,
+    strict: bool = False,
+    integer: bool = False,
+    high: float | None = None,
+) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     ok = ok and (value > low if strict else value >= low) and (not integer or isinstance(value, int))
     if not ok:
         kind = "an integer" if integer else "a number"
         raise ValueError(f"{where} must be {kind} {'>' if strict else '>='} {low:g}, got {value!r}")
+    if high is not None and value > high:
+        limit = f"{int(high)}" if float(high).is_integer() else f"{high:g}"
+        raise ValueError(f"{where} {value!r} is above the limit of {limit}; lower it")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,10 +114,10 @@ class PoolType:
         if not isinstance(self.name, str) or not self.name or not self.name.replace("-", "").isalnum():
             raise ValueError(f"pool type name {self.name!r}: use letters, digits and '-' only")
         _number(self.price_per_hour, f"{where}: price_per_hour", low=0)
-        _number(self.capacity, f"{where}: capacity", low=0, integer=True)
-        _number(self.slots, f"{where}: slots", low=1, integer=True)
-        _number(self.memory_gib, f"{where}: memory_gib", low=0)
-        _number(self.speed, f"{where}: speed", low=0, strict=True)
+        _number(self.capacity, f"{where}: capacity", low=0, integer=True, high=MAX_VMS)
+        _number(self.slots, f"{where}: slots", low=1, integer=True, high=MAX_PROCS_PER_VM)
+        _number(self.memory_gib, f"{where}: memory_gib", low=0, high=MAX_MEMORY_GIB)
+        _number(self.speed, f"{where}: speed", low=0, strict=True, high=MAX_SPEED)
         if not isinstance(self.provider_options, dict):
             raise ValueError(f"{where}: provider_options must be a table/object")
         if self.provider:
@@ -124,7 +146,8 @@ class CapacityChange:
 
     def __post_init__(self) -> None:
         _number(self.round, "capacity_changes: round", low=0, integer=True)
-        _number(self.capacity, f"capacity_changes (type {self.type!r}): capacity", low=0, integer=True)
+        where = f"capacity_changes (type {self.type!r}): capacity"
+        _number(self.capacity, where, low=0, integer=True, high=MAX_VMS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,12 +168,23 @@ class PoolConfig:
     def __post_init__(self) -> None:
         if not self.types:
             raise ValueError("pool: 'types' must list at least one VM type")
+        if len(self.types) > MAX_POOL_TYPES:
+            raise ValueError(
+                f"pool: {len(self.types)} VM types are above the limit of {MAX_POOL_TYPES}; merge some"
+            )
         names = [t.name for t in self.types]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"pool: VM type(s) {', '.join(dup)} listed twice; keep one entry each")
         if self.policy not in POLICIES:
             raise ValueError(f"pool: unknown policy {self.policy!r}; use one of {', '.join(POLICIES)}")
+        free = [t.name for t in self.types if not t.price_per_hour > 0]
+        if self.policy == "cost" and free:
+            # Checked here, not at the first round: the round would fail every tick (issue 35).
+            raise ValueError(
+                f"pool: policy 'cost' (throughput per dollar) needs price_per_hour > 0 for every type;"
+                f" {', '.join(free)} has none: set it, or use policy 'las'"
+            )
         _number(self.round_s, "pool: round_s", low=0, strict=True)
         _number(self.hysteresis, "pool: hysteresis", low=0)
         _number(self.default_morph_s, "pool: default_morph_s", low=0)

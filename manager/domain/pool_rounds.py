@@ -78,12 +78,21 @@ class PoolRounds:
         if config is None:
             if not stored_config:
                 raise ValueError("no pool config given and none stored: start serve with --pool POOL.toml")
-            config = PoolConfig.from_dict(json.loads(stored_config))
+            try:
+                config = PoolConfig.from_dict(json.loads(stored_config))
+            except ValueError as exc:  # written by an older manager, before a limit existed
+                raise ValueError(
+                    f"the pool config stored in the state file is not valid any more: {exc};"
+                    " start serve with --pool POOL.toml"
+                ) from None
         self.config = config
         self.config_json = json.dumps(config.to_dict(), sort_keys=True)
         self.model = ThroughputModel([t.vm_type() for t in config.types])
         self._reasons: dict[str, str] = {}  # job -> why its placement last changed
         self._dirty = True  # membership may have changed: run a round at once
+        self._failed_for: frozenset[str] | None = None
+        """The jobs of the last round that failed: the same jobs wait for the next due round,
+        instead of retrying (and writing a pool-error event) every tick."""
         self.pstore.save(self.config_json, self.state)
 
     # -- hooks for the manager's parts (the context's SharedPool: manager/domain/ports.py) -------
@@ -195,7 +204,7 @@ class PoolRounds:
         """Run a round when one is due, or at once when a pool job arrived or left."""
         active = [j for j in self.ctx.store.jobs(active_only=True) if self.is_pool(j)]
         ready = {j.job_id for j in active if self.ctx.cache(j).calibration is not None}
-        if ready != set(self.state.jobs):  # a job arrived (calibrated) or left
+        if ready != set(self.state.jobs) and ready != self._failed_for:  # a job arrived or left
             self._dirty = True
         if self._dirty or now >= self.state.next_round_at:
             self.run_round(now)
@@ -235,12 +244,14 @@ class PoolRounds:
         except ValueError as exc:
             for job in jobs:
                 ctx.event(job.job_id, "pool-error", f"round {self.state.round_index}: {exc}; placements kept")
+            self._failed_for = frozenset(j.job_id for j in jobs)  # again when due, or the jobs change
             self.state.next_round_at = now + cfg.round_s
             self.pstore.save(self.config_json, self.state)
             return
         fill = None if cfg.policy == "cost" else matrix  # cost releases VMs on purpose
         plan = sched.plan(alloc, slots(capacity), morph_s=morph, fill=fill)
         sched.record(plan)
+        self._failed_for = None
         self._apply(jobs, alloc, plan, sched, capacity, matrix, trigger)
         self.state.round_index += 1
         self.state.next_round_at = now + cfg.round_s

@@ -119,6 +119,10 @@ class LiveMorph(Protocol):
         """The generation's store, None when this process has none (a restart)."""
         ...
 
+    def worker_env(self, job: JobRecord, generation: int) -> dict[str, str]:
+        """What the generation's workers need to reach its store (address and secret); {}: none."""
+        ...
+
     def close(self, job_id: str, generation: int | None = None) -> None:
         """Close a generation's store (every one of the job's: None)."""
         ...
@@ -225,6 +229,9 @@ class NoLiveMorph:
 
     def address(self, job: Any, generation: int) -> str | None:
         return None
+
+    def worker_env(self, job: Any, generation: int) -> dict[str, str]:
+        return {}
 
     def close(self, job_id: str, generation: int | None = None) -> None:
         pass

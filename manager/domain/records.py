@@ -136,6 +136,16 @@ class GenerationRecord:
         """The generation's VMs, for membership tests."""
         return frozenset(self._vm_tuple)
 
+    @cached_property
+    def rank_bound(self) -> int:
+        """No worker of this generation has a rank (or, live, a member id) at or above this:
+        P × D, or in a live-morph generation the next unused member id when that is higher (a
+        worker reports its launch rank until it regroups; docs/manager.md, Live morph)."""
+        world = self.pipeline_depth * self.data_parallel
+        if not self.live_json:
+            return world
+        return max(world, int(json.loads(self.live_json).get("next_id", 0)))
+
 
 @dataclass(frozen=True, kw_only=True)
 class VMRecord:
@@ -201,12 +211,16 @@ class EventRecord:
 
 @dataclass(kw_only=True)
 class ProgressRecord:
+    """A throughput point (rank 0's heartbeat of one step). ``samples_per_s`` and ``loss`` are
+    None where the worker sent a non-finite value (a diverged, skipped step: Note [Non-finite
+    values] in manager/domain/store.py)."""
+
     job_id: str
     generation: int
     step: int
     time: float
-    samples_per_s: float
-    loss: float
+    samples_per_s: float | None
+    loss: float | None
     pipeline_depth: int
     data_parallel: int
 

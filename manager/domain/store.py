@@ -34,16 +34,18 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
 import sqlite3
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
-from manager.domain.pool_store import POOL_SCHEMA
-from manager.domain.record_cache import RecordCache
+from manager.common.log_lines import RateLimitedLines
+from manager.domain.record_cache import PendingWrites, RecordCache
 from manager.domain.records import (
     EventRecord,
     GenerationRecord,
@@ -52,9 +54,11 @@ from manager.domain.records import (
     VMRecord,
     WorkerStatRecord,
 )
+from manager.domain.state_file import APPLICATION_ID, check_ours, file_identity, restore_copy
+from manager.domain.store_schema import SCHEMA, SCHEMA_VERSION, job_row_repair, migrate
 
 __all__ = [
-    "SCHEMA_VERSION",
+    "SCHEMA_VERSION",  # re-exported from manager.domain.store_schema
     "EventRecord",
     "GenerationRecord",
     "JobRecord",
@@ -64,139 +68,28 @@ __all__ = [
     "WorkerStatRecord",
 ]
 
-SCHEMA_VERSION = 5
+# Note [Non-finite values]: SQLite stores a NaN as NULL, so a diverged loss (a skipped step reports
+# loss = nan) once made a NOT NULL column refuse the whole deferred batch; the batch was deferred
+# again and failed every tick after, taking status and the heartbeats' writes with it (issue 35).
+# Now a progress point's loss and throughput may be NULL (what a non-finite value is stored as:
+# WorkerReports stores them as None), and a batch the file refuses for its content is written
+# row by row with the refused rows dropped (Store._write_row_by_row): one bad row costs itself.
 
-# Columns added after version 1 (a version-1 file gets them with ALTER TABLE on open).
-_ADDED_COLUMNS = {
-    2: [
-        ("jobs", "calibration_state", "TEXT NOT NULL DEFAULT ''"),
-        ("jobs", "calibration_source", "TEXT NOT NULL DEFAULT ''"),
-        ("jobs", "calibration_attempt", "INTEGER NOT NULL DEFAULT 0"),
-        ("jobs", "calibration_vm", "TEXT NOT NULL DEFAULT ''"),
-        ("jobs", "calibration_started", "REAL"),
-    ],
-    # 3: the shared pool's tables (manager/domain/pool_store.py), created by _SCHEMA on open.
-    4: [  # mixed VM types (issue #19): calibration per type, each generation's mixed plan
-        ("jobs", "type_calibrations_json", "TEXT NOT NULL DEFAULT ''"),
-        ("jobs", "calibration_type", "TEXT NOT NULL DEFAULT ''"),
-        ("generations", "mixed_json", "TEXT NOT NULL DEFAULT ''"),
-    ],
-    5: [("generations", "live_json", "TEXT NOT NULL DEFAULT ''")],  # live morph: members, joiners, leavers
-}
+#: Errors that come from a row's content (a constraint, a value SQLite cannot take), not from the
+#: file or the disk: retrying the same row would fail again.
+_ROW_ERRORS = (sqlite3.IntegrityError, sqlite3.InterfaceError, sqlite3.DataError, OverflowError)
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS jobs (
-    job_id TEXT PRIMARY KEY,
-    spec_json TEXT NOT NULL,
-    calibration_json TEXT NOT NULL DEFAULT '',
-    state TEXT NOT NULL,
-    message TEXT NOT NULL DEFAULT '',
-    created REAL NOT NULL,
-    updated REAL NOT NULL,
-    generation INTEGER NOT NULL DEFAULT 0,
-    step INTEGER NOT NULL DEFAULT 0,
-    detection_time REAL,
-    detection_reason TEXT NOT NULL DEFAULT '',
-    failed_launches INTEGER NOT NULL DEFAULT 0,
-    cancel_requested INTEGER NOT NULL DEFAULT 0,
-    vm_seq INTEGER NOT NULL DEFAULT 0,
-    calibration_state TEXT NOT NULL DEFAULT '',
-    calibration_source TEXT NOT NULL DEFAULT '',
-    calibration_attempt INTEGER NOT NULL DEFAULT 0,
-    calibration_vm TEXT NOT NULL DEFAULT '',
-    calibration_started REAL,
-    type_calibrations_json TEXT NOT NULL DEFAULT '',
-    calibration_type TEXT NOT NULL DEFAULT ''
-);
-CREATE TABLE IF NOT EXISTS generations (
-    job_id TEXT NOT NULL,
-    generation INTEGER NOT NULL,
-    state TEXT NOT NULL,
-    pipeline_depth INTEGER NOT NULL,
-    data_parallel INTEGER NOT NULL,
-    micro_batch_size INTEGER NOT NULL,
-    vms_json TEXT NOT NULL,
-    master_addr TEXT NOT NULL,
-    master_port INTEGER NOT NULL,
-    launched REAL NOT NULL,
-    stop_reason TEXT NOT NULL DEFAULT '',
-    stop_time REAL,
-    ended REAL,
-    first_step_time REAL,
-    resumed_from INTEGER,
-    last_step INTEGER NOT NULL DEFAULT 0,
-    graceful INTEGER NOT NULL DEFAULT 0,
-    predicted_samples_per_s REAL NOT NULL DEFAULT 0,
-    mixed_json TEXT NOT NULL DEFAULT '',
-    live_json TEXT NOT NULL DEFAULT '',
-    PRIMARY KEY (job_id, generation)
-);
-CREATE TABLE IF NOT EXISTS vms (
-    vm_id TEXT PRIMARY KEY,
-    job_id TEXT NOT NULL,
-    provider TEXT NOT NULL,
-    seq INTEGER NOT NULL,
-    state TEXT NOT NULL,
-    slots INTEGER NOT NULL,
-    address TEXT NOT NULL DEFAULT '',
-    hostname TEXT NOT NULL DEFAULT '',
-    agent_instance TEXT NOT NULL DEFAULT '',
-    agent_pid INTEGER NOT NULL DEFAULT 0,
-    created REAL NOT NULL,
-    registered REAL,
-    last_heartbeat REAL,
-    free_port INTEGER NOT NULL DEFAULT 0,
-    reported_generation INTEGER NOT NULL DEFAULT 0,
-    workers_json TEXT NOT NULL DEFAULT '[]',
-    slow INTEGER NOT NULL DEFAULT 0,
-    slow_reason TEXT NOT NULL DEFAULT '',
-    notice_json TEXT NOT NULL DEFAULT '',
-    gone_reason TEXT NOT NULL DEFAULT '',
-    provider_ref TEXT NOT NULL DEFAULT '{}'
-);
-CREATE INDEX IF NOT EXISTS vms_by_job ON vms (job_id, seq);
-CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    job_id TEXT NOT NULL,
-    time REAL NOT NULL,
-    kind TEXT NOT NULL,
-    vm_id TEXT NOT NULL DEFAULT '',
-    generation INTEGER NOT NULL DEFAULT 0,
-    message TEXT NOT NULL DEFAULT '',
-    data_json TEXT NOT NULL DEFAULT '{}'
-);
-CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, id);
-CREATE TABLE IF NOT EXISTS progress (
-    job_id TEXT NOT NULL,
-    generation INTEGER NOT NULL,
-    step INTEGER NOT NULL,
-    time REAL NOT NULL,
-    samples_per_s REAL NOT NULL,
-    loss REAL NOT NULL,
-    pipeline_depth INTEGER NOT NULL,
-    data_parallel INTEGER NOT NULL,
-    PRIMARY KEY (job_id, generation, step)
-);
-CREATE TABLE IF NOT EXISTS worker_stats (
-    job_id TEXT NOT NULL,
-    generation INTEGER NOT NULL,
-    rank INTEGER NOT NULL,
-    vm_id TEXT NOT NULL,
-    stage INTEGER NOT NULL,
-    replica INTEGER NOT NULL,
-    step INTEGER NOT NULL,
-    resumed_from INTEGER NOT NULL,
-    time REAL NOT NULL,
-    fwd_s REAL NOT NULL,
-    bwd_s REAL NOT NULL,
-    recompute_s REAL NOT NULL,
-    micro_batch_size INTEGER NOT NULL,
-    first_segment INTEGER NOT NULL,
-    end_segment INTEGER NOT NULL,
-    PRIMARY KEY (job_id, generation, rank)
-);
-""" + POOL_SCHEMA
+
+def _describe(one: PendingWrites) -> str:
+    """Which row a one-row batch holds, for the line that says it was dropped."""
+    if one.progress:
+        p = one.progress[0]
+        return f"progress of job {p.job_id} generation {p.generation} step {p.step}"
+    if one.stats:
+        st = one.stats[0]
+        return f"worker stats of job {st.job_id} generation {st.generation} rank {st.rank}"
+    columns, rows = next(iter(one.vm_rows.items()))
+    return f"VM {rows[0][-1]} ({', '.join(columns)})"
 
 
 @functools.cache
@@ -250,8 +143,164 @@ class _ReadOnlyQueries:
         return [stats[rank] for rank in sorted(stats)]
 
 
+class _DeferredWrites:
+    """:meth:`Store.flush`: the deferred values in one transaction (Note [Deferred writes] in
+    manager/domain/record_cache.py), row by row when the file refuses one (Note [Non-finite
+    values])."""
+
+    path: str
+    row_log: RateLimitedLines
+    _lock: threading.RLock
+    _mem: threading.RLock
+    _cache: RecordCache
+
+    def transaction(self) -> AbstractContextManager[sqlite3.Connection]:
+        raise NotImplementedError
+
+    def flush(self) -> int:
+        """Write every deferred value in one transaction; how many rows it wrote. Kept for the
+        next call if the write fails for a reason that may pass (a full disk, a lock); a batch the
+        file refuses for what is in it (a constraint) is written row by row instead, and the rows
+        it refuses are dropped with one line each kind (Note [Non-finite values])."""
+        # The connection first and to the end: no write of the same columns can come between
+        # taking the batch and committing it (a newer value overwritten by an older one).
+        with self._lock:
+            with self._mem:
+                batch = self._cache.take_pending()
+            if not len(batch):
+                return 0
+            try:
+                with self.transaction() as conn:
+                    self._write_batch(conn, batch)
+            except _ROW_ERRORS:
+                return self._write_row_by_row(batch)
+            except BaseException:
+                with self._mem:
+                    self._cache.restore_pending(batch)
+                raise
+            return len(batch)
+
+    def _write_batch(self, conn: sqlite3.Connection, batch: PendingWrites) -> None:
+        for columns, rows in batch.vm_rows.items():
+            sets = ", ".join(f"{c}=?" for c in columns)
+            conn.executemany(f"UPDATE vms SET {sets} WHERE vm_id=?", rows)
+        if batch.stats:
+            self._insert_many(conn, "INSERT OR REPLACE INTO worker_stats", batch.stats)
+        if batch.progress:
+            self._insert_many(conn, "INSERT OR REPLACE INTO progress", batch.progress)
+
+    def _write_row_by_row(self, batch: PendingWrites) -> int:
+        """A batch that failed on a row's content: every row on its own (one transaction, a
+        savepoint each), the refused ones dropped, never deferred again (they would fail every
+        tick). Other errors go up as from :meth:`flush`."""
+        singles: list[PendingWrites] = [
+            PendingWrites(vm_rows={columns: [row]}) for columns, rows in batch.vm_rows.items() for row in rows
+        ]
+        singles += [PendingWrites(stats=[rec]) for rec in batch.stats]
+        singles += [PendingWrites(progress=[rec]) for rec in batch.progress]
+        written, refused = 0, []
+        with self.transaction() as conn:
+            for one in singles:
+                conn.execute("SAVEPOINT one_row")
+                try:
+                    self._write_batch(conn, one)
+                except _ROW_ERRORS as exc:
+                    conn.execute("ROLLBACK TO one_row")
+                    refused.append(f"{_describe(one)}: {exc}")
+                else:
+                    written += 1
+                conn.execute("RELEASE one_row")
+        if refused:
+            self.row_log.line(
+                "refused-rows",
+                f"varuna-manager: state file {self.path}: dropped {len(refused)} row(s) it refused;"
+                f" first: {refused[0]}",
+            )
+        return written
+
+    @staticmethod
+    def _insert_many(conn: sqlite3.Connection, verb: str, recs: Sequence[Any]) -> None:
+        names = [f.name for f in fields(recs[0])]
+        conn.executemany(
+            f"{verb} ({', '.join(names)}) VALUES ({', '.join('?' for _ in names)})",
+            [tuple(getattr(r, n) for n in names) for r in recs],
+        )
+
+
+
+class _FileGuard:
+    """The connection to the state file, and the file itself (Note [Our state file] and Note
+    [State file vanishing] in manager/domain/state_file.py)."""
+
+    path: str
+    _lock: threading.RLock
+    _conn: sqlite3.Connection
+    _identity: tuple[int, int] | None
+    _ours: str
+
+    def _connect(self, path: str, *, check: bool) -> sqlite3.Connection:
+        """A connection to ``path`` with the pragmas every one of ours has; ``check``: first
+        make sure the file is ours (Note [Our state file] in manager/domain/state_file.py), before
+        anything, WAL mode included, changes it."""
+        # check_same_thread=False: the connection is shared by threads, serialised by _lock.
+        # isolation_level=None: we issue BEGIN/COMMIT ourselves (one transaction per write).
+        conn = sqlite3.connect(path, timeout=10.0, check_same_thread=False, isolation_level=None)
+        try:
+            conn.row_factory = sqlite3.Row
+            if check:
+                self._ours = check_ours(conn, path)
+            if path != ":memory:":
+                mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+                if str(mode).lower() != "wal":
+                    raise ValueError(f"{path}: SQLite refused WAL mode (got {mode}); use a local disk")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            # No automatic checkpoint: SQLite runs it (with an fsync) inside whichever commit
+            # takes the WAL past 1,000 pages, often one an RPC is waiting for under the
+            # manager's state lock. The control loop calls checkpoint() instead.
+            conn.execute("PRAGMA wal_autocheckpoint=0")
+            conn.execute("PRAGMA foreign_keys=ON")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def file_state(self) -> str:
+        """``"ok"``, ``"missing"`` (nothing at :attr:`path` any more) or ``"replaced"`` (another
+        file there now)."""
+        if self._identity is None:
+            return "ok"
+        now = file_identity(self.path)
+        if now is None:
+            return "missing"
+        return "ok" if now == self._identity else "replaced"
+
+    def restore(self) -> None:
+        """Put the open database back at :attr:`path` after it vanished (the caller checked
+        :meth:`file_state`). ``OSError`` when that cannot be done; when another file appeared at
+        the path meanwhile, the store goes on with the copy (its name is in the error)."""
+        with self._lock:
+            copy = restore_copy(self._conn, self.path)
+            self._conn.close()
+            for stale in (f"{self.path}-wal", f"{self.path}-shm"):
+                # The vanished file's, if they survived it: never to be replayed into the copy.
+                if not os.path.exists(self.path):
+                    Path(stale).unlink(missing_ok=True)
+            try:
+                os.link(copy, self.path)  # not over a file that appeared meanwhile
+            except OSError as exc:
+                self._conn = self._connect(copy, check=False)
+                self._identity = None  # the manager stops (it is told so); the copy gets the rest
+                raise OSError(
+                    f"cannot put the state file back at {self.path} ({exc.strerror or exc});"
+                    f" the manager's state is in {copy}"
+                ) from None
+            Path(copy).unlink()
+            self._conn = self._connect(self.path, check=False)
+            self._identity = file_identity(self.path)
+
+
 @dataclass
-class Store(_ReadOnlyQueries):
+class Store(_ReadOnlyQueries, _DeferredWrites, _FileGuard):
     """The SQLite state file (see the module docstring). Thread-safe."""
 
     path: str
@@ -262,24 +311,27 @@ class Store(_ReadOnlyQueries):
     """The memory's (``_cache``): never held while waiting for ``_lock`` or for SQLite, so a
     read or a deferred write does not wait for a transaction (a flush, a WAL checkpoint)."""
     _cache: RecordCache = field(init=False, repr=False, default_factory=RecordCache)
+    problems: list[str] = field(init=False, repr=False, default_factory=list)
+    """One line per job row quarantined when the file was opened (the manager reports them)."""
+    row_log: RateLimitedLines = field(init=False, repr=False, default_factory=RateLimitedLines)
+    """Where :meth:`flush` says which rows the file refused (Note [Rate-limited lines])."""
+    _identity: tuple[int, int] | None = field(init=False, repr=False, default=None)
+    _ours: str = field(init=False, repr=False, default="")
 
     def __post_init__(self) -> None:
-        # check_same_thread=False: the connection is shared by threads, serialised by _lock.
-        # isolation_level=None: we issue BEGIN/COMMIT ourselves (one transaction per write).
-        self._conn = sqlite3.connect(self.path, timeout=10.0, check_same_thread=False, isolation_level=None)
-        self._conn.row_factory = sqlite3.Row
+        self._conn = self._connect(self.path, check=True)
+        try:
+            self._open()
+        except BaseException:
+            self._conn.close()
+            raise
+        self._identity = file_identity(self.path) if self.path != ":memory:" else None
+
+    def _open(self) -> None:
         with self._lock:
-            if self.path != ":memory:":
-                mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-                if str(mode).lower() != "wal":
-                    raise ValueError(f"{self.path}: SQLite refused WAL mode (got {mode}); use a local disk")
-            self._conn.execute("PRAGMA synchronous=NORMAL")
-            # No automatic checkpoint: SQLite runs it (with an fsync) inside whichever commit
-            # takes the WAL past 1,000 pages, often one an RPC is waiting for under the
-            # manager's state lock. The control loop calls checkpoint() instead.
-            self._conn.execute("PRAGMA wal_autocheckpoint=0")
-            self._conn.execute("PRAGMA foreign_keys=ON")
-            self._conn.executescript(_SCHEMA)
+            self._conn.executescript(SCHEMA)
+            if self._ours != "ours":
+                self._conn.execute(f"PRAGMA application_id={APPLICATION_ID}")
             row = self._conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             if row is None:
                 self._conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
@@ -293,17 +345,34 @@ class Store(_ReadOnlyQueries):
                 )
             # Every job row up front (one per job submitted): job reads never need the connection.
             rows = self._query("SELECT * FROM jobs ORDER BY created")
-            self._cache.jobs = {r["job_id"]: _row_to(JobRecord, r) for r in rows}
+            self._cache.jobs = {}
+            for r in rows:
+                self._load_job_row(r)
+
+    def _load_job_row(self, row: sqlite3.Row) -> None:
+        """One job row into memory; a row this manager cannot read (a value of the wrong type)
+        is quarantined instead: the job failed, with one line in :attr:`problems` (Note [Corrupt
+        rows])."""
+        job_id = row["job_id"]
+        if not isinstance(job_id, str):
+            self.problems.append(f"state file {self.path}: job row with an unusable id ({job_id!r}) ignored")
+            return
+        found = job_row_repair(row)
+        if found is None:
+            self._all_jobs()[job_id] = _row_to(JobRecord, row)
+            return
+        problem, repair = found
+        message = f"quarantined: its row in the state file is corrupt ({problem})"
+        values = {**repair, "state": "failed", "message": message[:500], "updated": time.time()}
+        self._update("jobs", {"job_id": job_id}, values)
+        self.problems.append(f"job {job_id}: {message}; it is marked failed, the other jobs go on")
+        self._reload_job(job_id)
 
     def _migrate(self, version: int) -> None:
-        """Bring a file of an older schema ``version`` up to date (columns only ever get added)."""
+        """Bring a file of an older schema ``version`` up to date (columns get added; a table
+        whose constraints changed is rebuilt with its rows)."""
         with self.transaction() as conn:
-            for v in range(version + 1, SCHEMA_VERSION + 1):
-                for table, column, decl in _ADDED_COLUMNS.get(v, []):
-                    have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
-                    if column not in have:
-                        conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
-            conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+            migrate(conn, version)
 
     def close(self) -> None:
         """Write what is deferred, then close the file."""
@@ -313,44 +382,11 @@ class Store(_ReadOnlyQueries):
             finally:
                 self._conn.close()
 
-    def flush(self) -> int:
-        """Write every deferred value in one transaction; how many rows it wrote. Kept for the
-        next call if the write fails."""
-        # The connection first and to the end: no write of the same columns can come between
-        # taking the batch and committing it (a newer value overwritten by an older one).
-        with self._lock:
-            with self._mem:
-                batch = self._cache.take_pending()
-            if not len(batch):
-                return 0
-            try:
-                with self.transaction() as conn:
-                    for columns, rows in batch.vm_rows.items():
-                        sets = ", ".join(f"{c}=?" for c in columns)
-                        conn.executemany(f"UPDATE vms SET {sets} WHERE vm_id=?", rows)
-                    if batch.stats:
-                        self._insert_many(conn, "INSERT OR REPLACE INTO worker_stats", batch.stats)
-                    if batch.progress:
-                        self._insert_many(conn, "INSERT OR REPLACE INTO progress", batch.progress)
-            except BaseException:
-                with self._mem:
-                    self._cache.restore_pending(batch)
-                raise
-            return len(batch)
-
     def checkpoint(self) -> None:
         """Copy the WAL into the database file (PASSIVE: it never waits for other readers of
         the file). The control loop calls it every second or so, outside the state lock."""
         with self._lock:
             self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-
-    @staticmethod
-    def _insert_many(conn: sqlite3.Connection, verb: str, recs: Sequence[Any]) -> None:
-        names = [f.name for f in fields(recs[0])]
-        conn.executemany(
-            f"{verb} ({', '.join(names)}) VALUES ({', '.join('?' for _ in names)})",
-            [tuple(getattr(r, n) for n in names) for r in recs],
-        )
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:

@@ -22,7 +22,31 @@ from manager.domain.records import JobRecord, VMRecord
 from manager.domain.vm_types import type_options as options_of_type
 from manager.domain.vm_types import vm_type_of
 
-__all__ = ["VMBook"]
+__all__ = ["VMBook", "ranks_of", "vm_label"]
+
+
+def ranks_of(vm: VMRecord, generation: int) -> list[int]:
+    """The ranks ``vm``'s agent last reported running for ``generation`` (empty: none known).
+
+    >>> vm = VMRecord(vm_id="v", job_id="j", provider="local", seq=1, state="up", slots=1, created=0.0,
+    ...               reported_generation=2, workers_json='[{"rank": 3}]')
+    >>> ranks_of(vm, 2), ranks_of(vm, 3)
+    ([3], [])
+    """
+    if vm.reported_generation != generation:
+        return []
+    return sorted(int(w["rank"]) for w in vm.workers if "rank" in w)
+
+
+def vm_label(vm_id: str, ranks: list[int]) -> str:
+    """``vm3 (rank 2)``: how events name a VM of a generation (Note [Blame] in generations.py).
+
+    >>> vm_label("j-vm3", [2]), vm_label("j-vm3", [0, 1]), vm_label("j-vm3", [])
+    ('j-vm3 (rank 2)', 'j-vm3 (ranks 0, 1)', 'j-vm3')
+    """
+    if not ranks:
+        return vm_id
+    return f"{vm_id} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
 
 
 class VMBook:
@@ -232,25 +256,35 @@ class VMBook:
         ctx, cfg = self.ctx, self.ctx.config
         for vm in ctx.store.vms(job.job_id, states=["requested", "up"]):
             if vm.state == "up" and ctx.age(vm, now) > cfg.heartbeat_timeout_s:
-                self.mark_gone(job, vm, f"no heartbeat for {ctx.age(vm, now):.1f} s", now)
+                silent_s = ctx.age(vm, now)
+                self.mark_gone(job, vm, f"no heartbeat for {silent_s:.1f} s", now, silent_s=silent_s)
             elif vm.state == "requested" and now - max(vm.created, ctx.started_at) > cfg.register_timeout_s:
                 self.mark_gone(job, vm, f"never registered within {cfg.register_timeout_s:g} s", now)
 
-    def mark_gone(self, job: JobRecord, vm: VMRecord, reason: str, now: float) -> None:
-        """The VM is lost: record it, note the morph trigger, have the provider delete it."""
+    def mark_gone(
+        self, job: JobRecord, vm: VMRecord, reason: str, now: float, *, silent_s: float | None = None
+    ) -> None:
+        """The VM is lost: record it, note the morph trigger, have the provider delete it. The
+        event names the VM with the ranks it ran (Note [Blame] in manager/domain/generations.py)
+        and, for a silent VM, ``silent_s``: how long it had been silent when declared gone."""
         ctx = self.ctx
-        ctx.store.update_vm(vm.vm_id, state="gone", gone_reason=reason)
         gen = ctx.live_generation(job)
         in_gen = gen is not None and vm.vm_id in gen.vm_set
+        ranks = ranks_of(vm, gen.generation) if in_gen and gen is not None else []
+        ctx.store.update_vm(vm.vm_id, state="gone", gone_reason=reason)
+        data: dict[str, Any] = {"ranks": ranks, "reason": reason}
+        if silent_s is not None:
+            data["silent_s"] = round(silent_s, 3)
         ctx.event(
             job.job_id,
             "vm-gone",
-            f"{vm.vm_id}: {reason}" + (" (in the running generation)" if in_gen else ""),
+            f"{vm_label(vm.vm_id, ranks)}: {reason}" + (" (in the running generation)" if in_gen else ""),
             vm_id=vm.vm_id,
             generation=gen.generation if in_gen and gen else 0,
+            data=data,
         )
         if in_gen and gen is not None and gen.state == "running":
-            ctx.note_detection(job, f"{vm.vm_id} lost ({reason})", now)
+            ctx.note_detection(job, f"{vm_label(vm.vm_id, ranks)} gone ({reason})", now)
         gone_vm = ctx.store.vm(vm.vm_id)
         if gone_vm is not None:
             provider = ctx.provider_of(job, gone_vm)

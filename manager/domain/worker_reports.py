@@ -4,6 +4,17 @@ They carry the job's progress (step, throughput, loss), the first step of a gene
 ends a morph: its latency is measured here), and per-worker compute times, which feed the
 fail-stutter rule (paper §4.6; :class:`manager.domain.policy.StutterDetector`).
 
+Note [Trusted progress]: every worker can read the job's token, so a heartbeat proves only that
+its sender has the token, not that it is the worker it names. One heartbeat with ``step = 10**15``
+once made the next clean stop declare the job finished (issue 35). So a heartbeat counts only
+when it comes from the running generation's own VMs and ranks (a VM of the generation, a rank
+below the generation's bound, and the rank its agent reported running there) with a step between
+0 and the job's ``target_steps``; anything else is ignored with one rate-limited line. Non-finite
+loss and throughput are kept as unknown (None: a diverged step is skipped by the engine, not an
+error), non-finite or negative compute times as no measurement (the fail-stutter rule skips it).
+And a generation's end is judged from what *every* worker reached (:func:`stopped_at`), never
+from the highest step anyone claimed (``manager.domain.generations.stopped_at``).
+
     >>> WorkerReports.__name__
     'WorkerReports'
 """
@@ -11,8 +22,10 @@ fail-stutter rule (paper §4.6; :class:`manager.domain.policy.StutterDetector`).
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
+from manager.common.log_lines import RateLimitedLines
 from manager.domain.context import ManagerContext
 from manager.domain.errors import ErrorKind, ManagerError
 from manager.domain.messages import WorkerHeartbeat
@@ -21,7 +34,14 @@ from manager.domain.records import GenerationRecord, JobRecord, ProgressRecord, 
 from manager.domain.vm_types import vm_type_of
 from varuna.core.calibration import Calibration
 
-__all__ = ["WorkerReports"]
+__all__ = ["MAX_COMPUTE_S", "WorkerReports"]
+
+#: A compute time above this (seconds per micro-batch) is no measurement (Note [Trusted progress]).
+MAX_COMPUTE_S = 1e6
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 class WorkerReports:
@@ -35,9 +55,12 @@ class WorkerReports:
 
     def __init__(self, ctx: ManagerContext) -> None:
         self.ctx = ctx
+        self.log = RateLimitedLines()
+        """Where ignored heartbeats are said (Note [Rate-limited lines] in manager/common/log_lines.py)."""
 
     def heartbeat(self, req: WorkerHeartbeat) -> bool:
-        """Record one worker heartbeat; False when the worker's generation has ended."""
+        """Record one worker heartbeat; False when the worker's generation has ended or the
+        heartbeat is not one of its workers' (Note [Trusted progress]: ignored, with a line)."""
         ctx = self.ctx
         now = ctx.clock()
         with ctx.lock:
@@ -47,6 +70,15 @@ class WorkerReports:
             gen = ctx.store.generation(job.job_id, req.generation)
             if gen is None or gen.state == "ended":
                 return False  # a straggler of an older generation
+            why = self._untrusted(job, gen, req)
+            if why is not None:
+                kind, detail = why
+                self.log.line(
+                    (job.job_id, kind),
+                    f"varuna-manager: job {job.job_id}: ignored a worker heartbeat (generation "
+                    f"{gen.generation}, VM {req.vm_id!r}, rank {req.rank}, step {req.step}): {detail}",
+                )
+                return False
             if req.step <= req.resumed_from:
                 # Started, no step yet: only the step it resumed from (a completed step) counts.
                 self._advance(job, gen, req.step)
@@ -60,6 +92,32 @@ class WorkerReports:
             self._check_stutter(job, gen, req)
         return True
 
+    def _untrusted(
+        self, job: JobRecord, gen: GenerationRecord, req: WorkerHeartbeat
+    ) -> tuple[str, str] | None:
+        """Why ``req`` is not one of ``gen``'s workers' (a kind for the rate limit, and the
+        line's words), or None (Note [Trusted progress])."""
+        target = self.ctx.cache(job).spec.target_steps
+        bound = gen.rank_bound
+        if req.vm_id not in gen.vm_set:
+            return "foreign-vm", "the VM is not one of the generation's"
+        if not 0 <= req.rank < bound:
+            return "foreign-rank", f"the generation's ranks are 0..{bound - 1}"
+        if not (0 <= req.stage < bound and 0 <= req.replica < bound):
+            return "foreign-rank", f"stage {req.stage}, replica {req.replica} outside the generation"
+        layout = req.pipeline_depth * req.data_parallel
+        if layout > bound and req.pipeline_depth > 0:
+            return "foreign-rank", f"P×D {req.pipeline_depth}×{req.data_parallel} exceeds the generation's"
+        if not 0 <= req.step <= target or req.resumed_from < 0:
+            return "step-range", f"steps are 0..{target} (the job's target_steps)"
+        if not gen.live_json:  # live members are not launch ranks once they regroup
+            vm = self.ctx.store.vm(req.vm_id)
+            reported = vm is not None and vm.reported_generation == gen.generation
+            ranks = {int(w["rank"]) for w in vm.workers} if vm is not None and reported else set()
+            if ranks and req.rank not in ranks:
+                return "foreign-rank", f"its agent runs ranks {sorted(ranks)} there"
+        return None
+
     def _advance(self, job: JobRecord, gen: GenerationRecord, step: int) -> None:
         if step > gen.last_step:
             self.ctx.store.update_generation(job.job_id, gen.generation, last_step=step)
@@ -70,6 +128,9 @@ class WorkerReports:
         self, job: JobRecord, gen: GenerationRecord, req: WorkerHeartbeat, now: float
     ) -> None:
         store = self.ctx.store
+        fwd_s, bwd_s, recompute_s = (
+            (req.fwd_s, req.bwd_s, req.recompute_s) if _measured(req) else (0.0, 0.0, 0.0)
+        )
         store.put_worker_stat(
             WorkerStatRecord(
                 job_id=job.job_id,
@@ -81,9 +142,9 @@ class WorkerReports:
                 step=req.step,
                 resumed_from=req.resumed_from,
                 time=now,
-                fwd_s=req.fwd_s,
-                bwd_s=req.bwd_s,
-                recompute_s=req.recompute_s,
+                fwd_s=fwd_s,
+                bwd_s=bwd_s,
+                recompute_s=recompute_s,
                 micro_batch_size=req.micro_batch_size,
                 first_segment=req.first_segment,
                 end_segment=req.end_segment,
@@ -96,8 +157,8 @@ class WorkerReports:
                     generation=gen.generation,
                     step=req.step,
                     time=now,
-                    samples_per_s=req.samples_per_s,
-                    loss=req.loss,
+                    samples_per_s=_finite(req.samples_per_s),
+                    loss=_finite(req.loss),
                     pipeline_depth=gen.pipeline_depth,
                     data_parallel=gen.data_parallel,
                 )
@@ -199,7 +260,7 @@ class WorkerReports:
     def _check_stutter(self, job: JobRecord, gen: GenerationRecord, req: WorkerHeartbeat) -> None:
         """Fail-stutter rule (paper §4.6): compute time above the replicas' median (D ≥ 3) or the
         calibration's prediction by X % for N heartbeats in a row marks the worker's VM slow."""
-        if gen.state != "running" or req.num_microbatches <= 0:
+        if gen.state != "running" or req.num_microbatches <= 0 or not _measured(req):
             return
         ctx = self.ctx
         cache = ctx.cache(job)
@@ -271,3 +332,9 @@ class WorkerReports:
             generation=gen.generation,
             data={"rank": req.rank, "compute_s": compute_s, "reference_s": reference_s, "rule": rule},
         )
+
+
+def _measured(req: WorkerHeartbeat) -> bool:
+    """Whether the heartbeat's compute times are a measurement: finite, >= 0 and below
+    :data:`MAX_COMPUTE_S` (else stored as 0 and left out of the fail-stutter rule)."""
+    return all(0.0 <= t <= MAX_COMPUTE_S for t in (req.fwd_s, req.bwd_s, req.recompute_s))

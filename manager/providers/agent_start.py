@@ -43,6 +43,9 @@ class AgentStart:
     log_dir: str
     heartbeat_interval_s: float = 2.0
     orphan_timeout_s: float = 300.0
+    fence_timeout_s: float = 0.0
+    """Kill the workers after this long cut off from the manager (its ``--heartbeat-timeout``;
+    0: never). Note [Fencing under the manager] in manager/agent/vm_agent.py."""
     address: str = ""
     """How other VMs reach this one; empty: the agent finds the address that routes to the manager."""
     tls_ca: str | None = None
@@ -77,6 +80,8 @@ def agent_argv(start: AgentStart) -> list[str]:
         "--heartbeat-interval", f"{start.heartbeat_interval_s:g}",
         "--orphan-timeout", f"{start.orphan_timeout_s:g}",
     ]
+    if start.fence_timeout_s > 0:
+        argv += ["--fence-timeout", f"{start.fence_timeout_s:g}"]
     if start.tls_ca:
         argv += ["--tls-ca", start.tls_ca]
     if start.notice_source:

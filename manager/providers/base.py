@@ -19,6 +19,11 @@ from typing import Any, Protocol
 __all__ = ["NewVM", "Provider", "ProviderContext", "ProviderVM"]
 
 
+#: Note [Fencing under the manager]: an agent fences this long after the manager's T, so that a
+#: reply merely slowed by a loaded manager does not kill workers the manager still counts.
+FENCE_SLACK_S = 2.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class ProviderContext:
     """What a provider needs to start agents that can reach this manager."""
@@ -33,6 +38,14 @@ class ProviderContext:
     """Per-VM directories of the local provider (agent and worker logs)."""
     heartbeat_interval_s: float = 2.0
     orphan_timeout_s: float = 300.0
+    heartbeat_timeout_s: float = 15.0
+    """The manager's T (a VM silent that long is gone)."""
+
+    @property
+    def fence_timeout_s(self) -> float:
+        """How long an agent cut off from the manager keeps its workers: T plus
+        :data:`FENCE_SLACK_S` (Note [Fencing under the manager] in manager/agent/vm_agent.py)."""
+        return self.heartbeat_timeout_s + FENCE_SLACK_S
 
 
 @dataclass(frozen=True, kw_only=True)

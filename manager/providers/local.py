@@ -12,6 +12,11 @@ Options (the job spec's ``provider_options``):
 ``metadata_url``
     Scheduled Events endpoint every agent polls (tests serve a recorded document locally): the
     notice source this provider declares is Azure's (:data:`SCHEDULED_EVENTS_SOURCE`).
+``notice_source``
+    Which notice source the agents poll at ``metadata_url``: a provider's name (``aws``: the
+    agents read AWS IMDS ``spot/instance-action``) or a ``module:Class``
+    (``manager.agent.gcp_metadata:PreemptedClient``: GCP's ``preempted``); default: this
+    provider's own (Azure's Scheduled Events), so tests play any cloud's metadata service.
 ``approve_notices``
     Agents approve eviction events once their workers stopped.
 ``max_created``
@@ -28,6 +33,30 @@ Options (the job spec's ``provider_options``):
     generation's first step, importing at ``standby_priority`` (``idle`` or ``normal``).
 ``python``
     Interpreter for the agents (default: the manager's).
+``keep_deleted``
+    A delete that does not take effect (default false): the manager's delete of a pretend VM
+    leaves it running, as a cloud whose API call was lost, or that cannot reach a partitioned VM
+    before it is gone for good. Tests of fencing (Note [Fencing under the manager] in
+    manager/agent/vm_agent.py): the agent's own silence rule must then stop its workers.
+``netns``
+    Network namespaces to start the pretend VMs in, one VM per namespace at a time (Note [VMs in
+    namespaces]): a list of names such as :class:`varuna.testing.netns.NetHosts` builds. A VM
+    takes the first namespace in which no agent runs; with none free, no VM is created (the
+    capacity model of a fixed set of hosts). Needs root; the manager must listen on an address
+    the namespaces reach (run it in the set's control namespace, ``--listen 10.214.0.254:PORT``).
+
+Note [VMs in namespaces]
+~~~~~~~~~~~~~~~~~~~~~~~~
+With ``netns`` a pretend VM is a real network host: its agent and workers run inside their own
+namespace, with its own address (the agent advertises the address that routes to the manager),
+and reach the manager, the live store and each other over the set's links. So a fault that makes
+a host *silent* (:meth:`varuna.testing.netns.NetHosts.blackhole`: packets vanish, no reset
+arrives) reaches the manager as it does in a cloud: heartbeats stop, the survivors' peers stop
+answering, while every process keeps running. Which namespace is free is read from the kernel
+(``ip netns pids`` and the processes' command lines), not remembered, so a restarted manager
+does not place a second VM beside a running agent. Deleting a VM signals its agent's process
+group as without ``netns`` (a provider's delete reaches a partitioned VM: the cloud's API does
+not go through the VM's network).
 
 A job spec is refused when its pretend VMs would run more workers than this machine takes
 (:func:`check_local_capacity`, the registry's ``check_job``). This module is also the worked
@@ -36,7 +65,9 @@ example of adding a provider (docs/manager.md, "Adding a provider").
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -46,7 +77,7 @@ from pathlib import Path
 from typing import Any
 
 from manager.common.procs import alive, process_start_time, reap, terminate_group
-from manager.providers.agent_start import SCHEDULED_EVENTS_SOURCE, AgentStart, agent_argv
+from manager.providers.agent_start import AGENT_MODULE, SCHEDULED_EVENTS_SOURCE, AgentStart, agent_argv
 from manager.providers.base import NewVM, ProviderContext, ProviderVM
 from manager.providers.registry import JobShape, provider_entry, register_provider
 from varuna.launch.spec import default_max_procs_per_host
@@ -66,6 +97,7 @@ class LocalProviderOptions:
     """``provider_options`` of a local job (module docstring)."""
 
     metadata_url: str | None = None
+    notice_source: str | None = None
     approve_notices: bool = False
     max_created: int | None = None
     capacity_file: str | None = None
@@ -73,6 +105,8 @@ class LocalProviderOptions:
     standby_delay_s: float = 1.0
     standby_priority: str = "idle"
     python: str = sys.executable or "python3"
+    netns: tuple[str, ...] = ()
+    keep_deleted: bool = False
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> LocalProviderOptions:
@@ -83,7 +117,10 @@ class LocalProviderOptions:
                 f"provider_options: unknown local option(s) {', '.join(unknown)}; "
                 f"known: {', '.join(sorted(known))}"
             )
-        opts = cls(**dict(data))
+        values = dict(data)
+        if "netns" in values:
+            values["netns"] = _namespaces(values["netns"])
+        opts = cls(**values)
         bad = (
             not isinstance(opts.max_created, int)
             or isinstance(opts.max_created, bool)
@@ -99,11 +136,57 @@ class LocalProviderOptions:
             raise ValueError(
                 f"provider_options.capacity_file must be an absolute path, got {opts.capacity_file!r}"
             )
+        if opts.notice_source is not None:
+            _notice_source(opts.notice_source)  # ValueError: one line
         if opts.standby_priority not in ("idle", "normal"):
             raise ValueError(
                 f"provider_options.standby_priority must be idle or normal, got {opts.standby_priority!r}"
             )
         return opts
+
+
+def _notice_source(value: Any) -> str:
+    """``provider_options.notice_source`` as ``module:Class``: a provider's name stands for the
+    source its registry entry declares."""
+    if isinstance(value, str) and ":" in value and all(value.partition(":")[::2]):
+        return value
+    try:
+        source = provider_entry(value).notice_source if isinstance(value, str) else None
+    except ValueError as exc:
+        raise ValueError(f"provider_options.notice_source: {exc}; or name a module:Class") from None
+    if source is None:
+        raise ValueError(f"provider_options.notice_source {value!r} names no notice source; use a provider "
+                         "that has one, or a module:Class")
+    return source
+
+
+_NETNS_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def _namespaces(value: Any) -> tuple[str, ...]:
+    """``provider_options.netns`` checked: a list of namespace names (``ValueError``, one line)."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(n, str) for n in value):
+        raise ValueError(f"provider_options.netns must be a list of network namespace names, got {value!r}")
+    bad = [n for n in value if not _NETNS_NAME.match(n)]
+    if bad:
+        raise ValueError(f"provider_options.netns: {bad[0]!r} is not a namespace name (letters, digits, ._-)")
+    if len(set(value)) != len(value):
+        raise ValueError("provider_options.netns names a namespace twice; one VM per namespace")
+    return tuple(value)
+
+
+def _agents_in(namespace: str) -> bool:
+    """Whether an agent runs in ``namespace`` (Note [VMs in namespaces])."""
+    out = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=30,
+                         check=False).stdout
+    for pid in out.split():
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if AGENT_MODULE.encode() in cmdline:
+            return True
+    return False
 
 
 def check_local_capacity(job: JobShape) -> None:
@@ -153,6 +236,7 @@ class LocalProvider:
         # Agents started by this process (reaped here); agents found after a restart are only
         # known by pid and start time.
         self._children: dict[str, subprocess.Popen] = {}
+        self._netns_of: dict[str, str] = {}  # Note [VMs in namespaces]
 
     def create_vms(
         self,
@@ -176,11 +260,26 @@ class LocalProvider:
             limit = int((type_options or {})["max_created"])
         if limit is not None:
             count = max(0, min(count, limit - created_so_far))
+        free: list[str] = []
+        if self.options.netns:  # Note [VMs in namespaces]
+            if not hasattr(os, "geteuid") or os.geteuid() != 0:
+                raise RuntimeError("provider_options.netns needs a manager running as root (ip netns exec);"
+                                   " run it as root or drop the option")
+            # Also those of agents this process just started (``ip netns exec`` may not have
+            # exec'd the agent yet).
+            held = {self._netns_of.get(v) for v, c in self._children.items() if c.poll() is None}
+            free = [n for n in self.options.netns if n not in held and not _agents_in(n)]
+            count = min(count, len(free))
         out: list[NewVM] = []
-        for vm_id in names[:count]:
+        for i, vm_id in enumerate(names[:count]):
             vm_dir = Path(self.context.state_dir) / job_id / vm_id
             vm_dir.mkdir(parents=True, exist_ok=True)
-            argv = agent_argv(self.agent_start(job_id, vm_id, slots, vm_dir))
+            start = self.agent_start(job_id, vm_id, slots, vm_dir)
+            if free:  # the agent finds its own address: the one that routes to the manager
+                start = dataclasses.replace(start, address="")
+            argv = agent_argv(start)
+            if free:
+                argv = ["ip", "netns", "exec", free[i], *argv]  # exec: the agent keeps this pid
             env = dict(os.environ)
             package_root = str(Path(__file__).resolve().parents[2])
             env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
@@ -204,10 +303,13 @@ class LocalProvider:
                 except OSError as exc:
                     raise RuntimeError(f"cannot start the agent of {vm_id}: {exc}") from exc
             self._children[vm_id] = popen
+            if free:
+                self._netns_of[vm_id] = free[i]
             out.append(
                 NewVM(
                     vm_id=vm_id,
-                    ref={"pid": popen.pid, "start_time": process_start_time(popen.pid), "dir": str(vm_dir)},
+                    ref={"pid": popen.pid, "start_time": process_start_time(popen.pid), "dir": str(vm_dir),
+                         **({"netns": free[i]} if free else {})},
                 )
             )
         return out
@@ -228,8 +330,9 @@ class LocalProvider:
             log_dir=str(vm_dir),
             heartbeat_interval_s=c.heartbeat_interval_s,
             orphan_timeout_s=c.orphan_timeout_s,
+            fence_timeout_s=c.fence_timeout_s,
             tls_ca=str(Path(c.tls_ca).resolve()) if c.tls_ca else None,
-            notice_source=provider_entry(self.name).notice_source if o.metadata_url else None,
+            notice_source=self._notice_source() if o.metadata_url else None,
             notice_url=o.metadata_url,
             vm_name=vm_id,
             approve_notices=o.approve_notices,
@@ -238,7 +341,15 @@ class LocalProvider:
             standby_priority=o.standby_priority,
         )
 
+    def _notice_source(self) -> str | None:
+        """``notice_source``'s class, default this provider's own (its registry entry)."""
+        if self.options.notice_source:
+            return _notice_source(self.options.notice_source)
+        return provider_entry(self.name).notice_source
+
     def delete_vm(self, vm: ProviderVM) -> None:
+        if self.options.keep_deleted:
+            return  # the module docstring: a delete that does not take effect
         child = self._children.pop(vm.vm_id, None)
         ref = vm.ref
         if child is not None:

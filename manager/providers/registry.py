@@ -61,7 +61,8 @@ PROVIDER_MODULES_ENV = "VARUNA_PROVIDER_MODULES"
 #: imports the module, which registers).
 ENTRY_POINT_GROUP = "varuna.providers"
 #: The providers that ship with varuna.
-BUILTIN_MODULES = ("manager.providers.local", "manager.providers.azure", "manager.providers.kubernetes")
+BUILTIN_MODULES = ("manager.providers.local", "manager.providers.azure", "manager.providers.kubernetes",
+                   "manager.providers.aws")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 
 from manager.common.daemon_lock import DaemonLock
+from manager.common.descriptors import dashboard_connections, soft_limit
 from manager.common.wire import load_token
 from manager.domain.context import ManagerConfig
 from manager.domain.controller import Manager
@@ -72,6 +73,12 @@ class ServeConfig:
     """Local-provider VM directories; default: ``<db>.d`` next to the state file."""
     dashboard: str | None = None
     """``host:port`` of the read-only web dashboard (port 0: any free one); None: no dashboard."""
+    dashboard_timeout_s: float = 10.0
+    """A dashboard connection is closed when a request's headers or body take longer than this,
+    or when it stays idle that long (Note [Dashboard limits] in manager/dashboard/web.py)."""
+    dashboard_max_connections: int = 256
+    """Dashboard connections held at once (fewer when the descriptor limit is low:
+    ``manager.common.descriptors.dashboard_connections``)."""
     max_workers: int = 32
     """gRPC handler threads (each heartbeat holds one for a few milliseconds)."""
     manager: dict[str, Any] = field(default_factory=dict)
@@ -180,6 +187,9 @@ class ManagerServer:
         except (OSError, sqlite3.Error) as exc:
             self._lock.release()
             raise OSError(f"cannot open the state file {config.db}: {exc}") from None
+        except ValueError:  # another application's file, a newer schema: one line, exit 2
+            self._lock.release()
+            raise
         self._server = grpc.server(
             futures.ThreadPoolExecutor(
                 max_workers=config.max_workers, thread_name_prefix="varuna-manager-rpc"
@@ -202,6 +212,11 @@ class ManagerServer:
     def address(self) -> str:
         """``host:port`` actually bound."""
         return f"{self._host}:{self.port}"
+
+    @property
+    def failure(self) -> str | None:
+        """Why the manager stopped by itself (its state file replaced under it), or None."""
+        return self.manager.failure if self.manager is not None else None
 
     def start(self) -> None:
         """Bind, start serving and start the control loop. ``OSError`` when the address is taken."""
@@ -234,7 +249,12 @@ class ManagerServer:
             state_dir=state_dir,
             **self.config.manager,
         )
-        self.manager = Manager(self.store, mcfg, pool=self.config.pool)
+        try:
+            self.manager = Manager(self.store, mcfg, pool=self.config.pool, relock=self._lock.ensure)
+        except ValueError:  # the pool config stored in the state file no longer validates
+            self._server.stop(None)
+            self._close_state()
+            raise
         pb_grpc.add_VarunaManagerServicer_to_server(_Servicer(self.manager), self._server)
         self._server.start()
         self.manager.start()
@@ -250,7 +270,7 @@ class ManagerServer:
         import ssl
 
         from manager.dashboard.view import DashboardView
-        from manager.dashboard.web import DashboardServer
+        from manager.dashboard.web import DashboardLimits, DashboardServer
 
         assert self.manager is not None
         context = None
@@ -258,7 +278,18 @@ class ManagerServer:
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             context.load_cert_chain(self.config.tls_cert, self.config.tls_key)
         view = DashboardView.from_manager(self.manager)
-        self.dashboard = DashboardServer(view, token=self._token, host=host, port=port, ssl_context=context)
+        timeout = self.config.dashboard_timeout_s
+        limits = DashboardLimits(
+            header_timeout_s=timeout,
+            body_timeout_s=timeout,
+            idle_timeout_s=timeout,
+            max_connections=dashboard_connections(
+                soft_limit=soft_limit(), wanted=self.config.dashboard_max_connections
+            ),
+        )
+        self.dashboard = DashboardServer(
+            view, token=self._token, host=host, port=port, ssl_context=context, limits=limits
+        )
         self.dashboard.start()
 
     def stop(self, grace_s: float = 2.0) -> None:

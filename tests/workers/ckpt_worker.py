@@ -70,6 +70,7 @@ def main() -> None:
     p.add_argument("--deterministic", action="store_true", help="docs/determinism.md")
     p.add_argument("--schedule", default="varuna")
     p.add_argument("--chunks", type=int, default=1, help="model chunks per process (interleaved kinds)")
+    p.add_argument("--shard", action="store_true", help="optimizer state sharded over the replicas")
     a = p.parse_args()
     torch.set_num_threads(1)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -82,7 +83,8 @@ def main() -> None:
                             checkpoints=varuna.CheckpointConfig(dir=str(a.ckpt_dir), every=a.every,
                                                                 keep=a.keep, resume=a.resume),
                             determinism=varuna.DeterminismConfig(enabled=a.deterministic),
-                            pipeline=varuna.PipelineConfig(chunks=a.chunks)),
+                            pipeline=varuna.PipelineConfig(chunks=a.chunks),
+                            optimizer_state=varuna.OptimizerStateConfig(shard=a.shard)),
         example_batch=batch_for(1),
         # eps=1e-6, not 1e-8: attention's key bias has a mathematically zero gradient (softmax is
         # shift-invariant), so its gradient is rounding noise (~1e-10) that differs with the

@@ -89,11 +89,18 @@ def build(name: str) -> tuple[nn.Module, object, object]:
     return model, lambda step: hf_worker.step_batch(step, "test", name), hf_worker.loss_of
 
 
+def optimizer_elements(optimizer: torch.optim.Optimizer) -> int:
+    """Elements of the optimizer state this rank holds (sharded: about 1/D of its stage's)."""
+    return sum(v.numel() for st in optimizer.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--model", default="biased")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--shard", action="store_true", help="optimizer state sharded over the replicas")
     a = p.parse_args()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo")
@@ -102,7 +109,8 @@ def main() -> None:
     engine = varuna.Engine(
         model,
         varuna.VarunaConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO, seed=SEED,
-                            max_grad_norm=1.0, determinism=varuna.DeterminismConfig(enabled=True)),
+                            max_grad_norm=1.0, determinism=varuna.DeterminismConfig(enabled=True),
+                            optimizer_state=varuna.OptimizerStateConfig(shard=a.shard)),
         example_batch=first,
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
         loss_fn=loss_fn,
@@ -111,7 +119,8 @@ def main() -> None:
     digests = {n: hashlib.sha256(q.detach().contiguous().numpy().tobytes()).hexdigest()
                for n, q in engine.named_parameters()}
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / f"rank{engine.layout.rank}.json").write_text(json.dumps({"losses": losses, "digests": digests}))
+    report = {"losses": losses, "digests": digests, "opt_elems": optimizer_elements(engine.optimizer)}
+    (a.out / f"rank{engine.layout.rank}.json").write_text(json.dumps(report))
     engine.close()
 
 

@@ -40,8 +40,16 @@ def main() -> None:
     p.add_argument("--no-deterministic", action="store_true")
     p.add_argument("--schedule", default="varuna")
     p.add_argument("--replica-shares", default=None, help="micro-batches per replica, e.g. 5,1")
+    p.add_argument("--shard", action="store_true", help="optimizer state sharded over the replicas")
+    p.add_argument("--offload", action="store_true", help="optimizer state in a host buffer")
+    p.add_argument("--grad-reduce", default="auto")
+    p.add_argument("--precision", default="fp32")
+    p.add_argument("--loss-scale", type=float, default=2.0**16)
+    p.add_argument("--recompute-segments", default=None, help="selective recompute, e.g. 1,3 ('none': empty)")
     a = p.parse_args()
     shares = tuple(int(x) for x in a.replica_shares.split(",")) if a.replica_shares else None
+    segments = None if a.recompute_segments is None else tuple(
+        int(x) for x in a.recompute_segments.split(",") if x not in ("", "none"))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo")
     model = build_model("gpt", dropout=0.1)
@@ -50,23 +58,33 @@ def main() -> None:
         model,
         with_negative_controls(
             varuna.VarunaConfig(global_batch_size=M, micro_batch_size=a.micro_batch_size, seed=3,
-                                schedule=a.schedule, max_grad_norm=1.0,
+                                schedule=a.schedule, max_grad_norm=1.0, precision=a.precision,
+                                numerics=varuna.NumericsConfig(loss_scale=a.loss_scale),
                                 determinism=varuna.DeterminismConfig(enabled=not a.no_deterministic),
-                                pipeline=varuna.PipelineConfig(replica_shares=shares)),
+                                pipeline=varuna.PipelineConfig(replica_shares=shares,
+                                                               recompute_segments=segments),
+                                optimizer_state=varuna.OptimizerStateConfig(
+                                    shard=a.shard, offload=a.offload, grad_reduce=a.grad_reduce)),
             canonical_reduction=not a.no_canonical, rng_keyed=not a.unkeyed_rng,
         ),
         example_batch=batch_for(0, M),
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
     )
-    losses = []
+    losses, skipped = [], []
     for step in range(1, a.steps + 1):
         # Negative control for data keying: each replica reads data seeded by its own index.
         salt = engine.replica if a.unkeyed_data else 0
-        losses.append(engine.train_step(batch_for(step, M, salt)).loss)
+        result = engine.train_step(batch_for(step, M, salt))
+        losses.append(result.loss)
+        skipped.append(result.skipped)
     digests = {n: hashlib.sha256(q.detach().contiguous().numpy().tobytes()).hexdigest()
                for n, q in engine.named_parameters()}
     a.out.mkdir(parents=True, exist_ok=True)
+    opt_elems = sum(v.numel() for st in engine.optimizer.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0)
     report = {"losses": losses, "digests": digests, "Nm": [len(p) for p in engine.micro_plan],
+              "opt_elems": opt_elems, "skipped": skipped,
+              "stage_elems": sum(q.numel() for _, q in engine.named_parameters()),
               "stage_ranges": engine.stage_ranges}
     (a.out / f"rank{engine.layout.rank}.json").write_text(json.dumps(report))
     engine.close()

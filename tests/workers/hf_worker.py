@@ -33,7 +33,9 @@ SIZES = {"test": dict(global_batch=8, micro=2, seq=16, d=32, layers=2),
          "test4": dict(global_batch=8, micro=2, seq=16, d=32, layers=4, t5_layers=2),
          "auto4": dict(global_batch=8, micro=2, seq=16, d=64, layers=4),  # T5: 4 + 4 blocks (auto cuts)
          "leak": dict(global_batch=8, micro=2, seq=64, d=64, layers=2),
-         "bench": dict(global_batch=16, micro=2, seq=64, d=128, layers=4)}
+         "bench": dict(global_batch=16, micro=2, seq=64, d=128, layers=4),
+         # tests/test_checkpoint_formats.py: a model whose weights (~80-100 MB) dwarf a stage's share
+         "export": dict(global_batch=8, micro=2, seq=16, d=512, layers=8)}
 MODELS = ("gpt2", "llama", "qwen2", "t5")
 #: T5's segments (2 + 2 blocks): 0-1 encoder blocks, 2 encoder end + first decoder block, 3 second
 #: decoder block, 4 head and loss. Stages start at segment 3, where the encoder output must be

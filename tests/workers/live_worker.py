@@ -72,6 +72,7 @@ def main() -> None:
     p.add_argument("--die-in-transfer", default="")
     p.add_argument("--joiners-after", default="")
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--shard", action="store_true", help="optimizer state sharded over the replicas")
     a = p.parse_args()
     torch.set_num_threads(1)
     opened: list[str] = []
@@ -87,6 +88,7 @@ def main() -> None:
     config = varuna.VarunaConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH, seed=7,
                                  checkpoints=varuna.CheckpointConfig(dir=str(a.ckpt_dir), resume=False),
                                  determinism=varuna.DeterminismConfig(enabled=True),
+                                 optimizer_state=varuna.OptimizerStateConfig(shard=a.shard),
                                  # member 0 may wait for joiners to start (seconds on a busy host) between
                                  # steps; the peer watch would take that for a frozen peer and end the run
                                  timeouts=varuna.TimeoutConfig(comm_s=a.timeout, peer_s=0))

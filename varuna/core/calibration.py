@@ -27,7 +27,7 @@ import datetime
 import json
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,8 @@ from varuna.core.calibration_sections import (
     SendStat,
 )
 from varuna.core.calibration_types import SegmentCompute, VmType, for_type, with_types
+from varuna.core.memory import WORKSPACE_FACTOR
+from varuna.core.selective_recompute import selective_dynamic_bytes
 
 __all__ = [
     "CALIBRATION_VERSION",
@@ -314,6 +316,10 @@ class Calibration:
         """Median recompute time of ``segment`` at m."""
         return self._at([s.median for s in self.segments[segment].recompute_s], m)
 
+    def activation_bytes(self, segment: int, m: float) -> float:
+        """Bytes autograd saves in ``segment`` for one micro-batch of size m (what recomputing it frees)."""
+        return self._at(self.segments[segment].activation_bytes, m)
+
     def act_bytes(self, cutpoint: int, m: float) -> int:
         """Bytes crossing ``cutpoint`` (between segment ``cutpoint`` and ``cutpoint + 1``) at m."""
         return int(round(self._at(self.cutpoints[cutpoint].act_bytes, m)))
@@ -325,33 +331,47 @@ class Calibration:
         return sum(self.segments[s].grad_bytes for s in segments)
 
     def stage_memory_bytes(
-        self, segments: Sequence[int], m: float, stashed: int, *, recompute: bool = True
+        self, segments: Sequence[int], m: float, stashed: int, *, recompute: bool = True,
+        optimizer_shards: int = 1, recompute_segments: Collection[int] | None = None,
     ) -> int:
         """Peak memory of a stage made of ``segments`` holding ``stashed`` in-flight micro-batches.
 
-        Static part: parameters + gradients + optimizer state. With recompute the stage keeps only
-        each in-flight micro-batch's input plus one micro-batch's full activations (the one being
-        recomputed/back-propagated); without it every in-flight micro-batch keeps its activations.
+        Static part: parameters + gradients + optimizer state (``optimizer_shards``: the state
+        split over that many replicas, each holding its share: ``VarunaConfig.optimizer_state``).
+        With recompute the stage keeps only each in-flight micro-batch's input plus one
+        micro-batch's full activations (the one being recomputed/back-propagated); without it
+        every in-flight micro-batch keeps its activations. Either way one micro-batch's forward and
+        backward hold transients about that large again (Note [Backward workspace] in
+        varuna/core/memory.py). ``recompute_segments`` (with recompute):
+        only those segments recompute, the others keep their activations (Note [Selective
+        recompute] in varuna/core/selective_recompute.py; None: all of them).
 
         >>> cal = Calibration.synthetic([0.01, 0.01], param_bytes=100, act_bytes_per_example=10,
         ...                             activation_bytes_per_example=50, micro_batch_sizes=(1, 2))
-        >>> cal.stage_memory_bytes([0, 1], 1, stashed=3)  # 2*(100+100+200) static + 3*10 + 2*50
-        930
+        >>> cal.stage_memory_bytes([0, 1], 1, stashed=3)  # 2*(100+100+200) static + 3*10 + 2*50 + 2*50
+        1030
         """
         segs = list(segments)
         if not segs:
             raise ValueError("a stage needs at least one segment")
         static = sum(
-            self.segments[i].param_bytes + self.segments[i].grad_bytes + self.segments[i].optimizer_bytes
+            self.segments[i].param_bytes + self.segments[i].grad_bytes
+            + self.segments[i].optimizer_bytes / optimizer_shards
             for i in segs
         )
         stash_in = self._at(self.segments[segs[0]].stashed_input_bytes, m)
         acts = sum(self._at(self.segments[i].activation_bytes, m) for i in segs)
-        if recompute:
+        if recompute and recompute_segments is not None:
+            dynamic = selective_dynamic_bytes(
+                segs[0], segs[-1], recompute_segments, stashed,
+                lambda s: self._at(self.segments[s].stashed_input_bytes, m),
+                lambda s: self._at(self.segments[s].activation_bytes, m),
+            )
+        elif recompute:
             dynamic = stashed * stash_in + acts
         else:
             dynamic = stashed * (stash_in + acts)
-        return int(round(static + dynamic))
+        return int(round(static + dynamic + WORKSPACE_FACTOR * acts))
 
     def p2p_s(self, nbytes: float, intra: bool) -> float:
         """Mean time of one point-to-point send of ``nbytes`` (fitted link model)."""

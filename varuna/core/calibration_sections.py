@@ -402,22 +402,40 @@ class ModelInfo:
     name: str
     cutpoint_names: list[str]
     num_segments: int
+    fwd_flops_per_example: list[float] | None = None
+    """Optional: each segment's forward FLOPs per example (the dry run's ``FlopCounterMode``
+    count); what TFLOP/s and MFU predictions (``varuna-simulate``) and the dashboard need. None:
+    not counted (a file written before the field existed)."""
 
     def to_dict(self) -> dict:
-        return {
+        out: dict[str, Any] = {
             "name": self.name,
             "cutpoint_names": list(self.cutpoint_names),
             "num_segments": self.num_segments,
         }
+        if self.fwd_flops_per_example is not None:
+            out["fwd_flops_per_example"] = list(self.fwd_flops_per_example)
+        return out
 
     @classmethod
     def _read(cls, r: FieldReader, obj: Any, path: str) -> ModelInfo:
         names = r.get(obj, "cutpoint_names", path, "list")
         names = [r.check(n, f"{path}.cutpoint_names[{j}]", "str") for j, n in enumerate(names)]
+        num_segments = r.get(obj, "num_segments", path, "int")
+        flops = r.get(obj, "fwd_flops_per_example", path, "list", optional=True) \
+            if "fwd_flops_per_example" in obj else None
+        if flops is not None:
+            flops = [r.check(f, f"{path}.fwd_flops_per_example[{j}]", "num") for j, f in enumerate(flops)]
+            if len(flops) != num_segments or min(flops, default=0) < 0:
+                raise r.fail(
+                    f"field '{path}.fwd_flops_per_example' must hold {num_segments} numbers >= 0 (one per "
+                    f"segment), got {len(flops)} — {REPROFILE_FIX}"
+                )
         return cls(
             name=r.get(obj, "name", path, "str"),
             cutpoint_names=names,
-            num_segments=r.get(obj, "num_segments", path, "int"),
+            num_segments=num_segments,
+            fwd_flops_per_example=flops,
         )
 
 

@@ -96,6 +96,9 @@ class VmType:
     """Free text, e.g. the accelerator's name."""
     segments: tuple[SegmentCompute, ...] | None = None
     """Own per-segment compute (one per model segment), else None."""
+    price_per_hour: float | None = None
+    """What one accelerator of this type costs per hour (any currency; None: unknown), for
+    ``varuna-simulate --cluster``'s cost to train."""
 
     def __post_init__(self) -> None:
         problem = check_type_name(self.name)
@@ -109,6 +112,10 @@ class VmType:
             raise ValueError(f"VM type {self.name!r}: speed must be finite and > 0, got {self.speed}")
         if self.segments is not None:
             object.__setattr__(self, "segments", tuple(self.segments))
+        if self.price_per_hour is not None and not (0 <= self.price_per_hour < math.inf):
+            raise ValueError(
+                f"VM type {self.name!r}: price_per_hour must be finite and >= 0, got {self.price_per_hour}"
+            )
 
     def to_dict(self) -> dict:
         out: dict[str, Any] = {}
@@ -120,6 +127,8 @@ class VmType:
             out["device"] = self.device
         if self.segments is not None:
             out["segments"] = [s.to_dict() for s in self.segments]
+        if self.price_per_hour is not None:
+            out["price_per_hour"] = self.price_per_hour
         return out
 
     @classmethod
@@ -141,6 +150,11 @@ class VmType:
         memory = r.check(obj.get("memory_bytes"), f"{path}.memory_bytes", "int", optional=True)
         device = r.check(obj.get("device"), f"{path}.device", "str", optional=True)
         segs = r.check(obj.get("segments"), f"{path}.segments", "list", optional=True)
+        price = r.check(obj.get("price_per_hour"), f"{path}.price_per_hour", "num", optional=True)
+        if price is not None and price < 0:
+            raise r.fail(
+                f"field '{path}.price_per_hour' must be >= 0, got {price} — give the price of one VM-hour"
+            )
         if speed is None and segs is None:
             raise r.fail(
                 f"VM type '{name}' has neither 'speed' nor 'segments' — give its relative speed or "
@@ -158,6 +172,7 @@ class VmType:
             speed=None if speed is None else float(speed),
             memory_bytes=memory,
             device=device,
+            price_per_hour=None if price is None else float(price),
             segments=None
             if segs is None
             else tuple(SegmentCompute._read(r, s, f"{path}.segments[{i}]", n) for i, s in enumerate(segs)),

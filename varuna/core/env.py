@@ -52,9 +52,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
+from varuna.core.flops import check_peak_tflops
 from varuna.core.schedule import SCHEDULE_KINDS
 
 __all__ = [
+    "COMM_BACKENDS",
     "CONTRACT_VARS",
     "LAUNCHER_VARS",
     "PASSTHROUGH_PREFIX",
@@ -116,6 +118,9 @@ PLAN_VARS = (
     "VARUNA_STAGE_RANGES",
     "VARUNA_REPLICA_SHARES",
     "VARUNA_STAGE_SPEEDS",
+    "VARUNA_RECOMPUTE",
+    "VARUNA_RECOMPUTE_SEGMENTS",
+    "VARUNA_SHARD_OPTIMIZER",
 )
 
 
@@ -133,8 +138,17 @@ SETTING_VARS = (
     "VARUNA_NETEM",
     "VARUNA_ENGINE_PLUGINS",
     "VARUNA_LIVE_STORE",
+    "VARUNA_LIVE_STORE_KEY",
     "VARUNA_LIVE_JOIN",
+    "VARUNA_COMM_BACKEND",
+    "VARUNA_PEAK_TFLOPS",
+    "VARUNA_FENCE_EPOCH",
+    "VARUNA_GENERATION",
+    "VARUNA_RESTARTS",
 )
+
+#: Backends that may carry a CUDA job's traffic (``VarunaConfig.comm_backend``, ``VARUNA_COMM_BACKEND``).
+COMM_BACKENDS = ("nccl", "gloo")
 
 #: What automatic cut-points and the stage split balance: counted FLOPs or measured time.
 PLAN_COSTS = ("flop", "time")
@@ -387,6 +401,16 @@ class RunPlan:
     ``"3,1"``; docs/determinism.md "Mixed VM types")."""
     stage_speeds: tuple[float, ...] | None = None
     """Relative speed of each stage's VM, for the stage split (``VARUNA_STAGE_SPEEDS``, ``"1,1.6"``)."""
+    recompute: bool | None = None
+    """Whether the stages recompute, as auto-config chose it with the schedule (``VARUNA_RECOMPUTE``,
+    ``"1"``/``"0"``; Note [Joint plan] in simulator/autoconfig.py)."""
+    recompute_segments: tuple[int, ...] | None = None
+    """The segments a recomputed micro-batch recomputes, as auto-config chose them for the memory
+    (``VARUNA_RECOMPUTE_SEGMENTS``, ``"1,3"``, ``"none"`` for the empty set; Note [Selective
+    recompute] in varuna/core/selective_recompute.py)."""
+    shard_optimizer: bool | None = None
+    """Whether the optimizer state is sharded over each stage's replicas, as auto-config chose it
+    (``VARUNA_SHARD_OPTIMIZER``, ``"1"``/``"0"``)."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "micro_batch_size", "chunks"):
@@ -432,6 +456,12 @@ class RunPlan:
             out["VARUNA_REPLICA_SHARES"] = ",".join(str(x) for x in self.replica_shares)
         if self.stage_speeds is not None:
             out["VARUNA_STAGE_SPEEDS"] = ",".join(repr(v) for v in self.stage_speeds)
+        if self.recompute is not None:
+            out["VARUNA_RECOMPUTE"] = str(int(self.recompute))
+        if self.recompute_segments is not None:
+            out["VARUNA_RECOMPUTE_SEGMENTS"] = ",".join(str(s) for s in self.recompute_segments) or "none"
+        if self.shard_optimizer is not None:
+            out["VARUNA_SHARD_OPTIMIZER"] = str(int(self.shard_optimizer))
         return out
 
     @classmethod
@@ -460,7 +490,21 @@ class RunPlan:
             stage_ranges=ranges,
             replica_shares=_parse_list(environ, "VARUNA_REPLICA_SHARES", int, "3,1"),
             stage_speeds=_parse_list(environ, "VARUNA_STAGE_SPEEDS", float, "1,1.6"),
+            recompute=_bool_var(environ, "VARUNA_RECOMPUTE"),
+            recompute_segments=() if environ.get("VARUNA_RECOMPUTE_SEGMENTS", "").strip() == "none"
+            else _parse_list(environ, "VARUNA_RECOMPUTE_SEGMENTS", int, "1,3"),
+            shard_optimizer=_bool_var(environ, "VARUNA_SHARD_OPTIMIZER"),
         )
+
+
+def _bool_var(environ: Mapping[str, str], name: str) -> bool | None:
+    """``$name`` as "1"/"0" (None when unset or empty); one line naming the variable otherwise."""
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return None
+    if raw not in ("0", "1"):
+        raise ValueError(f"RunPlan: {name}={raw!r} is not 1 or 0; set 1 (on), 0 (off) or unset it")
+    return raw == "1"
 
 
 def _parse_list(environ: Mapping[str, str], name: str, kind: type, example: str) -> tuple | None:
@@ -535,6 +579,9 @@ class WorkerSettings:
     """``VARUNA_ENGINE_PLUGINS``: ``module:function`` entries (``varuna.runtime.plugins``)."""
     live_store: str | None = None
     """``VARUNA_LIVE_STORE``: host:port of a live run's store (``varuna.runtime.live_morph``)."""
+    live_store_key: str | None = field(default=None, repr=False)
+    """``VARUNA_LIVE_STORE_KEY``: the run's secret for that store (never printed; Note [Store
+    authentication] in varuna/runtime/auth_store.py)."""
     live_join: bool = False
     """``VARUNA_LIVE_JOIN=1``: this worker joins a running live job."""
     checkpoint_format: str | None = None
@@ -542,6 +589,19 @@ class WorkerSettings:
     (``varuna.runtime.checkpoint_registry``)."""
     checkpoint_format_modules: tuple[str, ...] = ()
     """``VARUNA_CHECKPOINT_FORMAT_MODULES``: comma-separated modules that register checkpoint formats."""
+    comm_backend: str | None = None
+    """``VARUNA_COMM_BACKEND``: nccl or gloo for a CUDA job's traffic (``VarunaConfig.comm_backend``
+    wins; varuna.runtime.layout.choose_transport)."""
+    peak_tflops: float | None = None
+    """``VARUNA_PEAK_TFLOPS``: one device's dense peak TFLOP/s, for MFU (``VarunaConfig``'s
+    ``metrics.peak_tflops`` wins; varuna.runtime.flops.resolve_peak)."""
+    fence_epoch: int | None = None
+    """``VARUNA_FENCE_EPOCH``: the controller's start in ms (``varuna-launch``'s start, the manager
+    job's creation), the first part of the checkpoint fence token (Note [Checkpoint fence] in
+    varuna/runtime/checkpoint_fence.py); None: the run is unfenced."""
+    generation: int | None = None
+    """The launch's generation: the manager's ``VARUNA_GENERATION``, else the launcher's restart
+    count ``VARUNA_RESTARTS``; None when neither is set."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerSettings:
@@ -560,7 +620,23 @@ class WorkerSettings:
                 f"WorkerSettings: VARUNA_PLAN_COST={cost!r} is not {' or '.join(PLAN_COSTS)}; "
                 "set one of them (--plan-cost) or unset it"
             )
+        backend = _str_var(environ, "VARUNA_COMM_BACKEND")
+        if backend is not None and backend not in COMM_BACKENDS:
+            raise ValueError(
+                f"WorkerSettings: VARUNA_COMM_BACKEND={backend!r} is not {' or '.join(COMM_BACKENDS)}; "
+                "set one of them or unset it (automatic)"
+            )
+        generation = _int_var(environ, "VARUNA_GENERATION", "WorkerSettings")
+        if generation is None:
+            generation = _int_var(environ, "VARUNA_RESTARTS", "WorkerSettings")
+        epoch = _int_var(environ, "VARUNA_FENCE_EPOCH", "WorkerSettings")
+        for name, value in (("VARUNA_FENCE_EPOCH", epoch), ("VARUNA_GENERATION/VARUNA_RESTARTS", generation)):
+            if value is not None and value < 0:
+                raise ValueError(f"WorkerSettings: {name}={value} must be >= 0 (set by varuna-launch or the"
+                                 " manager); unset it")
         return cls(
+            fence_epoch=epoch,
+            generation=generation,
             checkpoint_dir=_str_var(environ, "VARUNA_CHECKPOINT_DIR"),
             resume=_str_var(environ, "VARUNA_RESUME"),
             cut_after=(tuple(x.strip() for x in cuts.split(",") if x.strip()) or None) if cuts else None,
@@ -571,11 +647,15 @@ class WorkerSettings:
             netem=environ.get("VARUNA_NETEM") or None,
             engine_plugins=environ.get("VARUNA_ENGINE_PLUGINS", ""),
             live_store=_str_var(environ, "VARUNA_LIVE_STORE"),
+            live_store_key=_str_var(environ, "VARUNA_LIVE_STORE_KEY"),
             live_join=environ.get("VARUNA_LIVE_JOIN") == "1",
             checkpoint_format=_str_var(environ, "VARUNA_CHECKPOINT_FORMAT"),
             checkpoint_format_modules=tuple(
                 m.strip() for m in environ.get("VARUNA_CHECKPOINT_FORMAT_MODULES", "").split(",") if m.strip()
             ),
+            comm_backend=backend,
+            peak_tflops=check_peak_tflops(_str_var(environ, "VARUNA_PEAK_TFLOPS"),
+                                          "WorkerSettings: VARUNA_PEAK_TFLOPS"),
         )
 
 
@@ -612,6 +692,15 @@ class ProcessEnv:
     """``VARUNA_DATA_PARALLEL``, None when unset."""
     torchrun: bool = False
     """Started by torchrun (``TORCHELASTIC_RUN_ID`` set; varuna-launch never sets it)."""
+    master_addr: str | None = None
+    """``MASTER_ADDR``: the rendezvous host (None when unset)."""
+    master_port: str | None = None
+    """``MASTER_PORT`` as given (None when unset; torch checks it)."""
+    gloo_ifname: str | None = None
+    """``GLOO_SOCKET_IFNAME`` when the user chose gloo's interface (Note [Interface towards a host])."""
+    cublas_workspace_config: str | None = None
+    """``CUBLAS_WORKSPACE_CONFIG`` as the user set it (None when unset); deterministic mode needs a
+    deterministic value (Note [Deterministic CUDA] in varuna/runtime/determinism.py)."""
     plan: RunPlan = field(default_factory=RunPlan)
     """The run plan (Note [Run plan])."""
     settings: WorkerSettings = field(default_factory=WorkerSettings)
@@ -650,6 +739,10 @@ class ProcessEnv:
             pipeline_depth=get_int("VARUNA_PIPELINE_DEPTH", None),
             data_parallel=get_int("VARUNA_DATA_PARALLEL", None),
             torchrun=bool(environ.get(TORCHRUN_VAR)),
+            master_addr=environ.get("MASTER_ADDR") or None,
+            master_port=environ.get("MASTER_PORT") or None,
+            gloo_ifname=environ.get("GLOO_SOCKET_IFNAME") or None,
+            cublas_workspace_config=_str_var(environ, "CUBLAS_WORKSPACE_CONFIG"),
             plan=RunPlan.from_env(environ),
             settings=WorkerSettings.from_env(environ),
         )

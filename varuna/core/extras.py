@@ -30,6 +30,8 @@ __all__ = ["EXTRAS", "MissingExtra", "require", "require_extra", "require_packag
 EXTRAS: dict[str, dict[str, str]] = {
     "manager": {"grpc": "grpc", "google.protobuf": "protobuf", "scipy": "scipy"},
     "hf": {"transformers": "transformers"},
+    "safetensors": {"safetensors": "safetensors"},
+    "data": {"torchdata": "torchdata"},
     "plot": {"matplotlib": "matplotlib"},
     "progress": {"tqdm": "tqdm"},
     "tensorboard": {"tensorboard": "tensorboard"},

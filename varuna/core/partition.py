@@ -149,7 +149,7 @@ def balanced_stages(
     *,
     candidates: Sequence[float] | None = None,
     weights: Sequence[float] | None = None,
-    capacity: float = math.inf,
+    capacity: float | Sequence[float] = math.inf,
     speeds: Sequence[float] | None = None,
 ) -> list[tuple[int, int]]:
     """Contiguous ranges of segments for ``num_stages`` stages minimising the costliest stage.
@@ -157,8 +157,17 @@ def balanced_stages(
     ``full[i]``: cost of segment i on a non-last stage (F+R+B); ``last[i]``: on the last stage
     (F+B). ``candidates`` (from :func:`candidate_maxima`) can be passed to reuse the sort across
     pipeline depths. With ``weights`` (e.g. bytes of parameters, gradients and optimizer state)
-    every stage's summed weight must also stay within ``capacity``; ``ValueError`` if impossible.
-    ``speeds[i]``: relative speed of stage i's device (its time is its cost / speeds[i]).
+    every stage's summed weight must also stay within ``capacity`` -- one bound for every stage,
+    or one per stage (VMs of different memory: Note [Memory-aware split]); ``ValueError`` if
+    impossible. ``speeds[i]``: relative speed of stage i's device (its time is its cost / speeds[i]).
+
+    Note [Memory-aware split]: the split minimises the slowest stage *subject to* every stage
+    fitting its memory, never the memory itself: where the time-balanced split fits, it stands
+    (a faster plan is never given up for memory that is not needed); where a stage would
+    overflow, its weight bound moves segments to its neighbours, the least time lost. The callers
+    (the runtime's ``assign_stages``, auto-config's ``fit``) pass each stage's memory minus what
+    its activations need as the capacity, and per-segment static bytes (weights, gradients and
+    optimizer state, the last divided by D when sharded) as the weights.
 
     >>> balanced_stages([1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], 3)
     [(0, 1), (2, 3), (4, 5)]
@@ -166,6 +175,8 @@ def balanced_stages(
     [(0, 1), (2, 3)]
     >>> balanced_stages([3, 3, 3, 3], [2, 2, 2, 2], 2, speeds=[1.0, 0.25])   # a slow last stage
     [(0, 2), (3, 3)]
+    >>> balanced_stages([1, 1, 1, 1], [1, 1, 1, 1], 2, weights=[1] * 4, capacity=[1, 3])  # a small first VM
+    [(0, 0), (1, 3)]
     """
     n = len(full)
     if len(last) != n or (weights is not None and len(weights) != n):
@@ -179,8 +190,11 @@ def balanced_stages(
         problem = check_speeds(speeds, num_stages)
         if problem is not None:
             raise ValueError(problem)
-        if len(set(speeds)) > 1:
-            return _split_by_speed(full, last, [float(v) for v in speeds], weights, capacity)
+    caps = _capacities(capacity, num_stages)
+    if (speeds is not None and len(set(speeds)) > 1) or len(set(caps)) > 1:
+        sp = [float(v) for v in speeds] if speeds is not None else [1.0] * num_stages
+        return _split_by_speed(full, last, sp, weights, caps)
+    capacity = caps[0]
     cands = list(candidates) if candidates is not None else candidate_maxima(full, last)
     lo, hi = 0, len(cands) - 1
     best = _split(full, last, num_stages, cands[hi], weights, capacity)
@@ -196,6 +210,15 @@ def balanced_stages(
         else:
             best, hi = r, mid
     return best
+
+
+def _capacities(capacity: float | Sequence[float], num_stages: int) -> list[float]:
+    if isinstance(capacity, (int, float)):
+        return [float(capacity)] * num_stages
+    caps = [float(c) for c in capacity]
+    if len(caps) != num_stages:
+        raise ValueError(f"{len(caps)} stage capacities for {num_stages} stages; give one per stage")
+    return caps
 
 
 def check_speeds(speeds: Sequence[float], num_stages: int) -> str | None:
@@ -224,16 +247,17 @@ def _split_by_speed(
     last: Sequence[float],
     speeds: list[float],
     weights: Sequence[float] | None,
-    capacity: float,
+    capacity: Sequence[float],
 ) -> list[tuple[int, int]]:
-    """Exact min-max stage time for per-stage ``speeds`` (see the module docstring)."""
+    """Exact min-max stage time for per-stage ``speeds`` and weight bounds ``capacity`` (see the
+    module docstring)."""
     n, P = len(full), len(speeds)
     pf, pl, pw = [0.0], [0.0], [0.0]
     for i in range(n):
         pf.append(pf[-1] + full[i])
         pl.append(pl[-1] + last[i])
         pw.append(pw[-1] + (weights[i] if weights is not None else 0.0))
-    wcap = capacity * (1 + 1e-12)
+    wcap = [c * (1 + 1e-12) for c in capacity]
     inf = math.inf
     # best[k][j]: least max time of stages 0..k-1 (non-last) covering segments [0, j); arg for rebuild.
     best = [[inf] * (n + 1) for _ in range(P)]
@@ -243,22 +267,22 @@ def _split_by_speed(
         sp = speeds[k - 1]
         for j in range(k, n - (P - k) + 1):
             for i in range(k - 1, j):
-                if best[k - 1][i] == inf or pw[j] - pw[i] > wcap:
+                if best[k - 1][i] == inf or pw[j] - pw[i] > wcap[k - 1]:
                     continue
                 t = max(best[k - 1][i], (pf[j] - pf[i]) / sp)
                 if t < best[k][j]:
                     best[k][j], arg[k][j] = t, i
     top, cut = inf, -1
     for i in range(P - 1, n):
-        if best[P - 1][i] == inf or pw[n] - pw[i] > wcap:
+        if best[P - 1][i] == inf or pw[n] - pw[i] > wcap[P - 1]:
             continue
         t = max(best[P - 1][i], (pl[n] - pl[i]) / speeds[P - 1])
         if t < top:
             top, cut = t, i
     if cut < 0:
-        raise ValueError(
-            f"no split of {n} segments into {P} stages keeps every stage within {capacity:.6g}"
-        )
+        caps = [f"{c:.6g}" for c in capacity]
+        bound = caps[0] if len(set(caps)) == 1 else f"its capacity ({', '.join(caps)})"
+        raise ValueError(f"no split of {n} segments into {P} stages keeps every stage within {bound}")
     ranges = [(cut, n - 1)]
     j = cut
     for k in range(P - 1, 0, -1):

@@ -67,8 +67,10 @@ class PlanRequest:
     host_slots: int | tuple[int, ...] = 1
     """Slots per host (consecutive ranks fill a host), or each host's own in host order; the
     simulator places ranks with it."""
-    schedule: str = DEFAULT_SCHEDULE
-    """The schedule kind the job runs (``--schedule``)."""
+    schedule: str | None = DEFAULT_SCHEDULE
+    """The schedule kind the job runs (``--schedule``); None: auto-config picks it among
+    ``varuna.core.schedule.PLANNED_KINDS`` with the rest of the plan (Note [Joint plan] in
+    simulator/autoconfig.py)."""
     chunks: int = 1
     """Model chunks per process for the interleaved kinds (``--chunks``)."""
     micro_batch_size: int | None = None
@@ -77,8 +79,13 @@ class PlanRequest:
     """A fixed P; None: auto-config chooses it."""
     gpu_memory_bytes: int | None = None
     """Memory per accelerator (``--gpu-memory``); None: unchecked."""
-    recompute: bool = True
-    """Activation recompute for gpipe/1f1b/interleaved (varuna always recomputes)."""
+    recompute: bool | None = True
+    """Activation recompute for gpipe/1f1b/interleaved (varuna always recomputes); None:
+    auto-config chooses it (off wherever memory allows; what :meth:`from_args`, i.e.
+    ``varuna-launch`` without a recompute flag, asks for)."""
+    shard_optimizer: bool | None = False
+    """Optimizer state sharded over each stage's replicas; None: auto-config chooses it (on only
+    where memory needs it; :meth:`from_args`'s default)."""
 
     def __post_init__(self) -> None:
         check_count("--global-batch-size", self.global_batch_size)
@@ -87,7 +94,8 @@ class PlanRequest:
             check_count("--micro-batch-size", self.micro_batch_size)
         if self.pipeline_depth is not None:
             check_count("--pipeline-depth", self.pipeline_depth)
-        schedule_kind(self.schedule)  # "unknown schedule kind ..." naming the choices
+        if self.schedule is not None:
+            schedule_kind(self.schedule)  # "unknown schedule kind ..." naming the choices
         check_count("--gpus", self.gpus)
         slots = self.host_slots
         if isinstance(slots, int):
@@ -134,10 +142,12 @@ class PlanRequest:
         given = {
             "calibration": args.calibration,
             "global_batch_size": args.global_batch_size,
-            "schedule": args.schedule or DEFAULT_SCHEDULE,
+            "schedule": args.schedule,  # None: planned with the rest (Note [Joint plan])
             "micro_batch_size": args.micro_batch_size,
             "gpu_memory_bytes": args.gpu_memory,
         }
         default_chunks = fields.pop("chunks", 1)  # the caller's default when --chunks is not given
         given["chunks"] = default_chunks if args.chunks is None else args.chunks
-        return cls(**given, **fields)
+        # Left to auto-config unless the caller says (Note [Joint plan] in simulator/autoconfig.py).
+        given.update(recompute=None, shard_optimizer=None)
+        return cls(**{**given, **fields})

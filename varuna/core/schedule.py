@@ -72,6 +72,7 @@ from varuna.core.zero_bubble import VarunaZBKind, ZBH1Kind, ZeroBubbleSchedule
 
 __all__ = [
     "DEFAULT_SCHEDULE",
+    "PLANNED_KINDS",
     "SCHEDULE_KINDS",
     "ALL_SCHEDULE_KINDS",
     "LIST_SCHEDULE_KINDS",
@@ -161,6 +162,7 @@ class VarunaKind(ListScheduleKind):
     name: ClassVar[str] = "varuna"
     opportunistic: ClassVar[bool] = True
     recompute_optional: ClassVar[bool] = False
+    planned_by_default: ClassVar[bool] = True
 
     def _recomputes(self, *, last: bool, recompute: bool) -> bool:
         return not last
@@ -198,6 +200,7 @@ class OneFOneBKind(ListScheduleKind):
     stage runs each B right after its F, so it never recomputes."""
 
     name: ClassVar[str] = "1f1b"
+    planned_by_default: ClassVar[bool] = True
 
     def _recomputes(self, *, last: bool, recompute: bool) -> bool:
         return recompute and not last
@@ -231,6 +234,7 @@ class TwoBWKind(OneFOneBKind):
     """
 
     name: ClassVar[str] = "2bw"
+    planned_by_default: ClassVar[bool] = False
     weight_versions: ClassVar[int] = 2
 
     def unsupported(self, num_stages: int, num_microbatches: int) -> str | None:
@@ -270,6 +274,9 @@ _KINDS: Mapping[str, ScheduleKind] = MappingProxyType(
 DEFAULT_SCHEDULE = "varuna"
 #: Schedule kinds the runtime can execute. ``1f1b`` is PipeDream-Flush.
 SCHEDULE_KINDS: tuple[str, ...] = tuple(name for name, k in _KINDS.items() if k.runtime)
+#: The kinds auto-config weighs when the job names none (``planned_by_default``; Note [Joint
+#: plan] in simulator/autoconfig.py).
+PLANNED_KINDS: tuple[str, ...] = tuple(name for name, k in _KINDS.items() if k.planned_by_default)
 #: Every registered kind: the runtime's plus any simulation-only one.
 ALL_SCHEDULE_KINDS: tuple[str, ...] = tuple(_KINDS)
 #: The kinds with one flat list per stage (:func:`build_schedule`); the chunked ones

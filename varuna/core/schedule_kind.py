@@ -56,6 +56,10 @@ class ScheduleKind(ABC):
     chunked: ClassVar[bool] = False
     #: Whether the backward is split into B (input gradient) and a later W (weight gradients).
     splits_backward: ClassVar[bool] = False
+    #: Whether auto-config weighs this kind when the job names none (Note [Joint plan] in
+    #: simulator/autoconfig.py): the paper's kind with recompute, and PipeDream-Flush without
+    #: it for models that fit.
+    planned_by_default: ClassVar[bool] = False
     #: Versions of its weights a stage keeps: 1 for the synchronous kinds (a flush after every
     #: mini-batch); 2 for PipeDream-2BW (``TwoBWKind`` in ``varuna/core/schedule.py``), whose
     #: gradients are one step stale and whose mini-batches run back to back.

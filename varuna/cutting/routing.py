@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from varuna.core.config_error import ConfigError
 from varuna.cutting.cutpoint import CutPoint
 
 __all__ = ["CUT_ATTR", "apply_cutpoints", "match_modules", "remove_cutpoints", "check_no_cutpoints",
@@ -121,7 +122,7 @@ def match_modules(model: nn.Module, patterns: str | Sequence[str]) -> list[str]:
         pp = pat.split(".")
         hits = [n for n in names if len(parts[n]) == len(pp) and all(map(fnmatchcase, parts[n], pp))]
         if not hits:
-            raise ValueError(f"cut-point pattern {pat!r} matches no module of the model"
+            raise ConfigError(f"cut-point pattern {pat!r} matches no module of the model"
                              f"{_closest(pat, names)}; patterns are dotted names from model.named_modules(), "
                              "'*' matching one level (e.g. 'transformer.h.*')")
         picked.update(dict.fromkeys(hits))

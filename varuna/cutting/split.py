@@ -36,11 +36,18 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from varuna.cutting.batches import call_with_batch, to_meta
+from varuna.cutting.batches import batch_size_of, call_with_batch, to_device, to_meta
 from varuna.cutting.cutpoint import CarrySpec, CutPoint, DryRun, SplitState
 from varuna.cutting.placeholders import Skipper
 
-__all__ = ["ModelProfile", "profile_model", "materialize_stage", "resident_param_bytes", "keyed_seed"]
+__all__ = [
+    "ModelProfile",
+    "keyed_seed",
+    "materialize_stage",
+    "persistent_buffers",
+    "profile_model",
+    "resident_param_bytes",
+]
 
 
 def keyed_seed(*parts: object) -> int:
@@ -82,6 +89,16 @@ class ModelProfile:
     #: module outputs carried across routed (by-name or automatic) cut-points (Note [Carried values] in
     #: varuna/cutting/cutpoint.py; the engine fills it from the trace)
     carried: list[CarrySpec] = field(default_factory=list)
+    #: per segment: forward FLOPs counted in the dry run (``FlopCounterMode``), whatever
+    #: ``cost_unit`` says (timed costs replace ``fwd_cost``, not these); None: not counted
+    fwd_flops: list[float] | None = None
+    #: examples in the dry run's batch (what ``fwd_flops`` were counted for)
+    flops_examples: int = 0
+    #: canonical name of every persistent buffer (``persistent=False`` ones are not model state) ->
+    #: sorted segments that read or write it in the dry run; one the dry run never touches takes its
+    #: module's segments, else segment 0 (Note [Buffers across replicas] in varuna/runtime/buffers.py)
+    buffer_segments: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    buffer_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_cutpoints(self) -> int:
@@ -127,6 +144,48 @@ class _ParamUse(TorchFunctionMode):
 
 def _named_params(model: nn.Module) -> dict[str, nn.Parameter]:
     return dict(model.named_parameters())  # remove_duplicate=True: tied tensors get one name
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's persistent buffers by canonical name (a buffer shared by two modules gets its
+    first name), in ``named_buffers`` order: what ``state_dict`` holds besides the parameters.
+    ``persistent=False`` buffers (caches, masks recomputed by the constructor) are left out.
+
+    >>> bn = nn.BatchNorm1d(2)
+    >>> sorted(persistent_buffers(bn))
+    ['num_batches_tracked', 'running_mean', 'running_var']
+    """
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for mname, mod in model.named_modules():
+        for bname, b in mod._buffers.items():
+            if b is None or bname in mod._non_persistent_buffers_set or id(b) in seen:
+                continue
+            seen.add(id(b))
+            out[f"{mname}.{bname}" if mname else bname] = b
+    return out
+
+
+def _buffer_segments(model: nn.Module, uses: dict[str, set[int]], buffers: dict[str, torch.Tensor],
+                     param_uses: dict[str, set[int]]) -> dict[str, tuple[int, ...]]:
+    """Segments of each persistent buffer: those that read or wrote it (``uses``), else its
+    module's (its parameters' or other buffers'), else segment 0."""
+    canon = {id(p): n for n, p in _named_params(model).items()}
+    out: dict[str, tuple[int, ...]] = {}
+    for mname, mod in model.named_modules():
+        prefix = f"{mname}." if mname else ""
+        mine = [n for n in (prefix + b for b in mod._buffers) if n in buffers]
+        if not mine:
+            continue
+        module_segs: set[int] = set()
+        for p in mod.parameters(recurse=False):
+            module_segs |= param_uses.get(canon.get(id(p), ""), set())
+        for n in mine:
+            module_segs |= uses.get(n, set())
+        for n in mine:
+            segs = uses.get(n) or module_segs or {0}
+            out[n] = tuple(sorted(segs))
+    return out
 
 
 def _boundary_hooks(model: nn.Module, state: SplitState, called: set[str], spanning: set[str]) -> list:
@@ -177,10 +236,14 @@ def profile_model(
     for cp in cps:
         cp._varuna_state = state
     params = _named_params(model)
+    buffers = persistent_buffers(model)
     on_meta = any(p.is_meta for p in params.values())
     if on_meta:
         batch = to_meta(batch)
+    elif params:  # a model already on an accelerator runs on its device's copy of the batch
+        batch = to_device(batch, next(iter(params.values())).device)
     param_ids = {id(p): n for n, p in params.items()}
+    buffer_ids = {id(b): n for n, b in buffers.items() if id(b) not in param_ids}
     uses: dict[str, set[int]] = {}
     called: set[str] = set()
     spanning: set[str] = set()
@@ -195,7 +258,7 @@ def profile_model(
     dry = DryRun(cutpoint_names=cut_names, on_segment=lambda s: flops_at.append(counter.get_total_flops()))
     state.run = dry
     try:
-        with torch.no_grad(), counter, _ParamUse(param_ids, state, uses):
+        with torch.no_grad(), counter, _ParamUse({**param_ids, **buffer_ids}, state, uses):
             loss_fn(call_with_batch(model, batch), batch)
         total_flops = counter.get_total_flops()
     finally:
@@ -211,7 +274,7 @@ def profile_model(
     fwd_flops = [max(marks[i + 1] - marks[i], 0.0) for i in range(len(marks) - 1)]
     profile = ModelProfile(
         cutpoint_names=names,
-        param_segments={n: tuple(sorted(s)) for n, s in uses.items()},
+        param_segments={n: tuple(sorted(s)) for n, s in uses.items() if n in params},
         act_meta=dry.act_meta,
         fwd_cost=fwd_flops,
         bwd_cost=[2.0 * f for f in fwd_flops],
@@ -219,6 +282,10 @@ def profile_model(
         spanning_modules=spanning,
         called_modules=called,
         param_bytes={n: p.numel() * p.element_size() for n, p in params.items()},
+        fwd_flops=list(fwd_flops) if costs else None,
+        flops_examples=_examples(batch) if costs else 0,
+        buffer_segments=_buffer_segments(model, uses, {n: buffers[n] for n in buffer_ids.values()}, uses),
+        buffer_bytes={n: b.numel() * b.element_size() for n, b in buffers.items()},
     )
     # Cut-points not reached by the forward are dropped from the model's order; CutPoints that
     # are registered but never called stay identities.
@@ -227,6 +294,14 @@ def profile_model(
         if fwd is not None:
             profile.fwd_cost, profile.bwd_cost, profile.cost_unit = fwd, bwd, "s"
     return profile
+
+
+def _examples(batch) -> int:
+    """Examples in a dry run's batch (0 when it has no common batch dimension)."""
+    try:
+        return batch_size_of(batch)
+    except ValueError:
+        return 0
 
 
 def _time_segments(model, batch, loss_fn, state, cut_names, reps):
@@ -336,15 +411,21 @@ def _replace_params(model: nn.Module, canon_of: dict[int, str], keep: set[str], 
     return owners
 
 
-def _move_buffers(model: nn.Module, device: torch.device) -> None:
-    """Every buffer to ``device`` (zeros for ``meta`` ones): every stage keeps every buffer."""
-    for mod in model.modules():
+def _move_buffers(model: nn.Module, device: torch.device) -> dict[str, nn.Module]:
+    """Every buffer to ``device`` (zeros for ``meta`` ones): every stage keeps every buffer.
+    Returns the modules without parameters of their own whose buffers were on ``meta`` (a rotary
+    embedding's frequencies): ``param_init`` initialises them (nobody else would)."""
+    uninitialised = {}
+    for mname, mod in model.named_modules():
         for bname, b in list(mod._buffers.items()):
             if b is not None:
                 if b.is_meta:
                     mod._buffers[bname] = torch.zeros(b.shape, dtype=b.dtype, device=device)
+                    if not mod._parameters:
+                        uninitialised[mname] = mod
                 else:
                     mod._buffers[bname] = b.to(device)
+    return uninitialised
 
 
 def materialize_stage(
@@ -364,7 +445,9 @@ def materialize_stage(
     Returns the stage's parameters by canonical name. Parameters the stage does not read are
     replaced by stride-0 zeros; modules outside the stage return placeholders (Note
     [Placeholders]). A ``meta`` model gets its stage's parameters created on ``device`` and
-    initialised by ``param_init(module_name, module)`` under a per-module-name seed.
+    initialised by ``param_init(module_name, module)`` under a per-module-name seed; so do its
+    modules that hold buffers but no parameters (for a Hugging Face model, pass
+    ``param_init=lambda name, m: model._init_weights(m)``: it recomputes rotary frequencies).
     """
     # ``segments``: an interleaved process's model chunks (several ranges) instead of one range.
     segs = range(first_segment, last_segment + 1) if segments is None else frozenset(segments)
@@ -375,7 +458,8 @@ def materialize_stage(
                                          profile.glue_modules):
         mod.forward = Skipper(mod, state, device, qname)
     owners = _replace_params(model, {id(p): n for n, p in params.items()}, keep, device)
-    _move_buffers(model, device)
+    for mname, mod in _move_buffers(model, device).items():
+        owners.setdefault(f"{mname} (buffers)", (mname, mod))
     if owners:
         init = param_init or default_param_init
         # Initialise each owning module once, seeded by its name, so any stage split gives the
@@ -385,11 +469,23 @@ def materialize_stage(
             if mname in done:
                 continue
             done.add(mname)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(keyed_seed(seed, "init", mname))
+            with _seeded(device, keyed_seed(seed, "init", mname)):
                 init(mname, mod)
     stage = {n: p for n, p in _named_params(model).items() if n in keep}
     return stage
+
+
+@contextlib.contextmanager
+def _seeded(device: torch.device, seed: int):
+    """The CPU generator and ``device``'s (a GPU initialises its parameters with its own) seeded
+    with ``seed``, both restored after: the script's random streams are left as they were."""
+    cuda = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.default_generator.manual_seed(seed)
+        if cuda:
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
+        yield
 
 
 def resident_param_bytes(model: nn.Module) -> int:

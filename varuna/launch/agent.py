@@ -11,9 +11,12 @@ session, parent-death signal, group kill on exit; Note [No orphans] in :mod:`var
 killing the agent by any means takes its workers with it.
 
 Launcher gone: EOF on stdin, a broken stdout, or no line for ``--heartbeat-timeout`` seconds (a
-network partition keeps a TCP connection open for hours) all mean the launcher is gone; the
-agent then SIGKILLs every worker group, reaps them and exits. SIGTERM/SIGINT/SIGHUP to the agent
-do the same; SIGUSR1 to the agent is forwarded to every worker (a local "checkpoint and stop").
+network partition keeps a TCP connection open for hours; Note [Silent hosts] in
+:mod:`varuna.launch.protocol`) all mean the launcher is gone; the agent then SIGKILLs every worker
+group, reaps them and exits. The agent beats every second, and its main loop never waits on the
+channel: lines go out through a writer thread, so a channel stalled by a partition cannot keep
+the agent from noticing the silence. SIGTERM/SIGINT/SIGHUP to the agent do the same; SIGUSR1 to
+the agent is forwarded to every worker (a local "checkpoint and stop").
 
 With ``--report-signals`` (an agent started as a Slurm job step, Note [Agents as job steps] in
 :mod:`varuna.launch.srun`) SIGUSR1, SIGTERM and SIGINT are Slurm's stop of the whole job, which
@@ -39,14 +42,22 @@ from typing import IO, Any
 from varuna.core.env import WorkerEnv
 from varuna.launch.local import LocalHost, LocalWorker
 from varuna.launch.procs import find_free_port
-from varuna.launch.protocol import PROTOCOL_VERSION, decode_message, encode_message
+from varuna.launch.protocol import (
+    BEAT_INTERVAL_S,
+    PROTOCOL_VERSION,
+    SILENCE_TIMEOUT_S,
+    decode_message,
+    encode_message,
+)
 from varuna.launch.spec import WorkerSpec
 
 __all__ = ["HEARTBEAT_TIMEOUT_S", "Agent", "main"]
 
-#: Default for ``--heartbeat-timeout``: the launcher pings every 5 s, so this tolerates long
-#: stalls (a loaded launcher VM) while still ending orphaned jobs within a minute.
-HEARTBEAT_TIMEOUT_S = 60.0
+#: Default for ``--heartbeat-timeout`` (the launcher passes its ``--host-timeout``): the launcher
+#: pings every second; this much silence means it is gone or cut off (Note [Silent hosts]).
+HEARTBEAT_TIMEOUT_S = SILENCE_TIMEOUT_S
+#: Lines queued for the launcher beyond which worker output waits (the agent's own never does).
+MAX_QUEUED_LINES = 10_000
 #: Longest request line accepted; a spawn request of a few workers is a few KiB.
 MAX_LINE_BYTES = 16 << 20
 #: How long the exit report of a worker waits for its last output lines (its pipes are closed
@@ -78,7 +89,10 @@ class Agent:
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._stdin_fd = stdin_fd
         self._out = stdout if stdout is not None else sys.stdout.buffer
-        self._out_lock = threading.Lock()
+        self._out_queue: list[bytes] = []
+        self._out_cond = threading.Condition()
+        self._writer_done = False
+        self._writer = threading.Thread(target=self._write_loop, name="agent-writer", daemon=True)
         self._workers: dict[int, LocalWorker] = {}
         self._readers: dict[int, list[threading.Thread]] = {}
         self._exited: dict[int, tuple[int, float]] = {}  # rank -> (code, report deadline)
@@ -86,24 +100,55 @@ class Agent:
         self._stopping: str | None = None  # why every worker is being killed
         self._launcher_gone = False
         self._pending_signals: list[int] = []
+        self._stdin_open = True
+        self._buffer = b""
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
 
     # -- output to the launcher ----------------------------------------------------------------
 
-    def emit(self, message: Mapping[str, Any]) -> None:
-        """Send one line to the launcher; a broken channel means the launcher is gone."""
+    def emit(self, message: Mapping[str, Any], *, wait: bool = False) -> None:
+        """Queue one line for the launcher (the writer thread sends it); ``wait``: first wait
+        while too many lines are queued (worker output: back-pressure on a chatty worker, never
+        on the agent's own loop). A broken channel means the launcher is gone."""
         data = encode_message(message)
-        with self._out_lock:
+        with self._out_cond:
+            while wait and len(self._out_queue) >= MAX_QUEUED_LINES and not self._launcher_gone:
+                self._out_cond.wait(1.0)
             if self._launcher_gone:
                 return
+            self._out_queue.append(data)
+            self._out_cond.notify_all()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._out_cond:
+                while not self._out_queue and not self._writer_done:
+                    self._out_cond.wait()
+                if not self._out_queue:
+                    return
+                batch = b"".join(self._out_queue)
+                self._out_queue.clear()
+                self._out_cond.notify_all()
             try:
-                self._out.write(data)
+                self._out.write(batch)
                 self._out.flush()
             except (OSError, ValueError):
-                self._launcher_gone = True
+                with self._out_cond:
+                    self._launcher_gone = True
+                    self._out_queue.clear()
+                    self._out_cond.notify_all()
                 self._wake()
+                return
+
+    def _flush_and_stop_writer(self, timeout_s: float) -> None:
+        """Let the writer send what is queued ("bye" last), bounded: a stalled channel (the
+        launcher cut off) must not keep the agent from exiting."""
+        with self._out_cond:
+            self._writer_done = True
+            self._out_cond.notify_all()
+        self._writer.join(timeout_s)
 
     def _say(self, text: str) -> None:
         print(f"varuna-agent[{self.host_id}]: {text}", file=sys.stderr, flush=True)
@@ -189,7 +234,7 @@ class Agent:
                 text = raw.decode("utf-8", errors="replace")
                 if not text.endswith("\n"):
                     text += "\n"
-                self.emit({"type": "out", "rank": rank, "stream": name, "line": text})
+                self.emit({"type": "out", "rank": rank, "stream": name, "line": text}, wait=True)
         except (OSError, ValueError):
             pass
         finally:
@@ -236,8 +281,38 @@ class Agent:
         else:
             self._begin_stop(f"received {signal.Signals(signum).name}")
 
+    def _read_requests(self) -> bool:
+        """Wait up to 50 ms for requests and handle them; whether the launcher said anything."""
+        fds = [self._wake_r] + ([self._stdin_fd] if self._stdin_open else [])
+        try:
+            readable, _, _ = select.select(fds, [], [], 0.05)
+        except InterruptedError:
+            return False
+        if self._wake_r in readable:
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.read(self._wake_r, 4096)
+        if not (self._stdin_open and self._stdin_fd in readable):
+            return False
+        chunk = os.read(self._stdin_fd, 65536)
+        if not chunk:
+            self._stdin_open = False
+            self._begin_stop("the launcher is gone (EOF on stdin)")
+            return False
+        self._buffer += chunk
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for line in lines:
+            try:
+                self._handle(decode_message(line))
+            except (ValueError, KeyError, TypeError) as exc:
+                self.emit({"type": "message", "text": f"bad request ignored: {exc}"})
+        if len(self._buffer) > MAX_LINE_BYTES:
+            self._buffer = b""
+            self.emit({"type": "message", "text": "oversized request dropped"})
+        return True
+
     def run(self) -> int:
         """Serve until shut down or the launcher is gone; 0 after a shutdown request, else 1."""
+        self._writer.start()
         self.emit(
             {
                 "type": "ready",
@@ -248,44 +323,27 @@ class Agent:
                 "job_id": self.job_id,
             }
         )
-        buffer = b""
-        last_heard = time.monotonic()
-        stdin_open = True
+        last_heard = last_beat = time.monotonic()
         stop_deadline: float | None = None
         while True:
+            if time.monotonic() - last_beat >= BEAT_INTERVAL_S:
+                last_beat = time.monotonic()
+                self.emit({"type": "beat"})  # Note [Silent hosts]
             while self._pending_signals:
                 self._on_signal(self._pending_signals.pop(0))
             if self._launcher_gone:
                 self._begin_stop("the launcher is gone (its channel broke)")
-            fds = [self._wake_r] + ([self._stdin_fd] if stdin_open else [])
-            with contextlib.suppress(InterruptedError):
-                readable, _, _ = select.select(fds, [], [], 0.05)
-                if self._wake_r in readable:
-                    with contextlib.suppress(BlockingIOError, OSError):
-                        os.read(self._wake_r, 4096)
-                if stdin_open and self._stdin_fd in readable:
-                    chunk = os.read(self._stdin_fd, 65536)
-                    if not chunk:
-                        stdin_open = False
-                        self._begin_stop("the launcher is gone (EOF on stdin)")
-                    else:
-                        last_heard = time.monotonic()
-                        buffer += chunk
-                        *lines, buffer = buffer.split(b"\n")
-                        for line in lines:
-                            try:
-                                self._handle(decode_message(line))
-                            except (ValueError, KeyError, TypeError) as exc:
-                                self.emit({"type": "message", "text": f"bad request ignored: {exc}"})
-                        if len(buffer) > MAX_LINE_BYTES:
-                            buffer = b""
-                            self.emit({"type": "message", "text": "oversized request dropped"})
+            if self._read_requests():
+                last_heard = time.monotonic()
             if (
                 self._heartbeat_timeout_s > 0
                 and self._stopping is None
                 and time.monotonic() - last_heard > self._heartbeat_timeout_s
             ):
-                self._begin_stop(f"no word from the launcher for {self._heartbeat_timeout_s:g} s")
+                self._begin_stop(
+                    f"no word from the launcher for {self._heartbeat_timeout_s:g} s (cut off: fencing"
+                    " this host)"
+                )
             self._poll_workers()
             if self._stopping is not None:
                 if stop_deadline is None:
@@ -297,6 +355,7 @@ class Agent:
         if unreaped:
             self._say(f"rank(s) {unreaped} could not be reaped (stuck in the kernel?)")
         self.emit({"type": "bye"})
+        self._flush_and_stop_writer(OUTPUT_DRAIN_TIMEOUT_S)
         return 0 if self._stopping == "the launcher asked to shut down" else 1
 
 

@@ -18,6 +18,7 @@ import collections
 import contextlib
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -28,14 +29,19 @@ from typing import IO
 
 from varuna.launch.hosts import HostEntry
 from varuna.launch.procs import KILL_REAP_TIMEOUT_S, pdeathsig_preexec
-from varuna.launch.protocol import PROTOCOL_VERSION, decode_message, encode_message
+from varuna.launch.protocol import (
+    BEAT_INTERVAL_S,
+    PROTOCOL_VERSION,
+    SILENCE_TIMEOUT_S,
+    decode_message,
+    encode_message,
+)
 from varuna.launch.remote import RemoteStart, agent_environ
 from varuna.launch.spec import WorkerSpec
 from varuna.launch.ssh import SshOptions
 
 __all__ = [
     "AGENT_READY_TIMEOUT_S",
-    "HEARTBEAT_INTERVAL_S",
     "LOST_EXIT_CODE",
     "AgentError",
     "AgentHost",
@@ -44,10 +50,8 @@ __all__ = [
     "record_of",
 ]
 
-#: The launcher pings every agent this often; an agent that hears nothing for its
-#: ``--heartbeat-timeout`` (default :data:`varuna.launch.agent.HEARTBEAT_TIMEOUT_S`) stops its workers,
-#: which covers a network partition that TCP would only notice after hours.
-HEARTBEAT_INTERVAL_S = 5.0
+#: How often the silence of each agent is judged (Note [Silent hosts] in varuna/launch/protocol.py).
+SILENCE_CHECK_S = 0.25
 #: How long an agent may take from ``ssh`` (or ``python``) start to its "ready" line: an ssh
 #: handshake plus a Python start-up, on a loaded VM.
 AGENT_READY_TIMEOUT_S = 60.0
@@ -151,8 +155,9 @@ class RemoteWorker:
 
 
 class AgentHost:
-    """A host whose workers are run by a per-host agent (:mod:`varuna.launch.agent`): over ssh, or as
-    a local process for a pretend ``localhost`` entry. Implements the launcher's ``Host``.
+    """A host whose workers are run by a per-host agent (:mod:`varuna.launch.agent`): over ssh, as a
+    Slurm job step (``remote``: :class:`varuna.launch.srun.SrunOptions`), or as a local process for a
+    pretend ``localhost`` entry. Implements the launcher's ``Host``.
 
     Lifecycle: :meth:`start_process` (from the thread that supervises the job: the agent or its
     ssh client gets a parent-death signal), :meth:`start_threads`, :meth:`wait_ready`,
@@ -171,6 +176,8 @@ class AgentHost:
         heartbeat_timeout_s: float | None = None,
         message: Callable[[str], None] | None = None,
         local_environ: Mapping[str, str] | None = None,
+        silence_timeout_s: float = SILENCE_TIMEOUT_S,
+        event: Callable[..., None] | None = None,
         remote: RemoteStart | None = None,
         on_signal: Callable[[int], None] | None = None,
     ) -> None:
@@ -190,8 +197,14 @@ class AgentHost:
         self._on_signal = on_signal
         self._python = python or sys.executable
         self._pythonpath = list(pythonpath)
-        self._heartbeat_timeout_s = heartbeat_timeout_s
+        # The agent gives up on the launcher after the same silence as the launcher on the agent.
+        self._heartbeat_timeout_s = silence_timeout_s if heartbeat_timeout_s is None else heartbeat_timeout_s
+        self._silence_timeout_s = silence_timeout_s
         self._message = message or (lambda text: print(f"varuna-launch: {text}", file=sys.stderr))
+        self._event = event or (lambda kind, **fields: None)
+        self._last_heard = time.monotonic()
+        #: Set when the host was declared silent: how long its agent had said nothing.
+        self.silent_s: float | None = None
         self._local_environ = os.environ if local_environ is None else local_environ
         self._proc: subprocess.Popen[bytes] | None = None
         self._send_lock = threading.Lock()
@@ -219,9 +232,8 @@ class AgentHost:
     def agent_argv(self) -> list[str]:
         """What runs the agent: ``python -m varuna.launch.agent ...`` here, or the remote-start
         method's argv (``ssh ... HOST CMD``, ``srun ... --nodelist=NODE python ...``)."""
-        agent_args = ["--job-id", self._job_id, "--host-id", str(self.host_id)]
-        if self._heartbeat_timeout_s is not None:
-            agent_args += ["--heartbeat-timeout", f"{self._heartbeat_timeout_s:g}"]
+        agent_args = ["--job-id", self._job_id, "--host-id", str(self.host_id),
+                      "--heartbeat-timeout", f"{self._heartbeat_timeout_s:g}"]
         if self._direct:
             return [self._python, "-m", "varuna.launch.agent", *agent_args]
         if self._remote.reports_signals:
@@ -279,6 +291,26 @@ class AgentHost:
         if self.agent_pid is None:
             raise AgentError(f"host {self.label}: its agent failed to start{self._why_gone()}")
         return True
+
+    # -- liveness (Note [Silent hosts]) ------------------------------------------------------------
+
+    @property
+    def silence_timeout_s(self) -> float:
+        """How long this agent may say nothing before its host is declared silent."""
+        return self._silence_timeout_s
+
+    @property
+    def lost(self) -> bool:
+        """The host went silent, or its agent vanished while the job ran (not closed by us)."""
+        return self.silent_s is not None or (self._gone.is_set() and not self._closing.is_set())
+
+    def quiet_s(self) -> float | None:
+        """Seconds since the agent's last word when over two beats and not yet judged (the host
+        may be about to be declared silent), else None."""
+        if self.agent_pid is None or self.silent_s is not None or self._gone.is_set():
+            return None
+        quiet = time.monotonic() - self._last_heard
+        return quiet if quiet > 2 * BEAT_INTERVAL_S else None
 
     # -- the Host interface ---------------------------------------------------------------------
 
@@ -386,6 +418,7 @@ class AgentHost:
         assert self._proc is not None and self._proc.stdout is not None
         try:
             for raw in iter(self._proc.stdout.readline, b""):
+                self._last_heard = time.monotonic()
                 self._dispatch(raw)
         except (OSError, ValueError):
             pass  # closed under us by close()
@@ -461,15 +494,64 @@ class AgentHost:
         assert self._proc is not None and self._proc.stderr is not None
         try:
             for raw in iter(self._proc.stderr.readline, b""):
-                text = raw.decode("utf-8", errors="replace").rstrip("\n")
+                # ssh ends its own messages with "\r\n" ("Timeout, server ... not responding.\r").
+                text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
                 self._stderr_tail.append(text)
                 self._message(f"[{self.label}] {text}")
         except (OSError, ValueError):
             pass
 
     def _heartbeat(self) -> None:
-        while not self._closing.wait(HEARTBEAT_INTERVAL_S) and not self._gone.is_set():
-            self.send({"type": "ping"})
+        """Ping the agent every beat interval; judge its silence (Note [Silent hosts])."""
+        last_ping = last_tick = time.monotonic()
+        while not self._closing.wait(SILENCE_CHECK_S) and not self._gone.is_set():
+            now = time.monotonic()
+            if now - last_ping >= BEAT_INTERVAL_S:
+                last_ping = now
+                self.send({"type": "ping"})
+            starved = now - last_tick > BEAT_INTERVAL_S  # this launcher stalled: judge next time
+            last_tick = now
+            silent_s = now - self._last_heard
+            if (
+                not starved
+                and self._silence_timeout_s > 0
+                and self.agent_pid is not None  # up and said "ready": its start has its own bound
+                and silent_s > self._silence_timeout_s
+                and not self._pending_output()
+            ):
+                self._declare_silent(silent_s)
+                return
+
+    def _pending_output(self) -> bool:
+        """Whether the agent's stdout has data not read yet (it spoke; our reader is late)."""
+        proc = self._proc
+        if proc is None or proc.stdout is None:
+            return False
+        try:
+            readable, _, _ = select.select([proc.stdout], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return bool(readable)
+
+    def _declare_silent(self, silent_s: float) -> None:
+        """No word from the agent for ``silent_s``: the host is partitioned or gone. Its workers
+        are lost (named), and its channel is cut (its agent, hearing nothing either, kills them)."""
+        self.silent_s = silent_s
+        with self._reply_cond:
+            workers = [w for w in self._workers.values() if w.poll() is None]
+        ranks = [w.spec.env.rank for w in workers]
+        self._message(f"host {self.label} went silent: no word from its agent for {silent_s:.1f} s (a"
+                      f" partition or a dead VM); its rank(s) {', '.join(map(str, ranks)) or '-'} are lost")
+        self._event("host-silent", host=self.label, silent_s=round(silent_s, 3), ranks=ranks,
+                    timeout_s=self._silence_timeout_s)
+        detail = (f"lost: host {self.label} went silent, no word from its agent for {silent_s:.1f} s"
+                  " (a partition or a dead VM)")
+        for worker in workers:
+            worker._set_exit(LOST_EXIT_CODE, detail)
+        proc = self._proc
+        if proc is not None:  # cut the channel: nothing late from a healed partition is taken
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def new_job_id() -> str:

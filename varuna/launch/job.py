@@ -32,11 +32,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import TextIO
 
+from varuna.core.netif import source_address
 from varuna.core.progress import Progress
 from varuna.launch.agent_host import AgentError, AgentHost, new_job_id, record_of
+from varuna.launch.events import EventLog
 from varuna.launch.hosts import HostEntry
 from varuna.launch.local import LocalHost
 from varuna.launch.procs import find_free_port
+from varuna.launch.protocol import SILENCE_TIMEOUT_S
 from varuna.launch.remote import RemoteStart
 from varuna.launch.spec import Host, LaunchConfig, WorkerSpec, check_procs_per_host, plan_workers
 from varuna.launch.ssh import SshOptions
@@ -50,7 +53,12 @@ from varuna.launch.supervisor import (
 )
 
 __all__ = [
+    "ForwardedSignals",
+    "HostsAttempt",
+    "attempt_on_hosts",
+    "check_before_agents",
     "check_hosts_capacity",
+    "check_local_paths",
     "check_local_script",
     "check_master_port_free",
     "default_pythonpath",
@@ -61,7 +69,7 @@ __all__ = [
 ]
 
 
-class _ForwardedSignals:
+class ForwardedSignals:
     """While a job runs: SIGINT, SIGTERM and SIGUSR1 are queued until a supervisor exists, then
     handed to it (:meth:`hand_to`); the previous handlers come back on exit. Installs nothing
     outside the main thread (Python handles signals there only; the caller forwards them)."""
@@ -73,7 +81,7 @@ class _ForwardedSignals:
         self._observe = observe  # told of every signal (appends to a list: no locks either)
         self._previous: dict[int, object] = {}
 
-    def __enter__(self) -> _ForwardedSignals:
+    def __enter__(self) -> ForwardedSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in FORWARDED_SIGNALS:
                 self._previous[signum] = signal.signal(signum, lambda s, _frame: self.notify(s))
@@ -140,26 +148,28 @@ def launch(
         check_local_script(config)
         check_procs_per_host(config.world_size, "this machine", config.max_procs_per_host)
         check_master_port_free(config)
+        check_local_paths(config)
     prepare_log_dir(config)
     stderr = stderr if stderr is not None else sys.stderr
-    with _ForwardedSignals() as signals:
-        if not config.live_morph:
-            return _run_once(config, hosts, signals, stdout, stderr, progress)[0]
-        return _run_live(config, hosts, signals, stdout, stderr, progress)
+    with ForwardedSignals() as signals:
+        return _run_restarting(config, hosts, signals, stdout, stderr, progress)
 
 
 def _run_once(
     config: LaunchConfig,
     hosts: Sequence[Host],
-    signals: _ForwardedSignals,
+    signals: ForwardedSignals,
     stdout: TextIO | None,
     stderr: TextIO,
     progress: bool | None,
+    *,
     on_lost: Callable[[int], None] | None = None,
     frozen: Callable[[int], str | None] | None = None,
+    joined: Callable[[int], bool] | None = None,
+    failure_word: str = "job failed",
 ) -> tuple[int, str]:
-    """One launch of every worker, supervised to the end: the supervisor's code, and why a live
-    morph was impossible when that code is EXIT_RESTART."""
+    """One launch of every worker, supervised to the end: the supervisor's code, and why a
+    relaunch could help ("" when it could not; :func:`restart_reason`)."""
     port = config.master_port or find_free_port()
     specs = plan_workers(config, hosts, master_port=port, cwd=os.getcwd())
     supervisor = Supervisor(
@@ -172,52 +182,89 @@ def _run_once(
         progress=progress,
         on_lost=on_lost,
         frozen=frozen,
+        joined=joined,
+        failure_word=failure_word,
     )
     signals.hand_to(supervisor)
     try:
         supervisor.start()
         if config.log_dir is not None:
             write_launch_json(config, specs, supervisor, Path(config.log_dir) / "launch.json")
-        return supervisor.wait(), supervisor.restart_reason
+        code = supervisor.wait()
+        return code, restart_reason(code, supervisor, live=on_lost is not None)
     finally:
         signals.take_back()
         supervisor.close()
 
 
-def _run_live(
+def restart_reason(code: int, supervisor: Supervisor, *, live: bool) -> str:
+    """Why relaunching from the newest checkpoint could help after the supervisor returned
+    ``code``, or "": with live morph when a live morph was impossible (EXIT_RESTART); without it
+    when a worker failed or a host was lost -- not when a worker could not be started (it would
+    not start again) or a signal stopped the job."""
+    if live:
+        return supervisor.restart_reason if code == EXIT_RESTART else ""
+    if code != EXIT_WORKER_FAILED or supervisor.start_failed or supervisor.received_signals:
+        return ""
+    return supervisor.failure or "a worker failed"
+
+
+def _run_restarting(
     config: LaunchConfig,
     hosts: Sequence[Host],
-    signals: _ForwardedSignals,
+    signals: ForwardedSignals,
     stdout: TextIO | None,
     stderr: TextIO,
     progress: bool | None,
 ) -> int:
-    """Live morph (Note [Live morph supervision]): each launch gets a fresh rendezvous store the
-    launcher hosts; a launch that ends in EXIT_RESTART is relaunched whole, resuming from the newest
-    checkpoint, at most ``config.max_restarts`` times."""
-    from varuna.launch.live_store import LIVE_STORE_ENV, RESTARTS_ENV, LiveStore
+    """Launch; relaunch every worker after a failure a restart could fix, at most
+    ``config.restart_limit`` times, each resuming from the newest checkpoint. With live morph each
+    launch gets a fresh rendezvous store the launcher hosts and only EXIT_RESTART (a live morph was
+    impossible) relaunches (Note [Live morph supervision])."""
+    from varuna.launch.live_store import RESTARTS_ENV, LiveStore
 
-    for restarts in range(config.max_restarts + 1):
-        with LiveStore() as store:
-            env = {**config.worker_env, LIVE_STORE_ENV: store.address, RESTARTS_ENV: str(restarts)}
-            code, reason = _run_once(
-                dataclasses.replace(config, worker_env=env), hosts, signals, stdout, stderr, progress,
-                on_lost=store.declare_dead, frozen=store.frozen,
-            )
-        if code != EXIT_RESTART:
+    limit, events = config.restart_limit, EventLog(config.log_dir)
+    for restarts in range(limit + 1):
+        with contextlib.ExitStack() as stack:
+            env, live = dict(config.worker_env), {}
+            if limit or config.live_morph:
+                env[RESTARTS_ENV] = str(restarts)
+            if config.live_morph:
+                store = stack.enter_context(LiveStore())
+                env.update(store.worker_env())  # the address and the run's secret, never in argv
+                live = {"on_lost": store.declare_dead, "frozen": store.frozen, "joined": store.joined}
+            word = "job failed" if restarts == limit else f"launch {restarts + 1} failed"
+            code, reason = _run_once(dataclasses.replace(config, worker_env=env), hosts, signals, stdout,
+                                     stderr, progress, failure_word=word, **live)
+        if not reason:
             return code
-        if signals.stop_requested():  # a stop asked while the workers exited: no relaunch
-            signum = signals.pending[0]
-            _say(stderr, f"live morph impossible ({reason}); received {signal.Signals(signum).name}: not"
-                         " restarting")
-            return EXIT_OK if signum == signal.SIGUSR1 else 128 + signum
-        if restarts == config.max_restarts:
-            _say(stderr, f"job failed: live morph impossible ({reason}) and no restart left"
-                         f" (--max-restarts {config.max_restarts})")
+        stopped = stop_before_restart(signals, stderr, reason, live=config.live_morph)
+        if stopped is not None:
+            return stopped
+        if restarts == limit:
+            if config.live_morph:
+                _say(stderr, f"job failed: live morph impossible ({reason}) and no restart left"
+                             f" (--max-restarts {limit})")
+            events.record("job-failed", cause=reason, attempt=restarts + 1)
             return EXIT_WORKER_FAILED
-        _say(stderr, f"live morph impossible ({reason}); fallback: restarting all {config.world_size}"
-                     f" workers from the newest checkpoint (restart {restarts + 1} of {config.max_restarts})")
+        what = "restarting"
+        if config.live_morph:
+            what = f"live morph impossible ({reason}); fallback: restarting"
+        _say(stderr, f"{what} all {config.world_size} workers from the newest checkpoint (restart"
+                     f" {restarts + 1} of {limit})")
+        events.record("restart", attempt=restarts + 1, of=limit, reason=reason, P=config.pipeline_depth,
+                      D=config.data_parallel)
     raise AssertionError("unreachable")  # the loop returns on its last round
+
+
+def stop_before_restart(signals: ForwardedSignals, stderr: TextIO, reason: str, *, live: bool) -> int | None:
+    """The exit code when a stop signal came while the workers exited (no relaunch then), else None."""
+    if not signals.stop_requested():
+        return None
+    signum = signals.pending[0]
+    what = f"live morph impossible ({reason})" if live else reason
+    _say(stderr, f"{what}; received {signal.Signals(signum).name}: not restarting")
+    return EXIT_OK if signum == signal.SIGUSR1 else 128 + signum
 
 
 def _say(stderr: TextIO, text: str) -> None:
@@ -289,6 +336,49 @@ def prepare_log_dir(config: LaunchConfig) -> None:
         ) from None
 
 
+def _setting(config: LaunchConfig, name: str) -> str | None:
+    """A pass-through setting as the workers will get it (the launcher's environment, then
+    ``worker_env``: ``plan_workers`` merges them so)."""
+    return config.worker_env.get(name) or os.environ.get(name) or None
+
+
+def _writable_dir(path: Path, flag: str) -> None:
+    """Create ``path`` (and its parents) and write a probe there; ValueError (one line) if not."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path} is a file, not a directory; pick a directory (it is created "
+                         "when missing)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".varuna-launch-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot write there ({exc.strerror or exc}); pick a writable "
+                         "directory") from None
+
+
+def check_local_paths(config: LaunchConfig) -> None:
+    """The workers' directories, checked here before any of them starts (they would each fail
+    with a traceback once running): ``--checkpoint-dir`` and ``--tensorboard-dir`` must be
+    writable directories, and ``--resume 1`` needs something to resume from.
+
+    Example::
+
+        >>> check_local_paths(LaunchConfig(script="t.py", pipeline_depth=1, data_parallel=1))
+    """
+    ckpt = _setting(config, "VARUNA_CHECKPOINT_DIR")
+    if ckpt is not None:
+        path = Path(ckpt)
+        if _setting(config, "VARUNA_RESUME") == "1" and (not path.is_dir() or not any(path.iterdir())):
+            state = "does not exist" if not path.exists() else "is empty" if path.is_dir() else "is a file"
+            raise ValueError(f"--resume 1 needs a checkpoint to resume from, but --checkpoint-dir {ckpt} "
+                             f"{state}; use --resume auto (resume when there is one) or drop --resume")
+        _writable_dir(path, "--checkpoint-dir")
+    tb = _setting(config, "VARUNA_TENSORBOARD_DIR")
+    if tb is not None:
+        _writable_dir(Path(tb), "--tensorboard-dir")
+
+
 def check_local_script(config: LaunchConfig) -> None:
     """ValueError unless ``config.script`` is a file here (modules are found by the workers).
 
@@ -354,6 +444,19 @@ def default_pythonpath(environ: Mapping[str, str] | None = None) -> list[str]:
     return list(dict.fromkeys([root, *extra]))
 
 
+@dataclasses.dataclass
+class HostsAttempt:
+    """How one launch on a set of hosts ended (:func:`attempt_on_hosts`)."""
+
+    code: int
+    """The launcher's exit code for this launch."""
+    lost: list[HostEntry] = dataclasses.field(default_factory=list)
+    """Hosts that went silent, whose agent vanished, or whose agent could not start."""
+    restart_reason: str = ""
+    """Why relaunching could help ("" when it could not: success, a signal, a worker that could
+    not be started)."""
+
+
 def launch_on_hosts(
     config: LaunchConfig,
     entries: Sequence[HostEntry],
@@ -363,6 +466,7 @@ def launch_on_hosts(
     unreachable: Sequence[tuple[HostEntry, str]] = (),
     pythonpath: Sequence[str] | None = None,
     heartbeat_timeout_s: float | None = None,
+    host_timeout_s: float = SILENCE_TIMEOUT_S,
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
     progress: bool | None = False,
@@ -371,7 +475,11 @@ def launch_on_hosts(
 ) -> int:
     """Run the job on ``entries`` (:class:`varuna.launch.hosts.HostEntry`, slots assigned) through one
     agent per host; return the launcher's exit code. The hosts must hold ``config.world_size``
-    workers; the caller has probed them (:func:`varuna.launch.ssh.probe_hosts`).
+    workers; the caller has probed them (:func:`varuna.launch.ssh.probe_hosts`). A host whose
+    agent says nothing for ``host_timeout_s`` is declared silent and its workers lost (Note
+    [Silent hosts] in :mod:`varuna.launch.protocol`); with ``config.live_morph`` the survivors
+    regroup (the launcher hosts their store). One launch: relaunching on what is left is
+    :func:`varuna.launch.recovery.run_with_restarts`'s.
 
     Signals are handled as in :func:`launch` (called from the main thread), including while the
     agents start. Every exit path closes every agent: each kills what is left of its workers.
@@ -389,18 +497,48 @@ def launch_on_hosts(
         >>> launch_on_hosts(cfg, parse_hosts_arg("localhost slots=2,localhost slots=2"))  # doctest: +SKIP
         0
     """
+    check_before_agents(config, entries)
+    with ForwardedSignals(observe=stop_seen) as signals:
+        return attempt_on_hosts(
+            config, entries, signals, ssh=ssh, job_id=job_id, unreachable=unreachable, pythonpath=pythonpath,
+            heartbeat_timeout_s=heartbeat_timeout_s, host_timeout_s=host_timeout_s, stdout=stdout,
+            stderr=stderr, progress=progress, remote=remote,
+        ).code
+
+
+def attempt_on_hosts(
+    config: LaunchConfig,
+    entries: Sequence[HostEntry],
+    signals: ForwardedSignals,
+    *,
+    ssh: SshOptions | None = None,
+    job_id: str | None = None,
+    unreachable: Sequence[tuple[HostEntry, str]] = (),
+    pythonpath: Sequence[str] | None = None,
+    heartbeat_timeout_s: float | None = None,
+    host_timeout_s: float = SILENCE_TIMEOUT_S,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+    progress: bool | None = False,
+    events: EventLog | None = None,
+    failure_word: str = "job failed",
+    remote: RemoteStart | None = None,
+) -> HostsAttempt:
+    """One launch of :func:`launch_on_hosts` with the caller's signal handling, telling also
+    which hosts were lost and whether a relaunch could help (``config`` checked already).
+    ``remote``: as in :func:`launch_on_hosts`; an srun agent's report of the scheduler's signal
+    goes to ``signals`` like the launcher's own."""
     stderr = stderr if stderr is not None else sys.stderr
     out_lock = threading.Lock()
+    events = events or EventLog(config.log_dir)
 
     def message(text: str) -> None:
         with out_lock, contextlib.suppress(OSError, ValueError):
             stderr.write(f"{PROG}: {text}\n")
             stderr.flush()
 
-    _check_before_agents(config, entries)
     job_id = job_id or new_job_id()
     scheduler_stop = remote is not None and remote.reports_signals
-    signals = _ForwardedSignals(observe=stop_seen)
     agent_host = functools.partial(
         AgentHost,
         job_id=job_id,
@@ -408,19 +546,24 @@ def launch_on_hosts(
         python=config.python,
         pythonpath=default_pythonpath() if pythonpath is None else pythonpath,
         heartbeat_timeout_s=heartbeat_timeout_s,
+        silence_timeout_s=host_timeout_s,
         message=message,
+        event=events,
         remote=remote,
-        on_signal=signals.notify,
+        on_signal=signals.notify,  # an srun agent's report of the scheduler's signal
     )
     hosts = [agent_host(entry, host_id) for host_id, entry in enumerate(entries)]
     supervisor: Supervisor | None = None
-    with signals:  # queued until the supervisor exists
+    with contextlib.ExitStack() as stack:
         try:
             stopped = _start_agents(hosts, signals, message, progress, stderr)
             if stopped is not None:
-                return stopped
+                return HostsAttempt(stopped)
             port = config.master_port or hosts[0].free_port
             assert port is not None  # set by wait_ready
+            live: dict[str, Callable] = {}
+            if config.live_morph:
+                config, live = _live_store_for(config, hosts, stack)
             specs = plan_workers(config, hosts, master_port=port, cwd=os.getcwd())
             supervisor = Supervisor(
                 specs,
@@ -431,28 +574,59 @@ def launch_on_hosts(
                 log_dir=config.log_dir,
                 out_lock=out_lock,
                 progress=progress,
+                failure_word=failure_word,
                 scheduler_stop=scheduler_stop,
+                **live,
             )
             signals.hand_to(supervisor)
             supervisor.start()
             if config.log_dir is not None:
                 extra = {"job_id": job_id, **record_of(hosts, unreachable)}
                 write_launch_json(config, specs, supervisor, Path(config.log_dir) / "launch.json", extra)
-            return supervisor.wait()
+            code = supervisor.wait()
+            return _attempt_outcome(code, supervisor, hosts, config.live_morph)
         except AgentError as exc:
             message(f"job failed: {exc}")
-            return EXIT_WORKER_FAILED
+            failed = [h.entry for h in hosts if h.agent_pid is None]
+            return HostsAttempt(EXIT_WORKER_FAILED, failed, str(exc) if failed else "")
         finally:
+            signals.take_back()
             _close_all(supervisor, hosts)
 
 
-def _check_before_agents(config: LaunchConfig, entries: Sequence[HostEntry]) -> None:
+def _live_store_for(
+    config: LaunchConfig, hosts: Sequence[AgentHost], stack: contextlib.ExitStack
+) -> tuple[LaunchConfig, dict[str, Callable]]:
+    """The live run's store (Note [Live morph supervision]), on this machine's address towards the
+    rendezvous host so that every host's workers reach it; the config and supervisor hooks for it."""
+    from varuna.launch.live_store import LiveStore
+
+    master = config.master_addr or hosts[0].address
+    try:
+        where = source_address(master)
+    except OSError as exc:
+        raise AgentError(f"cannot tell this machine's address towards {master} for the live store:"
+                         f" {exc}") from exc
+    store = stack.enter_context(LiveStore(host=where))
+    config = dataclasses.replace(config, worker_env={**config.worker_env, **store.worker_env()})
+    return config, {"on_lost": store.declare_dead, "frozen": store.frozen, "joined": store.joined}
+
+
+def _attempt_outcome(
+    code: int, supervisor: Supervisor, hosts: Sequence[AgentHost], live: bool
+) -> HostsAttempt:
+    lost = [h.entry for h in hosts if h.lost]
+    return HostsAttempt(code, lost, restart_reason(code, supervisor, live=live))
+
+
+def check_before_agents(config: LaunchConfig, entries: Sequence[HostEntry]) -> None:
     """What can be refused (ValueError, one line) before any agent or worker starts."""
     if not entries:
         raise ValueError("no hosts to run workers on")
     check_hosts_capacity(entries, config.max_procs_per_host)
     if any(e.is_local for e in entries):
         check_local_script(config)
+        check_local_paths(config)  # the same absolute paths on every host
         if entries[0].is_local:
             check_master_port_free(config)
     prepare_log_dir(config)
@@ -460,7 +634,7 @@ def _check_before_agents(config: LaunchConfig, entries: Sequence[HostEntry]) -> 
 
 def _start_agents(
     hosts: Sequence[AgentHost],
-    signals: _ForwardedSignals,
+    signals: ForwardedSignals,
     message: Callable[[str], None],
     progress: bool | None,
     stderr: TextIO,

@@ -19,8 +19,10 @@ Command line::
 This module is the command line only; the pieces it drives: :func:`varuna.launch.layout.resolve_layout`
 picks P×D (auto-config from a calibration when P is not given) and the run plan every worker
 gets; :func:`varuna.launch.job.launch` runs the job here, and with ``--hosts``
-:func:`varuna.launch.job.launch_on_hosts` runs it through per-host agents after the host entries
-are validated (:mod:`varuna.launch.hosts`) and the ssh hosts probed (:mod:`varuna.launch.ssh`).
+:func:`varuna.launch.recovery.run_with_restarts` runs it through per-host agents after the host entries
+are validated (:mod:`varuna.launch.hosts`) and the ssh hosts probed (:mod:`varuna.launch.ssh`); with
+``--slurm`` the same, on the allocation's nodes (:mod:`varuna.launch.slurm`) with srun agents
+(:mod:`varuna.launch.srun`).
 
 Exit codes: 0 all workers exited 0; 1 a worker failed or the job could not start; 2 bad usage;
 128+N the launcher was stopped by signal N (details in :mod:`varuna.launch.supervisor`).
@@ -48,21 +50,26 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import math
 import os
 import re
 import signal
 import sys
+import time
 
 from varuna.core.batching import microbatch_counts
 from varuna.core.cli import OneLineParser, add_planning_args, positive_int
 from varuna.core.planning import PlanRequest
 from varuna.core.schedule import DEFAULT_SCHEDULE, SCHEDULE_KINDS, chunks_problem, schedule_kind
+from varuna.launch.events import EventLog
 from varuna.launch.hosts import HostEntry, assign_slots, check_types, parse_hosts_arg, select_hosts
-from varuna.launch.job import check_hosts_capacity, check_local_script, launch, launch_on_hosts
+from varuna.launch.job import check_hosts_capacity, check_local_script, launch
 from varuna.launch.layout import LAYOUT_REQUIRED, Layout, resolve_layout
 from varuna.launch.mixed import parse_type_speeds, place_ranks, plan_cluster
 from varuna.launch.procs import is_loopback
-from varuna.launch.remote import RemoteStart
+from varuna.launch.protocol import SILENCE_TIMEOUT_S
+from varuna.launch.recovery import CannotPlace, Placement, run_with_restarts
 from varuna.launch.slurm import allocation_from_env
 from varuna.launch.spec import (
     MAX_PROCS_PER_HOST_CEILING,
@@ -221,14 +228,16 @@ def _add_job_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a lost worker does not stop the job: the survivors regroup in their processes and go on"
         " (docs/live_morph.md; the script must use varuna.runtime.live_morph); when a stage lost every"
-        " replica, the job restarts from its newest checkpoint. Needs --checkpoint-dir and --procs",
+        " replica, the job restarts from its newest checkpoint. Needs --checkpoint-dir",
     )
     parser.add_argument(
         "--max-restarts",
         type=int,
-        default=3,
+        default=None,
         metavar="N",
-        help="with --live-morph: restarts from a checkpoint allowed before the job fails (default 3)",
+        help="relaunch after a failed worker or a lost host (on the hosts still reachable, P×D planned"
+        " again), resuming from the newest checkpoint, at most N times (default 0; 3 with --live-morph,"
+        " where only a stage that lost every replica restarts). Needs --checkpoint-dir",
     )
     parser.add_argument(
         "--tensorboard-dir",
@@ -293,6 +302,15 @@ def _add_ssh_args(parser: argparse.ArgumentParser) -> None:
     )
     remote.add_argument(
         "--job-id", default=None, metavar="ID", help="names the agents' command lines (default: random)"
+    )
+    remote.add_argument(
+        "--host-timeout",
+        type=float,
+        default=SILENCE_TIMEOUT_S,
+        metavar="S",
+        help="a host whose agent says nothing for S seconds (a partition, a dead VM) is declared silent"
+        " and its ranks lost; its agent stops its workers after the same silence"
+        f" (default {SILENCE_TIMEOUT_S:g})",
     )
 
 
@@ -372,8 +390,9 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
     problem = _chunks_problem(args)
     if problem is not None:
         return problem
-    if args.live_morph and (args.hosts is not None or args.slurm):
-        return "--live-morph runs with --procs N (this machine) for now; several hosts: use varuna-manager"
+    if args.max_restarts and args.checkpoint_dir is None:
+        return (f"--max-restarts {args.max_restarts} needs --checkpoint-dir DIR: a restart resumes from the"
+                " newest checkpoint there")
     if args.live_morph and args.checkpoint_dir is None:
         return ("--live-morph needs --checkpoint-dir DIR: when a stage loses every replica the job restarts"
                 " from its newest checkpoint there")
@@ -402,7 +421,10 @@ def _usage_error(text: str) -> int:
 
 
 def _worker_env_from_args(args: argparse.Namespace) -> dict[str, str]:
-    env: dict[str, str] = {}
+    # This launcher's start: every generation it launches outranks those of the runs before it
+    # on the same checkpoint store (Note [Checkpoint fence] in checkpoint_fence.py).
+    epoch = str(time.time_ns() // 1_000_000)
+    env = {} if "VARUNA_FENCE_EPOCH" in os.environ else {"VARUNA_FENCE_EPOCH": epoch}
     if args.checkpoint_dir is not None:
         # Absolute: workers on other hosts (and in other working directories) resolve it alike.
         env["VARUNA_CHECKPOINT_DIR"] = os.path.abspath(args.checkpoint_dir)
@@ -509,6 +531,7 @@ def _main_hosts(args: argparse.Namespace, config: LaunchConfig) -> int:
     if any(e.is_local for e in entries):
         check_local_script(config)
 
+    _check_host_timeout(args)
     reachable, unreachable = probe_hosts(entries, ssh)
     for entry, why in unreachable:
         _say(f"host {entry.display} ({entry.origin}) is unreachable, leaving it out: {why}")
@@ -516,56 +539,46 @@ def _main_hosts(args: argparse.Namespace, config: LaunchConfig) -> int:
     if not reachable:
         _say(f"cannot launch: no host is reachable{left_out}")
         return EXIT_WORKER_FAILED
-    if speeds is not None and args.data_parallel is None and args.calibration and args.global_batch_size:
-        # Auto-config on hosts of several types: the mixed planner picks P×D, m, the map, the shares.
-        try:
-            layout, used, config = _place_by_type(None, reachable, speeds, config, args)
-        except ValueError as exc:
-            _say(f"cannot launch: {exc}{left_out}")
-            return EXIT_WORKER_FAILED
-        return _launch_hosts(args, config, layout, used, ssh, unreachable)
-    try:
-        layout = resolve_layout(
-            slots=[e.slots or 0 for e in reachable],
-            pipeline_depth=args.pipeline_depth,
-            data_parallel=args.data_parallel,
-            request=_plan_request(args),
-            progress=_progress(args),
-        )
-    except ValueError as exc:
-        _say(f"cannot launch: {exc}{left_out}")
-        return EXIT_WORKER_FAILED
-    if speeds is not None:
-        try:
-            layout, used, config = _place_by_type(layout, reachable, speeds, config, args)
-        except ValueError as exc:
-            _say(f"cannot launch: {exc}{left_out}")
-            return EXIT_WORKER_FAILED
-    else:
-        used = select_hosts(reachable, layout.pipeline_depth * layout.data_parallel)
-    return _launch_hosts(args, config, layout, used, ssh, unreachable)
+    plan = functools.partial(_plan_hosts, args, config, speeds, left_out)
+    return run_with_restarts(
+        config, reachable, plan, ssh=ssh, job_id=args.job_id, unreachable=unreachable,
+        host_timeout_s=args.host_timeout, progress=_progress(args),
+    )
 
 
-def _launch_hosts(
+def _plan_hosts(
     args: argparse.Namespace,
     config: LaunchConfig,
-    layout: Layout,
-    used: list[HostEntry],
-    remote: RemoteStart,
-    unreachable: list[tuple[HostEntry, str]],
-    stop_seen: list[int] | None = None,
-) -> int:
-    """Start the agents on ``used`` for ``layout`` (the run plan in every worker's environment)."""
+    speeds: dict[str, float] | None,
+    left_out: str,
+    reachable: list[HostEntry],
+) -> Placement:
+    """P×D and placement for ``reachable`` (at start, and again for what is left after a lost
+    host: Note [Restarts on hosts] in varuna/launch/recovery.py). ``CannotPlace`` when they
+    cannot hold the job; another ``ValueError`` for a usage error."""
+    try:
+        if speeds is not None and args.data_parallel is None and args.calibration and args.global_batch_size:
+            # Auto-config on hosts of several types: the mixed planner picks P×D, m, the map, the shares.
+            layout, used, config = _place_by_type(None, reachable, speeds, config, args)
+        else:
+            layout = resolve_layout(
+                slots=[e.slots or 0 for e in reachable],
+                pipeline_depth=args.pipeline_depth,
+                data_parallel=args.data_parallel,
+                request=_plan_request(args),
+                progress=_progress(args),
+            )
+            if speeds is not None:
+                layout, used, config = _place_by_type(layout, reachable, speeds, config, args)
+            else:
+                used = select_hosts(reachable, layout.pipeline_depth * layout.data_parallel)
+    except ValueError as exc:
+        raise CannotPlace(f"{exc}{left_out}") from None
     config = _with_layout(config, layout, args)
     problem = _unreachable_master(config, used)
     if problem is not None:
-        _say(f"cannot launch: {problem}")
-        return EXIT_WORKER_FAILED
-    _say(_placement_line(config, used))
-    return launch_on_hosts(
-        config, used, job_id=args.job_id, unreachable=unreachable, progress=_progress(args), remote=remote,
-        stop_seen=stop_seen.append if stop_seen is not None else None,
-    )
+        raise CannotPlace(problem)
+    return Placement(config, used, _placement_line(config, used))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -575,8 +588,11 @@ def _launch_hosts(
 
 def _main_slurm(args: argparse.Namespace, config: LaunchConfig) -> int:
     """``--slurm``: the allocation's nodes and slots (Note [Slurm slots] in
-    :mod:`varuna.launch.slurm`), P×D for them, one srun agent per node used, and after Slurm's
-    stop signal a requeue (Note [Slurm stop]). Usage errors raise ``ValueError`` (exit 2)."""
+    :mod:`varuna.launch.slurm`), then what ``--hosts`` does after its probe — P×D planned by
+    :func:`_plan_hosts`, one agent per node used (started with srun), restarts after a lost node
+    or a failed worker (``--max-restarts``, Note [Restarts on hosts] in
+    :mod:`varuna.launch.recovery`) — and after Slurm's stop signal a requeue (Note [Slurm stop]).
+    Usage errors raise ``ValueError`` (exit 2); a job that cannot be placed exits 1."""
     alloc = allocation_from_env(os.environ)
     entries = alloc.entries()
     if args.procs_per_host is not None:
@@ -585,6 +601,7 @@ def _main_slurm(args: argparse.Namespace, config: LaunchConfig) -> int:
     check_hosts_capacity(entries, args.max_procs_per_host)
     if args.job_id is not None and not _JOB_ID_RE.fullmatch(args.job_id):
         raise ValueError(f"--job-id {args.job_id!r} may only use letters, digits, '_', '.', '-' (1..64)")
+    _check_host_timeout(args)
     slots = [e.slots or 0 for e in entries]
     where = f"Slurm job {alloc.job_id}: " + (
         alloc.describe() if args.procs_per_host is None
@@ -597,14 +614,14 @@ def _main_slurm(args: argparse.Namespace, config: LaunchConfig) -> int:
         )
     if alloc.restart_count:
         _say(f"Slurm job {alloc.job_id} requeued {alloc.restart_count} time(s); {len(entries)} node(s) now")
-    layout = resolve_layout(
-        slots=slots, pipeline_depth=args.pipeline_depth, data_parallel=args.data_parallel,
-        request=_plan_request(args), progress=_progress(args),
-    )
-    used = select_hosts(entries, layout.pipeline_depth * layout.data_parallel)
+    # No probe: srun reaches every node of the allocation, and a node Slurm lost ends the job.
+    plan = functools.partial(_plan_hosts, args, config, None, "")
     cpus = {n: c for n, c in zip(alloc.nodes, alloc.cpus) if c is not None}
-    stops: list[int] = []
-    code = _launch_hosts(args, config, layout, used, SrunOptions(cpus=cpus), [], stop_seen=stops)
+    stops: list[int] = []  # appended from a signal handler or a reader thread: no lock needed
+    code = run_with_restarts(
+        config, entries, plan, job_id=args.job_id, host_timeout_s=args.host_timeout, progress=_progress(args),
+        remote=SrunOptions(cpus=cpus), stop_seen=stops.append,
+    )
     graceful = [s for s in stops if s in (signal.SIGUSR1, signal.SIGTERM)]
     if graceful and not args.no_requeue:
         name = signal.Signals(graceful[0]).name
@@ -613,7 +630,14 @@ def _main_slurm(args: argparse.Namespace, config: LaunchConfig) -> int:
         why = requeue(alloc.job_id)
         if why is not None:
             _say(f"job {alloc.job_id} not requeued: {why}; submit the script again to resume")
+        EventLog(config.log_dir).record("requeue", job=alloc.job_id, signal=name, requeued=why is None,
+                                        why=why or "")
     return code
+
+
+def _check_host_timeout(args: argparse.Namespace) -> None:
+    if not math.isfinite(args.host_timeout) or args.host_timeout <= 0:
+        raise ValueError(f"--host-timeout must be > 0 seconds, got {args.host_timeout}")
 
 
 def _type_speeds(args: argparse.Namespace, entries: list[HostEntry]) -> dict[str, float] | None:

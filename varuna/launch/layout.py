@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from varuna.core.env import RunPlan
 from varuna.core.planning import PlanRequest
+from varuna.core.schedule import schedule_kind
 
 __all__ = ["LAYOUT_REQUIRED", "Layout", "auto_configure", "resolve_layout"]
 
@@ -43,7 +44,8 @@ class Layout:
 
         >>> resolve_layout(slots=[2, 2, 1], pipeline_depth=2)  # doctest: +NORMALIZE_WHITESPACE
         Layout(pipeline_depth=2, data_parallel=2, micro_batch_size=None, stage_ranges=None,
-               schedule=None, replica_shares=None, stage_speeds=None, note='')
+               schedule=None, replica_shares=None, stage_speeds=None, recompute=None,
+               shard_optimizer=None, note='')
     """
 
     pipeline_depth: int
@@ -58,6 +60,13 @@ class Layout:
     """Micro-batches per replica on hosts of mixed VM types (``VARUNA_REPLICA_SHARES``), else None."""
     stage_speeds: tuple[float, ...] | None = None
     """Relative speed of each stage's VM type (``VARUNA_STAGE_SPEEDS``), else None."""
+    recompute: bool | None = None
+    """Recompute as auto-config chose it with the schedule (``VARUNA_RECOMPUTE``), else None."""
+    recompute_segments: tuple[int, ...] | None = None
+    """The segments recomputed micro-batches recompute, as auto-config chose them for the memory
+    (``VARUNA_RECOMPUTE_SEGMENTS``), else None (whole stages)."""
+    shard_optimizer: bool | None = None
+    """Sharded optimizer state as auto-config chose it (``VARUNA_SHARD_OPTIMIZER``), else None."""
     note: str = ""
     """How auto-config chose it, for the launcher's log."""
 
@@ -88,6 +97,9 @@ class Layout:
             stage_ranges=self.stage_ranges,
             replica_shares=self.replica_shares,
             stage_speeds=self.stage_speeds,
+            recompute=self.recompute,
+            recompute_segments=self.recompute_segments,
+            shard_optimizer=self.shard_optimizer,
         )
 
 
@@ -111,15 +123,26 @@ def auto_configure(request: PlanRequest, *, progress: bool | None = False) -> La
         ) from None
     result = autoconfigure_request(request, progress=progress)
     best = result.best
+    cfg = best.config
     speed = f", simulated {best.examples_per_s:.3g} examples/s" if best.examples_per_s else ""
+    kind = schedule_kind(cfg.schedule)
+    chosen = kind.label(recompute=cfg.recompute, chunks=cfg.chunks) + (
+        " + sharded optimizer state" if cfg.shard_optimizer else "") + (
+        "" if cfg.recompute_segments is None
+        else f" recomputing segments {','.join(map(str, cfg.recompute_segments)) or 'none'}")
     return Layout(
         pipeline_depth=best.num_stages,
         data_parallel=best.num_replicas,
         micro_batch_size=best.micro_batch_size,
         stage_ranges=tuple(tuple(r) for r in best.stage_segments),
-        schedule=request.schedule,
+        schedule=cfg.schedule,
+        # Planned only where auto-config chose them (Note [Joint plan]); a given value stays the
+        # script's or the engine's default.
+        recompute=cfg.recompute if request.recompute is None and kind.recompute_optional else None,
+        shard_optimizer=cfg.shard_optimizer if request.shard_optimizer is None else None,
+        recompute_segments=cfg.recompute_segments,
         note=f"auto-config for G={request.gpus}: P={best.num_stages} D={best.num_replicas}"
-        f" m={best.micro_batch_size}{speed}",
+        f" m={best.micro_batch_size}, {chosen}{speed}",
     )
 
 

@@ -124,8 +124,9 @@ class LaunchConfig:
     live_morph: bool = False
     """A lost worker does not stop the job: the survivors regroup in their processes
     (docs/live_morph.md); when that is impossible the job restarts from its newest checkpoint."""
-    max_restarts: int = 3
-    """With ``live_morph``: how many times the job may restart from a checkpoint."""
+    max_restarts: int | None = None
+    """How many times the job may be relaunched from its newest checkpoint after a failure
+    (``--max-restarts``, torchrun's word); None: 3 with ``live_morph``, else 0."""
 
     def __post_init__(self) -> None:
         if not self.script:
@@ -142,7 +143,7 @@ class LaunchConfig:
             raise ValueError(
                 f"--max-procs-per-host must be 1..{MAX_PROCS_PER_HOST_CEILING}, got {self.max_procs_per_host}"
             )
-        if self.max_restarts < 0:
+        if self.max_restarts is not None and self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         bad = sorted(set(self.worker_env) & set(CONTRACT_VARS))
         if bad:
@@ -160,6 +161,13 @@ class LaunchConfig:
                     f" {self.world_size} ranks, rank 0 on host 0 (the rendezvous address)"
                 )
             self.rank_hosts = tuple(int(h) for h in hosts)
+
+    @property
+    def restart_limit(self) -> int:
+        """``max_restarts``, or its default (3 with live morph, else 0)."""
+        if self.max_restarts is not None:
+            return self.max_restarts
+        return 3 if self.live_morph else 0
 
     @property
     def world_size(self) -> int:

@@ -26,9 +26,19 @@ workers still standing exit 0. A worker the others declared dead for lack of hea
 (``frozen(rank)``: SIGSTOP, a hung host; Note [Live watch] in varuna/runtime/live_watch.py) is
 SIGKILLed: they went on without it, and stopped for good it would never exit.
 
+Note [Blame]: a worker that exits with :data:`PEER_LOST_EXIT_CODE` (without live morph) stopped
+because of another: its peer watch named a peer that left, froze, or went silent with its host.
+It is the *symptom*; the job's last line must name the cause. So such an exit starts a short
+wait (:data:`BLAME_WINDOW_S`, extended while a host has been quiet for over two beats and may
+yet be declared silent, at most the hosts' silence timeout) for a primary cause: another
+worker's failure or a host declared silent. Only if none comes is the job's failure this
+worker's exit, quoted with its own one-line reason (which names the peer it lost).
+
 Exit codes: 0 all workers exited 0 (with live morph: every worker not lost); 1 a worker failed
 (the message names its rank and exit code) or could not be started, an agent failed, or the job
-does not fit the reachable hosts; 2 bad usage; 128+N the launcher was stopped by signal N (130
+does not fit the reachable hosts; 2 bad usage, also found by a worker (it exited 78 with one
+``varuna: error:`` line, quoted as the job's last line; Note [One-line refusals] in
+varuna/core/config_error.py); 128+N the launcher was stopped by signal N (130
 for SIGINT, 143 for SIGTERM).
 
 Example::
@@ -59,6 +69,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, TextIO
 
+from varuna.core.config_error import CONFIG_EXIT_CODE, ERROR_PREFIX
 from varuna.core.progress import Progress
 from varuna.launch.procs import KILL_REAP_TIMEOUT_S
 from varuna.launch.spec import Host, WorkerHandle, WorkerSpec
@@ -88,6 +99,9 @@ EXIT_RESTART = 75
 PEER_LOST_EXIT_CODE = 75
 #: How long the supervisor waits for a lost worker's last output lines (its reason) to be relayed.
 LAST_WORDS_TIMEOUT_S = 2.0
+#: Note [Blame]: how long an exit with PEER_LOST_EXIT_CODE waits for a primary cause (a kill -9
+#: seen by the agent and the survivor's own report of it race by milliseconds).
+BLAME_WINDOW_S = 1.0
 
 #: How often the supervisor polls worker exits. Signals wake it at once (self-pipe), so this
 #: only bounds how late a worker exit is noticed.
@@ -118,6 +132,61 @@ def _describe_exit(returncode: int) -> str:
     return f"was killed by {name} ({-returncode})"
 
 
+class _CppFrames:
+    """Note [C++ frames]: c10d logs a failed store or socket call with the C++ backtrace of its
+    error (``Exception raised from sendBytes at ... (most recent call first):`` and 20-30 ``frame
+    #N: ...`` lines), and does so in every survivor when rank 0's process goes away: ~100 lines of
+    noise around the one line that says what happened. The relay shows the first line of such a
+    message and swallows the backtrace; ``--log-dir``'s ``rank{r}.log`` keeps all of it."""
+
+    def __init__(self) -> None:
+        self._inside = False
+
+    def swallow(self, line: str) -> bool:
+        """Whether ``line`` belongs to a C++ backtrace (not shown)."""
+        text = line.strip()
+        if text.startswith("Exception raised from ") and text.endswith("(most recent call first):"):
+            self._inside = True
+            return True
+        if self._inside and (not text or text.startswith("frame #") or text == "<omitting python frames>"):
+            return True
+        self._inside = False
+        return False
+
+
+def _joined(threads: Sequence[threading.Thread], timeout_s: float) -> bool:
+    """Join ``threads`` within ``timeout_s`` in all; whether they all ended."""
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in threads)
+
+
+class _Suspects:
+    """Workers that exited with PEER_LOST_EXIT_CODE, waiting for a primary cause (Note [Blame])."""
+
+    def __init__(self) -> None:
+        self.workers: list[tuple[WorkerHandle, str]] = []
+        self.since = 0.0
+
+    def add(self, worker: WorkerHandle, detail: str) -> None:
+        if not self.workers:
+            self.since = time.monotonic()
+        self.workers.append((worker, detail))
+
+    def due(self, now: float, hosts: Sequence[Host], force: bool) -> tuple[WorkerHandle, str] | None:
+        """The first suspect once the wait is over (a host still quiet may yet be declared
+        silent: wait for it, at most its silence timeout), else None."""
+        if not self.workers:
+            return None
+        quiet = [q for q in (getattr(h, "quiet_s", lambda: None)() for h in hosts) if q is not None]
+        patience = max([BLAME_WINDOW_S, *(getattr(h, "silence_timeout_s", 0.0) for h in hosts)])
+        waited = now - self.since
+        if not force and (waited < BLAME_WINDOW_S or (quiet and waited < patience + 1.0)):
+            return None
+        return self.workers[0]
+
+
 class Supervisor:
     """Starts the planned workers, relays their output, and stops them all on failure or on a
     signal. ``notify_signal`` may be called from a signal handler or another thread.
@@ -141,19 +210,32 @@ class Supervisor:
         progress: bool | None = False,
         on_lost: Callable[[int], None] | None = None,
         frozen: Callable[[int], str | None] | None = None,
+        joined: Callable[[int], bool] | None = None,
+        failure_word: str = "job failed",
         scheduler_stop: bool = False,
     ) -> None:
         self._specs = list(specs)
+        self._failure_word = failure_word  # the last line's start ("launch 1 failed" before a restart)
         self._scheduler_stop = scheduler_stop  # Note [Stop protocol]: SIGTERM graceful, repeats ignored
         self._on_lost = on_lost  # live morph (Note [Live morph supervision])
         self._frozen = frozen
+        self._joined = joined  # live morph: did member r ever join the live run (its heartbeat)?
         self._frozen_checked = 0.0
         self._frozen_killed: set[int] = set()
         #: ranks lost to a live morph, in the order their exits were seen
         self.lost: list[int] = []
         #: why a live morph was impossible (set when :meth:`wait` returns EXIT_RESTART)
         self.restart_reason = ""
+        #: a worker could not be started (a restart would not help)
+        self.start_failed = False
+        #: the signals handled (a job stopped by one is never restarted)
+        self.received_signals: list[int] = []
         self._last_note: dict[int, str] = {}  # rank -> its last "varuna: ..." output line
+        self._config_lines: dict[int, str] = {}  # rank -> its "varuna: error: ..." line
+        #: a worker refused its configuration (exit 78): the job ends with its line, exit 2
+        self.config_error = False
+        self._quiet = False  # after a configuration error: the others' output goes to the logs only
+        self._suspects = _Suspects()  # Note [Blame]
         self._readers_of: dict[int, list[threading.Thread]] = {}
         self._progress = progress  # a bar while the workers start (varuna.core.progress)
         self._hosts = list(hosts)
@@ -237,12 +319,14 @@ class Supervisor:
                 self.workers.extend(started)
                 bar.update(len(started))
                 if failure is not None:
+                    self.start_failed = True
                     self._fail(f"{failure[0].label} could not be started {failure[1]}")
                 continue
             for spec in batch:
                 try:
                     worker = host.spawn(spec)
                 except (OSError, subprocess.SubprocessError) as exc:
+                    self.start_failed = True
                     self._fail(f"{spec.label} could not be started: {exc}")
                     break
                 self.workers.append(worker)
@@ -262,9 +346,11 @@ class Supervisor:
                         self._on_exit(worker, code)
             running = self._running()
             if not running:
+                self._blame(time.monotonic(), force=True)
                 unreaped = False
                 break
             now = time.monotonic()
+            self._blame(now)
             self._kill_frozen(running, now)
             if self._killed_at is None and self._kill_at is not None and now >= self._kill_at:
                 ranks = ", ".join(str(w.spec.env.rank) for w in running)
@@ -281,7 +367,9 @@ class Supervisor:
         if unreaped:
             ranks = ", ".join(str(w.spec.env.rank) for w in self._running())
             self._message(f"rank(s) {ranks} still exist {KILL_REAP_TIMEOUT_S:g} s after SIGKILL; giving up")
-        self._drain_output()
+        if not _joined(self._readers, OUTPUT_DRAIN_TIMEOUT_S):
+            self._message("some worker output may be missing: a pipe is still held open by a process"
+                          " outside the job")
         return self._finish()
 
     def close(self) -> None:
@@ -314,12 +402,43 @@ class Supervisor:
         # Non-zero codes after we began stopping are our own doing (SIGTERM/SIGKILL), not failures.
         if code != 0 and self._cause is None:
             detail = getattr(worker, "exit_detail", None) or _describe_exit(code)
-            if self._on_lost is None:
+            if code == CONFIG_EXIT_CODE:
+                self._config_error(worker)
+            elif self._on_lost is None and code == PEER_LOST_EXIT_CODE:
+                self._suspects.add(worker, detail)  # Note [Blame]
+            elif self._on_lost is None:
                 self._fail(f"{_where(worker)} {detail}")
             elif code == PEER_LOST_EXIT_CODE:
                 self._live_morph_impossible(worker)
             else:
                 self._live_lost(worker, detail)
+
+    def _config_error(self, worker: WorkerHandle) -> None:
+        """Note [One-line refusals] (varuna/core/config_error.py): a worker refused its
+        configuration. The others are stopped without a word and their output is only logged;
+        the job's one line quotes this worker's."""
+        rank = worker.spec.env.rank
+        for thread in self._readers_of.get(rank, []):  # its line relayed (and recorded) first
+            thread.join(timeout=LAST_WORDS_TIMEOUT_S)
+        line = self._config_lines.get(rank) or (f"exited with code {CONFIG_EXIT_CODE} (a configuration "
+                                                "error; see its log)")
+        self.config_error = True
+        self._quiet = True
+        self._cause = ("failed", f"{_where(worker)}: {line}")
+        self._begin_stop(signal.SIGTERM)
+
+    def _blame(self, now: float, *, force: bool = False) -> None:
+        """Note [Blame]: the first suspect becomes the cause once no primary cause can come
+        (``force``: every worker has exited, none can)."""
+        due = None if self._cause is not None else self._suspects.due(now, self._hosts, force)
+        if due is None:
+            return
+        worker, detail = due
+        rank = worker.spec.env.rank
+        for thread in self._readers_of.get(rank, []):  # its last line (the reason) relayed first
+            thread.join(timeout=LAST_WORDS_TIMEOUT_S)
+        note = self._last_note.get(rank, "").removeprefix("varuna: ")
+        self._fail(f"{_where(worker)} {detail}" + (f": {note}" if note else ""))
 
     def _kill_frozen(self, running: list[WorkerHandle], now: float) -> None:
         """Live morph: SIGKILL workers the others declared dead for lack of heartbeats (checked
@@ -341,8 +460,18 @@ class Supervisor:
                 worker.send_signal(signal.SIGKILL)
 
     def _live_lost(self, worker: WorkerHandle, detail: str) -> None:
-        """A worker died under live morph: declare it dead, let the survivors regroup."""
+        """A worker died under live morph: declare it dead, let the survivors regroup -- unless no
+        worker ever joined the live run (a script without LiveTrainer): nobody can regroup, the
+        run takes the restart path at once, the others' dying output only logged."""
         rank = worker.spec.env.rank
+        if self._joined is not None and not any(self._joined(w.spec.env.rank) for w in self.workers):
+            self.restart_reason = (f"{_where(worker)} {detail}, and no worker ever joined the live run: the "
+                                   "script does not use varuna.runtime.live_trainer.LiveTrainer (or "
+                                   "LiveWorld.join), so the others cannot regroup")
+            self._cause = ("restart", self.restart_reason)
+            self._quiet = True
+            self._begin_stop(signal.SIGTERM)
+            return
         self.lost.append(rank)
         try:
             assert self._on_lost is not None
@@ -376,6 +505,7 @@ class Supervisor:
         self._begin_stop(signal.SIGTERM)
 
     def _on_signal(self, signum: int) -> None:
+        self.received_signals.append(signum)
         name = signal.Signals(signum).name
         graceful = (signal.SIGUSR1, signal.SIGTERM) if self._scheduler_stop else (signal.SIGUSR1,)
         if self._graceful_stop and self._scheduler_stop and signum in graceful:
@@ -430,6 +560,13 @@ class Supervisor:
         self._killed_at = time.monotonic()
         self._kill_at = self._kill_at or self._killed_at
 
+    @property
+    def failure(self) -> str:
+        """Why the job failed (the last line's text), or ""."""
+        if self._cause is None or self._cause[0] != "failed":
+            return ""
+        return str(self._cause[1])
+
     def _finish(self) -> int:
         """The exit code; names the failed rank once more as the last line."""
         if self._cause is None:
@@ -440,8 +577,8 @@ class Supervisor:
         if kind == "signal":
             assert isinstance(detail, int)
             return 128 + detail
-        self._message(f"job failed: {detail}")
-        return EXIT_WORKER_FAILED
+        self._message(f"{self._failure_word}: {detail}")
+        return EXIT_USAGE if self.config_error else EXIT_WORKER_FAILED
 
     def _finish_live(self) -> int:
         """Workers were lost to live morphs: ok when the ones still standing finished."""
@@ -456,15 +593,20 @@ class Supervisor:
         """Copy one worker stream to ``sink`` line by line, prefixed; runs in a reader thread."""
         prefix = f"[{_where(worker)}] "
         rank = worker.spec.env.rank
+        frames = _CppFrames()
         try:
             for raw in iter(stream.readline, b""):
                 text = raw.decode("utf-8", errors="replace")
                 if not text.endswith("\n"):
                     text += "\n"  # a last line without newline must not glue onto the next prefix
-                if text.startswith("varuna: "):
+                if text.startswith(ERROR_PREFIX):  # the job's last line quotes it (_config_error)
+                    self._config_lines[rank] = text.strip().removeprefix(ERROR_PREFIX)
+                elif text.startswith("varuna: "):
                     self._last_note[rank] = text.strip()
+                shown = not (frames.swallow(text) or self._quiet or text.startswith(ERROR_PREFIX))
                 with self._out_lock:
-                    self._write(sink, prefix + text)
+                    if shown:
+                        self._write(sink, prefix + text)
                     log = self._log_files.get(rank)
                     if log is not None:
                         log.write(text)
@@ -489,12 +631,3 @@ class Supervisor:
     def _message(self, text: str) -> None:
         with self._out_lock:
             self._write(self._stderr, f"{PROG}: {text}\n")
-
-    def _drain_output(self) -> None:
-        deadline = time.monotonic() + OUTPUT_DRAIN_TIMEOUT_S
-        for thread in self._readers:
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        if any(t.is_alive() for t in self._readers):
-            self._message(
-                "some worker output may be missing: a pipe is still held open by a process outside the job"
-            )

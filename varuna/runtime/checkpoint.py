@@ -38,6 +38,8 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import secrets
 import shutil
@@ -45,16 +47,18 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from varuna.core.env import WorkerSettings
 from varuna.cutting.split import ModelProfile
+from varuna.runtime.checkpoint_convert import check_resumable, resolve_step_dir, weights_format
+from varuna.runtime.checkpoint_fence import FencedOut, FenceToken, fence_held, start_generation
 from varuna.runtime.checkpoint_files import CheckpointError, UnsoundCheckpoint
 from varuna.runtime.checkpoint_format import CheckpointFormat, LoadedShare, LoadRequest, StateLayout
 from varuna.runtime.checkpoint_manifest import MANIFEST, read_manifest, read_shard
@@ -82,6 +86,8 @@ from varuna.runtime.optimizer_state import (
     merge_optimizer_states,
     optimizer_state_by_name,
 )
+from varuna.runtime.state_codec import from_json, json_bytes, to_json
+from varuna.runtime.weight_versions import pop_previous
 
 # The checkpoint API in one place: what scripts and tests import from varuna.runtime.checkpoint.
 __all__ = [
@@ -91,6 +97,8 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointState",
     "Checkpointer",
+    "FenceToken",
+    "FencedOut",
     "Resumed",
     "Shard",
     "checkpoint_format",
@@ -104,8 +112,12 @@ __all__ = [
     "verify_checkpoint",
     "read_shard",
     "resolve_resume",
+    "state_layout",
     "step_dir_name",
 ]
+
+if TYPE_CHECKING:
+    from varuna.runtime.whole_state import StageExtras
 
 log = logging.getLogger("varuna.runtime.checkpoint")
 
@@ -165,6 +177,7 @@ class CheckpointState(Protocol):
 
     config: VarunaConfig
     layout: Layout
+    model: torch.nn.Module
     profile: ModelProfile
     """Canonical parameter names, which segments read them, their sizes, the CutPoint names."""
     stage_ranges: list[tuple[int, int]]
@@ -172,14 +185,44 @@ class CheckpointState(Protocol):
     """Every parameter this stage holds, by canonical name (the trainable ones are optimised)."""
     optimizer: torch.optim.Optimizer
     step_count: int
+    extras: StageExtras
+    """Buffers, LR scheduler, registered objects (Note [Whole state] in whole_state.py)."""
 
-    def state_dict(self) -> dict: ...
+    def state_dict(self, *, optimizer_for: Iterable[str] | None = None) -> dict: ...
 
     def load_state_dict(self, state: dict, *, copy: bool = True) -> None: ...
 
     def describe(self) -> dict: ...
 
     def add_stop_callback(self, fn: Callable[[Any], None]) -> None: ...
+
+
+#: The largest step a checkpoint may say it was taken at (no run takes 2**40 optimizer steps; a
+#: bigger number is a damaged or forged manifest that would end the run at once as "finished").
+MAX_STEP = 1 << 40
+
+
+def check_loaded_values(path: Path, loaded: LoadedShare) -> None:
+    """Refuse (:class:`CheckpointError`, one line) a checkpoint whose step is not the one its
+    directory names or is out of range, or whose floating-point weights hold NaN or Inf: its
+    checksums only say the bytes are the ones written, not that training can go on from them.
+
+    Example::
+
+        check_loaded_values(Path("ckpt/step_00000300"), loaded)  # CheckpointError: ... NaN or Inf ...
+    """
+    fix = "move this checkpoint out of the directory to resume from an older one"
+    step = loaded.metadata.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise CheckpointError(f"{path}: step {step!r} is out of range (0..{MAX_STEP}); the manifest is "
+                              f"damaged: {fix}")
+    if path.name.startswith("step_") and path.name != step_dir_name(step):
+        raise CheckpointError(f"{path}: its manifest says step {step}, its directory another; the "
+                              f"manifest is damaged: {fix}")
+    for name, t in loaded.tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{path}: {name} holds NaN or Inf values; refusing to train from them "
+                                  f"({fix})")
 
 
 class Checkpointer:
@@ -249,6 +292,11 @@ class Checkpointer:
         self.last_stall_s = self.last_wait_s = 0.0
         #: ranks known gone (set by a live run): a save in flight waiting for them is abandoned at once
         self.lost_writers: Callable[[], set[int]] | None = None
+        #: the generation this run's saves belong to, agreed by the ranks (Note [Checkpoint fence]
+        #: in checkpoint_fence.py); None: unfenced (no $VARUNA_FENCE_EPOCH: not started by
+        #: varuna-launch or the manager)
+        self.fence: FenceToken | None = None
+        self._given_fence = FenceToken.from_settings()
 
     def set_every(self, every: int) -> None:
         """Save every ``every`` steps from now on (0: only on a graceful stop or when asked).
@@ -269,15 +317,71 @@ class Checkpointer:
     # ---- wiring
 
     def attach(self) -> None:
-        """Register the save-on-stop callback and resume when asked (a collective then)."""
+        """Register the save-on-stop callback and resume when asked (a collective then); else start
+        from ``config.checkpoints.init_from``'s weights when set."""
         if self.directory is not None:
             self.state.add_stop_callback(lambda _state: self.save_on_stop())
+            # Before loading: a late commit of an older generation is then either visible to
+            # the load below or refused (Note [Checkpoint fence]).
+            self.start_generation(0)
+        resumed = None
         if self.resume_mode != "never":
             if self.directory is None:
                 raise ValueError(
                     "resume needs a checkpoint directory: set --checkpoint-dir or $VARUNA_CHECKPOINT_DIR"
                 )
-            self.load(required=self.resume_mode == "always")
+            resumed = self.load(required=self.resume_mode == "always")
+        init_from = self.state.config.checkpoints.init_from
+        if resumed is None and init_from:
+            self.load_weights(init_from)
+
+    def start_generation(self, live: int) -> FenceToken | None:
+        """Agree on this generation's fence token (a collective when fenced; ``live``: the
+        live-morph generation, 0 at launch) and raise the store's fence to it: no save of an
+        older generation commits from now on (Note [Checkpoint fence]). None: unfenced.
+
+        Example::
+
+            engine.checkpointer.start_generation(live.generation)   # after a live morph
+        """
+        if self._given_fence is not None and self.directory is not None:
+            self.fence = start_generation(self.directory, self._given_fence, live, rank=self.rank,
+                                          world=self.state.layout.world)
+        return self.fence
+
+    def load_weights(self, path: str | Path) -> None:
+        """Load only the weights (parameters and buffers) of ``path`` into this stage (a
+        collective): a checkpoint of any registered format, a checkpoint root, a Hugging Face model
+        directory or a DCP checkpoint (:func:`~varuna.runtime.checkpoint_convert.weights_format`).
+        Each rank reads only its stage's tensors. The optimizer, step and registered state stay as
+        they are; any rank's failure is every rank's ``CheckpointError``.
+
+        Example::
+
+            engine.checkpointer.load_weights("/models/llama-hf")      # = CheckpointConfig.init_from
+        """
+        st = self.state
+        buffers = st.extras.buffers.named()
+        request = LoadRequest(tensors={**buffers, **st.stage_params}, optimizer_class=None,
+                              optional=frozenset(buffers))
+        loaded, problem = None, None
+        try:
+            root = Path(path)
+            source = resolve_step_dir(root) if format_of(root) is None and list_checkpoints(root) else root
+            loaded = weights_format(source).read(source, request)
+        except (CheckpointError, UnsoundCheckpoint, ValueError, OSError) as e:
+            problem = f"init_from {path}: {' '.join(str(e).split())}"
+        if self._agree_verdict(_FATAL if problem else _OK) != _OK:
+            raise CheckpointError(problem or f"init_from {path}: another rank could not read it")
+        assert loaded is not None
+        sd = st.state_dict()
+        pop_previous(sd["optimizer"])  # 2bw: the stash becomes the loaded weights, like a first step
+        tensors = loaded.tensors
+        st.load_state_dict({**sd, "params": {n: t for n, t in tensors.items() if n not in buffers},
+                            "buffers": {n: t for n, t in tensors.items() if n in buffers}, "extra": None},
+                           copy=False)
+        if self.rank == 0:
+            log.info("varuna: started from the weights of %s", path)
 
     def after_step(self) -> None:
         """Periodic save at the mini-batch boundary that just completed."""
@@ -327,9 +431,17 @@ class Checkpointer:
         if self.rank == 0 and not busy:
             # A complete checkpoint of this step from an abandoned lineage (we resumed from an
             # older one), in any format: retire its commit file before anyone overwrites its
-            # files. Other ranks start writing only after the all-reduce below.
-            retire(target)
-        nonce, any_busy = self._agree_save(step, busy)
+            # files. Other ranks start writing only after the all-reduce below. Never for a
+            # stale generation: that complete checkpoint may be a newer generation's.
+            try:
+                with fence_held(root, self.fence, f"retiring {target}"):
+                    retire(target)
+            except FencedOut as e:
+                log.warning("varuna: %s", e)  # this save will be refused too
+        # References to the live tensors (2bw: the stashed version rides along); sharded optimizer
+        # state is gathered for the parameters of this rank's files only (a collective then).
+        sd = self.state.state_dict(optimizer_for=[n for s in self._my_shares() for n in s.params])
+        nonce, any_busy, others = self._agree_save(step, busy, sd)
         if any_busy:
             log.warning(
                 "varuna: skipping the checkpoint of step %d: the previous one is still being copied "
@@ -338,7 +450,7 @@ class Checkpointer:
                 root,
             )
             return None
-        job = self._save_job(root, target, step, nonce)
+        job = self._save_job(root, target, step, nonce, sd, others)
         if not self.last_snapshot_in_memory:
             try:  # Note [Snapshot to disk]: before training changes the tensors the payloads hold
                 write_local(job)
@@ -362,20 +474,24 @@ class Checkpointer:
             self.wait()
         return target
 
-    def _save_job(self, root: Path, target: Path, step: int, nonce: int) -> SaveJob:
-        """The snapshot of this rank's part and everything the background thread needs."""
+    def _my_shares(self) -> list:
+        """The files of the configured format this rank writes (its stage and replica's)."""
+        L = self.state.layout
+        plan = self.format.plan(state_layout(self.state))
+        return [s for s in plan if (s.stage, s.replica) == (L.stage, L.replica)]
+
+    def _save_job(self, root: Path, target: Path, step: int, nonce: int, sd: dict | None = None,
+                  extra: dict | None = None) -> SaveJob:
+        """The snapshot of this rank's part and everything the background thread needs. ``sd``:
+        the state (default: taken now); ``extra`` (rank 0): the state beyond tensors every rank
+        contributed (:meth:`_agree_save`; default: this rank's global state only)."""
         st, L = self.state, self.state.layout
-        layout = StateLayout(
-            tensor_segments=st.profile.param_segments,
-            tensor_bytes=st.profile.param_bytes,
-            stage_ranges=st.stage_ranges,
-            pipeline_depth=L.P,
-            data_parallel=L.D,
-        )
+        layout = state_layout(st)
         plan = self.format.plan(layout)
         mine = [s for s in plan if (s.stage, s.replica) == (L.stage, L.replica)]
-        sd = st.state_dict()  # references to the live tensors (2bw: the stashed version rides along)
-        nbytes = shard_state_bytes(mine, sd["params"], sd["optimizer"])
+        sd = st.state_dict(optimizer_for=[n for s in mine for n in s.params]) if sd is None else sd
+        extra = self._collected(sd["extra"], []) if extra is None else extra
+        nbytes = shard_state_bytes(mine, {**sd["buffers"], **sd["params"]}, sd["optimizer"])
         in_memory = takes_host_snapshot(self.snapshot, nbytes)
         self.last_snapshot_in_memory = in_memory
         shares = take_shares(mine, sd, step=step, rank=self.rank, copy=in_memory)
@@ -392,20 +508,23 @@ class Checkpointer:
             records=[None] * len(mine),
             writers=sorted({L.rank_of(s.stage, s.replica) for s in plan}),
             expected_files=[s.name for s in plan],
-            metadata=self._metadata(step, sd) if self.rank == 0 else None,
+            metadata=self._metadata(step, sd, extra) if self.rank == 0 else None,
             layout=layout,
             keep=self.keep,
             timeout_s=self.timeout_s,
             chunk_bytes=self.copy_chunk_bytes,
             hook=self.progress_hook,
             lost_writers=self.lost_writers,
+            fence=self.fence,
         )
 
-    def _metadata(self, step: int, sd: dict) -> dict:
-        """The run's JSON-able metadata the format stores with the checkpoint (rank 0)."""
+    def _metadata(self, step: int, sd: dict, extra: dict) -> dict:
+        """The run's JSON-able metadata the format stores with the checkpoint (rank 0): the
+        config, the loss scale and the state beyond tensors (Note [Whole state])."""
         st = self.state
         cfg, info = st.config, st.describe()
         return {
+            **extra,
             "step": step,
             "data_position": step,
             "created_unix_s": time.time(),
@@ -424,6 +543,7 @@ class Checkpointer:
             "cutpoints": list(st.profile.cutpoint_names),
             "optimizer": type(st.optimizer).__name__,
             "loss_scale": sd["loss_scale"],
+            **model_config(st.model),
         }
 
     def _run_job(self, job: SaveJob) -> None:
@@ -469,21 +589,59 @@ class Checkpointer:
         t.join(timeout=timeout_s if timeout_s is not None else 2 * self.timeout_s + 60)
         return not t.is_alive()
 
-    def _agree_save(self, step: int, busy: bool) -> tuple[int, bool]:
-        """One all-reduce: rank 0's save id, whether any rank is still busy, and a check that
-        every rank saves the same step."""
+    def _agree_save(self, step: int, busy: bool, sd: dict) -> tuple[int, bool, dict]:
+        """One all-reduce: rank 0's save id, whether any rank is still busy, a check that every
+        rank saves the same step, and the digests of the global registered state (equal on every
+        rank, or a warning). Then, when any rank has per-stage or per-rank state, one gather of it
+        to rank 0. Returns rank 0's metadata part for that state (Note [Registered state])."""
         nonce = secrets.randbits(62) if self.rank == 0 else 0
+        extra = sd["extra"]
+        mine = self._own_state(sd)
+        blob = json.dumps(mine, separators=(",", ":")).encode() if mine else b""
+        digest = _digest(extra.get("global", {}))
         if self.state.layout.world == 1:
-            return nonce, busy
-        v = torch.tensor([nonce, int(busy), step, -step], dtype=torch.int64)
+            return nonce, busy, self._collected(extra, [blob] if blob else [])
+        v = torch.tensor([nonce, int(busy), step, -step, len(blob), digest, -digest], dtype=torch.int64)
         dist.all_reduce(v, op=dist.ReduceOp.MAX)
-        nonce, any_busy, hi, neg_lo = v.tolist()
+        nonce, any_busy, hi, neg_lo, most, d_hi, d_lo = v.tolist()
         if hi != -neg_lo:
             raise RuntimeError(
                 f"ranks called save_checkpoint at different steps ({-neg_lo}..{hi}); "
                 "every rank must save at the same mini-batch boundary"
             )
-        return nonce, bool(any_busy)
+        if d_hi != -d_lo and self.rank == 0:
+            log.warning("varuna: the registered global state differs between ranks at step %d (the "
+                        "checkpoint keeps rank 0's); register what is per process with scope='rank'", step)
+        blobs = _gather_bytes(blob, most, self.state.layout.world) if most else []
+        return nonce, bool(any_busy), self._collected(extra, blobs) if self.rank == 0 else {}
+
+    def _own_state(self, sd: dict) -> dict | None:
+        """This rank's part of the state gathered at a save: its stage's optimizer state outside
+        ``state[param]`` (replica 0 of each stage) and its per-rank registered state."""
+        L, out, extra = self.state.layout, {}, sd["extra"]
+        stage = sd["optimizer"].get("stage_state")
+        if stage and L.replica == 0:
+            out["stage_state"] = {"segments": self._segments(), "state": to_json(stage)}
+        if extra.get("rank"):
+            out["rank_state"] = {"rank": L.rank, "state": to_json(extra["rank"])}
+        return out or None
+
+    def _segments(self) -> list[int]:
+        st, L = self.state, self.state.layout
+        return [s for a, b in st.stage_ranges[L.stage :: L.P] for s in range(a, b + 1)]
+
+    def _collected(self, extra: dict, blobs: list[bytes]) -> dict:
+        """Rank 0's metadata for the state beyond tensors: the global registered state, and what
+        the ranks contributed (:meth:`_own_state`)."""
+        out: dict = {"state": to_json(extra.get("global", {}))}
+        parts = [json.loads(b) for b in blobs if b]
+        stages = [p["stage_state"] for p in parts if "stage_state" in p]
+        ranks = {str(p["rank_state"]["rank"]): p["rank_state"]["state"] for p in parts if "rank_state" in p}
+        if stages:
+            out["stage_state"] = stages
+        if ranks:
+            out["rank_state"] = ranks
+        return out
 
     # ---- load
 
@@ -542,12 +700,17 @@ class Checkpointer:
     def _read_for_stage(self, path: Path) -> tuple[int, str | None, LoadedShare | None]:
         """This rank's verdict on a checkpoint, and what its format read (its stage's state)."""
         st = self.state
-        request = LoadRequest(tensors=st.stage_params, optimizer_class=type(st.optimizer).__name__)
+        buffers = st.extras.buffers.named()
+        request = LoadRequest(tensors={**buffers, **st.stage_params},
+                              optimizer_class=type(st.optimizer).__name__, optional=frozenset(buffers))
         fmt = format_of(path)
         if fmt is None:  # the commit file went away since rank 0 listed it
             return _SKIP, f"{path}: no longer complete (no commit file of any registered format)", None
         try:
-            return _OK, None, fmt.read(path, request)
+            loaded = fmt.read(path, request)
+            check_resumable(path, loaded.metadata)
+            check_loaded_values(path, loaded)
+            return _OK, None, loaded
         except CheckpointError as e:  # not one the format writes, or another model's: refuse
             return _FATAL, str(e), None
         except UnsoundCheckpoint as e:  # what a crash or a full disk leaves: an older one may do
@@ -557,13 +720,24 @@ class Checkpointer:
 
     def _apply(self, loaded: LoadedShare, root: Path, step: int) -> None:
         eng, m = self.state, loaded.metadata
-        state = {"step": m["step"], "params": loaded.tensors, "optimizer": loaded.optimizer,
-                 "loss_scale": m["loss_scale"]}
+        saved = m.get("config", {})
+        buffer_names = set(eng.extras.buffers.names)
+        optimizer = dict(loaded.optimizer)
+        stage_state = _stage_state_for(m.get("stage_state", []), min(self._segments()))
+        if stage_state is not None:
+            optimizer["stage_state"] = stage_state
+        extra = {"global": from_json(m.get("state", {}))}
+        same_layout = (saved.get("P"), saved.get("D")) == (eng.layout.P, eng.layout.D)
+        if same_layout and str(self.rank) in m.get("rank_state", {}):
+            extra["rank"] = from_json(m["rank_state"][str(self.rank)])
+        tensors = loaded.tensors
+        state = {"step": m["step"], "params": {n: t for n, t in tensors.items() if n not in buffer_names},
+                 "buffers": {n: t for n, t in tensors.items() if n in buffer_names},
+                 "optimizer": optimizer, "loss_scale": m["loss_scale"], "extra": extra}
         # copy=False: the loaded tensors are handed over, each freed once copied in (no second
         # set of weights); the optimizer adopts its freshly read state.
         eng.load_state_dict(state, copy=False)
         self._last_saved = (root, step)  # never rewrite the checkpoint we resumed from
-        saved = m.get("config", {})
         fmt = format_of(root / step_dir_name(step))
         self.resumed = Resumed(
             root / step_dir_name(step), step, saved.get("P"), saved.get("D"), fmt.name if fmt else None
@@ -594,3 +768,64 @@ class Checkpointer:
         dist.all_reduce(v, op=dist.ReduceOp.MAX)
         return int(v)
 
+
+
+def state_layout(state: CheckpointState) -> StateLayout:
+    """Where every saved tensor of ``state``'s run lives: parameters and persistent buffers, by the
+    segments that read them (identical on every rank)."""
+    prof, L = state.profile, state.layout
+    return StateLayout(
+        tensor_segments={**prof.buffer_segments, **prof.param_segments},
+        tensor_bytes={**prof.buffer_bytes, **prof.param_bytes},
+        stage_ranges=state.stage_ranges,
+        pipeline_depth=L.P,
+        data_parallel=L.D,
+        buffers=frozenset(prof.buffer_segments),
+    )
+
+
+def model_config(model) -> dict:
+    """``{"model_config": ...}``: a Hugging Face model's configuration as JSON (what ``config.json``
+    holds, for the ``hf`` format and exports), or nothing."""
+    cfg = getattr(model, "config", None)
+    to_json_string = getattr(cfg, "to_json_string", None)
+    if not callable(to_json_string):
+        return {}
+    try:
+        return {"model_config": json.loads(to_json_string(use_diff=False))}
+    except (TypeError, ValueError):  # a config that does not serialise: the export has no config.json
+        return {}
+
+
+def _digest(tree: dict) -> int:
+    """A 62-bit digest of a registered state (0 for none)."""
+    if not tree:
+        return 0
+    return int.from_bytes(hashlib.sha256(json_bytes(tree)).digest()[:8], "big") >> 2
+
+
+def _gather_bytes(blob: bytes, most: int, world: int) -> list[bytes]:
+    """Every rank's ``blob`` on rank 0 (elsewhere: empty), each at most ``most`` bytes: one gather."""
+    buf = torch.zeros(most + 8, dtype=torch.uint8)
+    buf[:8] = torch.tensor(list(len(blob).to_bytes(8, "big")), dtype=torch.uint8)
+    if blob:
+        buf[8 : 8 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    rank = dist.get_rank()
+    parts = [torch.empty_like(buf) for _ in range(world)] if rank == 0 else None
+    dist.gather(buf, parts, dst=0)
+    if parts is None:
+        return []
+    out = []
+    for p in parts:
+        n = int.from_bytes(bytes(p[:8].tolist()), "big")
+        out.append(bytes(p[8 : 8 + n].tolist()))
+    return out
+
+
+def _stage_state_for(entries: list[dict], first_segment: int) -> dict | None:
+    """The saved per-stage optimizer state of the stage that held ``first_segment`` (a stage at a
+    new P×D continues that one's), or None."""
+    for e in entries:
+        if first_segment in e.get("segments", []):
+            return from_json(e["state"])
+    return None

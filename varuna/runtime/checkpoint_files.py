@@ -18,14 +18,18 @@ from __future__ import annotations
 import errno
 import hashlib
 import io
+import json
 import os
 import stat
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from varuna.core.config_error import ConfigError
 
 __all__ = [
     "JSON_MAX_BYTES",
@@ -35,8 +39,10 @@ __all__ = [
     "atomic_write",
     "copy_file",
     "fsync_dir",
+    "hash_file",
     "open_checked",
     "open_regular",
+    "read_json",
     "read_regular",
     "save_hashed",
 ]
@@ -45,10 +51,11 @@ __all__ = [
 JSON_MAX_BYTES = 256 << 20
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ConfigError):
     """A checkpoint cannot be used (none found, corrupt, unsafe, or from a different model).
 
-    A ``ValueError``: like other bad input, scripts report it as one line. Raised by a format's
+    A ``ValueError`` (a :class:`varuna.core.config_error.ConfigError`): uncaught in a worker, one
+    line and exit 78 (Note [One-line refusals]). Raised by a format's
     ``read``, it refuses the load on every rank (something other than varuna changed the store)."""
 
 
@@ -202,10 +209,39 @@ def save_hashed(obj: Any, path: Path) -> tuple[int, str]:
     return w.nbytes, w.sha.hexdigest()
 
 
-def copy_file(src: Path, dst: Path, chunk_bytes: int, on_chunk: Callable[[int], None]) -> None:
+def hash_file(path: Path, chunk_bytes: int = 8 << 20) -> tuple[int, str]:
+    """(bytes, sha256 hex) of a file another library wrote (safetensors, DCP), streamed."""
+    sha, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while b := f.read(chunk_bytes):
+            sha.update(b)
+            n += len(b)
+    return n, sha.hexdigest()
+
+
+def read_json(path: Path, max_bytes: int | None = None) -> Any:
+    """A JSON file read with :func:`read_regular` (a regular file in place, bounded); raises
+    :class:`UnsoundCheckpoint` when it is missing or unreadable (a crash's leftover or an
+    incomplete directory)."""
+    try:
+        return json.loads(read_regular(path, JSON_MAX_BYTES if max_bytes is None else max_bytes).decode())
+    except FileNotFoundError:
+        raise UnsoundCheckpoint(f"{path}: missing") from None
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise UnsoundCheckpoint(f"{path}: unreadable ({e})") from None
+
+
+def copy_file(
+    src: Path,
+    dst: Path,
+    chunk_bytes: int,
+    on_chunk: Callable[[int], None],
+    guard: Callable[[], AbstractContextManager] = nullcontext,
+) -> None:
     """Copy ``src`` to ``dst`` via a tmp name, fsynced, then renamed into place; ``on_chunk(n)``
     after each chunk of ``n`` bytes. The data moves inside the kernel (sendfile), so the copy
-    costs training processes almost no CPU."""
+    costs training processes almost no CPU. The rename happens inside ``guard()`` (the checkpoint
+    fence's check: Note [Checkpoint fence] in checkpoint_fence.py), which may refuse it by raising."""
     tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
     try:
         with open(src, "rb") as fi, open(tmp, "wb") as fo:
@@ -225,7 +261,8 @@ def copy_file(src: Path, dst: Path, chunk_bytes: int, on_chunk: Callable[[int], 
                 off += n
                 on_chunk(n)
             os.fsync(fo.fileno())
-        os.replace(tmp, dst)
+        with guard():
+            os.replace(tmp, dst)
     except BaseException:
         _discard(tmp)
         raise

@@ -28,10 +28,11 @@ tensors and plain containers, and ``read`` raises :class:`UnsoundCheckpoint` for
 leaves (skip to an older one) and :class:`CheckpointError` for what only tampering or another
 model makes (refuse).
 
-Whole state (issue 29) fits the same shapes: buffers are more name-keyed tensors of a stage
-(:attr:`StateLayout.tensor_segments` lists them, each written by one replica); optimizer state
-outside ``state[param]`` and LR schedulers are per-stage state dicts (:attr:`StateShare.extra`,
-named); per-rank state (a data loader's position) needs a per-rank file in the plan.
+Whole state (issue 29, Note [Whole state] in whole_state.py) fits the same shapes: persistent
+buffers are more name-keyed tensors of a stage (:attr:`StateLayout.tensor_segments` lists them,
+:attr:`StateLayout.buffers` says which, each written by one replica, and a reader may lack them:
+:attr:`LoadRequest.optional`); the small rest (the data position, the LR scheduler, registered
+objects, optimizer state outside ``state[param]`` per stage) rides in ``metadata`` as JSON.
 
 Resume considers every registered format (:func:`~varuna.runtime.checkpoint_registry.format_of`),
 newest step first, whatever format the run writes: a run that switched formats resumes from its
@@ -71,6 +72,8 @@ __all__ = [
     "as_saved",
     "check_model_fits",
     "snapshot",
+    "tensor_meta",
+    "tensor_table",
 ]
 
 
@@ -94,6 +97,9 @@ class StateLayout:
     process ``j % pipeline_depth``."""
     pipeline_depth: int
     data_parallel: int
+    buffers: frozenset[str] = frozenset()
+    """The names in :attr:`tensor_segments` that are persistent buffers, not parameters (they have
+    no optimizer state; Note [Buffers across replicas] in varuna/runtime/buffers.py)."""
 
     def holder(self, name: str) -> int:
         """The pipeline stage (process) whose replicas hold ``name`` and write it."""
@@ -120,16 +126,18 @@ class StateShare:
     rank: int
     """The rank writing it."""
     tensors: dict[str, torch.Tensor]
-    """This file's tensors by canonical name (the stage's parameters the plan put in it)."""
+    """This file's tensors by canonical name (the stage's parameters and buffers the plan put in it)."""
     optimizer: dict
     """Their name-keyed optimizer state (:func:`~varuna.runtime.optimizer_state.optimizer_state_by_name`):
     ``{"class", "state": {name: {key: value}}, "param_groups": [{hyper..., "params": [names]}]}``;
     2bw's stashed weight version rides in ``state`` (Note [2BW])."""
     extra: dict[str, Any] = field(default_factory=dict)
-    """Named state dicts of the stage (plain containers and tensors), the same on each of its
-    replicas, handed to one file of the stage; a reader gets them back in
-    :attr:`LoadedShare.extra`. Empty today (issue 29: optimizer state outside ``state[param]``,
-    LR schedulers)."""
+    """Named state dicts (plain containers and tensors) a format stores in the file; a reader gets
+    them back in :attr:`LoadedShare.extra`. The checkpointer puts none here: the state beyond
+    tensors (registered objects, the LR scheduler, per-stage optimizer state) is small and goes in
+    the ``metadata`` every rank reads (Note [Registered state] in extra_state.py: a stage at a new
+    P×D needs the state of the *old* stage that held its first segment, whose files it may not
+    read)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,7 +146,15 @@ class LoadRequest:
     written to) and the optimizer class it will load the state into."""
 
     tensors: Mapping[str, torch.Tensor]
-    optimizer_class: str
+    optimizer_class: str | None
+    """None: no optimizer state is wanted (weights only: ``CheckpointConfig.init_from``, an export)."""
+    optional: frozenset[str] = frozenset()
+    """Names of :attr:`tensors` a checkpoint may lack (buffers: checkpoints written before they
+    were saved); a format leaves them out of :attr:`LoadedShare.tensors` instead of refusing."""
+
+    @property
+    def weights_only(self) -> bool:
+        return self.optimizer_class is None
 
 
 @dataclass(kw_only=True)
@@ -207,6 +223,12 @@ class CheckpointFormat(ABC):
     def verify(self, path: Path) -> list[str]:
         """Problems with a step directory of this format, without unpickling; empty when sound."""
 
+    def describe(self, path: Path) -> tuple[dict[str, dict], dict]:
+        """Every saved tensor (name -> ``{"shape", "dtype", "segments"}``, ``"buffer": True`` for
+        buffers) and the checkpoint's metadata: what ``varuna-checkpoint export`` needs to plan a
+        conversion. Optional: the default refuses."""
+        raise CheckpointError(f"checkpoint format {self.name!r} cannot describe its tensors (no export)")
+
     def is_complete(self, path: Path) -> bool:
         """Whether ``path`` holds a committed checkpoint of this format."""
         return (path / self.commit_file).is_file()
@@ -232,24 +254,53 @@ def check_model_fits(
     Traceback (most recent call last):
     varuna...CheckpointError: checkpoint ck: parameter 'w' has shape (3,), the model's is (2,): ...
     """
-    missing = [n for n in request.tensors if n not in saved_shapes]
+    missing = [n for n in request.tensors if n not in saved_shapes and n not in request.optional]
     if missing:
         raise CheckpointError(
             f"checkpoint {path} has no parameter {missing[0]!r} (and {len(missing) - 1} "
             "more) of this model: it was saved from a different model"
         )
     for n, p in request.tensors.items():
+        if n not in saved_shapes:
+            continue
         shape = list(saved_shapes[n])
         if shape != list(p.shape):
             raise CheckpointError(
                 f"checkpoint {path}: parameter {n!r} has shape {tuple(shape)}, the model's "
                 f"is {tuple(p.shape)}: it was saved from another model configuration"
             )
-    if saved_optimizer and saved_optimizer != request.optimizer_class:
+    if saved_optimizer and request.optimizer_class and saved_optimizer != request.optimizer_class:
         raise CheckpointError(
             f"checkpoint {path} holds {saved_optimizer} state but the engine's optimizer is "
             f"{request.optimizer_class}; build the optimizer the saving run used"
         )
+
+
+def tensor_table(records: Sequence[dict], layout: StateLayout) -> dict[str, dict]:
+    """name -> ``{"shape", "dtype", "segments", "file"}`` (and ``"buffer": True``) of every tensor
+    the writers' ``records`` hold (each record's ``tensors``: name -> shape and dtype), checked to
+    cover the layout: what a commit file lists so that a reader finds a tensor's file.
+
+    >>> lay = StateLayout(tensor_segments={"w": (0,)}, tensor_bytes={}, stage_ranges=[(0, 0)],
+    ...                   pipeline_depth=1, data_parallel=1)
+    >>> tensor_table([{"name": "f", "tensors": {"w": {"shape": [2], "dtype": "float32"}}}], lay)
+    {'w': {'shape': [2], 'dtype': 'float32', 'segments': [0], 'file': 'f'}}
+    """
+    table: dict[str, dict] = {}
+    for r in records:
+        for n, meta in r.get("tensors", {}).items():
+            kind = {"buffer": True} if n in layout.buffers else {}
+            segments = list(layout.tensor_segments.get(n, []))
+            table[n] = {**meta, "segments": segments, "file": r["name"], **kind}
+    missing = set(layout.tensor_segments) - set(table)
+    if missing:
+        raise CheckpointError(f"no file holds tensor(s) {sorted(missing)[:5]}")
+    return table
+
+
+def tensor_meta(t: torch.Tensor) -> dict:
+    """``{"shape", "dtype"}`` of a tensor, JSON-able (what :func:`tensor_table` records)."""
+    return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
 
 
 # ---------------------------------------------------------------------------------------------

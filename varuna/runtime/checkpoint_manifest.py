@@ -119,7 +119,8 @@ class ManifestFormat(CheckpointFormat):
         for f in records:
             for n, meta in f["params"].items():
                 segments = list(layout.tensor_segments.get(n, []))
-                parameters[n] = {**meta, "segments": segments, "file": f["name"]}
+                kind = {"buffer": True} if n in layout.buffers else {}
+                parameters[n] = {**meta, "segments": segments, "file": f["name"], **kind}
         missing = set(layout.tensor_segments) - set(parameters)
         if missing:
             raise CheckpointError(f"no file holds parameter(s) {sorted(missing)[:5]}")
@@ -145,23 +146,29 @@ class ManifestFormat(CheckpointFormat):
             shapes = {n: params_meta[n].get("shape", []) for n in request.tensors if n in params_meta}
             check_model_fits(path, shapes, m.get("optimizer"), request)
             entries = {f["name"]: f for f in m["files"]}
-            needed = sorted({params_meta[n]["file"] for n in request.tensors})
+            needed = sorted({params_meta[n]["file"] for n in request.tensors if n in params_meta})
         except (KeyError, TypeError, AttributeError) as e:
             raise UnsoundCheckpoint(f"{path / MANIFEST}: malformed ({type(e).__name__}: {e})") from None
         tensors: dict[str, torch.Tensor] = {}
         opts, extra = [], {}
         for name in needed:
             shard = _read_checked(path, name, entries, request.tensors)
-            tensors.update(shard["params"])
+            tensors.update((n, t) for n, t in shard["params"].items() if n in request.tensors)
             opts.append(shard["optimizer"])
             extra.update(shard.get("extra", {}))
-        absent = [n for n in request.tensors if n not in tensors]
+            del shard  # the file's other tensors (another stage's share of a segment file) go now
+        absent = [n for n in request.tensors if n not in tensors and n in params_meta]
         if absent:
             raise UnsoundCheckpoint(f"parameter {absent[0]!r} is not in the file the manifest names")
         metadata = {k: v for k, v in m.items() if k not in ("format", "version", "parameters", "files")}
         return LoadedShare(
             metadata=metadata, tensors=tensors, optimizer=merge_optimizer_states(opts), extra=extra
         )
+
+    def describe(self, path: Path) -> tuple[dict[str, dict], dict]:
+        m = read_manifest(path)
+        metadata = {k: v for k, v in m.items() if k not in ("format", "version", "parameters", "files")}
+        return m["parameters"], metadata
 
     def verify(self, path: Path) -> list[str]:
         """No/bad manifest, missing, truncated or altered files (size and sha256 of every file;

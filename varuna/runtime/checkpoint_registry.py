@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import TypeVar
 
 from varuna.core.env import WorkerSettings
+from varuna.runtime.checkpoint_dcp import DCPFormat
 from varuna.runtime.checkpoint_format import CheckpointFormat
+from varuna.runtime.checkpoint_hf import HFFormat
 from varuna.runtime.checkpoint_manifest import ManifestFormat
 
 __all__ = [
@@ -133,3 +135,5 @@ def format_of(path: str | Path) -> CheckpointFormat | None:
 
 # The built-in formats: adding one is its module plus one line here.
 register_format(ManifestFormat)
+register_format(HFFormat)
+register_format(DCPFormat)

@@ -30,12 +30,16 @@ class Shard:
     replica: int
     """Which of the stage's D replicas writes it (all replicas hold identical state)."""
     params: tuple[str, ...]
-    """Canonical parameter names it holds (with their optimizer state)."""
+    """Canonical names of the parameters (and buffers) it holds (with their optimizer state)."""
     nbytes: int
     """Parameter bytes (the optimizer state is usually proportional)."""
     segment: int | None = None
     """The model segment whose parameters it holds, for a format that splits by segment
     (:func:`plan_shards`, the ``varuna`` format's plan); None for others."""
+    holds: str = "all"
+    """What of :attr:`params` the file holds: ``"all"`` (the tensors and their optimizer state),
+    ``"tensors"`` or ``"optimizer"`` (a format that keeps them in separate files: ``hf``); the
+    checkpointer snapshots only that."""
 
 
 def plan_shards(

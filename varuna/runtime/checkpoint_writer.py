@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import resource
@@ -38,6 +39,7 @@ import torch
 
 from varuna.core.env import ProcessEnv
 from varuna.core.progress import Progress
+from varuna.runtime.checkpoint_fence import FencedOut, FenceToken, fence_held
 from varuna.runtime.checkpoint_files import (
     JSON_MAX_BYTES,
     CheckpointError,
@@ -97,6 +99,9 @@ class SaveJob:
     hook: Callable[[str], None] | None
     lost_writers: Callable[[], set[int]] | None = None
     """Ranks known gone (a live run): rank 0's commit stops waiting for their markers at once."""
+    fence: FenceToken | None = None
+    """The generation this save belongs to (agreed by the ranks); every rename into the store is
+    refused once a newer one started (Note [Checkpoint fence]). None: unfenced."""
     error: str | None = None
     """Set when the save failed: the step directory and the error (e.g. the OS error)."""
     committed: bool = False
@@ -106,18 +111,19 @@ class SaveJob:
 
 
 def shard_state_bytes(
-    shards: Sequence[Shard], stage_params: Mapping[str, torch.Tensor], opt: dict | None
+    shards: Sequence[Shard], stage_tensors: Mapping[str, torch.Tensor], opt: dict | None
 ) -> int:
-    """Bytes of tensor data a snapshot of ``shards`` would copy (parameters and optimizer state).
+    """Bytes of tensor data a snapshot of ``shards`` would copy (tensors and optimizer state).
 
     Example::
 
         nbytes = shard_state_bytes(my_shards, engine.stage_params, optimizer_state_by_name(opt, params))
     """
-    names = {n for s in shards for n in s.params}
-    total = sum(stage_params[n].numel() * stage_params[n].element_size() for n in names)
+    tensors = {n for s in shards if s.holds != "optimizer" for n in s.params}
+    states = {n for s in shards if s.holds != "tensors" for n in s.params}
+    total = sum(stage_tensors[n].numel() * stage_tensors[n].element_size() for n in tensors)
     for n, v in (opt or {}).get("state", {}).items():
-        if n in names:
+        if n in states:
             total += sum(t.numel() * t.element_size() for t in v.values() if isinstance(t, torch.Tensor))
     return total
 
@@ -179,15 +185,16 @@ def take_shares(
 ) -> list[StateShare]:
     """This rank's part of the state, one :class:`StateShare` per file of ``shards``.
 
-    ``state``: the stage's state in ``Engine.state_dict`` form (``params``, name-keyed
+    ``state``: the stage's state in ``Engine.state_dict`` form (``params``, ``buffers``, name-keyed
     ``optimizer``). ``copy``: host snapshots (training goes on updating the originals);
     False: the shares reference the live tensors and must be written (:func:`write_local`)
     before training changes them (Note [Snapshot to disk])."""
     take = snapshot if copy else detached
-    params, opt = state["params"], state["optimizer"]
+    tensors_of = {**state.get("buffers", {}), **state["params"]}
+    opt = state["optimizer"]
     shares = []
     for shard in shards:
-        keep = set(shard.params)
+        keep = set(shard.params) if shard.holds != "tensors" else set()
         # The synchronous part of a save (Note [Save]): a host snapshot of this rank's part.
         # Serialising it (to local disk) and copying it (to the global store) happen in the
         # background thread; the snapshot is freed once it is on local disk.
@@ -203,7 +210,8 @@ def take_shares(
                 if any(n in keep for n in g["params"])
             ],
         }
-        tensors = {n: take(params[n]) for n in shard.params}
+        names = shard.params if shard.holds != "optimizer" else ()
+        tensors = {n: take(tensors_of[n]) for n in names}
         shares.append(StateShare(step=step, rank=rank, tensors=tensors, optimizer=optimizer))
     return shares
 
@@ -234,16 +242,23 @@ def run_save_job(job: SaveJob) -> bool:
     succeeded. Never raises: a failed save must not stop training.
 
     ``job.hook`` gets the named points of a save (a test hook): ``local-write`` (before each
-    file's local write), ``copy-chunk``, ``copied``, ``marker``, then on rank 0 ``commit-tmp``
-    (between the commit file's temporary file and its rename) and ``commit``."""
+    file's local write), ``copy-chunk``, ``copied``, ``marker``, then on rank 0 ``commit-ready``
+    (every marker is in), ``commit-tmp`` (between the commit file's temporary file and its
+    rename) and ``commit``."""
     hook = job.hook or (lambda event: None)
-    copied: list[Path] = []
+    copied: dict[Path, tuple[int, int]] = {}  # what this rank put in the store: path -> (dev, inode)
+    what = f"the checkpoint of step {job.step} (rank {job.rank}'s part)"
+
+    def guard() -> contextlib.AbstractContextManager:
+        return fence_held(job.root, job.fence, what)
+
     try:
         if job.local_failure is not None:
             raise job.local_failure
         write_local(job)
         records = [r for r in job.records if r is not None]
-        job.target.mkdir(parents=True, exist_ok=True)
+        with guard():  # a stale writer stops before copying anything (Note [Checkpoint fence])
+            job.target.mkdir(parents=True, exist_ok=True)
         # Rank 0 only, on a terminal, for copies slow enough to wait for (the delay): the bar
         # shares the screen with the training loop's output.
         with Progress(
@@ -261,37 +276,47 @@ def run_save_job(job: SaveJob) -> bool:
                 hook("copy-chunk")
 
             for shard in job.shards:
-                copy_file(job.local / shard.name, job.target / shard.name, job.chunk_bytes, on_chunk)
-                copied.append(job.target / shard.name)
+                dst = job.target / shard.name
+                copy_file(job.local / shard.name, dst, job.chunk_bytes, on_chunk, guard)
+                copied[dst] = _identity(dst)
                 hook("copied")
         fsync_dir(job.target)
         if records:
             markers = job.target / MARKERS
             markers.mkdir(exist_ok=True)
             marker = {"nonce": job.nonce, "rank": job.rank, "files": records}
-            atomic_write(markers / f"rank{job.rank}.json", json.dumps(marker).encode())
+            with guard():
+                atomic_write(markers / f"rank{job.rank}.json", json.dumps(marker).encode())
+            copied[markers / f"rank{job.rank}.json"] = _identity(markers / f"rank{job.rank}.json")
             hook("marker")
         shutil.rmtree(job.local, ignore_errors=True)
         if job.rank == 0:
             commit(job, hook)
         return True
     except Exception as e:  # a failed save must not stop training: the checkpoint just never exists
-        job.error = str(e) if str(job.target) in str(e) else f"{job.target}: {e}"
+        job.error = str(e) if str(job.target) in str(e) or isinstance(e, FencedOut) else f"{job.target}: {e}"
         log.warning(
             "varuna: the checkpoint of step %d failed on rank %d and will not exist: %s",
             job.step,
             job.rank,
             job.error,
         )
-        # This rank's files of a checkpoint that will never exist (they would fill a full disk).
-        for p in [] if job.committed else copied:
+        # This rank's files of a checkpoint that will never exist (they would fill a full disk),
+        # only those still its own: a newer generation may have written the same names since.
+        for p, ident in [] if job.committed else copied.items():
             try:
-                p.unlink(missing_ok=True)
+                if _identity(p) == ident:
+                    p.unlink()
             except OSError:
                 pass
         return False
     finally:
         shutil.rmtree(job.local, ignore_errors=True)  # local copies are only a staging area
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_dev, st.st_ino
 
 
 def commit(job: SaveJob, hook: Callable[[str], None]) -> None:
@@ -321,10 +346,19 @@ def commit(job: SaveJob, hook: Callable[[str], None]) -> None:
         raise CheckpointError(f"writers produced files {got}, expected {sorted(job.expected_files)}")
     if job.metadata is None:
         raise CheckpointError("rank 0's save job has no metadata to commit")
-    job.format.commit(
-        job.target, records, job.metadata, job.layout, before_replace=lambda: hook("commit-tmp")
-    )
+    metadata = job.metadata if job.fence is None else {**job.metadata, "fence": job.fence.as_list()}
+    hook("commit-ready")
+    # The commit file's rename and the fence check are one step (Note [Checkpoint fence]): a
+    # generation that started since refuses it, however late this commit comes.
+    with fence_held(job.root, job.fence, f"the commit of the checkpoint of step {job.step}"):
+        job.format.commit(
+            job.target, records, metadata, job.layout, before_replace=lambda: hook("commit-tmp")
+        )
     job.committed = True
     hook("commit")
     shutil.rmtree(markers, ignore_errors=True)
-    prune(job.root, job.step, job.keep)
+    try:  # a generation that started since owns the store now: its steps are not ours to prune
+        with fence_held(job.root, job.fence, f"pruning after the checkpoint of step {job.step}"):
+            prune(job.root, job.step, job.keep)
+    except FencedOut as e:
+        log.warning("varuna: %s", e)

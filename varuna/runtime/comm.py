@@ -22,11 +22,32 @@ own, and each ``isend`` costs the compute thread 0.1-0.5 ms on a busy host
 (docs/benchmarks.md, Finding 7). Receivers post receives only for the number of messages
 expected in the current step, so no receive is left pending between steps and every wait has a
 timeout.
+
+Note [Receiver streams]: on CUDA each receiver thread makes its GPU current (a new thread starts
+on device 0, and its first CUDA call there would create a context on the wrong GPU) and receives
+on a stream of its own, so a receive never queues behind the compute loop's kernels. NCCL's
+``wait()`` orders that stream after the transfer, and decoding the header copies it to the host
+on that stream, so a message is complete before its arrival is queued: the compute loop may read
+it on its own stream without an event. What the loop must do is ``record_stream`` the tensors it
+takes (``ScheduleExecutor._drain``): the block belongs to the receiver's stream, and without it
+the caching allocator could hand the memory to the next receive while compute kernels that read
+it are still queued.
+
+Note [Host-staged CUDA messages]: gloo's send and receive take a tensor's raw pointer and move it
+with the host's sockets, so they cannot carry CUDA tensors (torch's ProcessGroupGloo::send passes
+``data_ptr()`` to its TCP transport; only its collectives stage CUDA tensors through the host).
+When gloo carries a CUDA job's activations (several processes on one GPU, where NCCL refuses
+duplicate devices: ``VarunaConfig.comm_backend``), messages live in pinned host memory: the sender
+copies its CUDA tensors in asynchronously and synchronizes the stream once before posting the
+send (gloo's thread reads the bytes at once); the receiver lands messages in pinned memory, and
+the compute loop copies them to the device asynchronously. Pinned blocks come from PyTorch's
+caching host allocator, which keeps a block in use until the copies that read it have finished.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import queue
 import threading
 import time
@@ -125,19 +146,26 @@ def pack_message(
     microbatch: int, tensors: tuple[torch.Tensor, ...], device: torch.device, size: int = 0
 ) -> torch.Tensor:
     """One byte tensor on ``device``: the header, then each tensor's bytes (Note [One send per
-    message]), zero-padded to ``size`` bytes if that is more than it needs."""
+    message]), zero-padded to ``size`` bytes if that is more than it needs. CUDA tensors packed
+    into a host message go through pinned memory (Note [Host-staged CUDA messages])."""
     specs = [(t.dtype, tuple(t.shape)) for t in tensors]
     offsets, nbytes = message_layout(specs)
-    msg = torch.empty(max(nbytes, size), dtype=torch.uint8, device=device)
-    msg[:HEADER_BYTES].copy_(encode_header(_DATA, microbatch, specs, nbytes).view(torch.uint8))
+    staged = device.type == "cpu" and any(t.is_cuda for t in tensors)
+    msg = torch.empty(max(nbytes, size), dtype=torch.uint8, device=device, pin_memory=staged)
+    # Host to device from pageable memory: staged by CUDA before the call returns, no device sync.
+    msg[:HEADER_BYTES].copy_(encode_header(_DATA, microbatch, specs, nbytes).view(torch.uint8),
+                             non_blocking=device.type == "cuda")
     ends = [*offsets[1:], msg.numel()]
     for t, off, end in zip(tensors, offsets, ends):
         n = t.numel() * t.element_size()
-        msg[off : off + n].view(t.dtype).view(t.shape).copy_(t)
+        msg[off : off + n].view(t.dtype).view(t.shape).copy_(t, non_blocking=staged)
         if off + n < end:  # no uninitialised memory on the wire
             msg[off + n : end].zero_()
     if not tensors and nbytes < msg.numel():
         msg[nbytes:].zero_()
+    if staged:  # gloo reads the host bytes as soon as the send is posted: they must have landed
+        for dev in {t.device for t in tensors if t.is_cuda}:
+            torch.cuda.current_stream(dev).synchronize()
     return msg
 
 
@@ -162,7 +190,8 @@ def unpack_message(
 
 def _resize_message(old_nbytes: int, new_nbytes: int, device: torch.device) -> torch.Tensor:
     msg = torch.zeros(old_nbytes, dtype=torch.uint8, device=device)
-    msg[:HEADER_BYTES].copy_(encode_header(_RESIZE, -1, [], new_nbytes).view(torch.uint8))
+    msg[:HEADER_BYTES].copy_(encode_header(_RESIZE, -1, [], new_nbytes).view(torch.uint8),
+                             non_blocking=device.type == "cuda")
     return msg
 
 
@@ -175,16 +204,20 @@ class _Worker:
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
+    def _context(self) -> contextlib.AbstractContextManager:
+        """What the thread runs under (its CUDA device and stream, Note [Receiver streams])."""
+        return contextlib.nullcontext()
+
     def _loop(self) -> None:
-        while True:
-            cmd = self.commands.get()
-            if cmd is None:
-                return
-            try:
-                self._handle(cmd)
-            except Exception as e:  # surfaced to the compute loop, which raises it
-                self.inbox.put(e)
-                return
+        try:
+            with self._context():
+                while True:
+                    cmd = self.commands.get()
+                    if cmd is None:
+                        return
+                    self._handle(cmd)
+        except Exception as e:  # surfaced to the compute loop, which raises it
+            self.inbox.put(e)
 
     def close(self, timeout_s: float = 10.0) -> None:
         self.commands.put(None)
@@ -284,7 +317,13 @@ class LinkSender:
 
 
 class LinkReceiver(_Worker):
-    """Receives messages from ``peer`` and puts :class:`Arrival`\\ s into the inbox."""
+    """Receives messages from ``peer`` and puts :class:`Arrival`\\ s into the inbox.
+
+    ``device``: where messages land; ``compute_device`` (default: the same): where the compute
+    loop uses them. CUDA messages are received on the thread's own stream and handed to the
+    compute loop's stream (Note [Receiver streams]); host messages for a CUDA compute loop land in
+    pinned memory, so the loop's copy to the device is asynchronous (Note [Host-staged CUDA
+    messages])."""
 
     def __init__(
         self,
@@ -295,10 +334,25 @@ class LinkReceiver(_Worker):
         device: torch.device,
         inbox: queue.Queue,
         timeout_s: float,
+        *,
+        compute_device: torch.device | None = None,
     ):
         self.kind, self.peer, self.group, self.device = kind, peer, group, device
+        self.compute_device = compute_device if compute_device is not None else device
         self._expected = HEADER_BYTES  # size of the next message (Note [One send per message])
+        self._pin = device.type == "cpu" and self.compute_device.type == "cuda"
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         super().__init__(name, inbox, timeout_s)
+
+    def _context(self) -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        if self.compute_device.type == "cuda":
+            # A new thread's current device is 0: without this, a rank on cuda:1 would create a
+            # context (hundreds of MB) on GPU 0 at its first CUDA call here.
+            stack.enter_context(torch.cuda.device(self.compute_device))
+        if self._stream is not None:
+            stack.enter_context(torch.cuda.stream(self._stream))
+        return stack
 
     def expect(self, count: int) -> None:
         """Receive ``count`` messages (the current step's) and then idle."""
@@ -317,6 +371,9 @@ class LinkReceiver(_Worker):
             self.inbox.put(Arrival(self.kind, mb, tensors))
 
     def _recv(self, nbytes: int) -> torch.Tensor:
-        msg = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        msg = torch.empty(nbytes, dtype=torch.uint8, device=self.device, pin_memory=self._pin)
+        # NCCL: wait() orders this thread's stream after the receive; decoding the header then
+        # copies it to the host on that stream, so the whole message has landed when the
+        # arrival is queued (Note [Receiver streams]).
         dist.irecv(msg, self.peer, self.group).wait(self.timeout)
         return msg

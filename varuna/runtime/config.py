@@ -24,24 +24,29 @@ from typing import Any
 
 import torch
 
-from varuna.core.env import PLAN_COSTS, ProcessEnv, RunPlan, WorkerSettings
+from varuna.core.env import COMM_BACKENDS, PLAN_COSTS, ProcessEnv, RunPlan, WorkerSettings
+from varuna.core.flops import check_peak_tflops
 from varuna.core.schedule import DEFAULT_SCHEDULE, SCHEDULE_KINDS, schedule_kind
+from varuna.core.selective_recompute import check_recompute_segments
 from varuna.runtime.config_groups import (
     FLAT_FIELDS,
+    GRAD_REDUCES,
     GROUPS,
     CheckpointConfig,
     CuttingConfig,
     DeterminismConfig,
     MetricsConfig,
     NumericsConfig,
+    OptimizerStateConfig,
     PipelineConfig,
     TimeoutConfig,
 )
 from varuna.testing.negative_controls import NegativeControls
 
-__all__ = ["PLAN_COSTS", "PRECISIONS", "PLANNED_FIELDS", "VarunaConfig", "StepResult", "StepTimings",
-           "adopt_plan", "adopt_cut_env", "CheckpointConfig", "CuttingConfig", "DeterminismConfig",
-           "MetricsConfig", "NumericsConfig", "PipelineConfig", "TimeoutConfig"]
+__all__ = ["COMM_BACKENDS", "PLAN_COSTS", "PRECISIONS", "PLANNED_FIELDS", "VarunaConfig", "StepResult",
+           "StepTimings", "adopt_plan", "adopt_cut_env", "CheckpointConfig", "CuttingConfig",
+           "DeterminismConfig", "MetricsConfig", "NumericsConfig", "OptimizerStateConfig", "PipelineConfig",
+           "TimeoutConfig"]
 
 #: Autocast dtype per ``VarunaConfig.precision`` (None: plain fp32).
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -127,8 +132,8 @@ class VarunaConfig:
         >>> cfg = VarunaConfig(global_batch_size=32, micro_batch_size=4, schedule="1f1b",
         ...                    checkpoints=CheckpointConfig(dir="/ckpt", every=100),
         ...                    determinism=DeterminismConfig(enabled=True))
-        >>> cfg.checkpoints.every, cfg.determinism.enabled, cfg.pipeline.recompute
-        (100, True, True)
+        >>> cfg.checkpoints.every, cfg.determinism.enabled, cfg.optimizer_state.offload
+        (100, True, False)
     """
 
     global_batch_size: int | None = None
@@ -153,7 +158,13 @@ class VarunaConfig:
     max_grad_norm: float | None = None
     """Clip by the global gradient norm over all stages (shared parameters counted once)."""
     device: str | None = None
-    """Default: cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    """Default: cuda:LOCAL_RANK when CUDA is available (LOCAL_RANK modulo the GPU count: more
+    processes than GPUs share them), else cpu."""
+    comm_backend: str | None = None
+    """Backend of the engine's CUDA traffic (activations, gradients, all-reduces): "nccl", or
+    "gloo" (activations and gradients staged through pinned host memory, all-reduces through
+    gloo's CUDA support). None: $VARUNA_COMM_BACKEND, else nccl unless some processes share a GPU
+    (NCCL refuses two ranks on one device), then gloo for the whole job (docs/gpu.md)."""
     stop_signals: tuple[str, ...] = ("SIGUSR1", "SIGTERM")
     """Signals that ask for a graceful stop: every rank finishes the current mini-batch, runs the
     stop callbacks (e.g. writes a checkpoint) and exits 0. Empty: install no handler."""
@@ -171,6 +182,8 @@ class VarunaConfig:
     """fp16 loss scaling and the non-finite loss policy."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """TensorBoard events and task timelines."""
+    optimizer_state: OptimizerStateConfig = field(default_factory=OptimizerStateConfig)
+    """Optimizer state sharded over the replicas and/or offloaded to host memory (docs/memory.md)."""
     _negative_controls: NegativeControls = field(default_factory=NegativeControls, repr=False)
     """Test-only (varuna.testing.negative_controls): not part of the public configuration."""
 
@@ -213,6 +226,10 @@ class VarunaConfig:
             self.schedule = DEFAULT_SCHEDULE
         if self.pipeline.chunks is None:
             self.pipeline = dataclasses.replace(self.pipeline, chunks=1)
+        if self.optimizer_state.shard is None:
+            self.optimizer_state = dataclasses.replace(self.optimizer_state, shard=False)
+        if self.pipeline.recompute is None:
+            self.pipeline = dataclasses.replace(self.pipeline, recompute=True)
 
     def validate(self) -> None:
         """Raise ``ValueError`` (one line) for a setting the engine cannot run with; the batch
@@ -244,12 +261,48 @@ class VarunaConfig:
             )
         self._validate_cutting()
         self._validate_tensorboard_dir()
+        if self.comm_backend not in (None, *COMM_BACKENDS):
+            raise ValueError(
+                f"unknown comm_backend {self.comm_backend!r}; choose {' or '.join(COMM_BACKENDS)} "
+                "(or None: automatic)"
+            )
+        peak = check_peak_tflops(self.metrics.peak_tflops, "metrics.peak_tflops")
+        self.metrics = dataclasses.replace(self.metrics, peak_tflops=peak)
         if self.numerics.max_nonfinite_steps < 0:
             raise ValueError(
                 "numerics.max_nonfinite_steps must be >= 0, 0 to never stop "
                 f"(got {self.numerics.max_nonfinite_steps})"
             )
         self._validate_mixed()
+        self._validate_optimizer_state()
+        self._validate_recompute_segments()
+
+    def _validate_recompute_segments(self) -> None:
+        segments = self.pipeline.recompute_segments
+        problem = check_recompute_segments(segments)
+        if problem is not None:
+            raise ValueError(problem)
+        schedule = DEFAULT_SCHEDULE if self.schedule is None else self.schedule
+        if segments is not None and schedule_kind(schedule).splits_backward:
+            raise ValueError(
+                f"pipeline.recompute_segments is not supported with schedule {schedule} (its split backward "
+                "needs one graph per stage); drop recompute_segments or pick another schedule"
+            )
+
+    def _validate_optimizer_state(self) -> None:
+        o = self.optimizer_state
+        if o.grad_reduce not in GRAD_REDUCES:
+            raise ValueError(
+                f"unknown optimizer_state.grad_reduce {o.grad_reduce!r}; choose {', '.join(GRAD_REDUCES)}"
+            )
+        schedule = DEFAULT_SCHEDULE if self.schedule is None else self.schedule
+        versions = schedule_kind(schedule).weight_versions
+        if (o.shard or o.offload) and versions > 1:
+            raise ValueError(
+                f"schedule {schedule} keeps {versions} weight versions and steps inside a window; sharded or "
+                "offloaded optimizer state is not supported with it: pick a synchronous schedule or turn "
+                "optimizer_state.shard/offload off"
+            )
 
     def _validate_plan(self) -> None:
         if self.global_batch_size is None:
@@ -350,6 +403,9 @@ PLANNED_FIELDS: Mapping[str, tuple[str, ...]] = {
     "stage_ranges": ("pipeline", "stage_ranges"),
     "replica_shares": ("pipeline", "replica_shares"),
     "stage_speeds": ("pipeline", "stage_speeds"),
+    "recompute": ("pipeline", "recompute"),
+    "recompute_segments": ("pipeline", "recompute_segments"),
+    "shard_optimizer": ("optimizer_state", "shard"),
 }
 
 # Per planned field: its variable and how to make script and plan agree (the refusal's fix).
@@ -366,6 +422,11 @@ _HOW_TO_AGREE = {
                      "--pipeline-depth instead of auto-config"),
     "replica_shares": ("VARUNA_REPLICA_SHARES", "to run the shares planned for the cluster's VM types"),
     "stage_speeds": ("VARUNA_STAGE_SPEEDS", "to run the speeds planned for the cluster's VM types"),
+    "recompute": ("VARUNA_RECOMPUTE", "to run what auto-config chose for the memory it planned with"),
+    "recompute_segments": ("VARUNA_RECOMPUTE_SEGMENTS", "to run what auto-config chose for the memory it "
+                           "planned with"),
+    "shard_optimizer": ("VARUNA_SHARD_OPTIMIZER", "to run what auto-config chose for the memory it "
+                        "planned with"),
 }
 
 
@@ -391,7 +452,7 @@ def _comparable(name: str, value: Any) -> Any:
         return tuple((int(a), int(b)) for a, b in value)
     if name == "stage_speeds":
         return tuple(float(v) for v in value)
-    if name == "replica_shares":
+    if name in ("replica_shares", "recompute_segments"):
         return tuple(value)
     return value
 
@@ -400,8 +461,10 @@ def _shown(name: str, value: Any) -> str:
     """A value as its variable writes it (``0-1,2-3`` for ranges, ``3,1`` for shares)."""
     if name == "stage_ranges":
         return ",".join(f"{a}-{b}" for a, b in value)
+    if isinstance(value, bool):
+        return str(int(value))
     if isinstance(value, (tuple, list)):
-        return ",".join(str(v) for v in value)
+        return ",".join(str(v) for v in value) or ("none" if name == "recompute_segments" else "")
     return str(value)
 
 
@@ -466,6 +529,16 @@ class StepResult:
     """This rank's per-task compute times during the step."""
     step_s: float = 0.0
     """Wall seconds of the whole step on this rank (``samples_per_s`` is global_batch_size / step_s)."""
+    model_flops: float | None = None
+    """The whole job's model FLOPs of the step: 3 × the forward's (Note [Model FLOPs] in
+    varuna/core/flops.py); None when the dry run counted none."""
+    tflops: float | None = None
+    """Model TFLOP/s per device: ``model_flops`` / ``step_s`` / (P×D) / 1e12."""
+    hardware_tflops: float | None = None
+    """As ``tflops``, counting the recomputed forwards too (what the devices executed)."""
+    mfu: float | None = None
+    """Model FLOPs utilisation: ``tflops`` over one device's peak (``metrics.peak_tflops``,
+    $VARUNA_PEAK_TFLOPS, or the table of known GPUs); None when the peak is unknown (CPU)."""
 
 
 def adopt_cut_env(config: VarunaConfig, environ: Mapping[str, str] | None = None) -> None:

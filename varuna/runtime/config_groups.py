@@ -34,6 +34,7 @@ __all__ = [
     "GROUPS",
     "MetricsConfig",
     "NumericsConfig",
+    "OptimizerStateConfig",
     "PipelineConfig",
     "TimeoutConfig",
 ]
@@ -48,16 +49,25 @@ class PipelineConfig:
 
     Example::
 
-        >>> PipelineConfig(chunks=2).recompute
-        True
+        >>> PipelineConfig(chunks=2).stash_headroom
+        4
     """
 
     chunks: int | None = None
     """v: model chunks per process for the interleaved kinds (>= 2; the model then needs P·v - 1
     cut-points and ``stage_ranges``, if given, P·v ranges in virtual-stage order); 1 otherwise.
     None: the run plan's (``varuna-launch --chunks``), else 1."""
-    recompute: bool = True
-    """Activation recompute for gpipe/1f1b (varuna always recomputes except on its last stage)."""
+    recompute: bool | None = None
+    """Activation recompute for gpipe/1f1b (varuna always recomputes except on its last stage).
+    None: the run plan's (auto-config's choice: off wherever memory allows, ``$VARUNA_RECOMPUTE``),
+    else on."""
+    recompute_segments: tuple[int, ...] | None = None
+    """Selective recompute: the segments (global indices) whose activations a recomputed
+    micro-batch recomputes; the stage's other segments keep theirs from the forward (Note
+    [Selective recompute] in varuna/core/selective_recompute.py). ``()``: none (the recomputing
+    stages keep every activation). None: every segment of a recomputing stage (whole-stage recompute).
+    Applies where the schedule recomputes (``recompute``; varuna's stages but the last); not with
+    the zero-bubble kinds, whose split backward needs one graph per stage."""
     stash_headroom: int = DEFAULT_STASH_HEADROOM
     """varuna schedule: how many more boundary inputs than its list's peak a stage may stash by
     running graph-less forwards out of list order -- while it waits for a late gradient, or to
@@ -77,6 +87,14 @@ class PipelineConfig:
     time, a segment costing c taking c / speed on its stage, so a slower VM's stage gets less of the
     model. Ignored with explicit ``stage_ranges``. None: the run plan's (``$VARUNA_STAGE_SPEEDS``),
     else every stage alike."""
+    stage_memory: int | tuple[int, ...] | None = None
+    """Bytes each stage's process may use (one value for all, or one per stage): where the
+    time-balanced split would put more on a stage -- its weights, gradients and optimizer state
+    (Adam's two moments assumed; 1/D of them when ``optimizer_state.shard``) and its stashed
+    boundary activations, with 80 MiB and 5 % kept for the rest -- the split moves segments off it, the
+    least time lost (Note [Memory-aware split] in varuna/core/partition.py). None: the process's
+    hard limit (room under ``RLIMIT_AS``, a cgroup's ``memory.max`` share, an accelerator's
+    memory), else unbounded. Ignored with explicit ``stage_ranges``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,6 +157,12 @@ class CheckpointConfig:
     resume: str | bool | None = None
     """"1"/True: load the newest complete checkpoint (error if none); "auto": if there is one;
     "0"/False: never. None: $VARUNA_RESUME (default never)."""
+    init_from: str | None = None
+    """Start from these weights when the run does not resume: a checkpoint directory of any
+    registered format (or a checkpoint root: its newest), a Hugging Face model directory
+    (``save_pretrained``: ``model.safetensors`` or sharded with its index) or a DCP checkpoint.
+    Each stage reads only its own tensors (a model built on ``meta`` never holds the whole one);
+    the optimizer, step and data start fresh (docs/checkpoints.md "Formats")."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,6 +180,40 @@ class DeterminismConfig:
     gradients, norms and losses; deterministic kernels; pinned threads."""
     threads: int = 1
     """Intra-op threads in deterministic mode (kernels may sum in a thread-count-dependent order)."""
+
+
+GRAD_REDUCES = ("auto", "all_reduce", "reduce_scatter")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerStateConfig:
+    """Where the optimizer state lives (varuna/runtime/sharded_optimizer.py, docs/memory.md):
+    sharded over each stage's D replicas (ZeRO-1), offloaded to host memory, or (default) whole
+    beside the weights on every replica.
+
+    Example::
+
+        >>> OptimizerStateConfig(shard=True).grad_reduce
+        'auto'
+    """
+
+    shard: bool | None = None
+    """Each of a stage's D replicas keeps and steps the optimizer state of 1/D of the stage's
+    parameters (flat, aligned shards), then the updated weights are all-gathered: the optimizer
+    state per replica shrinks by D (Adam: 8 of ~16 bytes per parameter). Bit-identical in
+    deterministic mode; checkpoints stay by parameter name, so any layout resumes them. Needs an
+    elementwise optimizer (Adam, AdamW, SGD, ...: ``ELEMENTWISE_OPTIMIZERS``). None: the run
+    plan's (auto-config's choice, ``$VARUNA_SHARD_OPTIMIZER``), else off."""
+    offload: bool = False
+    """Keep this replica's optimizer state (and a copy of the parameters it steps) in host memory,
+    pinned when the model is on an accelerator, and step it there; only the updated weights go
+    back. Combines with ``shard``."""
+    grad_reduce: str = "auto"
+    """How sharded gradients are summed over the replicas: "reduce_scatter" (each replica gets its
+    shard's sum: half an all-reduce's traffic), "all_reduce" (every replica gets every sum, then
+    reads its shard), or "auto": reduce-scatter on NCCL, all-reduce on gloo (whose reduce-scatter
+    measured slower than its all-reduce here: docs/memory.md). Deterministic mode always sums
+    canonically (all-reduce form)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,11 +266,15 @@ class MetricsConfig:
 
     tensorboard_dir: str | None = None
     """Also write the per-step metrics as TensorBoard events here (rank 0; loss, grad norm,
-    samples/s, step time, P, D; text events for resumes and morphs): see
+    samples/s, step time, TFLOP/s and MFU, P, D; text events for resumes and morphs): see
     varuna/runtime/tensorboard.py. None: $VARUNA_TENSORBOARD_DIR (``varuna-launch
     --tensorboard-dir``), else off. Needs ``pip install 'varuna[tensorboard]'``."""
     record_timeline: bool = False
     """Record (stage, op, micro-batch, start, end) of every task, for traces."""
+    peak_tflops: float | None = None
+    """Dense peak TFLOP/s of one device at the run's precision, for MFU (``StepResult.mfu``).
+    None: $VARUNA_PEAK_TFLOPS, else the table of known GPUs (varuna/core/flops.py); on a CPU or
+    an unknown device MFU is then None (TFLOP/s are still reported, docs/metrics.md)."""
 
 
 #: Each group's field name on ``VarunaConfig`` and its class.
@@ -225,6 +287,7 @@ GROUPS: Mapping[str, type] = MappingProxyType(
         "timeouts": TimeoutConfig,
         "numerics": NumericsConfig,
         "metrics": MetricsConfig,
+        "optimizer_state": OptimizerStateConfig,
     }
 )
 
@@ -251,6 +314,7 @@ FLAT_FIELDS: Mapping[str, tuple[str, str]] = MappingProxyType(
         "checkpoint_snapshot": ("checkpoints", "snapshot"),
         "checkpoint_format": ("checkpoints", "format"),
         "resume": ("checkpoints", "resume"),
+        "init_from": ("checkpoints", "init_from"),
         "deterministic": ("determinism", "enabled"),
         "deterministic_threads": ("determinism", "threads"),
         "comm_timeout_s": ("timeouts", "comm_s"),

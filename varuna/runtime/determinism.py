@@ -35,10 +35,18 @@ Example::
 
 from __future__ import annotations
 
+import os
+from collections.abc import MutableMapping
+
 import torch
 import torch.distributed as dist
 
+from varuna.core.env import ProcessEnv
+
 __all__ = [
+    "CUBLAS_DETERMINISTIC",
+    "cuda_deterministic_env",
+    "deterministic_kernels",
     "TreeAccumulator",
     "combine_nodes",
     "canonical_allreduce",
@@ -46,6 +54,61 @@ __all__ = [
     "DeterminismError",
     "first_difference",
 ]
+
+
+#: cuBLAS workspace settings under which its results do not depend on scheduling (CUDA >= 10.2):
+#: ``:4096:8`` (8 buffers of 4 MiB) or ``:16:8`` (less memory, slower).
+CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
+
+# Note [Deterministic CUDA]: ``torch.use_deterministic_algorithms(True)`` makes PyTorch refuse
+# kernels without a deterministic implementation, and raise at the first cuBLAS matmul unless
+# ``CUBLAS_WORKSPACE_CONFIG`` is one of :data:`CUBLAS_DETERMINISTIC` -- cuBLAS otherwise splits
+# work across its workspace in a stream-dependent way (CUDA docs, "Results reproducibility"). The
+# variable is read when the process creates its cuBLAS handle and sizes PyTorch's workspace
+# (once), so it must be in the environment before the process's first CUDA matmul: the engine sets
+# it (:func:`cuda_deterministic_env`) first thing in its constructor, before its dry run or any
+# kernel; a script that runs CUDA matmuls of its own before building the engine must export it
+# itself (docs/determinism.md). cuDNN's autotuner may pick a different (each deterministic)
+# algorithm per run, so ``cudnn.benchmark`` is turned off too.
+
+
+def cuda_deterministic_env(env: ProcessEnv | None = None,
+                           environ: MutableMapping[str, str] | None = None) -> str:
+    """Put ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` in ``environ`` (default ``os.environ``, which
+    cuBLAS reads) unless the user set a deterministic value (Note [Deterministic CUDA]); another
+    value is a ``ValueError`` (one line). ``env``: this process's parsed environment (default:
+    parsed from ``environ``). Returns the value in force. Harmless without CUDA.
+
+    >>> env = {}
+    >>> cuda_deterministic_env(environ=env), env
+    (':4096:8', {'CUBLAS_WORKSPACE_CONFIG': ':4096:8'})
+    """
+    env = ProcessEnv.from_env(environ) if env is None else env
+    value = env.cublas_workspace_config
+    if value is None:
+        # cuBLAS reads the process environment when it creates its handle: the choice goes there.
+        if environ is None:
+            os.environ.update({"CUBLAS_WORKSPACE_CONFIG": CUBLAS_DETERMINISTIC[0]})
+        else:
+            environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC[0]
+        return CUBLAS_DETERMINISTIC[0]
+    if value not in CUBLAS_DETERMINISTIC:
+        raise ValueError(
+            f"deterministic mode needs CUBLAS_WORKSPACE_CONFIG={CUBLAS_DETERMINISTIC[0]} (or "
+            f"{CUBLAS_DETERMINISTIC[1]}), but it is {value!r}: unset it or set one of those"
+        )
+    return value
+
+
+def deterministic_kernels(threads: int) -> None:
+    """Deterministic kernels in this process (Note [Deterministic CUDA]): PyTorch's deterministic
+    algorithms, no cuDNN autotuning, and ``threads`` intra-op CPU threads (a CPU kernel's
+    summation order may depend on the thread count). ``CUBLAS_WORKSPACE_CONFIG`` must already be
+    in force (:func:`cuda_deterministic_env`, which the engine calls first thing)."""
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.set_num_threads(threads)
 
 
 class DeterminismError(RuntimeError):
@@ -151,9 +214,12 @@ def canonical_allreduce(
         return combine_nodes(nodes, num_leaves)
     numel = next(iter(nodes.values())).numel()
     dtype = next(iter(nodes.values())).dtype
+    # The gradients stay on their device (a CUDA stage's went through the host and came back as CPU
+    # gradients of CUDA parameters); the node ids are host bookkeeping (the group's gloo part).
+    device = next(iter(nodes.values())).device
     maxn = 2 * (tree_levels(num_leaves) + 1)
     ids = torch.full((maxn, 2), -1, dtype=torch.int64)
-    stacked = torch.zeros(maxn, numel, dtype=dtype)
+    stacked = torch.zeros(maxn, numel, dtype=dtype, device=device)
     for row, (key, t) in enumerate(sorted(nodes.items())):
         ids[row, 0], ids[row, 1] = key
         stacked[row] = t
@@ -162,7 +228,7 @@ def canonical_allreduce(
     bounds = [(numel * j) // group_size for j in range(group_size + 1)]
     send = torch.cat([stacked[:, bounds[j] : bounds[j + 1]].reshape(-1) for j in range(group_size)])
     mine = bounds[my_index + 1] - bounds[my_index]
-    recv = torch.empty(maxn * mine * group_size, dtype=dtype)
+    recv = torch.empty(maxn * mine * group_size, dtype=dtype, device=device)
     dist.all_to_all_single(
         recv,
         send,
@@ -179,9 +245,9 @@ def canonical_allreduce(
                 shard_nodes[(level, index)] = blocks[r, row]
     shard = combine_nodes(shard_nodes, num_leaves)
     width = max(bounds[j + 1] - bounds[j] for j in range(group_size))
-    padded = torch.zeros(width, dtype=dtype)
+    padded = torch.zeros(width, dtype=dtype, device=device)
     padded[:mine] = shard
-    gathered = [torch.empty(width, dtype=dtype) for _ in range(group_size)]
+    gathered = [torch.empty(width, dtype=dtype, device=device) for _ in range(group_size)]
     dist.all_gather(gathered, padded, group=group)
     return torch.cat([gathered[j][: bounds[j + 1] - bounds[j]] for j in range(group_size)])
 
@@ -313,7 +379,7 @@ class DeterministicGrads:
         ranks = sorted(layout.rank_of(k, d) for k in stages for d in range(layout.D))
         group = next(g for g, names in self.groups.shared if n in names)
         like = next(iter(rows.values()))
-        mine = torch.zeros(len(segs), *like.shape, dtype=like.dtype)
+        mine = torch.zeros(len(segs), *like.shape, dtype=like.dtype, device=like.device)
         for i, s in enumerate(segs):
             if s in rows:
                 mine[i] = rows[s]
@@ -331,11 +397,17 @@ class DeterministicGrads:
         nseg = self.profile.num_segments
         v = torch.zeros(nseg + 2 + self.n, dtype=torch.float64)
         if self.layout.replica == 0:
+            slots, squares = [], []
             for n, p in self.trainable.items():
                 if n in norm_elsewhere:
                     continue
-                s0 = self.profile.param_segments.get(n, (self.first_segment,))[0]
-                v[s0] += torch.linalg.vector_norm(p.grad).double() ** 2
+                slots.append(self.profile.param_segments.get(n, (self.first_segment,))[0])
+                squares.append(torch.linalg.vector_norm(p.grad).double() ** 2)
+            # One copy to the host (a CUDA stage's norms are on its device); added in the same
+            # order as ever, in float64 either way: the same bits.
+            values = torch.stack(squares).cpu().tolist() if squares else []
+            for s0, sq in zip(slots, values):
+                v[s0] += sq
         v[nseg] = float(nonfinite)
         v[nseg + 1] = float(stop)
         for g, loss in self.losses.items():

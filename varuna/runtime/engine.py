@@ -40,31 +40,66 @@ import torch.distributed as dist
 from torch import nn
 
 from varuna.core.batching import plan_microbatches
+from varuna.core.config_error import ConfigError, install_excepthook
 from varuna.core.env import ProcessEnv
 from varuna.core.partition import check_speeds
 from varuna.core.schedule import Task, schedule_kind
+from varuna.core.selective_recompute import recompute_set
 from varuna.core.timeline import Timeline
 from varuna.cutting.batches import batch_size_of, slice_batch
 from varuna.cutting.cutpoint import CarryPlan, CutPoint, SplitState
 from varuna.cutting.loss import default_loss
 from varuna.cutting.split import ModelProfile, materialize_stage
+from varuna.runtime import whole_state
+from varuna.runtime.buffers import stage_buffer_names
 from varuna.runtime.checkpoint import Checkpointer, checkpoint_format
 from varuna.runtime.config import StepResult, VarunaConfig, adopt_plan, adopt_settings
+from varuna.runtime.determinism import cuda_deterministic_env, deterministic_kernels
 from varuna.runtime.executor import ScheduleExecutor, StageModel
+from varuna.runtime.flops import StepFlops, engine_flops, step_metrics
 from varuna.runtime.grad_sync import GradientSync, allreduce_scalars
 from varuna.runtime.groups import ProcessGroups, StageLinks, build_groups
-from varuna.runtime.layout import Layout, init_distributed, pick_device
+from varuna.runtime.layout import Layout, choose_transport, init_distributed, pick_device
 from varuna.runtime.loss_scale import DynamicLossScale, NonFiniteLosses, NonFiniteLossStop
 from varuna.runtime.no_flush import MAX_WINDOW_STEPS, WindowFeed, no_flush_unsupported
-from varuna.runtime.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
 from varuna.runtime.peer_watch import PeerWatch, watching
 from varuna.runtime.plugins import run_plugins
-from varuna.runtime.stages import assign_stages, chunks_per_process, planning_profile
+from varuna.runtime.sharded_optimizer import (
+    FlatParameters,
+    ShardedOptimizer,
+    stage_optimizer_state,
+)
+from varuna.runtime.stages import assign_stages, chunks_per_process, planning_profile, stage_memory_for
 from varuna.runtime.tensorboard import TensorBoardLog, adopt_tensorboard_settings, require_tensorboard
 from varuna.runtime.timeline_gather import gather_timeline
-from varuna.runtime.weight_versions import add_previous, pop_previous, stale_weights, weight_versions_for
+from varuna.runtime.weight_versions import stale_weights, weight_versions_for
+from varuna.runtime.whole_state import StageExtras, preserved_buffers
 
 __all__ = ["VarunaConfig", "Engine", "StepResult", "NonFiniteLossStop"]
+
+
+def _adopt_environment(config: VarunaConfig) -> tuple[ProcessEnv, str | None]:
+    """Read this process's environment once (Note [One parser]), adopt the run plan and the
+    launcher's settings into ``config`` and check them: settings only, no user code, so any
+    ``ValueError`` is a :class:`ConfigError` (one line, Note [One-line refusals])."""
+    try:
+        env = ProcessEnv.from_env()
+        plan_note = adopt_plan(config, env.plan)  # Note [Run plan] in varuna/core/env.py
+        config.fill_planned_defaults()
+        adopt_settings(config, env.settings)
+        adopt_tensorboard_settings(config, env.settings)
+        config.validate()
+        checkpoint_format(config.checkpoints.format)  # an unknown format: one line, before any group
+        for what, where in (("checkpoints.dir", config.checkpoints.dir or env.settings.checkpoint_dir),
+                            ("checkpoints.local_dir", config.checkpoints.local_dir)):
+            if where and os.path.exists(where) and not os.path.isdir(where):  # else every save fails
+                raise ConfigError(f"{what} {where} is a file, not a directory; pick a directory "
+                                  "(varuna-launch --checkpoint-dir DIR; it is created when missing)")
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return env, plan_note
 
 
 class Engine:
@@ -75,7 +110,10 @@ class Engine:
     used, for the dry run). ``optimizer``: builds the stage's optimizer from its parameters.
     ``loss_fn(output, microbatch)``: the scalar *mean* loss of a micro-batch; default: the model returns
     it. ``param_init(module_name, module)``: how a ``meta`` model's modules are initialised (default:
-    ``reset_parameters``).
+    ``reset_parameters``). ``lr_scheduler(optimizer)``: builds the stage's learning-rate scheduler
+    (e.g. ``lambda opt: CosineAnnealingLR(opt, 1000)``), stepped after every mini-batch and saved
+    with the whole state (docs/checkpoints.md "Whole state"); :meth:`register_state` adds your own
+    stateful objects.
 
     Hooks: :meth:`add_step_callback` (after every step, with its :class:`StepResult`),
     :meth:`add_stop_callback` (before a graceful stop exits), and the plugins named in
@@ -91,16 +129,14 @@ class Engine:
         optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
         loss_fn: Callable | None = None,
         param_init: Callable[[str, nn.Module], None] | None = None,
+        lr_scheduler: Callable[[torch.optim.Optimizer], object] | None = None,
     ) -> None:
+        install_excepthook()  # a ConfigError is one line and exit 78 (Note [One-line refusals])
         config = dataclasses.replace(config)  # the caller's object stays as it was (groups are frozen)
-        env = ProcessEnv.from_env()  # the one read of this process's environment (Note [One parser])
-        plan_note = adopt_plan(config, env.plan)  # Note [Run plan] in varuna/core/env.py
-        config.fill_planned_defaults()
-        adopt_settings(config, env.settings)
-        adopt_tensorboard_settings(config, env.settings)
-        config.validate()
+        env, plan_note = _adopt_environment(config)
+        if config.determinism.enabled:
+            cuda_deterministic_env(env)  # before this process's first cuBLAS call (Note [Deterministic CUDA])
         require_tensorboard(config)  # before any group: a missing package stops every rank at once
-        checkpoint_format(config.checkpoints.format)  # an unknown format: one line, before any group
         self._tb: TensorBoardLog | None = None
         self.config = config
         self.env = env
@@ -117,10 +153,10 @@ class Engine:
         self.model = model
         #: what a live morph needs to build this engine again on a fresh model (live_morph.py)
         self.rebuild_args = {"example_batch": example_batch, "optimizer": optimizer, "loss_fn": loss_fn,
-                             "param_init": param_init}
+                             "param_init": param_init, "lr_scheduler": lr_scheduler}
         self._build_stage(model, example_batch, param_init)
         self._build_training(optimizer)
-        self._build_comm()
+        self._build_comm(lr_scheduler)
         self.step_count = 0
         self._uncommitted = False  # inside a step whose optimizer step has not run yet
         self.executed_orders: list[list[Task]] = []
@@ -133,7 +169,8 @@ class Engine:
         self.checkpointer = Checkpointer(self)  # save on stop, periodic saves, resume
         self.checkpointer.attach()  # a collective when resuming: every rank loads the same step
         self._nonfinite = NonFiniteLosses(limit=config.numerics.max_nonfinite_steps, rank=self.layout.rank)
-        self._watch = PeerWatch.for_world(self.layout.rank, self.layout.world, config.timeouts.peer_s)
+        self._watch = PeerWatch.for_world(self.layout.rank, self.layout.world, config.timeouts.peer_s,
+                                          stop_signals=config.stop_signals)
         self._close_at_exit()
         self._tb = TensorBoardLog.attach(self)  # after a resume: it notes the resume and any morph
         run_plugins(self, env.settings.engine_plugins)
@@ -143,20 +180,9 @@ class Engine:
     def _build_stage(self, model: nn.Module, example_batch, param_init) -> None:
         """Dry run, stage assignment and materialisation of this process's stage."""
         config, P = self.config, self.layout.P
-        _place_cutpoints(model, example_batch, config, self.loss_fn, self.layout)  # before the dry run
-        self.micro_plan = _plan_step(config, self.layout)
-        self.device = pick_device(config.device, local_rank=self.env.local_rank)
-        self._split = SplitState()
-        first = slice_batch(example_batch, 0, min(config.micro_batch_size, batch_size_of(example_batch)))
-        self.profile: ModelProfile = planning_profile(model, first, self.loss_fn, config, self.layout)
-        self.chunks = v = chunks_per_process(config, P, self.profile.num_cutpoints, self.micro_plan)
-        if P > 1:  # refuse hidden dependencies (values crossing a boundary outside a CutPoint)
-            from varuna.cutting.tracer import carry_specs, check_splittable
-
-            report = check_splittable(model, first, self.loss_fn, warn=self.layout.rank == 0)
-            if report is not None:  # e.g. a rotary embedding every layer reads runs on every stage
-                self.profile.glue_modules = set(report.replicated_modules)
-                self.profile.carried = carry_specs(report)  # e.g. T5's encoder output, read by the decoder
+        with preserved_buffers(model):  # the dry runs must not move BatchNorm's statistics
+            self._dry_runs(model, example_batch)
+        v = self.chunks
         self.stage_ranges = assign_stages(
             self.layout,
             self.profile,
@@ -165,7 +191,9 @@ class Engine:
             explicit=config.pipeline.stage_ranges,
             speeds=config.pipeline.stage_speeds,
             chunks=v,
+            memory=stage_memory_for(config, self.layout, self.device, self.micro_plan),
         )
+        self.flops: StepFlops | None = engine_flops(self)  # a collective: rank 0's count reaches every rank
         mine = self.stage_ranges[self.stage :: P]  # interleaved: virtual stages stage, stage + P, ...
         self.first_segment, self.last_segment = mine[0][0], mine[-1][1]
         for cp in model.modules():
@@ -186,14 +214,33 @@ class Engine:
         )
         self._trainable = {n: p for n, p in self.stage_params.items() if p.requires_grad}
 
+    def _dry_runs(self, model: nn.Module, example_batch) -> None:
+        """Cut-points, the micro-batch plan, the dry run's profile, the hidden-dependency check."""
+        config, P = self.config, self.layout.P
+        _place_cutpoints(model, example_batch, config, self.loss_fn, self.layout)  # before the dry run
+        self.micro_plan = _plan_step(config, self.layout)
+        self.device = pick_device(config.device, local_rank=self.env.local_rank)
+        self._split = SplitState()
+        first = slice_batch(example_batch, 0, min(config.micro_batch_size, batch_size_of(example_batch)))
+        self.profile: ModelProfile = planning_profile(model, first, self.loss_fn, config, self.layout)
+        self.chunks = chunks_per_process(config, P, self.profile.num_cutpoints, self.micro_plan)
+        if P > 1:  # refuse hidden dependencies (values crossing a boundary outside a CutPoint)
+            from varuna.cutting.tracer import carry_specs, check_splittable
+
+            report = check_splittable(model, first, self.loss_fn, warn=self.layout.rank == 0)
+            if report is not None:  # e.g. a rotary embedding every layer reads runs on every stage
+                self.profile.glue_modules = set(report.replicated_modules)
+                self.profile.carried = carry_specs(report)  # e.g. T5's encoder output, read by the decoder
+
     def _build_training(self, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
         config = self.config
+        # Sharded/offloaded optimizer state: before anything else holds the parameters' storage.
+        self._flat = FlatParameters.for_stage(self._trainable, config.optimizer_state, self.layout.D)
         self._det = None
         if config.determinism.enabled:
             from varuna.runtime.determinism import DeterministicGrads
 
-            torch.use_deterministic_algorithms(True)
-            torch.set_num_threads(config.determinism.threads)
+            deterministic_kernels(config.determinism.threads)
             if config._negative_controls.canonical_reduction:
                 self._det = DeterministicGrads(
                     model=self.model,
@@ -211,11 +258,21 @@ class Engine:
             growth_interval=config.numerics.loss_scale_growth_interval,
         )
 
-    def _build_comm(self) -> None:
-        """Process groups (a collective), network emulation, links, executor and gradient sync."""
-        self._groups = build_groups(self.layout, self.stage_ranges, self.profile.shared_params())
+    def _build_comm(self, lr_scheduler=None) -> None:
+        """Process groups (a collective), network emulation, links, buffers, executor, gradient sync."""
+        # A collective: every rank agrees on what carries its traffic (docs/gpu.md).
+        self.transport = choose_transport(self.layout, self.device, self.config.comm_backend, self.env)
+        self._groups = build_groups(self.layout, self.stage_ranges, self.profile.shared_params(),
+                                    backend=self.transport.backend)
+        segments = [s for a, b in self.stage_ranges[self.stage :: self.layout.P] for s in range(a, b + 1)]
+        self.extras = StageExtras(self.model, stage_buffer_names(self.profile, segments), groups=self._groups,
+                                  layout=self.layout, micro_plan=self.micro_plan, optimizer=self.optimizer,
+                                  lr_scheduler=lr_scheduler)
         if self._det is not None:
             self._det.groups = self._groups
+        self._shards = ShardedOptimizer.for_stage(self._flat, self.optimizer, self.layout, self._groups,
+                                                  self.config.optimizer_state, self.device, bool(self._det),
+                                                  backend=self.transport.backend)
         self._netem = None
         if self.layout.world > 1:
             from varuna.testing.netem import NetworkConfig, emulate_network
@@ -226,7 +283,8 @@ class Engine:
                 self._netem.__enter__()
         inbox: queue.Queue = queue.Queue()
         self._links = StageLinks.start(
-            self.layout, self._groups, self.device, inbox, self.config.timeouts.comm_s, chunks=self.chunks
+            self.layout, self._groups, self.transport.link_device, inbox, self.config.timeouts.comm_s,
+            chunks=self.chunks, compute_device=self.device,
         )
         self.timeline = Timeline()
         self._executor = ScheduleExecutor(
@@ -236,6 +294,7 @@ class Engine:
             inbox=inbox,
             timeline=self.timeline,
             det=self._det,
+            stats=self.extras.buffers.stats,
         )
         self._sync = GradientSync(
             layout=self.layout,
@@ -246,6 +305,7 @@ class Engine:
             config=self.config,
             timeline=self.timeline,
             det=self._det,
+            shards=self._shards,
         )
 
     def _stage_model(self) -> StageModel:
@@ -265,6 +325,9 @@ class Engine:
             device=self.device,
             carry_plan=CarryPlan.for_stage(
                 self.profile.carried, self.first_segment, self.last_segment, self.is_last_stage
+            ),
+            recompute_segments=recompute_set(
+                self.config.pipeline.recompute_segments, self.profile.num_segments
             ),
         )
         stage.set_chunks(self.stage_ranges[self.stage :: self.layout.P], self.profile.carried)
@@ -343,6 +406,8 @@ class Engine:
             "stage_ranges": self.stage_ranges,
             "cutpoints": self.profile.cutpoint_names,
             "shared_params": {k: list(v) for k, v in self.profile.shared_params().items()},
+            "device": str(self.device),
+            "transport": self.transport.description,
         }
 
     def train_step(self, batch) -> StepResult:
@@ -355,7 +420,7 @@ class Engine:
             return self._train_step(batch, t_start)
 
     def _train_step(self, batch, t_start: float) -> StepResult:
-        self.optimizer.zero_grad(set_to_none=True)
+        self._sync.zero_grad()
         mbs = self.micro_plan[self.replica]
         if self._det is not None:
             self._det.begin_step(mbs, sum(len(p) for p in self.micro_plan))
@@ -364,10 +429,12 @@ class Engine:
         self.executed_orders.append(run.executed)
         t_sync = time.perf_counter()
         hook = self.boundary_hook
+        pending = self.extras.before_commit(self.step_count)  # Note [Buffers across replicas]
         outcome = self._sync.finish(
             run.loss_sum, stop_requested=self.stop_requested or (hook is not None and hook()),
             micro_plan=self.micro_plan,
         )
+        self.extras.after_commit(pending, skipped=outcome.skipped, loss=outcome.loss)
         sync_s = time.perf_counter() - t_sync
         self._uncommitted = False
         self.checkpointer.after_step()  # periodic checkpoint at this mini-batch boundary, if configured
@@ -388,6 +455,7 @@ class Engine:
             wall_time=time.time(),
             timings=dataclasses.replace(timings, sync_s=sync_s),
             step_s=wall,
+            **step_metrics(self.flops, wall),
         )
 
     def _report(self, result: StepResult) -> None:
@@ -437,7 +505,7 @@ class Engine:
         t_start = time.perf_counter()
         first = self.step_count + 1
         self._uncommitted = True
-        self.optimizer.zero_grad(set_to_none=True)
+        self._sync.zero_grad()
         mbs = self.micro_plan[self.replica]
         if self._det is not None:
             self._det.begin_step(mbs, sum(len(p) for p in self.micro_plan))
@@ -519,6 +587,7 @@ class Engine:
             self._netem = None
         _destroy_groups(self._groups, owns_default=self._owns_pg, collect=collect)
         self._owns_pg = False
+        self.extras.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -559,55 +628,64 @@ class Engine:
         """
         return self.checkpointer.load(directory, step=step)
 
-    def state_dict(self) -> dict:
-        """This stage's state by canonical parameter name: ``step``, ``params``, ``optimizer``
-        (name-keyed, see :func:`varuna.runtime.checkpoint.optimizer_state_by_name`; 2bw's stashed
-        weight version rides in it, Note [2BW]), ``loss_scale``. Tensors are references to the
-        live ones, like ``nn.Module.state_dict``.
+    def register_state(self, name: str, obj, *, scope: str = "global") -> None:
+        """Save and restore ``obj`` (with ``state_dict()``/``load_state_dict()``) with the model:
+        in checkpoints, live morphs and resumes (Note [Registered state] in extra_state.py). ``scope``
+        "global": one state for the job, the same on every rank, restored at any P×D (a loader of
+        whole mini-batches: ``StatefulBatches``); "rank": this process's own, restored only at the
+        P×D that saved it. A state resumed before the call is loaded into ``obj`` now.
+
+        Example::
+
+            data = StatefulBatches(StatefulDataLoader(ds, batch_size=32, shuffle=True, drop_last=True))
+            engine.register_state("data", data)            # resumed: continues after the saved step
+        """
+        self.extras.registered.register(name, obj, scope)
+
+    def state_dict(self, *, optimizer_for: Iterable[str] | None = None) -> dict:
+        """This stage's whole state by canonical name (Note [Whole state] in whole_state.py):
+        ``step``, ``params``, ``optimizer`` (name-keyed, see
+        :func:`varuna.runtime.checkpoint.optimizer_state_by_name`; 2bw's stashed weight version
+        rides in it, Note [2BW]), ``loss_scale``, ``buffers`` (persistent ones), ``extra`` (the LR
+        scheduler and registered objects: ``{"global": {...}, "rank": {...}}``). Tensors are
+        references to the live ones, like ``nn.Module.state_dict``. With sharded optimizer state
+        (``optimizer_state.shard``) the optimizer part is gathered whole from the stage's
+        replicas: a collective, every replica of the stage calls it; ``optimizer_for`` names the
+        parameters whose optimizer state this rank needs (a checkpoint's writer: the files it
+        writes), so no replica holds the whole stage's state at once; None: all.
 
         Example::
 
             sd = engine.state_dict()
             engine.load_state_dict(sd)
         """
-        return {
-            "step": self.step_count,
-            "params": {n: p.detach() for n, p in self.stage_params.items()},
-            "optimizer": add_previous(
-                optimizer_state_by_name(self.optimizer, dict(self.named_parameters())), self.weight_versions
-            ),
-            "loss_scale": self.scaler.state_dict(),
-        }
+        return whole_state.state_dict(self, optimizer_for=optimizer_for)
+
+    def optimizer_state(self, only: Iterable[str] | None = None) -> dict:
+        """The optimizer state by canonical parameter name, whole tensors shaped as the
+        parameters (:func:`varuna.runtime.optimizer_state.optimizer_state_by_name`), whatever
+        ``optimizer_state`` says: sharded state is gathered (a collective over the stage's
+        replicas then; ``only``: the parameters this rank needs), offloaded state comes from host
+        memory. Example: ``engine.optimizer_state()["state"]["wte.weight"]["exp_avg"]``."""
+        return stage_optimizer_state(self.optimizer, self._shards, dict(self.named_parameters()), only)
+
+    def gather_optimizer_state(self) -> None:
+        """With the optimizer state split over the stage's replicas (``optimizer_state.shard``,
+        D > 1): gather it whole, by name, on every replica (a collective), so that
+        :meth:`optimizer_state` still answers after the groups are gone (a live morph gathers at
+        its step boundary, then tears them down). Nothing to do otherwise."""
+        if self._shards is not None:
+            self._shards.gather_for_transfer()
 
     def load_state_dict(self, state: dict, *, copy: bool = True) -> None:
         """Inverse of :meth:`state_dict`; ``state["params"]`` may hold more names (e.g. the whole
         model's), but must hold every parameter of this stage. ``copy=False`` hands the state
         over: the optimizer adopts its tensors (nobody else may update them, e.g. a live morph's
         received ones or a checkpoint's freshly read ones) and each parameter's entry leaves
-        ``state["params"]`` once copied in (no second set of weights stays alive)."""
-        params = state["params"]
-        missing = [n for n in self.stage_params if n not in params]
-        if missing:
-            raise ValueError(
-                f"state has no parameter {missing[0]!r} (and {len(missing) - 1} more) of this stage"
-            )
-        with torch.no_grad():
-            for n, p in self.stage_params.items():
-                if tuple(params[n].shape) != tuple(p.shape):
-                    raise ValueError(
-                        f"parameter {n!r}: shape {tuple(params[n].shape)} != the model's {tuple(p.shape)}"
-                    )
-                p.copy_(params[n] if copy else params.pop(n))
-        trainable = dict(self.named_parameters())
-        opt = dict(state["optimizer"])
-        opt["state"] = {n: v for n, v in opt.get("state", {}).items() if n in trainable}
-        previous = pop_previous(opt)
-        if self.weight_versions is not None:  # 2bw (Note [2BW]): the stashed version; others drop it
-            self.weight_versions.load(previous)
-        load_optimizer_state_by_name(self.optimizer, trainable, opt, copy=copy)
-        self.scaler.load_state_dict(state["loss_scale"])
-        self.step_count = int(state["step"])
-
+        ``state["params"]`` once copied in (no second set of weights stays alive). ``buffers``
+        and ``extra`` may be absent (older checkpoints): buffers keep their values, with a
+        warning."""
+        whole_state.load_state_dict(self, state, copy=copy)
 
 def _on_stop_signals(names: tuple[str, ...], handler) -> None:
     """Install ``handler`` for the signals ``names`` (only possible from the main thread)."""

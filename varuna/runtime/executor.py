@@ -21,6 +21,18 @@ still depends on something else (call count, unkeyed randomness) raises
 :class:`~varuna.runtime.determinism.DeterminismError` naming the boundary, instead of letting every
 layout train different weights.
 
+Note [One loss sync per step]: on a GPU, reading a tensor's value on the host (``float(loss)``)
+waits until the device has run everything queued before it, and the host queues nothing new in
+the meantime: the device then idles while the host prepares the next task. The sink stage keeps
+each micro-batch's loss as a device tensor and reads them all with one copy when its tasks are done
+(or when a no-flush window's update needs them), so a step has one such sync where it had one per
+micro-batch. The sum is taken in the same order as before, so the reported loss is unchanged.
+
+Note [Devices of a step's data]: the user's batch usually lives in host memory; each micro-batch
+is copied to the stage's device as its forward starts (``to_device``, asynchronous), and an
+activation or gradient that a link delivered in host memory (the gloo transport of CUDA
+tensors, varuna/runtime/comm.py) is copied to the device when it is taken from the inbox.
+
 Example::
 
     executor = ScheduleExecutor(stage=stage_setup, config=cfg, links=links, inbox=inbox,
@@ -36,6 +48,7 @@ import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,15 +56,17 @@ from torch import nn
 from varuna.core.batching import MicroBatch
 from varuna.core.interleaved import forward_only_policy
 from varuna.core.schedule import BACKWARD, FORWARD, RECOMPUTE, StagePolicy, Task, schedule_kind
+from varuna.core.selective_recompute import recompute_blocks
 from varuna.core.tasks import WEIGHT
 from varuna.core.timeline import Timeline
-from varuna.cutting.batches import call_with_batch, slice_batch
-from varuna.cutting.cutpoint import CarryPlan, CutPoint, ForwardRun, SplitState, StopForward
+from varuna.cutting.batches import call_with_batch, slice_batch, to_device
+from varuna.cutting.cutpoint import CarryPlan, CarrySpec, CutPoint, ForwardRun, SplitState, StopForward
 from varuna.cutting.split import keyed_seed
 from varuna.runtime.comm import Arrival
 from varuna.runtime.config import PRECISIONS, StepTimings, VarunaConfig
 from varuna.runtime.determinism import DeterminismError, first_difference
 from varuna.runtime.groups import StageLinks
+from varuna.runtime.recompute_chain import backward_chain, forward_chain, leaf, recompute_chain
 from varuna.runtime.split_backward import WeightWork, backward_input, backward_weight
 
 __all__ = ["Feed", "StageModel", "ScheduleExecutor", "StageRun", "leaf"]
@@ -81,6 +96,11 @@ class StageModel:
     #: virtual stage c·P + stage), and each chunk's carry plan; empty: one chunk, the fields above
     chunk_ranges: list[tuple[int, int]] = field(default_factory=list)
     chunk_carry: list[CarryPlan | None] = field(default_factory=list)
+    #: selective recompute: the segments a recomputed micro-batch recomputes (None: all of them;
+    #: Note [Selective recompute] in varuna/core/selective_recompute.py)
+    recompute_segments: frozenset[int] | None = None
+    #: every carried value of the model (Note [Carried values]): block boundaries carry them too
+    carried: tuple[CarrySpec, ...] = ()
 
     @property
     def is_last_stage(self) -> bool:
@@ -101,6 +121,7 @@ class StageModel:
     def set_chunks(self, ranges: list[tuple[int, int]], carried) -> None:
         """Hold the model chunks of segment ``ranges`` (interleaved; one range: nothing to do),
         with their carry plans."""
+        self.carried = tuple(carried or ())
         if len(ranges) < 2:
             return
         self.chunk_ranges = list(ranges)
@@ -108,12 +129,39 @@ class StageModel:
             CarryPlan.for_stage(carried, a, b, self.is_sink(c)) for c, (a, b) in enumerate(ranges)
         ]
 
+    def blocks(self, chunk: int) -> list[Block] | None:
+        """The blocks a recomputed micro-batch of ``chunk`` runs as (Note [Selective recompute]);
+        None when it recomputes the chunk whole (no set, or the set covers the chunk)."""
+        cache = self.__dict__.setdefault("_blocks", {})
+        if chunk not in cache:
+            first, last, _ = self.segments_of(chunk)
+            parts = recompute_blocks(first, last, self.recompute_segments)
+            sink = self.is_sink(chunk)
+            cache[chunk] = None if parts == [(first, last, True)] else [
+                Block(a, b, CarryPlan.for_stage(self.carried, a, b, sink and b == last), rec,
+                      sink and b == last)
+                for a, b, rec in parts
+            ]
+        return cache[chunk]
+
     def segments_of(self, chunk: int) -> tuple[int, int, CarryPlan | None]:
         """(first segment, last segment, carry plan) of ``chunk``."""
         if not self.chunk_ranges:
             return self.first_segment, self.last_segment, self.carry_plan
         first, last = self.chunk_ranges[chunk]
         return first, last, self.chunk_carry[chunk]
+
+
+@dataclass(frozen=True)
+class Block:
+    """Segments [first, last] of a stage run as one sub-forward (Note [Selective recompute])."""
+
+    first: int
+    last: int
+    carry: CarryPlan | None
+    recompute: bool
+    sink: bool
+    """Whether the block ends the pipeline's last virtual stage (its output is the loss)."""
 
 
 @dataclass
@@ -142,11 +190,48 @@ class _Work:
     bwd_done: dict[int, int] = field(default_factory=dict)
     #: zero-bubble kinds: what each micro-batch's W needs, from its B (varuna/runtime/split_backward.py)
     weight: dict[tuple[int, int], WeightWork] = field(default_factory=dict)
-    loss_sum: float = 0.0
+    #: the sink's losses still on the device, in execution order: (global micro-batch, its
+    #: examples, 0-dim tensor); read all at once (Note [One loss sync per step])
+    pending_losses: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+    #: M_total: a loss counts size / M_total of the mini-batch's
+    global_batch: int = 1
+    #: deterministic mode (``DeterministicGrads``): its per-micro-batch ``losses`` are filled on
+    #: read (its dict, not a copy of the reference: a no-flush window starts a new one per update)
+    det: Any = None
+    _loss_sum: float = 0.0
+    #: selective recompute (varuna/runtime/recompute_chain.py): per micro-batch its blocks'
+    #: [inputs, out] (None until a recomputed block's R), recomputed blocks' stashed inputs and,
+    #: while to be verified, their forward's outputs, keyed (micro-batch key, block)
+    chains: dict[tuple[int, int], list] = field(default_factory=dict)
+    chain_stash: dict = field(default_factory=dict)
+    chain_sent: dict = field(default_factory=dict)
     busy_s: dict[str, float] = field(
         default_factory=lambda: {FORWARD: 0.0, RECOMPUTE: 0.0, BACKWARD: 0.0, WEIGHT: 0.0}
     )
     count: dict[str, int] = field(default_factory=lambda: {FORWARD: 0, RECOMPUTE: 0, BACKWARD: 0, WEIGHT: 0})
+
+    @property
+    def loss_sum(self) -> float:
+        """Sum over the micro-batches run so far of loss × size / M_total (the sink; else 0)."""
+        self.read_losses()
+        return self._loss_sum
+
+    @loss_sum.setter
+    def loss_sum(self, value: float) -> None:
+        self.read_losses()
+        self._loss_sum = value
+
+    def read_losses(self) -> None:
+        """Bring the pending losses to the host with one copy (a sync point on GPU) and add them
+        up in execution order (the order the float sum always had)."""
+        if not self.pending_losses:
+            return
+        values = torch.stack([t.float().reshape(()) for _, _, t in self.pending_losses]).tolist()
+        for (index, size, _), v in zip(self.pending_losses, values):
+            self._loss_sum += v * size / self.global_batch  # the expression of one read per loss
+            if self.det is not None:
+                self.det.losses[index] = v
+        self.pending_losses.clear()
 
     def timings(self) -> StepTimings:
         def mean(op: str) -> float:
@@ -181,14 +266,6 @@ class Feed:
         """Called after a backward ran (and sent its gradient)."""
 
 
-def leaf(x: torch.Tensor) -> torch.Tensor:
-    """A received activation as an autograd leaf that collects its gradient (floating point only)."""
-    t = x.detach()
-    if t.is_floating_point():
-        t.requires_grad_(True)
-    return t
-
-
 class ScheduleExecutor:
     """Runs the schedule of one stage (one per engine; see the module docstring)."""
 
@@ -201,8 +278,11 @@ class ScheduleExecutor:
         inbox: queue.Queue,
         timeline: Timeline,
         det=None,
+        stats=None,
     ) -> None:
         self.s = stage
+        #: BatchNorm running statistics recorded per micro-batch (Note [Buffers across replicas])
+        self.stats = stats
         self.config = config
         self.links = links
         self.inbox = inbox
@@ -261,7 +341,7 @@ class ScheduleExecutor:
             return self._execute(feed, policy, recomputed, train)
 
     def _execute(self, feed: Feed, policy, recomputed: frozenset[tuple[int, int]], train: bool) -> _Work:
-        work = _Work()
+        work = _Work(det=self.det, global_batch=self.config.global_batch_size)
         timeout = self.config.timeouts.comm_s
         record = self.config.metrics.record_timeline
         v = self.s.num_chunks
@@ -295,9 +375,13 @@ class ScheduleExecutor:
                 self.timeline.add(self.s.stage, self.s.replica, task.op, tag * v + c, t0, t1)
             if task.op == BACKWARD:
                 feed.after_backward(task, work)
+        work.read_losses()
         return work
 
     def _run_recompute(self, work: _Work, batch, mb: MicroBatch, key: tuple[int, int]) -> None:
+        if key in work.chains:  # Note [Selective recompute]
+            recompute_chain(self, work, batch, mb, key)
+            return
         inputs = work.stash.pop(key)
         if inputs is not None:
             inputs = tuple(leaf(x) for x in inputs)
@@ -312,24 +396,30 @@ class ScheduleExecutor:
     ) -> None:
         i, c = key
         received = work.acts.pop(key, None)
-        # Note [Deterministic forward]: with the autograd state of the recompute and of a 1×1 run.
-        with_grad = keep_graph or (train and self.config.determinism.enabled)
-        inputs = received
-        if inputs is not None and with_grad:
-            inputs = tuple(leaf(x) for x in inputs)
-        out = self._forward(batch, mb, inputs, with_grad=with_grad, chunk=c)
+        # Note [Selective recompute]: a recomputed micro-batch of a stage with a recompute set.
+        blocks = self.s.blocks(c) if train and not keep_graph else None
+        if blocks is not None:
+            out = forward_chain(self, work, batch, mb, key, received, blocks)
+        else:
+            # Note [Deterministic forward]: with the autograd state of the recompute and of a 1×1 run.
+            with_grad = keep_graph or (train and self.config.determinism.enabled)
+            inputs = received
+            if inputs is not None and with_grad:
+                inputs = tuple(leaf(x) for x in inputs)
+            out = self._forward(batch, mb, inputs, with_grad=with_grad, chunk=c)
         if self.s.is_sink(c):
-            loss_value = float(out.detach())  # a sync point on GPU; one per micro-batch
-            work.loss_sum += loss_value * mb.size / self.config.global_batch_size
-            if self.det is not None:
-                self.det.losses[mb.index] = loss_value
+            # Note [One loss sync per step]: float(loss) here would stop the host until the device
+            # caught up, once per micro-batch; the losses are read together at the end instead.
+            work.pending_losses.append((mb.index, mb.size, out.detach()))
         else:
             sent = tuple(x.detach() for x in out)
             # The receiving chunk: the same one on the next process, the next one past the last.
             to = c if self.s.stage < self.s.num_stages - 1 else c + 1
             self.links.act_out.send(i * self.s.num_chunks + to, sent)
-            if train and not keep_graph and self._verify:
+            if train and not keep_graph and self._verify and blocks is None:
                 work.sent[key] = sent
+        if blocks is not None:
+            return
         if keep_graph:
             work.graphs[key] = (inputs, out)
         elif train:
@@ -337,6 +427,10 @@ class ScheduleExecutor:
 
     def _run_backward(self, work: _Work, mb: MicroBatch, key: tuple[int, int], *, train: bool) -> None:
         i, c = key
+        if key in work.chains:  # Note [Selective recompute]
+            scale = mb.size / self.config.global_batch_size * self._scale
+            self._after_backward(work, mb, key, backward_chain(self, work, mb, key, scale), train=train)
+            return
         inputs, out = work.graphs.pop(key)
         if self.s.is_sink(c):
             pairs = [(out * (mb.size / self.config.global_batch_size * self._scale), None)]
@@ -350,6 +444,17 @@ class ScheduleExecutor:
             return
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [gi for _, gi in pairs])
+        upstream = None if self.s.is_source(c) else tuple(
+            (x.grad if x.grad is not None else torch.zeros_like(x)) for x in inputs if x.is_floating_point()
+        )
+        self._after_backward(work, mb, key, upstream, train=train)
+
+    def _after_backward(
+        self, work: _Work, mb: MicroBatch, key: tuple[int, int], upstream, *, train: bool
+    ) -> None:
+        """Capture the micro-batch's gradients (deterministic mode) and send ``upstream``, the
+        gradients of the stage's input, to the previous stage."""
+        i, c = key
         v = self.s.num_chunks
         if self.det is not None and train:
             # Each chunk's backward fills its own parameters' gradients (a shared one: per-segment
@@ -358,14 +463,7 @@ class ScheduleExecutor:
             self.det.capture(mb.index, last=work.bwd_done[i] == v)
         if not self.s.is_source(c):
             to = c if self.s.stage > 0 else c - 1
-            self.links.grad_out.send(
-                i * v + to,
-                tuple(
-                    (x.grad if x.grad is not None else torch.zeros_like(x))
-                    for x in inputs
-                    if x.is_floating_point()
-                ),
-            )
+            self.links.grad_out.send(i * v + to, upstream)
 
     def _split_backward(self, work: _Work, key: tuple[int, int], inputs, pairs: list) -> None:
         """B of a zero-bubble kind: send the input gradient now, keep what W needs (W runs later)."""
@@ -381,13 +479,17 @@ class ScheduleExecutor:
                 tuple(g if (g := by_leaf.get(id(x))) is not None else torch.zeros_like(x) for x in leaves),
             )
 
-    def _check_recompute(self, mb: MicroBatch, sent: tuple[torch.Tensor, ...], out, chunk: int = 0) -> None:
-        """Note [Deterministic forward]: the recompute must reproduce what the forward sent."""
+    def _check_recompute(
+        self, mb: MicroBatch, sent: tuple[torch.Tensor, ...], out, chunk: int = 0,
+        segments: tuple[int, int] | None = None,
+    ) -> None:
+        """Note [Deterministic forward]: the recompute must reproduce what the forward sent (or
+        what a recomputed block, ``segments``, handed to the next one)."""
         diff = first_difference(sent, tuple(x.detach() for x in out))
         if diff is None:
             return
         s = self.s
-        first, last, _ = s.segments_of(chunk)
+        first, last = segments if segments is not None else s.segments_of(chunk)[:2]
         names = s.cutpoint_names
         where = f"CutPoint '{names[last]}'" if last < len(names) else f"CutPoint #{last}"
         raise DeterminismError(
@@ -417,7 +519,13 @@ class ScheduleExecutor:
             assert isinstance(item, Arrival)
             v = self.s.num_chunks
             i, c = divmod(item.microbatch, v)  # the sender tags micro-batch·v + receiving chunk
-            (work.acts if item.kind == FORWARD else work.grads)[(i, c)] = item.tensors
+            tensors = item.tensors
+            if any(t.device != self.s.device for t in tensors):  # Note [Devices of a step's data]
+                tensors = tuple(t.to(self.s.device, non_blocking=True) for t in tensors)
+            elif self.s.device.type == "cuda":
+                for t in tensors:  # Note [Receiver streams] in comm.py
+                    t.record_stream(torch.cuda.current_stream(t.device))
+            (work.acts if item.kind == FORWARD else work.grads)[(i, c)] = tensors
             if v > 1:
                 policy.arrived(item.kind, i, c)
             else:
@@ -450,13 +558,18 @@ class ScheduleExecutor:
             return contextlib.nullcontext()
         return torch.autocast(self.s.device.type, dtype=dt)
 
-    def _forward(self, batch, mb: MicroBatch, inputs, with_grad: bool, chunk: int = 0):
-        """Run the user's forward for this stage (its model chunk ``chunk``); returns the loss
-        (last virtual stage) or outputs."""
+    def _forward(
+        self, batch, mb: MicroBatch, inputs, with_grad: bool, chunk: int = 0, block: Block | None = None
+    ):
+        """Run the user's forward for this stage (its model chunk ``chunk``; only its segments of
+        ``block``); returns the loss (last virtual stage) or outputs."""
         s = self.s
-        first, last, carry = s.segments_of(chunk)
-        sink = s.is_sink(chunk)
-        data = slice_batch(batch, mb.start, mb.end)
+        if block is None:
+            first, last, carry = s.segments_of(chunk)
+            sink = s.is_sink(chunk)
+        else:
+            first, last, carry, sink = block.first, block.last, block.carry, block.sink
+        data = to_device(slice_batch(batch, mb.start, mb.end), s.device)  # Note [Devices of a step's data]
         reseed = self._reseed(mb.index)
         on_segment = reseed
         if self.det is not None and self.det.aliases:
@@ -476,6 +589,8 @@ class ScheduleExecutor:
             carry_plan=carry,
         )
         s.split.run = run
+        if self.stats is not None:
+            self.stats.current = (self._step, mb.index)
         try:
             with torch.set_grad_enabled(with_grad), self._autocast():
                 on_segment(0)
@@ -492,5 +607,7 @@ class ScheduleExecutor:
                 return s.loss_fn(out, data)
         finally:
             s.split.run = None
+            if self.stats is not None:
+                self.stats.current = None
             if self.det is not None:
                 self.det.restore()

@@ -27,16 +27,18 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from varuna.core.batching import MicroBatch
+from varuna.core.memory import GRAD_BUCKET_BYTES
 from varuna.core.timeline import Timeline
 from varuna.runtime.config import VarunaConfig
 from varuna.runtime.groups import ProcessGroups
 from varuna.runtime.layout import Layout
 from varuna.runtime.loss_scale import DynamicLossScale
+from varuna.runtime.sharded_optimizer import ShardedOptimizer
 
 __all__ = ["GradientSync", "StepOutcome", "allreduce_bucketed", "allreduce_scalars"]
 
 
-def allreduce_bucketed(tensors: list[torch.Tensor], group, bucket_bytes: int = 32 << 20) -> None:
+def allreduce_bucketed(tensors: list[torch.Tensor], group, bucket_bytes: int = GRAD_BUCKET_BYTES) -> None:
     """Sum ``tensors`` across ``group`` in flat buckets (few large messages beat many small).
 
     Example::
@@ -104,10 +106,24 @@ class GradientSync:
         config: VarunaConfig,
         timeline: Timeline,
         det=None,
+        shards: ShardedOptimizer | None = None,
     ) -> None:
         self.layout, self.groups, self.trainable = layout, groups, trainable
         self.optimizer, self.scaler, self.config = optimizer, scaler, config
         self.timeline, self.det = timeline, det
+        #: the optimizer's shard of this replica (``optimizer_state``: shard/offload), else None
+        self.shards = shards
+
+    def zero_grad(self) -> None:
+        """Drop every gradient: the parameters' and, sharded, the optimizer's pieces'."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.shards is not None:
+            for p in self.trainable.values():
+                p.grad = None
+            self.shards.zero_grad()
+
+    def _scattered(self) -> bool:
+        return self.shards is not None and self.shards.reduce_scatter
 
     def _reduce_grads(self) -> None:
         params = self.trainable
@@ -116,27 +132,37 @@ class GradientSync:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         plain = [p for n, p in params.items() if n not in shared]
-        if self.groups.dp_group is not None:
+        if self._scattered():
+            self.shards.reduce_scatter_grads()  # this replica's shard of the sums only
+        elif self.groups.dp_group is not None:
             allreduce_bucketed([p.grad for p in plain], self.groups.dp_group)
         for group, names in self.groups.shared:
             allreduce_bucketed([params[n].grad for n in names if n in params], group)
 
     def _local_norms(self) -> tuple[torch.Tensor, float]:
         """This rank's counted sum of squared gradients, and 1.0 if any gradient is not finite."""
+        if self._scattered():  # each replica holds (and counts) its shard's sums only
+            self.shards.bind_grads()
+            return self.shards.local_norms(self.groups.norm_elsewhere)
         params = self.trainable
         grads = [p.grad for p in params.values()]
         # Each gradient counts once in the global norm: replica 0 only, and a parameter held by
         # several stages only on the first of them.
         elsewhere = self.groups.norm_elsewhere
-        counted = [p.grad for n, p in params.items() if self.layout.replica == 0 and n not in elsewhere]
+        counted = [i for i, n in enumerate(params) if self.layout.replica == 0 and n not in elsewhere]
         sumsq = torch.zeros((), dtype=torch.float64)
         nonfinite = 0.0
         if grads:
-            norms = torch._foreach_norm(grads)
-            all_sq = torch.stack([x.double() ** 2 for x in norms]).sum()
-            nonfinite = 0.0 if bool(torch.isfinite(all_sq)) else 1.0
+            squares = [x.double() ** 2 for x in torch._foreach_norm(grads)]
+            sums = [torch.stack(squares).sum()]
             if counted:
-                sumsq = torch.stack([x.double() ** 2 for x in torch._foreach_norm(counted)]).sum()
+                sums.append(torch.stack([squares[i] for i in counted]).sum())
+            # One read for both (on a GPU each read waits for the device: Note [One loss sync per
+            # step] in executor.py).
+            values = torch.stack(sums).tolist()
+            nonfinite = 0.0 if math.isfinite(values[0]) else 1.0
+            if counted:
+                sumsq = torch.tensor(values[1], dtype=torch.float64)
         return sumsq, nonfinite
 
     def _agree(
@@ -220,17 +246,23 @@ class GradientSync:
         if cfg.precision == "fp16":
             self.scaler.update(found_inf=skipped)
         if skipped:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.zero_grad()
             return StepOutcome(grad_norm=math.inf, skipped=True, stop=stop, loss=loss)
         norm = math.sqrt(total_sq) / scale
         coef = 1.0 / scale
         if cfg.max_grad_norm is not None:
             # Same rule as torch.nn.utils.clip_grad_norm_ (coefficient clamped to 1).
             coef *= min(1.0, cfg.max_grad_norm / (norm + 1e-6))
-        grads = [p.grad for p in self.trainable.values()]
+        if self.shards is not None:
+            grads = self.shards.bind_grads()  # this replica's pieces (views, or host copies)
+        else:
+            grads = [p.grad for p in self.trainable.values()]
         if coef != 1.0 and grads:
             torch._foreach_mul_(grads, coef)
-        self.optimizer.step()
+        if self.shards is not None:
+            self.shards.step()  # step the pieces, all-gather the updated weights
+        else:
+            self.optimizer.step()
         if cfg.metrics.record_timeline:
             self.timeline.add(self.layout.stage, self.layout.replica, "OPT", None, t_ar, time.perf_counter())
         return StepOutcome(grad_norm=norm, skipped=False, stop=stop, loss=loss)

@@ -70,13 +70,16 @@ def build_groups(
     layout: Layout,
     stage_ranges: Sequence[tuple[int, int]],
     shared_params: Mapping[str, Sequence[int]],
+    *,
+    backend: str | None = None,
 ) -> ProcessGroups:
     """Create every process group in the same order on every rank (a collective).
 
     ``shared_params``: parameter name -> segments reading it (those read by one segment only are
     ignored). More ranges than P (interleaved, v = len(stage_ranges) / P chunks per process): they
     are the virtual stages, virtual stage j runs on process j % P, and one more link per replica
-    joins the last process to the first (activations of chunk c go on to chunk c + 1)."""
+    joins the last process to the first (activations of chunk c go on to chunk c + 1).
+    ``backend``: of every group (``Transport.backend`` in layout.py); None: the default group's."""
     L = layout
     P, D = L.P, L.D
     groups = ProcessGroups()
@@ -85,15 +88,15 @@ def build_groups(
         return groups
     for k in range(P):
         ranks = [L.rank_of(k, d) for d in range(D)]
-        g = dist.new_group(ranks) if D > 1 else None
+        g = dist.new_group(ranks, backend=backend) if D > 1 else None
         groups.created.append(g)
         if k == L.stage:
             groups.dp_group = g
     for d in range(D):
         for k in range(P if chunks > 1 else P - 1):
             pair = [L.rank_of(k, d), L.rank_of((k + 1) % P, d)]
-            ga = dist.new_group(pair)
-            gg = dist.new_group(pair)
+            ga = dist.new_group(pair, backend=backend)
+            gg = dist.new_group(pair, backend=backend)
             groups.created += [ga, gg]
             if L.rank in pair:
                 groups.act_groups[(k, d)] = ga
@@ -106,7 +109,7 @@ def build_groups(
             by_stages.setdefault(stages, []).append(name)
     for stages, names in sorted(by_stages.items()):
         ranks = sorted(L.rank_of(k, d) for k in stages for d in range(D))
-        g = dist.new_group(ranks)
+        g = dist.new_group(ranks, backend=backend)
         groups.created.append(g)
         if L.stage in stages:
             groups.shared.append((g, names))
@@ -138,10 +141,14 @@ class StageLinks:
         timeout_s: float,
         *,
         chunks: int = 1,
+        compute_device: torch.device | None = None,
     ) -> StageLinks:
         """Start the sender/receiver endpoints of ``layout``'s stage (threads for the receivers);
-        with ``chunks`` > 1 the last process links back to the first (see :func:`build_groups`)."""
+        with ``chunks`` > 1 the last process links back to the first (see :func:`build_groups`).
+        ``device``: where messages live; ``compute_device`` (default the same): where the stage
+        computes (a CUDA stage on gloo links: host messages, Note [Host-staged CUDA messages])."""
         L, t = layout, timeout_s
+        cd = compute_device if compute_device is not None else device
         k, d = L.stage, L.replica
         links = cls()
         if chunks > 1:
@@ -150,13 +157,15 @@ class StageLinks:
             nxt = L.rank_of((k + 1) % L.P, d)
             links.act_out = LinkSender(f"act-send-{k}", nxt, groups.act_groups[(k, d)], device, inbox, t)
             links.grad_in = LinkReceiver(
-                f"grad-recv-{k}", BACKWARD, nxt, groups.grad_groups[(k, d)], device, inbox, t
+                f"grad-recv-{k}", BACKWARD, nxt, groups.grad_groups[(k, d)], device, inbox, t,
+                compute_device=cd,
             )
         if k > 0 or (chunks > 1 and L.P > 1):
             j = (k - 1) % L.P
             prv = L.rank_of(j, d)
             links.act_in = LinkReceiver(
-                f"act-recv-{k}", FORWARD, prv, groups.act_groups[(j, d)], device, inbox, t
+                f"act-recv-{k}", FORWARD, prv, groups.act_groups[(j, d)], device, inbox, t,
+                compute_device=cd,
             )
             links.grad_out = LinkSender(
                 f"grad-send-{k}", prv, groups.grad_groups[(j, d)], device, inbox, t

@@ -4,9 +4,9 @@ and keep their state (docs/live_morph.md has the protocol, its findings and the 
 Public API (the launcher/supervisor and :class:`varuna.runtime.live_trainer.LiveTrainer` use it):
 
 - :meth:`LiveWorld.join` ``(address=$VARUNA_LIVE_STORE, *, member=$RANK, world=$WORLD_SIZE,
-  timeout_s=60, backend="gloo", joining=$VARUNA_LIVE_JOIN=="1")``: connect to the store the
-  supervisor hosts; generation-0 members join the first default group, a joiner registers and
-  waits to be admitted at a step boundary.
+  timeout_s=60, backend="gloo", joining=$VARUNA_LIVE_JOIN=="1", key=$VARUNA_LIVE_STORE_KEY)``:
+  connect to the store the supervisor hosts (proving the run's secret); generation-0 members
+  join the first default group, a joiner registers and waits to be admitted at a step boundary.
 - :func:`declare_dead` ``(store, member)``: the supervisor saw ``member``'s process exit (any
   code): nobody waits for it any more.
 - :func:`request_layout` ``(store, P, D)``: the manager's P×D for the next generations (used when
@@ -53,17 +53,22 @@ from torch import nn
 
 from varuna.core.env import ProcessEnv, stage_and_replica
 from varuna.core.live_layout import plan_generation, transfer_plan
+from varuna.runtime.auth_store import AuthStore
 from varuna.runtime.engine import Engine
+from varuna.runtime.layout import choose_gloo_interface
 from varuna.runtime.live_transfer import describe_state, receive_targets
 from varuna.runtime.live_watch import DECLARED_DEAD_EXIT_CODE, LiveWatch, sever
-from varuna.runtime.optimizer_state import merge_optimizer_states, optimizer_state_by_name
+from varuna.runtime.optimizer_state import merge_optimizer_states
+from varuna.runtime.state_codec import from_json, to_json
 
-__all__ = ["DECLARED_DEAD_EXIT_CODE", "LIVE_JOIN_ENV", "LIVE_STORE_ENV", "DeclaredDead", "LiveMorphFailed",
-           "LiveWorld", "MorphReport", "WaitExpired", "declare_dead", "end_job", "morph", "recover",
-           "request_layout"]
+__all__ = ["DECLARED_DEAD_EXIT_CODE", "LIVE_JOIN_ENV", "LIVE_STORE_ENV", "LIVE_STORE_KEY_ENV",
+           "DeclaredDead", "LiveMorphFailed", "LiveWorld", "MorphReport", "WaitExpired", "declare_dead",
+           "end_job", "morph", "recover", "request_layout"]
 
 #: ``host:port`` of the rendezvous store the workers' supervisor hosts (outlives every worker).
 LIVE_STORE_ENV = "VARUNA_LIVE_STORE"
+#: The store's secret (Note [Store authentication] in varuna/runtime/auth_store.py).
+LIVE_STORE_KEY_ENV = "VARUNA_LIVE_STORE_KEY"
 #: "1": this worker joins a running job (growth) instead of starting generation 0.
 LIVE_JOIN_ENV = "VARUNA_LIVE_JOIN"
 ROOT = "varuna/live/"
@@ -164,7 +169,7 @@ class LiveWorld:
         watch]); replaces an earlier guard of the same name."""
         refs = [weakref.ref(g) for g in groups if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER]
         with self._lock:
-            self._guards[name] = (frozenset(members), refs)
+            self._guards[name] = (tuple(members), refs)
 
     def unguard(self, name: str) -> None:
         with self._lock:
@@ -174,10 +179,14 @@ class LiveWorld:
         """Sever the guarded groups spanning a member of ``dead`` (None: all of them), and forget
         them. Under the lock: the main thread swaps groups only after unguarding the old ones."""
         with self._lock:
-            hit = [n for n, (ms, _) in self._guards.items() if dead is None or ms & dead]
-            groups = [ref() for n in hit for ref in self._guards.pop(n)[1]]
-            sever(g for g in groups if g is not None)
-            del groups
+            hit = [n for n, (ms, _) in self._guards.items() if dead is None or set(ms) & dead]
+            for name in hit:
+                members, refs = self._guards.pop(name)
+                # The dead's ranks in that generation: the pair to a silent one must be closed.
+                ranks = [members.index(m) for m in dead or () if m in members]
+                groups = [ref() for ref in refs]
+                sever((g for g in groups if g is not None), dead=ranks)
+                del groups
 
     def close(self) -> None:
         """Stop and join the heartbeat thread (it beats ``exit``) and forget the guards.
@@ -206,10 +215,11 @@ class LiveWorld:
     def join(
         cls, address: str | None = None, *, member: int | None = None, world: int | None = None,
         timeout_s: float = 60.0, backend: str = "gloo", joining: bool | None = None,
-        freeze_s: float = 30.0,
+        freeze_s: float = 30.0, key: str | None = None,
     ) -> LiveWorld:
         """Connect to the supervisor's store; join generation 0's default group, or (a joiner)
-        register to be admitted at the next step boundary. A heartbeat thread starts
+        register to be admitted at the next step boundary. ``key``: the store's secret (default
+        ``$VARUNA_LIVE_STORE_KEY``). A heartbeat thread starts
         (Note [Live watch]): a member silent for ``freeze_s`` (0: never) is declared dead.
 
         Example::
@@ -218,18 +228,27 @@ class LiveWorld:
         """
         env = ProcessEnv.from_env()  # Note [One parser] in varuna/core/env.py
         address = address or env.settings.live_store or ""
+        key = key or env.settings.live_store_key
         host, _, port = address.rpartition(":")
+        host = host.strip("[]")
         if not host or not port.isdigit():
             raise ValueError(f"live morph needs the rendezvous store as host:port (got {address!r}); "
                              f"set ${LIVE_STORE_ENV}")
+        if not key:
+            raise ValueError(f"live morph needs the store's secret in ${LIVE_STORE_KEY_ENV} (varuna-launch "
+                             "--live-morph and the manager set it for their workers)")
         # A morph collects the old groups' handles (engine.close); with the imports frozen out of
         # the collector that walk covers only what the run made since (docs/live_morph.md,
         # Benchmark: the full collections were most of the tear down).
         gc.freeze()
         member = env.rank if member is None else member
         joining = env.settings.live_join if joining is None else joining
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
-        beats = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+        # Every generation's gloo group binds to the interface towards the job's rendezvous host.
+        choose_gloo_interface(env.master_addr or host, env)
+        # Two connections: the heartbeat thread must not wait behind the main thread's blocking
+        # waits (start_watch). Both prove the run's key (Note [Store authentication]).
+        store = AuthStore(host, int(port), key=key, timeout=timedelta(seconds=timeout_s))
+        beats = AuthStore(host, int(port), key=key, timeout=timedelta(seconds=timeout_s))
         if joining:
             live = cls(store=store, member=member, members=[], timeout_s=timeout_s, joining=True)
             live.start_watch(freeze_s, beats)  # beating before it registers: nobody takes it for frozen
@@ -321,7 +340,16 @@ def morph(live: LiveWorld, held: Engine | None, build: Callable[[int, int], Engi
     t0 = time.monotonic()
     old = (held.layout.P, held.layout.D) if held is not None else None
     if held is not None:
+        sharded = bool(held.config.optimizer_state.shard) and held.layout.D > 1
+        if sharded and not failed:
+            held.gather_optimizer_state()  # while its groups are up: the state leaves by name, whole
         live.collect_due = _tear_down(live, held, failed)
+        if sharded and failed:
+            raise LiveMorphFailed(
+                "the optimizer state was sharded over the replicas (optimizer_state.shard) and a step "
+                "failed: the shards cannot be gathered without the lost peer's; restart from the newest "
+                "checkpoint"
+            )
     record = _record(held, leaving)
     failures: list[str] = []
     for attempt in range(1, _MAX_ATTEMPTS + 1):
@@ -382,11 +410,15 @@ def _record(held: Engine | None, leaving: bool) -> dict:
     if held is None:
         return {"holds": False, "leaving": leaving}
     L = held.layout
+    sd = held.state_dict()  # the state beyond tensors travels in the record (Note [Whole state])
+    stage = sd["optimizer"].get("stage_state")
     return {"holds": True, "leaving": leaving, "step": held.committed_step,
             "sgen": getattr(held, "live_generation", 0),
-            "rank": L.rank, "P": L.P, "D": L.D, "names": sorted(held.stage_params),
+            "rank": L.rank, "P": L.P, "D": L.D, "names": sorted(_stage_tensors(held)),
             "scale": held.scaler.state_dict(), "max_stages": held.profile.num_segments,
-            "max_replicas": sum(len(p) for p in held.micro_plan)}
+            "max_replicas": sum(len(p) for p in held.micro_plan),
+            "extra": to_json(sd["extra"]["global"]), "segments": _segments(held),
+            "stage_state": to_json(stage) if stage else None}
 
 
 def _init_group(live: LiveWorld, backend: str) -> None:
@@ -578,8 +610,15 @@ def _form(live: LiveWorld, gen: int, closed: dict, held: Engine | None, build: C
         new._owns_pg = True  # the live world made this group; the engine destroys it on close
         new.live_generation = gen
         received = _hand_over(live, gen, xfer, recs, held, new, on_phase)
+        state = received.pop("state")
+        first = min(_segments(new))  # the optimizer's state outside state[param]: its old stage's
+        stage = next((r["stage_state"] for r in recs.values() if r.get("holds") and r.get("stage_state")
+                      and first in r.get("segments", [])), None)
+        if stage is not None:
+            state["optimizer"]["stage_state"] = from_json(stage)
         # copy=False: the optimizer adopts the received tensors and the held engine's (dropped now)
-        new.load_state_dict({"step": step, "loss_scale": ref["scale"], **received.pop("state")}, copy=False)
+        new.load_state_dict({"step": step, "loss_scale": ref["scale"], **state,
+                             "extra": {"global": from_json(ref.get("extra", {}))}}, copy=False)
     except BaseException:
         new.close()
         new = None  # no handle may keep the groups' sockets open (peers must fail, not hang)
@@ -616,11 +655,22 @@ def _check_stages(recs: dict, holders: list[int]) -> None:
                                   "are gone); the run must restart from its newest checkpoint")
 
 
+def _stage_tensors(engine: Engine) -> dict[str, torch.Tensor]:
+    """The stage's parameters and persistent buffers by name (what a transfer moves)."""
+    return {**engine.extras.buffers.named(), **engine.stage_params}
+
+
+def _segments(engine: Engine) -> list[int]:
+    P = engine.layout.P
+    return [s for a, b in engine.stage_ranges[engine.stage :: P] for s in range(a, b + 1)]
+
+
 def _stage_state(engine: Engine, names: list[str]) -> dict:
     trainable = dict(engine.named_parameters())
-    return {"params": {n: engine.stage_params[n].detach() for n in names},
-            "optimizer": optimizer_state_by_name(engine.optimizer, trainable,
-                                                 only=[n for n in names if n in trainable])}
+    buffers = engine.extras.buffers.named()
+    return {"params": {n: engine.stage_params[n].detach() for n in names if n not in buffers},
+            "buffers": {n: buffers[n] for n in names if n in buffers},
+            "optimizer": engine.optimizer_state(only=[n for n in names if n in trainable])}
 
 
 def _hand_over(live: LiveWorld, gen: int, xfer: list[int], recs: dict, held_engine: Engine | None,
@@ -632,7 +682,7 @@ def _hand_over(live: LiveWorld, gen: int, xfer: list[int], recs: dict, held_engi
     store, pre, me = live.store, f"{ROOT}gen{gen}/", xfer.index(live.member)
     working = len(live.members)
     if new is not None:
-        store.set(f"{pre}needs/{live.member}", json.dumps(sorted(new.stage_params)))
+        store.set(f"{pre}needs/{live.member}", json.dumps(sorted(_stage_tensors(new))))
     keys = [f"{pre}needs/{m}" for m in xfer[:working]]
     _wait_for(live, keys, xfer[:working])
     needs = [json.loads(v) for v in store.multi_get(keys)] + [[] for _ in xfer[working:]]
@@ -663,10 +713,13 @@ def _hand_over(live: LiveWorld, gen: int, xfer: list[int], recs: dict, held_engi
         on_phase("transfer", gen)
     if new is None:
         return {}
-    mine = [n for n in new.stage_params if held_engine is not None and n in held_engine.stage_params]
+    held_names = _stage_tensors(held_engine) if held_engine is not None else {}
+    mine = [n for n in _stage_tensors(new) if n in held_names]
     parts = ([_stage_state(held_engine, mine)] if mine else []) + parts
     params = {n: t for part in parts for n, t in part["params"].items()}
-    return {"state": {"params": params, "optimizer": merge_optimizer_states(p["optimizer"] for p in parts)},
+    buffers = {n: t for part in parts for n, t in part.get("buffers", {}).items()}
+    return {"state": {"params": params, "buffers": buffers,
+                      "optimizer": merge_optimizer_states(p["optimizer"] for p in parts)},
             "bytes": nbytes}
 
 
@@ -684,7 +737,7 @@ def _exchange(live: LiveWorld, pre: str, pg: dist.ProcessGroup, xfer: list[int],
         live.store.set(f"{pre}xfer/{xfer[me]}-{xfer[dst]}", meta)
         keep += tensors
         works += [pg.send([t], dst, tag) for tag, t in enumerate(tensors)]
-    into = new.stage_params if new is not None else {}
+    into = _stage_tensors(new) if new is not None else {}
     parts, nbytes = [], 0
     for src in recvs:
         key = f"{pre}xfer/{xfer[src]}-{live.member}"

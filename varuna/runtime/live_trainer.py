@@ -68,7 +68,8 @@ class LiveTrainer:
     def __init__(
         self, build_model: Callable[[], nn.Module], config: VarunaConfig, *, example_batch: Any,
         optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], loss_fn: Callable | None = None,
-        param_init: Callable | None = None, live: LiveWorld | None = None,
+        param_init: Callable | None = None, lr_scheduler: Callable | None = None,
+        live: LiveWorld | None = None,
         notice_signals: tuple[str, ...] = ("SIGUSR1",), join_window_s: float = 30.0,
         wait_s: float = 3600.0, on_phase: Phase | None = None, backend: str = "gloo",
         freeze_s: float = 30.0,
@@ -88,10 +89,11 @@ class LiveTrainer:
                                      timeouts=dataclasses.replace(config.timeouts, peer_s=0))
         self._build_model, self.config = build_model, config
         self._engine_args = {"example_batch": example_batch, "optimizer": optimizer, "loss_fn": loss_fn,
-                             "param_init": param_init}
+                             "param_init": param_init, "lr_scheduler": lr_scheduler}
         self._opts = {"join_window_s": join_window_s, "backend": backend, "on_phase": on_phase}
         self.wait_s = wait_s
         self.morphs: list[MorphReport] = []
+        self._registered: list[tuple[str, Any, str]] = []
         self.failed_steps: list[int] = []
         """Steps that failed here and were redone (the step in flight of a lost peer)."""
         self.left = False
@@ -107,6 +109,20 @@ class LiveTrainer:
                 signal.signal(getattr(signal, name), self._on_notice)
 
     # ------------------------------------------------------------------ public
+
+    def register_state(self, name: str, obj: Any, *, scope: str = "global") -> None:
+        """``Engine.register_state`` on this worker's engine and on every engine a morph builds
+        (a joiner's too): global state goes to the new engine from a holder's record, so a
+        ``StatefulBatches`` rewinds to the committed step and the redone step gets its batch again.
+
+        Example::
+
+            trainer.register_state("data", data)
+            trainer.run(steps, data.batch_for)
+        """
+        self._registered.append((name, obj, scope))
+        if self.engine is not None:
+            self.engine.register_state(name, obj, scope=scope)
 
     def step(self, batch_for: Callable[[int], Any]) -> StepResult | None:
         """Run the next step, ``batch_for(committed step + 1)``, redoing it after a lost peer and
@@ -163,6 +179,8 @@ class LiveTrainer:
 
     def _attach(self, engine: Engine) -> Engine:
         engine.boundary_hook = self._boundary_hook
+        for name, obj, scope in getattr(self, "_registered", ()):
+            engine.register_state(name, obj, scope=scope)
         live, members = self.live, list(self.live.members)
         # Note [Live watch]: a member of this generation declared dead severs its groups, so this
         # process's main thread fails out of any wait on it (and peers blocked on this one too).
@@ -171,6 +189,9 @@ class LiveTrainer:
         # complete checkpoint stays the newest): old-layout ranks of members known dead.
         engine.checkpointer.lost_writers = lambda: {r for r, m in enumerate(members)
                                                     if m in live.known_dead()}
+        # A new generation of the live run: no save of an older one commits from now on (a
+        # member cut off mid-save may still reach the store: Note [Checkpoint fence]).
+        engine.checkpointer.start_generation(live.generation)
         return engine
 
     def _build(self, P: int, D: int) -> Engine:

@@ -1,6 +1,7 @@
 """Stage state sent peer to peer tensor by tensor, straight from and into the live tensors (live morph).
 
-A stage's state is parameters plus name-keyed optimizer state (``optimizer_state_by_name``). The
+A stage's state is parameters, persistent buffers and name-keyed optimizer state
+(``optimizer_state_by_name``). The
 sender posts each of its tensors as it is (no packing copy: the held engine no longer trains, so
 its tensors are stable); the receiver receives a parameter straight into the new engine's own
 parameter and optimizer state into fresh tensors that the optimizer then adopts without a copy.
@@ -31,8 +32,9 @@ __all__ = ["describe_state", "receive_targets"]
 
 
 def describe_state(state: dict) -> tuple[str, list[torch.Tensor]]:
-    """``(meta_json, tensors)`` for ``{"params": {name: tensor}, "optimizer": {...}}``: the tensors
-    to send in order (the live ones, CPU and contiguous: no copy unless they are not)."""
+    """``(meta_json, tensors)`` for ``{"params": {name: tensor}, "buffers": {name: tensor},
+    "optimizer": {...}}`` (``buffers`` optional): the tensors to send in order (the live ones, CPU
+    and contiguous: no copy unless they are not)."""
     entries: list[list[Any]] = []
     tensors: list[torch.Tensor] = []
 
@@ -45,6 +47,7 @@ def describe_state(state: dict) -> tuple[str, list[torch.Tensor]]:
     opt = state["optimizer"]
     skeleton = {
         "params": {n: put(t) for n, t in state["params"].items()},
+        "buffers": {n: put(t) for n, t in state.get("buffers", {}).items()},
         "optimizer": {
             "class": opt.get("class"),
             "state": {n: {k: put(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
@@ -58,10 +61,12 @@ def describe_state(state: dict) -> tuple[str, list[torch.Tensor]]:
 def receive_targets(meta: str, into: Mapping[str, torch.Tensor]) -> tuple[dict, list[torch.Tensor]]:
     """The state :func:`describe_state` described, and the tensors to receive it into, in order: a
     parameter named in ``into`` (the new engine's, contiguous, same dtype and shape) is received
-    in place; everything else into a fresh tensor. Raises ValueError on a bad description."""
+    in place (so is a buffer); everything else into a fresh tensor. Raises ValueError on a bad
+    description."""
     m = json.loads(meta)
     sk = m["skeleton"]
-    param_of = {v["@t"]: n for n, v in sk["params"].items() if isinstance(v, dict) and "@t" in v}
+    named = {**sk.get("buffers", {}), **sk["params"]}
+    param_of = {v["@t"]: n for n, v in named.items() if isinstance(v, dict) and "@t" in v}
     targets = []
     for i, entry in enumerate(m["entries"]):
         # The description comes through the store: accept only a real dtype and a sane shape.
@@ -84,5 +89,6 @@ def receive_targets(meta: str, into: Mapping[str, torch.Tensor]) -> tuple[dict, 
               for g in sk["optimizer"]["param_groups"]]  # JSON made tuples (AdamW's betas) lists
     state = {n: {k: get(v) for k, v in s.items()} for n, s in sk["optimizer"]["state"].items()}
     return ({"params": {n: get(v) for n, v in sk["params"].items()},
+             "buffers": {n: get(v) for n, v in sk.get("buffers", {}).items()},
              "optimizer": {"class": sk["optimizer"]["class"], "state": state, "param_groups": groups}},
             targets)

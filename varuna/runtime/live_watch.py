@@ -47,6 +47,7 @@ Example::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import threading
@@ -67,15 +68,19 @@ _KEYS = "varuna/live/"
 _SEVER_TAG = 0x5E7E  # never used by a real message (links and collectives use tag 0)
 
 
-def sever(groups: Iterable[object]) -> None:
+def sever(groups: Iterable[object], dead: Iterable[int] = ()) -> None:
     """Close every connection of ``groups`` now (Note [Live watch]): waits of this process on
-    them fail at once, and so do peers' waits on this process. Gloo groups only; others are
-    asked to ``abort()``. Never raises (a group already broken is what we want).
+    them fail at once, and so do peers' waits on this process. ``dead``: ranks of the group's
+    generation (the default group's numbering) known lost; the timed-out receive then goes to one
+    of them when it is in the group, so the pair to a *silent* peer (no reset will ever come) is
+    surely among those closed. Gloo groups only; others are asked to ``abort()``. Never raises (a
+    group already broken is what we want).
 
     Example::
 
-        sever([dist.group.WORLD])
+        sever([dist.group.WORLD], dead=[2])
     """
+    dead = list(dead)
     for g in groups:
         if g is None or g == dist.GroupMember.NON_GROUP_MEMBER:
             continue
@@ -86,9 +91,21 @@ def sever(groups: Iterable[object]) -> None:
             if _backend_name(g) != "gloo":
                 g.abort()
                 continue
-            g.recv([torch.empty(1)], (rank + 1) % size, _SEVER_TAG).wait(timedelta(milliseconds=1))
-        except Exception:  # the timeout we asked for (or the pair was closed already)
+            peers = [p for p in (_group_rank(g, r, size) for r in dead) if p is not None and p != rank]
+            for peer in peers or [(rank + 1) % size]:
+                with contextlib.suppress(Exception):  # the timeout we asked for (or closed already)
+                    g.recv([torch.empty(1)], peer, _SEVER_TAG).wait(timedelta(milliseconds=1))
+        except Exception:  # a group already broken
             pass
+
+
+def _group_rank(g, rank: int, size: int) -> int | None:
+    """``rank`` (the generation's numbering) in ``g``, or None when it is not a member. A group
+    torch does not know (a live transfer's) is numbered as the generation's list it was made of."""
+    try:
+        return dist.get_group_rank(g, rank)
+    except Exception:
+        return rank if 0 <= rank < size and g not in dist.distributed_c10d._world.pg_group_ranks else None
 
 
 def frozen_verdict(store, member: int) -> str | None:

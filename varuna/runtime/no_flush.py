@@ -44,6 +44,7 @@ import torch.distributed as dist
 from varuna.core.schedule import BACKWARD, Task
 from varuna.runtime.config import StepResult, VarunaConfig
 from varuna.runtime.executor import Feed, StageRun
+from varuna.runtime.flops import step_metrics
 
 __all__ = ["MAX_WINDOW_STEPS", "StepEnd", "WindowFeed", "no_flush_unsupported"]
 
@@ -65,7 +66,7 @@ def no_flush_unsupported(config: VarunaConfig, num_stages: int) -> str | None:
     if config.precision == "fp16":
         return ("train_steps without a flush cannot use fp16 loss scaling: skipping a step needs every "
                 "stage's agreement before any updates; use precision='bf16' or 'fp32', or train_step")
-    if num_stages > 1 and not config.pipeline.recompute:
+    if num_stages > 1 and config.pipeline.recompute is False:  # None: the default, on
         return ("train_steps without a flush needs pipeline.recompute=True at P > 1: the weight versions are "
                 "swapped in place between tasks, so no graph may live from a forward to a later backward")
     return None
@@ -127,9 +128,11 @@ class WindowFeed(Feed):
         slots = e._sync.agreement_slots(sumsq, nonfinite, loss, e.stop_requested)
         handle = dist.all_reduce(slots, async_op=True) if e.layout.world > 1 else None
         t_opt = time.perf_counter()
+        pending = e.extras.before_commit(self.first_step + s)  # Note [Buffers across replicas]
         if nonfinite == 0:
             e.optimizer.step()
         e.optimizer.zero_grad(set_to_none=True)
+        e.extras.after_commit(pending, skipped=nonfinite != 0, loss=None)  # not agreed yet
         end = time.perf_counter()
         if e.config.metrics.record_timeline:
             e.timeline.add(e.stage, e.replica, "OPT", None, t_opt, end)
@@ -164,5 +167,6 @@ class WindowFeed(Feed):
                 step=end.step, loss=loss, grad_norm=math.inf if skipped else math.sqrt(total_sq),
                 skipped=skipped, loss_scale=1.0, samples_per_s=M / wall if wall > 0 else math.inf,
                 wall_time=time.time() - (time.perf_counter() - end.end_s), timings=timings, step_s=wall,
+                **step_metrics(getattr(self.e, "flops", None), wall),
             ))
         return out, stop

@@ -33,6 +33,10 @@ def optimizer_state_by_name(
     Returns ``{"class": "AdamW", "state": {name: {key: value}}, "param_groups": [{hyper...,
     "params": [names]}]}``; with ``only``, just those parameters (groups without any of them are
     dropped). Values are references to the live tensors, like ``Optimizer.state_dict()``.
+    State outside ``state[param]`` (entries of ``optimizer.state`` not keyed by a parameter, keys
+    of ``state_dict()`` besides ``state`` and ``param_groups``: a global norm, a schedule-free
+    optimizer's extras) is the stage's, under ``"stage_state"`` when there is any (Note
+    [Registered state]'s sibling: the checkpointer saves it per stage, docs/checkpoints.md).
 
     >>> w = torch.nn.Parameter(torch.ones(2))
     >>> opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
@@ -66,7 +70,12 @@ def optimizer_state_by_name(
         for i, v in sd["state"].items()
         if i in index_to_name and (keep is None or index_to_name[i] in keep)
     }
-    return {"class": type(optimizer).__name__, "state": state, "param_groups": groups}
+    out = {"class": type(optimizer).__name__, "state": state, "param_groups": groups}
+    outside = {k: v for k, v in sd["state"].items() if k not in index_to_name}
+    top = {k: v for k, v in sd.items() if k not in ("state", "param_groups")}
+    if outside or top:
+        out["stage_state"] = {"state": outside, "extra": top}
+    return out
 
 
 def merge_optimizer_states(parts: Iterable[dict]) -> dict:
@@ -142,7 +151,10 @@ def load_optimizer_state_by_name(
                     k: (x.clone() if copy and isinstance(x, torch.Tensor) else x) for k, x in v.items()
                 }
         idx += len(names)
-    optimizer.load_state_dict({"state": by_index, "param_groups": groups})
+    stage = state.get("stage_state") or {}
+    outside = {k: v for k, v in stage.get("state", {}).items() if not isinstance(k, int)}
+    optimizer.load_state_dict({**stage.get("extra", {}), "state": {**by_index, **outside},
+                               "param_groups": groups})
 
 
 def _plain_value(x: Any) -> Any:

@@ -14,13 +14,20 @@ Example::
 
 from __future__ import annotations
 
+import math
+import resource
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from varuna.core.calibration import plan_model_mismatch
+from varuna.core.config_error import ConfigError
+from varuna.core.env import ProcessEnv
+from varuna.core.memory import ENGINE_OVERHEAD_BYTES, GRAD_BUCKET_BYTES, MEMORY_MARGIN, comm_buffer_bytes
 from varuna.core.partition import balanced_stages
 from varuna.core.schedule import schedule_kind
 from varuna.cutting.split import ModelProfile, profile_model
@@ -28,11 +35,14 @@ from varuna.runtime.config import VarunaConfig
 from varuna.runtime.layout import Layout
 
 __all__ = [
+    "StageMemory",
     "assign_stages",
     "check_chunks_fit",
     "check_pipeline_depth",
     "chunks_per_process",
     "planning_profile",
+    "stage_memory_budget",
+    "stage_memory_for",
 ]
 
 
@@ -59,8 +69,8 @@ def chunks_per_process(config: VarunaConfig, P: int, num_cutpoints: int, micro_p
 
 
 def check_chunks_fit(P: int, chunks: int, num_cutpoints: int) -> None:
-    """Raise ``ValueError`` (one line) when P processes of ``chunks`` model chunks each (P·chunks
-    virtual stages) need more cut-points than the model has.
+    """Raise :class:`ConfigError` (a ``ValueError``, one line) when P processes of ``chunks`` model
+    chunks each (P·chunks virtual stages) need more cut-points than the model has.
 
     Example::
 
@@ -68,7 +78,7 @@ def check_chunks_fit(P: int, chunks: int, num_cutpoints: int) -> None:
     """
     V = P * chunks
     if chunks > 1 and V > num_cutpoints + 1:
-        raise ValueError(
+        raise ConfigError(
             f"the interleaved schedule with P={P} and chunks={chunks} needs {V} virtual stages, i.e. >= "
             f"{V - 1} cut-points, but the model has {num_cutpoints}; lower chunks or the pipeline depth, or "
             f"place more cut-points (--auto-cutpoints {V - 1}, or --cut-after selecting >= {V - 1} modules)"
@@ -76,7 +86,8 @@ def check_chunks_fit(P: int, chunks: int, num_cutpoints: int) -> None:
 
 
 def check_pipeline_depth(P: int, num_cutpoints: int) -> None:
-    """Raise ``ValueError`` (one line) when the model's CutPoints cannot make ``P`` stages.
+    """Raise :class:`ConfigError` (a ``ValueError``, one line) when the model's CutPoints cannot
+    make ``P`` stages.
 
     Example::
 
@@ -84,14 +95,14 @@ def check_pipeline_depth(P: int, num_cutpoints: int) -> None:
     """
     K = num_cutpoints
     if P > 1 and K == 0:
-        raise ValueError(
+        raise ConfigError(
             f"the model has no CutPoint, so it cannot be split into {P} pipeline stages; place cut-points "
             f"by module name (cut_after=('model.layers.*',) or varuna-launch --cut-after 'model.layers.*'), "
             f"let the engine choose them (auto_cutpoints={P - 1} or --auto-cutpoints {P - 1}), call "
             "varuna.CutPoint() in the model, or use --pipeline-depth 1"
         )
     if P > K + 1:
-        raise ValueError(
+        raise ConfigError(
             f"pipeline depth {P} exceeds the {K + 1} segments defined by the model's {K} cut-points; use "
             f"--pipeline-depth <= {K + 1}, or place more cut-points (by name: --cut-after with a pattern "
             f"selecting >= {P - 1} modules; automatically: --auto-cutpoints {P - 1})"
@@ -101,25 +112,26 @@ def check_pipeline_depth(P: int, num_cutpoints: int) -> None:
 def planning_profile(model: nn.Module, micro_batch, loss_fn: Callable, config: VarunaConfig,
                      layout: Layout) -> ModelProfile:
     """The engine's dry run (:func:`varuna.cutting.split.profile_model`) with the segment costs
-    the stage split needs: counted only on rank 0 (it broadcasts the split) and only when it
-    splits; FLOPs unless ``config.cutting.plan_cost == "time"`` (measured), because a plan must not change
-    between identical runs (docs/annotating.md, "Stable plans").
+    the stage split needs and the FLOPs the step metrics need: counted only on rank 0 (it
+    broadcasts the split and the FLOPs, varuna/runtime/flops.py); the split balances FLOPs unless
+    ``config.cutting.plan_cost == "time"`` (measured, and only when it splits), because a plan must
+    not change between identical runs (docs/annotating.md, "Stable plans").
 
     Example::
 
         prof = planning_profile(model, first_micro_batch, loss_fn, config, layout)
-        prof.cost_unit   # "flop" on rank 0 of a P > 1 job by default
+        prof.cost_unit   # "flop" on rank 0 by default
     """
-    costs = layout.rank == 0 and config.pipeline.stage_ranges is None and layout.P > 1
+    splits = layout.rank == 0 and config.pipeline.stage_ranges is None and layout.P > 1
     prof = profile_model(
         model,
         micro_batch,
         loss_fn,
         timing_reps=config.cutting.timing_reps,
-        measure=costs and config.cutting.plan_cost == "time",
-        costs=costs,
+        measure=splits and config.cutting.plan_cost == "time",
+        costs=layout.rank == 0,
     )
-    if costs and prof.cost_unit == "flop" and not any(prof.fwd_cost) and not any(
+    if splits and prof.cost_unit == "flop" and not any(prof.fwd_cost) and not any(
         p.is_meta for p in model.parameters()
     ):
         # Nothing the counter sees (elementwise ops only, emulated devices): FLOPs cannot rank the
@@ -131,6 +143,114 @@ def planning_profile(model: nn.Module, micro_batch, loss_fn: Callable, config: V
     return prof
 
 
+#: Adam's two moments per weight: what the split assumes the optimizer keeps (the optimizer is
+#: built after the split, from the stage's parameters).
+OPTIMIZER_STATES_PER_WEIGHT = 2
+@dataclass(frozen=True)
+class StageMemory:
+    """What each stage may hold (bytes, one per stage) and how its state is counted: the
+    optimizer state divided over ``optimizer_shards`` replicas, ``num_microbatches`` per replica
+    (the stash), for the memory-aware split (Note [Memory-aware split])."""
+
+    caps: tuple[int, ...]
+    optimizer_shards: int = 1
+    num_microbatches: int = 1
+    replicas: int = 1
+
+    def static_bytes(self, profile: ModelProfile) -> list[float]:
+        """Per segment: weights + gradients + optimizer state of the parameters it reads (a
+        parameter read by several segments, a tied embedding, counts on each: each stage holding
+        it holds all of it)."""
+        per = 2 + OPTIMIZER_STATES_PER_WEIGHT / self.optimizer_shards
+        out = [0.0] * profile.num_segments
+        for name, segs in profile.param_segments.items():
+            for s in segs:
+                out[s] += per * profile.param_bytes.get(name, 0)
+        return out
+
+    def stash_bytes(self, profile: ModelProfile, schedule: str, ranges) -> list[float]:
+        """Per stage: its boundary input (at the dry run's micro-batch) times the micro-batches it
+        stashes at most (the kind's ``stash_peak``)."""
+        kind, P = schedule_kind(schedule), len(ranges)
+        out = []
+        for k, (a, _b) in enumerate(ranges):
+            meta = profile.act_meta[a - 1] if a > 0 else []
+            nbytes = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in meta)
+            out.append(nbytes * kind.stash_peak(P, k, self.num_microbatches))
+        return out
+
+    def fit(self, ranges, profile: ModelProfile, schedule: str, full, last, speeds) -> list[tuple[int, int]]:
+        """``ranges`` if every stage fits, else the fastest split that does; ``ranges`` with one
+        line on stderr when none does (the run then fails where memory runs out, as before)."""
+        static = self.static_bytes(profile)
+        caps = list(self.caps) if len(self.caps) > 1 else [self.caps[0]] * len(ranges)
+        stash = self.stash_bytes(profile, schedule, ranges)
+        # What the model does not count (varuna/core/memory.py): the engine's own memory, one
+        # gradient bucket with replicas (the largest a stage may need), a share for the rest.
+        extra = ENGINE_OVERHEAD_BYTES + comm_buffer_bytes(self.replicas, GRAD_BUCKET_BYTES)
+        room = [c * (1 - MEMORY_MARGIN) - extra - st for c, st in zip(caps, stash)]
+        if all(sum(static[a : b + 1]) <= r for (a, b), r in zip(ranges, room)):
+            return ranges
+        try:
+            fitted = balanced_stages(full, last, len(ranges), speeds=speeds, weights=static, capacity=room)
+        except ValueError:
+            need = max(sum(static[a : b + 1]) + st for (a, b), st in zip(ranges, stash)) + extra
+            print(f"varuna: no stage split keeps every stage within its memory ({min(caps) / 2**20:.0f} "
+                  f"MiB, {MEMORY_MARGIN:.0%} kept free; the time-balanced one needs about {need / 2**20:.0f} "
+                  "MiB on its largest stage): keeping it", flush=True)
+            return ranges
+        print(f"varuna: stage split {fitted} instead of {ranges}: the time-balanced one overflows a stage's "
+              f"memory ({min(caps) / 2**20:.0f} MiB; Note [Memory-aware split])", flush=True)
+        return fitted
+
+
+def stage_memory_for(
+    config: VarunaConfig, layout: Layout, device: torch.device, micro_plan: Sequence
+) -> StageMemory | None:
+    """What each stage may hold for the memory-aware split (``pipeline.stage_memory``, else the
+    process's hard limit, on rank 0: it splits), or None (unbounded, or not rank 0)."""
+    caps = config.pipeline.stage_memory
+    if caps is None and layout.rank == 0 and layout.P > 1:
+        caps = stage_memory_budget(device)
+    if caps is None:
+        return None
+    caps = (caps,) if isinstance(caps, int) else tuple(caps)
+    bad = any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in caps)
+    if len(caps) not in (1, layout.P) or bad:
+        raise ValueError(f"pipeline.stage_memory {caps} must be bytes > 0: one value, or one per stage "
+                         f"(P={layout.P})")
+    shards = layout.D if config.optimizer_state.shard else 1
+    nm = max(len(p) for p in micro_plan)
+    return StageMemory(caps, optimizer_shards=shards, num_microbatches=nm, replicas=layout.D)
+
+
+def stage_memory_budget(device: torch.device) -> int | None:
+    """The hard limit on this process's memory, in bytes: an accelerator's total memory, else
+    the room under ``RLIMIT_AS`` and a cgroup's ``memory.max`` (shared by the host's ranks); None
+    when there is none (not ``MemAvailable``: it moves between runs, and a plan must not).
+
+    Example::
+
+        stage_memory_budget(torch.device("cpu"))   # None on an unlimited host
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    room: list[int] = []
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        with open("/proc/self/status") as f:
+            vm = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:")), 0)
+        room.append(max(soft - vm, 0))
+    try:
+        cg = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if cg != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            room.append(max(int(cg) - used, 0) // ProcessEnv.from_env().local_world_size)
+    except (OSError, ValueError):
+        pass
+    return min(room) if room else None
+
+
 def assign_stages(
     layout: Layout,
     profile: ModelProfile,
@@ -140,11 +260,13 @@ def assign_stages(
     explicit: Sequence[tuple[int, int]] | None,
     speeds: Sequence[float] | None = None,
     chunks: int = 1,
+    memory: StageMemory | None = None,
 ) -> list[tuple[int, int]]:
     """Inclusive segment range of every stage (a collective when it balances on several ranks);
     with ``chunks`` > 1, of every virtual stage (P·chunks of them, virtual stage j on process j % P).
     ``speeds``: relative speed of each process's VM; a segment's cost on a stage of process i is
-    divided by ``speeds[i]`` (``VarunaConfig.stage_speeds``)."""
+    divided by ``speeds[i]`` (``VarunaConfig.stage_speeds``). ``memory``: what each stage may hold
+    (Note [Memory-aware split]); the time-balanced split stands where it fits."""
     P, nseg = layout.P * chunks, profile.num_segments
     if explicit is not None:
         ranges = [tuple(r) for r in explicit]
@@ -165,6 +287,8 @@ def assign_stages(
     if speeds is not None and chunks > 1:
         speeds = [speeds[j % layout.P] for j in range(P)]
     ranges = balanced_stages(full, last, P, speeds=speeds) if P > 1 else [(0, nseg - 1)]
+    if memory is not None and P > 1 and chunks == 1 and layout.rank == 0:
+        ranges = memory.fit(ranges, profile, schedule, full, last, speeds)
     if layout.world > 1:
         # Timings differ between processes: rank 0's split is the one everybody uses.
         t = torch.tensor([x for r in ranges for x in r], dtype=torch.int64)

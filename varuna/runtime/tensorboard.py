@@ -5,7 +5,8 @@ one that writes the example's JSON Lines) writes, through ``torch.utils.tensorbo
 
 - scalars, at ``global_step`` = the step and with the step's own ``wall_time``: ``train/loss``
   (mean over the whole mini-batch), ``train/grad_norm`` (global, before clipping; inf on a
-  skipped step), ``train/samples_per_s``, ``train/step_s``, ``layout/P``, ``layout/D``,
+  skipped step), ``train/samples_per_s``, ``train/step_s``, ``train/tflops`` and
+  ``train/hardware_tflops`` (per device) and ``train/mfu`` (when known), ``layout/P``, ``layout/D``,
   ``train/loss_scale`` (fp16 only) and ``eval/loss`` (each ``Engine.evaluate``);
 - text events: ``varuna/layout`` when the run starts (P×D, m, schedule, stage ranges),
   ``varuna/resume`` when it resumed from a checkpoint, ``varuna/morph`` when that checkpoint was
@@ -166,6 +167,10 @@ class TensorBoardLog:
         w.add_scalar("train/grad_norm", r.grad_norm, step, walltime=t)
         w.add_scalar("train/samples_per_s", r.samples_per_s, step, walltime=t)
         w.add_scalar("train/step_s", r.step_s, step, walltime=t)
+        for tag, value in (("train/tflops", r.tflops), ("train/hardware_tflops", r.hardware_tflops),
+                           ("train/mfu", r.mfu)):
+            if value is not None:  # not counted, or no known peak (CPU): no point rather than a 0
+                w.add_scalar(tag, value, step, walltime=t)
         w.add_scalar("layout/P", self.P, step, walltime=t)
         w.add_scalar("layout/D", self.D, step, walltime=t)
         if self._fp16:
