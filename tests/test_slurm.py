@@ -9,6 +9,11 @@ requeued run gets one node, resumes at P=2 × D=1 and finishes with final weight
 to an undisturbed single-process run (scripts/chaos.py's byte comparison of every tensor) and the
 same loss at every step; no process of the job is left. Every wait is on an observable state (job
 state, output lines), with a timeout.
+
+The others run ``varuna-launch --slurm`` under ``salloc -N2`` through main's restart, silence and
+live-morph paths: ``--max-restarts`` relaunching after a failed worker (negative control: without
+it the job fails), an srun agent SIGSTOPped (named silent, relaunch on the node left), and
+``--live-morph`` (a member killed, the survivors regroup without a restart).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -181,3 +187,121 @@ def test_bad_allocations_one_line_each(cluster: SlurmCluster, tmp_path: Path) ->
     ours = [line for line in result.stderr.splitlines() if line.startswith("varuna-launch")]
     assert result.returncode == 2 and len(ours) == 1, result.stderr
     assert "fewer slots than the 2 stages of --pipeline-depth 2" in ours[0], ours
+
+
+CRASH_ON_FIRST_LAUNCH = """
+import os, sys
+rank, restarts = os.environ["RANK"], os.environ.get("VARUNA_RESTARTS", "-")
+print(f"worker rank={rank} restarts={restarts} node={os.environ.get('SLURMD_NODENAME', '?')}", flush=True)
+sys.exit(1 if rank == "3" and restarts in ("0", "-") else 0)  # "-": no --max-restarts
+"""
+
+
+@pytest.mark.timeout(300)
+def test_max_restarts_relaunches_through_srun_agents(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """``--slurm --max-restarts 1`` in a real allocation (salloc -N2, 2 tasks per node): rank 3
+    fails in the first launch; the launcher relaunches through fresh srun agents on both nodes,
+    every worker with VARUNA_RESTARTS=1, and the job ends 0 with a ``restart`` event. Negative
+    control: without --max-restarts the same job fails (exit 1), nothing relaunched."""
+    script = tmp_path / "crash_once.py"
+    script.write_text(CRASH_ON_FIRST_LAUNCH)
+    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+    def launch(*extra: str) -> subprocess.CompletedProcess[str]:
+        return cluster.run(
+            "salloc", "-N2", "--ntasks-per-node=2", sys.executable, "-m", "varuna.launch", "--slurm",
+            "--pipeline-depth", "2", "--checkpoint-dir", str(tmp_path / "ckpt"), "--quiet", *extra,
+            str(script), check=False, env=env, timeout=240,
+        )  # fmt: skip
+
+    once = launch("--log-dir", str(tmp_path / "once"))
+    assert once.returncode == 1, once.stderr[-3000:]
+    assert "relaunching" not in once.stderr and "job failed:" in once.stderr, once.stderr[-3000:]
+
+    logs = tmp_path / "logs"
+    run = launch("--max-restarts", "1", "--log-dir", str(logs))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "launch 1 failed:" in run.stderr, run.stderr[-3000:]
+    assert "relaunching on the 2 host(s) left from the newest checkpoint (restart 1 of 1)" in run.stderr
+    seen = re.findall(r"worker rank=(\d) restarts=(\d) node=(\w+)", run.stdout)
+    relaunched = {(int(r), node) for r, restarts, node in seen if restarts == "1"}
+    assert relaunched == {(0, "n1"), (1, "n1"), (2, "n2"), (3, "n2")}, run.stdout[-3000:]
+    events = [json.loads(line) for line in (logs / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["restart"] and events[0]["hosts"] == 2, events
+    wait_for(lambda: not cluster.stepd_pids(), 60, "the job's step daemons to end")
+
+
+HOLD_ON_FIRST_LAUNCH = """
+import os, sys, threading
+restarts = os.environ.get("VARUNA_RESTARTS", "-")
+print(f"worker rank={os.environ['RANK']} restarts={restarts} node={os.environ.get('SLURMD_NODENAME', '?')}",
+      flush=True)
+if restarts == "0":
+    threading.Event().wait(120)  # the first launch ends when the launcher stops it
+    sys.exit(1)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_silent_srun_agent_is_named_and_the_job_relaunched_on_the_node_left(
+    cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """Main's silence watch over srun: the agent on n2 is SIGSTOPped (a hung node: its step and
+    channel stay open); the launcher names h1=n2 silent after --host-timeout, relaunches on n1
+    alone at P=2 × D=1 (--max-restarts 1), and ends 0; events.jsonl has host-silent then restart;
+    nothing of the job is left once the allocation ends."""
+    script = tmp_path / "hold_once.py"
+    script.write_text(HOLD_ON_FIRST_LAUNCH)
+    ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
+    argv = ["salloc", "-N2", "--ntasks-per-node=2", sys.executable, "-m", "varuna.launch", "--slurm",
+            "--pipeline-depth", "2", "--checkpoint-dir", str(ckpt), "--max-restarts", "1",
+            "--log-dir", str(logs), "--quiet", str(script)]  # fmt: skip
+    env = {**cluster.env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        launched = logs / "launch.json"
+        wait_for(lambda: launched.exists() and json.loads(launched.read_text() or "{}").get("hosts"), 120,
+                 "the first launch's launch.json")
+        hosts = json.loads(launched.read_text())["hosts"]
+        assert [h["entry"] for h in hosts] == ["n1", "n2"], hosts
+        os.kill(int(hosts[1]["agent_pid"]), signal.SIGSTOP)  # the step's task; Slurm kills it at the end
+        out, err = launcher.communicate(timeout=240)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 0, err[-3000:]
+    assert re.search(r"host h1=n2 went silent: no word from its agent for [0-9.]+ s", err), err[-3000:]
+    relaunch = "relaunching on the 1 host(s) left from the newest checkpoint (restart 1 of 1); left out: n2"
+    assert relaunch in err, err[-3000:]
+    assert "P=2 × D=1 on 1 host(s): n1 (2 workers)" in err, err[-3000:]
+    relaunched = set(re.findall(r"worker rank=(\d) restarts=1 node=(\w+)", out))
+    assert relaunched == {("0", "n1"), ("1", "n1")}, out[-3000:]
+    events = [json.loads(line)["event"] for line in (logs / "events.jsonl").read_text().splitlines()]
+    assert events == ["host-silent", "restart"], events
+    wait_for(lambda: not cluster.stepd_pids() and not _processes_with(str(ckpt)), 60,
+             "the job's steps and workers to end with the allocation")
+
+
+@pytest.mark.timeout(300)
+def test_live_morph_under_slurm_survivors_regroup(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """``--slurm --live-morph`` (allowed, as with --hosts): member 3 (on n2) SIGKILLs itself after
+    step 2; the 3 others — two on n1, one on n2, in srun agents' steps — regroup in their processes
+    without a restart (P=1 × D=3) and finish; the job ends 0."""
+    worker = ROOT / "tests" / "workers" / "live_launch_worker.py"
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    run = cluster.run(
+        "salloc", "-N2", "--ntasks-per-node=2", sys.executable, "-m", "varuna.launch", "--slurm",
+        "--pipeline-depth", "2", "--live-morph", "--checkpoint-dir", str(tmp_path / "ckpt"), "--stop-timeout",
+        "30", "--quiet", str(worker), "--out", str(out), "--steps", "6", "--die-members", "3", "--die-after",
+        "2", check=False, env=env, timeout=280,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "live morph: the 3 other worker(s) regroup without a restart" in run.stderr, run.stderr[-3000:]
+    assert "restarting" not in run.stderr and not (out / "member3.json").exists()
+    reports = {m: json.loads((out / f"member{m}.json").read_text()) for m in (0, 1, 2)}
+    for r in reports.values():
+        assert r["restarts"] == 0 and (r["P"], r["D"]) == (1, 3), r
+        assert [x["resumed_after"] for x in r["morphs"]] == [2], r
