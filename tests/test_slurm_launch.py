@@ -313,11 +313,11 @@ def test_auto_config_plans_for_the_nodes_the_allocation_has(
 
 
 def test_requeue_after_slurms_stop_signal_only(
-    no_slurm_commands: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    no_slurm_commands: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path: Path
 ) -> None:
     """After a SIGUSR1/SIGTERM the launcher asks Slurm to requeue (scontrol is absent here, so the
-    answer is the one line saying why not); after SIGINT, with --no-requeue, or without a signal,
-    it does not."""
+    answer is the one line saying why not, and the ``requeue`` event says so); after SIGINT, with
+    --no-requeue, or without a signal, it does not."""
     import varuna.launch.recovery
 
     stops: tuple[int, ...] = ()
@@ -331,7 +331,8 @@ def test_requeue_after_slurms_stop_signal_only(
 
     monkeypatch.setattr(varuna.launch.recovery, "attempt_on_hosts", fake)
     _slurm_env(monkeypatch, "n[1-2]", "1(x2)")
-    argv = ["--slurm", "--pipeline-depth", "2", str(no_slurm_commands)]
+    logs = tmp_path / "logs"
+    argv = ["--slurm", "--pipeline-depth", "2", "--log-dir", str(logs), str(no_slurm_commands)]
     usr1, term = signal.SIGUSR1, signal.SIGTERM
     cases = [((usr1, usr1), [], True), ((term,), [], True), ((signal.SIGINT,), [], False),
              ((usr1,), ["--no-requeue"], False), ((), [], False)]  # fmt: skip
@@ -349,6 +350,10 @@ def test_requeue_after_slurms_stop_signal_only(
             ], err
         else:
             assert said == [], err
+    events = [json.loads(line) for line in (logs / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["job"], e["signal"], e["requeued"]) for e in events] == [
+        ("requeue", "5", "SIGUSR1", False), ("requeue", "5", "SIGTERM", False)]
+    assert all(e["why"].startswith("cannot run scontrol") for e in events), events
 
 
 def test_max_restarts_under_slurm_relaunches_on_the_nodes_left(
