@@ -30,3 +30,14 @@ if ! { [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; }; then
         echo "setup.sh: not root or no apt-get: chromium not installed; the dashboard's browser tests will be skipped" >&2
     fi
 fi
+# Slurm (slurmctld, slurmd, srun, sbatch) and munge: tests/test_slurm.py starts a one-host cluster
+# of its own (tests/slurm_cluster.py: its own key, config and state in a temporary directory; the
+# packages' system services are not used); without them those tests skip, saying why.
+if ! { [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] && [ -x /usr/sbin/munged ]; }; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null) \
+            || echo "setup.sh: could not install slurm-wlm/munge; the Slurm tests will be skipped" >&2
+    else
+        echo "setup.sh: not root or no apt-get: slurm-wlm not installed; the Slurm tests will be skipped" >&2
+    fi
+fi

@@ -17,6 +17,12 @@ group, reaps them and exits. The agent beats every second, and its main loop nev
 channel: lines go out through a writer thread, so a channel stalled by a partition cannot keep
 the agent from noticing the silence. SIGTERM/SIGINT/SIGHUP to the agent do the same; SIGUSR1 to
 the agent is forwarded to every worker (a local "checkpoint and stop").
+
+With ``--report-signals`` (an agent started as a Slurm job step, Note [Agents as job steps] in
+:mod:`varuna.launch.srun`) SIGUSR1, SIGTERM and SIGINT are Slurm's stop of the whole job, which
+reaches every step: the agent reports each to the launcher (a ``signaled`` line) and does nothing
+itself; the launcher makes one graceful stop of them. Its workers keep running until the launcher
+says otherwise (or is gone).
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ MAX_LINE_BYTES = 16 << 20
 #: once its group is killed, unless a process escaped the group with setsid).
 OUTPUT_DRAIN_TIMEOUT_S = 5.0
 
+#: What ``--report-signals`` reports instead of acting on (Slurm's stop of the job).
+_REPORTED_SIGNALS = frozenset({signal.SIGUSR1, signal.SIGTERM, signal.SIGINT})
 _ALLOWED_SIGNALS = frozenset({"SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGKILL", "SIGCONT"})
 
 
@@ -73,8 +81,10 @@ class Agent:
         heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
         stdin_fd: int = 0,
         stdout: IO[bytes] | None = None,
+        report_signals: bool = False,
     ) -> None:
         self.job_id = job_id
+        self._report_signals = report_signals
         self.host_id = host_id
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._stdin_fd = stdin_fd
@@ -261,6 +271,10 @@ class Agent:
             self.emit({"type": "exit", "rank": rank, "code": code})
 
     def _on_signal(self, signum: int) -> None:
+        if self._report_signals and signum in _REPORTED_SIGNALS:
+            self._say(f"received {signal.Signals(signum).name}; reporting it to the launcher")
+            self.emit({"type": "signaled", "signal": signal.Signals(signum).name})
+            return
         if signum == signal.SIGUSR1:
             for worker in self._running():
                 worker.send_signal(signum)
@@ -360,8 +374,14 @@ def main(argv: list[str] | None = None) -> int:
         help=f"stop the workers after S seconds without a line from the launcher (default"
         f" {HEARTBEAT_TIMEOUT_S:g}; 0 disables)",
     )
+    parser.add_argument(
+        "--report-signals",
+        action="store_true",
+        help="report SIGUSR1/SIGTERM/SIGINT to the launcher instead of acting on them (srun agents)",
+    )
     args = parser.parse_args(argv)
-    agent = Agent(job_id=args.job_id, host_id=args.host_id, heartbeat_timeout_s=args.heartbeat_timeout)
+    agent = Agent(job_id=args.job_id, host_id=args.host_id, heartbeat_timeout_s=args.heartbeat_timeout,
+                  report_signals=args.report_signals)
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(signum, lambda s, _frame: agent.notify_signal(s))
     return agent.run()

@@ -1,5 +1,6 @@
 """The launcher's side of a per-host agent (:mod:`varuna.launch.agent`): :class:`AgentHost`
-starts the agent (over ssh, or as a local process for a pretend ``localhost`` entry), speaks the
+starts the agent (over ssh, as a Slurm job step with srun, or as a local process for a pretend
+``localhost`` entry: Note [Remote start] in :mod:`varuna.launch.remote`), speaks the
 line protocol (:mod:`varuna.launch.protocol`) with it, and hands the supervisor one
 :class:`RemoteWorker` per rank the agent runs.
 
@@ -26,7 +27,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
-from varuna.core.env import LAUNCHER_VARS
 from varuna.launch.hosts import HostEntry
 from varuna.launch.procs import KILL_REAP_TIMEOUT_S, pdeathsig_preexec
 from varuna.launch.protocol import (
@@ -36,8 +36,9 @@ from varuna.launch.protocol import (
     decode_message,
     encode_message,
 )
+from varuna.launch.remote import RemoteStart, agent_environ
 from varuna.launch.spec import WorkerSpec
-from varuna.launch.ssh import SshOptions, remote_agent_command
+from varuna.launch.ssh import SshOptions
 
 __all__ = [
     "AGENT_READY_TIMEOUT_S",
@@ -63,6 +64,8 @@ AGENT_EXIT_TIMEOUT_S = 10.0
 LOST_EXIT_CODE = 255
 
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+#: Signals an agent may report (``--report-signals``); the launcher handles them as its own.
+_REPORTED_SIGNALS = frozenset({"SIGUSR1", "SIGTERM", "SIGINT"})
 
 
 class AgentError(OSError):
@@ -152,8 +155,9 @@ class RemoteWorker:
 
 
 class AgentHost:
-    """A host whose workers are run by a per-host agent (:mod:`varuna.launch.agent`): over ssh, or as
-    a local process for a pretend ``localhost`` entry. Implements the launcher's ``Host``.
+    """A host whose workers are run by a per-host agent (:mod:`varuna.launch.agent`): over ssh, as a
+    Slurm job step (``remote``: :class:`varuna.launch.srun.SrunOptions`), or as a local process for a
+    pretend ``localhost`` entry. Implements the launcher's ``Host``.
 
     Lifecycle: :meth:`start_process` (from the thread that supervises the job: the agent or its
     ssh client gets a parent-death signal), :meth:`start_threads`, :meth:`wait_ready`,
@@ -174,6 +178,8 @@ class AgentHost:
         local_environ: Mapping[str, str] | None = None,
         silence_timeout_s: float = SILENCE_TIMEOUT_S,
         event: Callable[..., None] | None = None,
+        remote: RemoteStart | None = None,
+        on_signal: Callable[[int], None] | None = None,
     ) -> None:
         if entry.slots is None:
             raise ValueError(f"host {entry.display} has no slot count; call assign_slots first")
@@ -185,7 +191,10 @@ class AgentHost:
         self.slots = entry.slots
         self.label = f"h{host_id}={entry.display}"
         self._job_id = job_id
-        self._ssh = ssh or SshOptions()
+        # How a host that is not a pretend localhost is reached: ssh (default) or srun.
+        self._remote: RemoteStart = remote or ssh or SshOptions()
+        # A signal the agent's scheduler gave it (srun agents report them, Note [Agents as job steps]).
+        self._on_signal = on_signal
         self._python = python or sys.executable
         self._pythonpath = list(pythonpath)
         # The agent gives up on the launcher after the same silence as the launcher on the agent.
@@ -215,28 +224,31 @@ class AgentHost:
 
     # -- start-up ------------------------------------------------------------------------------
 
+    @property
+    def _direct(self) -> bool:
+        """A pretend ``localhost`` host of ``--hosts``: its agent starts here, without ssh."""
+        return self.entry.is_local and isinstance(self._remote, SshOptions)
+
     def agent_argv(self) -> list[str]:
-        """What runs the agent: ``python -m varuna.launch.agent ...`` here, or ``ssh ... HOST CMD``."""
+        """What runs the agent: ``python -m varuna.launch.agent ...`` here, or the remote-start
+        method's argv (``ssh ... HOST CMD``, ``srun ... --nodelist=NODE python ...``)."""
         agent_args = ["--job-id", self._job_id, "--host-id", str(self.host_id),
                       "--heartbeat-timeout", f"{self._heartbeat_timeout_s:g}"]
-        if self.entry.is_local:
+        if self._direct:
             return [self._python, "-m", "varuna.launch.agent", *agent_args]
-        command = remote_agent_command(
-            python=self._python, pythonpath=self._pythonpath, agent_args=agent_args
+        if self._remote.reports_signals:
+            agent_args.append("--report-signals")
+        return self._remote.agent_argv(
+            self.entry, python=self._python, pythonpath=self._pythonpath, agent_args=agent_args
         )
-        return self._ssh.argv(self.entry, command)
 
     def start_process(self) -> None:
         """Start the agent (or its ssh client). Raises :class:`AgentError`."""
-        env = None
-        if self.entry.is_local:
+        if self._direct:
             # The agent must import varuna before it can read its first request.
-            paths = [
-                *self._pythonpath,
-                *filter(None, self._local_environ.get("PYTHONPATH", "").split(os.pathsep)),
-            ]
-            env = {k: v for k, v in self._local_environ.items() if k not in LAUNCHER_VARS}
-            env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+            env = agent_environ(self._local_environ, self._pythonpath)
+        else:
+            env = self._remote.agent_env(self._local_environ, self._pythonpath)
         try:
             self._proc = subprocess.Popen(
                 self.agent_argv(),
@@ -453,6 +465,10 @@ class AgentHost:
             self._ready.set()
         elif kind == "message":
             self._message(f"[{self.label}] {msg.get('text')}")
+        elif kind == "signaled":
+            name = str(msg.get("signal"))
+            if self._on_signal is not None and name in _REPORTED_SIGNALS:
+                self._on_signal(int(getattr(signal, name)))
         # "bye" and unknown types: nothing to do (newer agents may say more).
 
     def _on_agent_gone(self) -> None:

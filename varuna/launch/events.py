@@ -8,7 +8,9 @@ Events (fields besides ``time`` and ``event``):
   when the launcher gave up on it), ``timeout_s``, ``ranks`` (lost with it);
 - ``job-failed``: ``cause`` (the launcher's last line without its prefix), ``attempt``;
 - ``restart``: ``attempt`` (1, 2, ...), ``of`` (``--max-restarts``), ``hosts``, ``left_out``,
-  ``P``, ``D``, ``reason``.
+  ``P``, ``D``, ``reason``;
+- ``requeue`` (``--slurm``, after Slurm's stop signal): ``job`` (the Slurm job id), ``signal``,
+  ``requeued`` (whether ``scontrol requeue`` took it), ``why`` (why not, else "").
 
 Example::
 

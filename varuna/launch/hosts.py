@@ -95,6 +95,9 @@ class HostEntry:
     """The host's VM type (``type=NAME``); None when the host file does not say."""
     origin: str = ""
     """Where the entry was written (``hosts.txt line 3``), for error messages."""
+    addr: str | None = None
+    """Address other hosts reach this one at when it is not ``host`` (a Slurm node's
+    ``NodeAddr``); None: the host name itself."""
 
     @property
     def is_local(self) -> bool:
@@ -104,6 +107,8 @@ class HostEntry:
     @property
     def address(self) -> str:
         """Address other hosts reach this one at (a pretend host is loopback)."""
+        if self.addr is not None:
+            return self.addr
         return "127.0.0.1" if self.is_local else self.host
 
     @property

@@ -40,6 +40,7 @@ from varuna.launch.hosts import HostEntry
 from varuna.launch.local import LocalHost
 from varuna.launch.procs import find_free_port
 from varuna.launch.protocol import SILENCE_TIMEOUT_S
+from varuna.launch.remote import RemoteStart
 from varuna.launch.spec import Host, LaunchConfig, WorkerSpec, check_procs_per_host, plan_workers
 from varuna.launch.ssh import SshOptions
 from varuna.launch.supervisor import (
@@ -73,16 +74,17 @@ class ForwardedSignals:
     handed to it (:meth:`hand_to`); the previous handlers come back on exit. Installs nothing
     outside the main thread (Python handles signals there only; the caller forwards them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, observe: Callable[[int], None] | None = None) -> None:
         # deque.append is atomic: a signal handler must not take locks the main thread may hold.
         self.pending: collections.deque[int] = collections.deque()
         self._sink = self.pending.append
+        self._observe = observe  # told of every signal (appends to a list: no locks either)
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> ForwardedSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in FORWARDED_SIGNALS:
-                self._previous[signum] = signal.signal(signum, lambda s, _frame: self._sink(s))
+                self._previous[signum] = signal.signal(signum, lambda s, _frame: self.notify(s))
         return self
 
     def __exit__(
@@ -91,6 +93,13 @@ class ForwardedSignals:
         for signum, handler in self._previous.items():
             # None means a handler installed outside Python; the default is the best we can do.
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)  # type: ignore[arg-type]
+
+    def notify(self, signum: int) -> None:
+        """A signal for the job: the launcher's own (from its handler) or one an srun agent
+        reported (from a reader thread); queued, or handed to the supervisor."""
+        if self._observe is not None:
+            self._observe(signum)
+        self._sink(signum)
 
     def stop_requested(self) -> bool:
         """Whether a signal arrived before a supervisor took over."""
@@ -461,6 +470,8 @@ def launch_on_hosts(
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
     progress: bool | None = False,
+    remote: RemoteStart | None = None,
+    stop_seen: Callable[[int], None] | None = None,
 ) -> int:
     """Run the job on ``entries`` (:class:`varuna.launch.hosts.HostEntry`, slots assigned) through one
     agent per host; return the launcher's exit code. The hosts must hold ``config.world_size``
@@ -474,6 +485,11 @@ def launch_on_hosts(
     agents start. Every exit path closes every agent: each kills what is left of its workers.
     ``progress``: bars while the agents and the workers start, as in :func:`launch`.
 
+    ``remote``: how agents start on hosts other than pretend ``localhost`` ones (default ``ssh``;
+    :class:`varuna.launch.srun.SrunOptions` in a Slurm allocation: the scheduler's SIGUSR1/SIGTERM,
+    reported by the agents, are then one graceful stop, Note [Stop protocol]). ``stop_seen`` is
+    called with every stop signal the job got (the launcher's own or an agent's report).
+
     Example::
 
         >>> from varuna.launch.hosts import parse_hosts_arg
@@ -482,11 +498,11 @@ def launch_on_hosts(
         0
     """
     check_before_agents(config, entries)
-    with ForwardedSignals() as signals:
+    with ForwardedSignals(observe=stop_seen) as signals:
         return attempt_on_hosts(
             config, entries, signals, ssh=ssh, job_id=job_id, unreachable=unreachable, pythonpath=pythonpath,
             heartbeat_timeout_s=heartbeat_timeout_s, host_timeout_s=host_timeout_s, stdout=stdout,
-            stderr=stderr, progress=progress,
+            stderr=stderr, progress=progress, remote=remote,
         ).code
 
 
@@ -506,9 +522,12 @@ def attempt_on_hosts(
     progress: bool | None = False,
     events: EventLog | None = None,
     failure_word: str = "job failed",
+    remote: RemoteStart | None = None,
 ) -> HostsAttempt:
     """One launch of :func:`launch_on_hosts` with the caller's signal handling, telling also
-    which hosts were lost and whether a relaunch could help (``config`` checked already)."""
+    which hosts were lost and whether a relaunch could help (``config`` checked already).
+    ``remote``: as in :func:`launch_on_hosts`; an srun agent's report of the scheduler's signal
+    goes to ``signals`` like the launcher's own."""
     stderr = stderr if stderr is not None else sys.stderr
     out_lock = threading.Lock()
     events = events or EventLog(config.log_dir)
@@ -519,6 +538,7 @@ def attempt_on_hosts(
             stderr.flush()
 
     job_id = job_id or new_job_id()
+    scheduler_stop = remote is not None and remote.reports_signals
     agent_host = functools.partial(
         AgentHost,
         job_id=job_id,
@@ -529,6 +549,8 @@ def attempt_on_hosts(
         silence_timeout_s=host_timeout_s,
         message=message,
         event=events,
+        remote=remote,
+        on_signal=signals.notify,  # an srun agent's report of the scheduler's signal
     )
     hosts = [agent_host(entry, host_id) for host_id, entry in enumerate(entries)]
     supervisor: Supervisor | None = None
@@ -553,6 +575,7 @@ def attempt_on_hosts(
                 out_lock=out_lock,
                 progress=progress,
                 failure_word=failure_word,
+                scheduler_stop=scheduler_stop,
                 **live,
             )
             signals.hand_to(supervisor)

@@ -1,5 +1,6 @@
 """``varuna-launch``: start and supervise the P×D worker processes of a job, on this machine
-(``--procs N``) or on several hosts through one agent per host (``--hosts``).
+(``--procs N``), on several hosts through one agent per host (``--hosts``), or on the nodes of the
+Slurm allocation it runs in (``--slurm``: agents started with srun).
 
 Each worker runs ``python SCRIPT ARGS`` (or ``python -m MODULE ARGS``) with the environment
 contract of :mod:`varuna.core.env` (torchrun-compatible ``RANK``/``WORLD_SIZE``/... plus the pipeline
@@ -13,15 +14,36 @@ Command line::
     varuna-launch --procs 4 --pipeline-depth 2 train.py --lr 3e-4
     varuna-launch --hosts hosts.txt --procs-per-host 4 --pipeline-depth 4 --checkpoint-dir /ckpt train.py
     varuna-launch --procs 8 --calibration cal.json --global-batch-size 256 --schedule 1f1b train.py
+    varuna-launch --slurm --pipeline-depth 2 --checkpoint-dir /shared/ckpt train.py   # in sbatch
 
 This module is the command line only; the pieces it drives: :func:`varuna.launch.layout.resolve_layout`
 picks P×D (auto-config from a calibration when P is not given) and the run plan every worker
 gets; :func:`varuna.launch.job.launch` runs the job here, and with ``--hosts``
 :func:`varuna.launch.recovery.run_with_restarts` runs it through per-host agents after the host entries
-are validated (:mod:`varuna.launch.hosts`) and the ssh hosts probed (:mod:`varuna.launch.ssh`).
+are validated (:mod:`varuna.launch.hosts`) and the ssh hosts probed (:mod:`varuna.launch.ssh`); with
+``--slurm`` the same, on the allocation's nodes (:mod:`varuna.launch.slurm`) with srun agents
+(:mod:`varuna.launch.srun`).
 
 Exit codes: 0 all workers exited 0; 1 a worker failed or the job could not start; 2 bad usage;
 128+N the launcher was stopped by signal N (details in :mod:`varuna.launch.supervisor`).
+
+Note [Slurm stop]: in an allocation Slurm stops a job by signalling its processes: ``scancel
+--signal=USR1 JOB`` and ``sbatch --signal=USR1@T`` (T seconds before the time limit) signal every
+step (``B:USR1@T`` the batch shell, which is the launcher when the script ``exec``-s it), a
+preemption or ``scancel`` sends SIGTERM to all of them and SIGKILL after the grace period. With
+``--slurm`` every one of these paths ends in the same graceful stop: the launcher's own signal and
+each srun agent's report (Note [Agents as job steps] in :mod:`varuna.launch.srun`) go to the
+supervisor, which forwards the first SIGUSR1 or SIGTERM to every worker without a deadline of its
+own and ignores the copies (Note [Stop protocol]); every worker finishes its mini-batch, writes its
+part of the checkpoint and exits 0. Then, unless ``--no-requeue``, the launcher asks Slurm to
+requeue the job (``scontrol requeue``, as Lightning's SLURMEnvironment and submitit do): the batch
+script runs again on whatever nodes the job gets and ``--checkpoint-dir`` (``VARUNA_RESUME=auto``)
+resumes from the newest complete checkpoint at the P×D those nodes hold. A job already ending
+(``scancel``, a preemption Slurm requeues itself, ``--no-requeue`` in the script) is not requeued;
+the launcher says why in one line. A SIGTERM to the batch step also reaches the srun clients there,
+and srun kills its step at once on SIGTERM: only the signals that reach the steps alone (``--signal``
+without ``B:``, ``scancel --signal``, ``PreemptParameters=send_user_signal``) give the workers time
+to checkpoint (docs/slurm.md).
 """
 
 from __future__ import annotations
@@ -32,6 +54,7 @@ import functools
 import math
 import os
 import re
+import signal
 import sys
 import time
 
@@ -39,6 +62,7 @@ from varuna.core.batching import microbatch_counts
 from varuna.core.cli import OneLineParser, add_planning_args, positive_int
 from varuna.core.planning import PlanRequest
 from varuna.core.schedule import DEFAULT_SCHEDULE, SCHEDULE_KINDS, chunks_problem, schedule_kind
+from varuna.launch.events import EventLog
 from varuna.launch.hosts import HostEntry, assign_slots, check_types, parse_hosts_arg, select_hosts
 from varuna.launch.job import check_hosts_capacity, check_local_script, launch
 from varuna.launch.layout import LAYOUT_REQUIRED, Layout, resolve_layout
@@ -46,12 +70,14 @@ from varuna.launch.mixed import parse_type_speeds, place_ranks, plan_cluster
 from varuna.launch.procs import is_loopback
 from varuna.launch.protocol import SILENCE_TIMEOUT_S
 from varuna.launch.recovery import CannotPlace, Placement, run_with_restarts
+from varuna.launch.slurm import allocation_from_env
 from varuna.launch.spec import (
     MAX_PROCS_PER_HOST_CEILING,
     LaunchConfig,
     check_procs_per_host,
     resolve_data_parallel,
 )
+from varuna.launch.srun import SrunOptions, requeue
 from varuna.launch.ssh import SshOptions, probe_hosts
 from varuna.launch.supervisor import EXIT_USAGE, EXIT_WORKER_FAILED, PROG
 
@@ -69,8 +95,9 @@ _JOB_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 def _build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog=PROG,
-        description="Start P×D pipeline/data-parallel workers on this machine (--procs) or on several hosts"
-        " through per-host agents (--hosts), and supervise them.",
+        description="Start P×D pipeline/data-parallel workers on this machine (--procs), on several hosts"
+        " through per-host agents (--hosts) or on the nodes of this Slurm allocation (--slurm), and"
+        " supervise them.",
         epilog="Workers get MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and "
         "VARUNA_* variables (rank = replica * P + stage); see docs/launch.md. Exit codes: 0 ok, "
         "1 a worker failed or the job could not start, 2 bad usage, 128+N stopped by signal N.",
@@ -108,6 +135,18 @@ def _add_placement_args(parser: argparse.ArgumentParser) -> None:
         " 'localhost' is a pretend host on this machine (no ssh)",
     )
     where.add_argument(
+        "--slurm",
+        action="store_true",
+        help="run on the nodes of the Slurm allocation this runs in (sbatch/salloc): slots from its tasks"
+        " (or GPUs) per node, agents started with srun; Slurm's SIGUSR1/SIGTERM stop the job with a"
+        " checkpoint and requeue it (docs/slurm.md)",
+    )
+    where.add_argument(
+        "--no-requeue",
+        action="store_true",
+        help="with --slurm: do not requeue the job after Slurm's signal stopped it",
+    )
+    where.add_argument(
         "--type-speeds",
         default=None,
         metavar="T1=S1,...",
@@ -115,7 +154,8 @@ def _add_placement_args(parser: argparse.ArgumentParser) -> None:
         " placed by type and each replica's share and stage's speed go to the workers (docs/launch.md)",
     )
     where.add_argument(
-        "--procs-per-host", type=int, default=None, metavar="K", help="slots of hosts without slots=N"
+        "--procs-per-host", type=int, default=None, metavar="K",
+        help="slots of hosts without slots=N (with --slurm: of every node, instead of its tasks)",
     )
     where.add_argument(
         "--max-procs-per-host",
@@ -319,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
             layout = _local_layout(args)
             check_local_script(config)
             return launch(_with_layout(config, layout, args), progress=_progress(args))
+        if args.slurm:
+            return _main_slurm(args, config)
         return _main_hosts(args, config)
     except ValueError as exc:
         return _usage_error(str(exc))
@@ -326,12 +368,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def _usage_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the combination of options, or None."""
-    if args.procs is not None and args.hosts is not None:
-        return "give --procs N (this machine) or --hosts (several hosts), not both"
-    if args.procs is None and args.hosts is None:
-        return "argument required: --procs N (this machine) or --hosts FILE|H1,H2,..."
-    if args.procs_per_host is not None and args.hosts is None:
-        return "--procs-per-host needs --hosts"
+    given = [o for o, v in (("--procs", args.procs), ("--hosts", args.hosts), ("--slurm", args.slurm or None))
+             if v is not None]
+    if len(given) > 1:
+        return (f"give one of --procs N (this machine), --hosts (several hosts) or --slurm (this allocation),"
+                f" not both {given[0]} and {given[1]}")
+    if not given:
+        job = os.environ.get("SLURM_JOB_ID")
+        inside = f" (this shell is in Slurm job {job}: --slurm)" if job else ""
+        return f"argument required: --procs N (this machine), --hosts FILE|H1,H2,... or --slurm{inside}"
+    if args.procs_per_host is not None and args.hosts is None and not args.slurm:
+        return "--procs-per-host needs --hosts or --slurm"
+    if args.no_requeue and not args.slurm:
+        return "--no-requeue needs --slurm"
     if args.type_speeds is not None and args.hosts is None:
         return "--type-speeds needs --hosts whose lines say type=NAME"
     if args.pipeline_depth is None and args.calibration is None:
@@ -482,8 +531,7 @@ def _main_hosts(args: argparse.Namespace, config: LaunchConfig) -> int:
     if any(e.is_local for e in entries):
         check_local_script(config)
 
-    if not math.isfinite(args.host_timeout) or args.host_timeout <= 0:
-        raise ValueError(f"--host-timeout must be > 0 seconds, got {args.host_timeout}")
+    _check_host_timeout(args)
     reachable, unreachable = probe_hosts(entries, ssh)
     for entry, why in unreachable:
         _say(f"host {entry.display} ({entry.origin}) is unreachable, leaving it out: {why}")
@@ -531,6 +579,65 @@ def _plan_hosts(
     if problem is not None:
         raise CannotPlace(problem)
     return Placement(config, used, _placement_line(config, used))
+
+
+# ----------------------------------------------------------------------------------------------
+# --slurm
+# ----------------------------------------------------------------------------------------------
+
+
+def _main_slurm(args: argparse.Namespace, config: LaunchConfig) -> int:
+    """``--slurm``: the allocation's nodes and slots (Note [Slurm slots] in
+    :mod:`varuna.launch.slurm`), then what ``--hosts`` does after its probe — P×D planned by
+    :func:`_plan_hosts`, one agent per node used (started with srun), restarts after a lost node
+    or a failed worker (``--max-restarts``, Note [Restarts on hosts] in
+    :mod:`varuna.launch.recovery`) — and after Slurm's stop signal a requeue (Note [Slurm stop]).
+    Usage errors raise ``ValueError`` (exit 2); a job that cannot be placed exits 1."""
+    alloc = allocation_from_env(os.environ)
+    entries = alloc.entries()
+    if args.procs_per_host is not None:
+        entries = [dataclasses.replace(e, slots=None) for e in entries]
+        entries = assign_slots(entries, args.procs_per_host)
+    check_hosts_capacity(entries, args.max_procs_per_host)
+    if args.job_id is not None and not _JOB_ID_RE.fullmatch(args.job_id):
+        raise ValueError(f"--job-id {args.job_id!r} may only use letters, digits, '_', '.', '-' (1..64)")
+    _check_host_timeout(args)
+    slots = [e.slots or 0 for e in entries]
+    where = f"Slurm job {alloc.job_id}: " + (
+        alloc.describe() if args.procs_per_host is None
+        else f"{len(entries)} node(s) × --procs-per-host {args.procs_per_host}"
+    )
+    if args.pipeline_depth is not None and sum(slots) < args.pipeline_depth:
+        raise ValueError(
+            f"{where}: fewer slots than the {args.pipeline_depth} stages of --pipeline-depth"
+            f" {args.pipeline_depth}; ask for more nodes or tasks (sbatch -N/--ntasks-per-node) or lower P"
+        )
+    if alloc.restart_count:
+        _say(f"Slurm job {alloc.job_id} requeued {alloc.restart_count} time(s); {len(entries)} node(s) now")
+    # No probe: srun reaches every node of the allocation, and a node Slurm lost ends the job.
+    plan = functools.partial(_plan_hosts, args, config, None, "")
+    cpus = {n: c for n, c in zip(alloc.nodes, alloc.cpus) if c is not None}
+    stops: list[int] = []  # appended from a signal handler or a reader thread: no lock needed
+    code = run_with_restarts(
+        config, entries, plan, job_id=args.job_id, host_timeout_s=args.host_timeout, progress=_progress(args),
+        remote=SrunOptions(cpus=cpus), stop_seen=stops.append,
+    )
+    graceful = [s for s in stops if s in (signal.SIGUSR1, signal.SIGTERM)]
+    if graceful and not args.no_requeue:
+        name = signal.Signals(graceful[0]).name
+        _say(f"stopped by {name} from Slurm; requeueing job {alloc.job_id} (the next run resumes from the"
+             " newest checkpoint)")
+        why = requeue(alloc.job_id)
+        if why is not None:
+            _say(f"job {alloc.job_id} not requeued: {why}; submit the script again to resume")
+        EventLog(config.log_dir).record("requeue", job=alloc.job_id, signal=name, requeued=why is None,
+                                        why=why or "")
+    return code
+
+
+def _check_host_timeout(args: argparse.Namespace) -> None:
+    if not math.isfinite(args.host_timeout) or args.host_timeout <= 0:
+        raise ValueError(f"--host-timeout must be > 0 seconds, got {args.host_timeout}")
 
 
 def _type_speeds(args: argparse.Namespace, entries: list[HostEntry]) -> dict[str, float] | None:

@@ -1,6 +1,6 @@
 """The line protocol between ``varuna-launch`` and its per-host agents
 (:mod:`varuna.launch.agent`): one ASCII JSON object per line, over the agent's stdin/stdout
-(the ssh channel for a remote host).
+(the ssh channel for a remote host, srun's for a Slurm job step).
 
 Note [Agent protocol] (version :data:`PROTOCOL_VERSION`). Agent → launcher:
 
@@ -12,7 +12,10 @@ Note [Agent protocol] (version :data:`PROTOCOL_VERSION`). Agent → launcher:
 - ``{"type": "exit", "rank": r, "code": c}`` after the worker's last output line (``c < 0``:
   killed by signal ``-c``; its leftover processes are already killed);
 - ``{"type": "message", "text": "..."}`` agent diagnostics; ``{"type": "bye"}`` last;
-- ``{"type": "beat"}`` every :data:`BEAT_INTERVAL_S` (Note [Silent hosts]).
+- ``{"type": "beat"}`` every :data:`BEAT_INTERVAL_S` (Note [Silent hosts]);
+- ``{"type": "signaled", "signal": "SIGUSR1"|"SIGTERM"|"SIGINT"}``: the agent (started with
+  ``--report-signals``, a Slurm job step) received this signal from the scheduler and leaves the
+  stop to the launcher (an older launcher ignores the line, as any unknown type).
 
 Launcher → agent:
 

@@ -39,6 +39,7 @@ from varuna.launch.hosts import HostEntry
 from varuna.launch.job import ForwardedSignals, attempt_on_hosts, check_before_agents, stop_before_restart
 from varuna.launch.live_store import RESTARTS_ENV
 from varuna.launch.protocol import SILENCE_TIMEOUT_S
+from varuna.launch.remote import RemoteStart
 from varuna.launch.spec import LaunchConfig
 from varuna.launch.ssh import SshOptions
 from varuna.launch.supervisor import EXIT_WORKER_FAILED, PROG
@@ -74,18 +75,24 @@ def run_with_restarts(
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
     progress: bool | None = False,
+    remote: RemoteStart | None = None,
+    stop_seen: Callable[[int], None] | None = None,
 ) -> int:
     """Launch on ``plan(reachable)``; after a failure a restart can fix, plan again for the hosts
     not lost and relaunch, at most ``config.restart_limit`` times (Note [Restarts on hosts]).
     ``plan`` raises :class:`CannotPlace` (one line) when the hosts cannot hold the job (exit 1),
     another ``ValueError`` for a usage error (raised on the first launch; later, the hosts
-    cannot hold the job either). Returns the launcher's exit code."""
+    cannot hold the job either). Returns the launcher's exit code.
+
+    ``remote`` and ``stop_seen`` are :func:`varuna.launch.job.launch_on_hosts`'s: agents started
+    with srun in a Slurm allocation (``varuna-launch --slurm``), and a callback told of every stop
+    signal the job got, the launcher's own or an agent's report (the caller's requeue decision)."""
     stderr = stderr if stderr is not None else sys.stderr
     limit, live = config.restart_limit, config.live_morph
     events = EventLog(config.log_dir)
     lost: list[HostEntry] = []
     left_out = list(unreachable)
-    with ForwardedSignals() as signals:
+    with ForwardedSignals(observe=stop_seen) as signals:
         for attempt in range(limit + 1):
             hosts = [e for e in reachable if not any(e is x for x in lost)]
             try:
@@ -105,8 +112,9 @@ def run_with_restarts(
                 )
             check_before_agents(run_config, placement.hosts)
             result = attempt_on_hosts(
-                run_config, placement.hosts, signals, ssh=ssh, job_id=job_id, unreachable=left_out,
-                host_timeout_s=host_timeout_s, stdout=stdout, stderr=stderr, progress=progress, events=events,
+                run_config, placement.hosts, signals, ssh=ssh, remote=remote, job_id=job_id,
+                unreachable=left_out, host_timeout_s=host_timeout_s, stdout=stdout, stderr=stderr,
+                progress=progress, events=events,
                 failure_word="job failed" if attempt == limit else f"launch {attempt + 1} failed",
             )
             reason = result.restart_reason

@@ -17,8 +17,9 @@ import os
 import shlex
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from varuna.launch.hosts import HostEntry
 from varuna.launch.procs import pdeathsig_preexec
@@ -63,6 +64,8 @@ class SshOptions:
     """``ConnectTimeout``; also bounds the reachability probe."""
     ssh: str = "ssh"
     """The ssh client."""
+    method: ClassVar[str] = "ssh"
+    reports_signals: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         for what, path in (("--ssh-key", self.key_file), ("--ssh-known-hosts", self.known_hosts_file)):
@@ -104,6 +107,19 @@ class SshOptions:
         if entry.user is not None:
             argv += ["-l", entry.user]
         return [*argv, "--", entry.host, remote_command]
+
+
+    def agent_argv(
+        self, entry: HostEntry, *, python: str, pythonpath: Sequence[str], agent_args: Sequence[str]
+    ) -> list[str]:
+        """``ssh ... HOST 'exec env PYTHONPATH=... python -m varuna.launch.agent ...'`` (the
+        remote-start method of ``--hosts``, Note [Remote start] in :mod:`varuna.launch.remote`)."""
+        command = remote_agent_command(python=python, pythonpath=pythonpath, agent_args=agent_args)
+        return self.argv(entry, command)
+
+    def agent_env(self, environ: Mapping[str, str], pythonpath: Sequence[str]) -> dict[str, str] | None:
+        """None: ssh forwards no environment (``PYTHONPATH`` is in the remote command)."""
+        return None
 
 
 def remote_agent_command(*, python: str, pythonpath: Sequence[str], agent_args: Sequence[str]) -> str:

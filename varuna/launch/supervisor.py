@@ -9,6 +9,12 @@ complete checkpoint; SIGINT/SIGTERM are forwarded with a SIGKILL deadline (``--s
 and the launcher exits 128+N. Any second signal (SIGUSR1, SIGINT, SIGTERM) while stopping kills
 every worker at once.
 
+With ``scheduler_stop`` (``varuna-launch --slurm``, Note [Slurm stop] in
+:mod:`varuna.launch.launcher`) SIGTERM is a graceful stop too, forwarded like SIGUSR1 without a
+deadline (the scheduler's own grace period bounds it), and a repeated SIGUSR1/SIGTERM while the
+graceful stop runs is the same stop arriving by another path (the launcher, each agent, each srun):
+ignored. SIGINT then still kills every worker at once.
+
 Note [Live morph supervision]: with ``on_lost`` (``varuna-launch --live-morph``) a worker that
 dies is not a reason to stop the others: the supervisor declares it dead (``on_lost(rank)``, the
 rendezvous store's word that survivors need not wait for it) and lets the survivors regroup in
@@ -206,9 +212,11 @@ class Supervisor:
         frozen: Callable[[int], str | None] | None = None,
         joined: Callable[[int], bool] | None = None,
         failure_word: str = "job failed",
+        scheduler_stop: bool = False,
     ) -> None:
         self._specs = list(specs)
         self._failure_word = failure_word  # the last line's start ("launch 1 failed" before a restart)
+        self._scheduler_stop = scheduler_stop  # Note [Stop protocol]: SIGTERM graceful, repeats ignored
         self._on_lost = on_lost  # live morph (Note [Live morph supervision])
         self._frozen = frozen
         self._joined = joined  # live morph: did member r ever join the live run (its heartbeat)?
@@ -242,6 +250,8 @@ class Supervisor:
         self._kill_at: float | None = None  # monotonic time to SIGKILL stragglers after a stop
         self._killed_at: float | None = None
         self._graceful_stop = False  # SIGUSR1 was forwarded (Note [Stop protocol])
+        #: The signal of the graceful stop the workers were asked for, None without one.
+        self.graceful_signal: int | None = None
         # One lock for all output, so lines from different workers never interleave mid-line.
         self._out_lock = out_lock if out_lock is not None else threading.Lock()
         self._broken_sinks: set[int] = set()
@@ -497,6 +507,9 @@ class Supervisor:
     def _on_signal(self, signum: int) -> None:
         self.received_signals.append(signum)
         name = signal.Signals(signum).name
+        graceful = (signal.SIGUSR1, signal.SIGTERM) if self._scheduler_stop else (signal.SIGUSR1,)
+        if self._graceful_stop and self._scheduler_stop and signum in graceful:
+            return  # the scheduler's one stop, arriving again by another path (Note [Stop protocol])
         if self._graceful_stop and (signum in _STOP_SIGNALS or signum == signal.SIGUSR1):
             # The workers were already asked to finish their mini-batch and checkpoint: a second
             # request means "now" (Note [Stop protocol]).
@@ -505,15 +518,19 @@ class Supervisor:
                 self._cause = ("signal", signum)
             self._kill_all()
             return
-        if signum not in _STOP_SIGNALS:
+        if signum not in _STOP_SIGNALS or signum in graceful:
             # SIGUSR1: relay only, without a SIGKILL deadline (a checkpoint takes as long as it
             # takes); the workers' exit codes (0 after a graceful stop) decide the outcome.
-            self._graceful_stop = signum == signal.SIGUSR1
+            self._graceful_stop = signum in graceful
+            if self._graceful_stop:
+                self.graceful_signal = signum
             what = (
                 ": finish the mini-batch, checkpoint, exit (a second signal kills them at once)"
                 if self._graceful_stop
                 else ""
             )
+            if self._graceful_stop and self._scheduler_stop:
+                what = ": finish the mini-batch, checkpoint, exit (SIGINT kills them at once)"
             self._message(f"received {name}; forwarding it to {len(self._running())} worker(s){what}")
             for worker in self._running():
                 worker.send_signal(signum)
