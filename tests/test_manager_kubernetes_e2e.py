@@ -198,7 +198,8 @@ def test_gpt_on_kubernetes_pods_notice_loss_growth_and_cleanup(tmp_path):
         lost_node = cluster.kubelet.node_of(pod_name(lost))
         cluster.delete_node(lost_node)
         second = wait_for(lambda: _resumed(mp, job)[1:], 300, "the morph after the loss")[0]
-        assert second["reason"].startswith(f"{lost} lost"), second
+        # the lost VM is named with its ranks (Note [Blame] in manager/domain/generations.py)
+        assert second["reason"].startswith(f"{lost} (rank") and " gone" in second["reason"], second
         assert second["redone_steps"] <= 2 * EVERY - 1, second
 
         # 3. Capacity comes back: two nodes; the pending replacement pods start there.
