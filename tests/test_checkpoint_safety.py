@@ -311,3 +311,47 @@ def test_a_save_waiting_for_a_lost_writer_is_abandoned_at_once_and_the_previous_
         assert complete == [1], "the previous one stays the newest"
     finally:
         eng.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. A writer whose marker rank 0 already consumed keeps its files (chaos: "committed checkpoint
+#    missing a file")
+
+
+def test_a_writer_whose_marker_was_consumed_at_once_keeps_its_files(tmp_path, monkeypatch):
+    """Rank 0 commits as soon as the last marker lands and removes ``.markers/``; a writer that
+    looked at its own marker after writing it found nothing, counted its save failed and deleted
+    its shards from the checkpoint rank 0 had just committed. Once a marker is out, the files are
+    the checkpoint's: the writer's part succeeded and every file stays."""
+    from varuna.runtime import checkpoint_writer
+    from varuna.runtime.checkpoint_writer import MARKERS, run_save_job
+
+    real = checkpoint_writer.atomic_write
+
+    def write_then_commit(path: Path, data: bytes, *a, **kw) -> None:
+        real(path, data, *a, **kw)
+        if path.parent.name == MARKERS:  # rank 0 (another process) commits and cleans up at once
+            shutil.rmtree(path.parent)
+
+    ckpt = tmp_path / "ckpt"
+    eng = make_engine(ckpt)
+    try:
+        eng.train_step(batch_for(1))
+        target = ckpt / step_dir_name(1)
+        job = eng.checkpointer._save_job(ckpt, target, 1, nonce=3)
+        job.rank = 1  # a non-committing writer: its files go in, its marker is consumed by rank 0
+        monkeypatch.setattr(checkpoint_writer, "atomic_write", write_then_commit)
+        assert run_save_job(job), job.error
+        names = [s.name for s in job.shards]
+        assert names and all((target / n).is_file() for n in names), "the writer deleted its shards"
+    finally:
+        eng.close()
+
+
+def test_temporary_names_differ_between_writers_with_the_same_pid(tmp_path):
+    """Writers on different hosts (or pid namespaces) share a store and often a pid: their
+    temporary files must not collide."""
+    from varuna.runtime.checkpoint_files import _tmp_name
+
+    names = {_tmp_name(tmp_path / "seg000-00.pt") for _ in range(64)}
+    assert len(names) == 64

@@ -20,6 +20,7 @@ import hashlib
 import io
 import json
 import os
+import secrets
 import stat
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -161,9 +162,15 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _tmp_name(path: Path) -> Path:
+    """A temporary name beside ``path`` unique across hosts: a shared store sees writers from
+    many machines (and pid namespaces), where the same pid is common."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
 def atomic_write(path: Path, data: bytes, before_replace: Callable[[], None] | None = None) -> None:
     """Write ``path`` so that readers see either nothing (or the old file) or all of it."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = _tmp_name(path)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -242,7 +249,7 @@ def copy_file(
     after each chunk of ``n`` bytes. The data moves inside the kernel (sendfile), so the copy
     costs training processes almost no CPU. The rename happens inside ``guard()`` (the checkpoint
     fence's check: Note [Checkpoint fence] in checkpoint_fence.py), which may refuse it by raising."""
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    tmp = _tmp_name(dst)
     try:
         with open(src, "rb") as fi, open(tmp, "wb") as fo:
             size, off = os.fstat(fi.fileno()).st_size, 0

@@ -287,7 +287,10 @@ def run_save_job(job: SaveJob) -> bool:
             marker = {"nonce": job.nonce, "rank": job.rank, "files": records}
             with guard():
                 atomic_write(markers / f"rank{job.rank}.json", json.dumps(marker).encode())
-            copied[markers / f"rank{job.rank}.json"] = _identity(markers / f"rank{job.rank}.json")
+            # Once the marker is out the files are the checkpoint's, not this rank's: rank 0 may
+            # commit and remove .markers/ at once, so nothing here may touch them again (a
+            # failure from here on must not delete shards of a committed checkpoint).
+            copied.clear()
             hook("marker")
         shutil.rmtree(job.local, ignore_errors=True)
         if job.rank == 0:
@@ -303,15 +306,27 @@ def run_save_job(job: SaveJob) -> bool:
         )
         # This rank's files of a checkpoint that will never exist (they would fill a full disk),
         # only those still its own: a newer generation may have written the same names since.
-        for p, ident in [] if job.committed else copied.items():
-            try:
-                if _identity(p) == ident:
-                    p.unlink()
-            except OSError:
-                pass
+        if copied and not job.committed:
+            _remove_own(job, copied)
         return False
     finally:
         shutil.rmtree(job.local, ignore_errors=True)  # local copies are only a staging area
+
+
+def _remove_own(job: SaveJob, copied: dict[Path, tuple[int, int]]) -> None:
+    """Unlink the files this rank copied into the store, each only if it is still the one it
+    wrote. Inside the fence: once a newer generation started, the names (and, on a reused inode,
+    even the identities) may be its files, so a fenced-out writer removes nothing."""
+    try:
+        with fence_held(job.root, job.fence, f"removing rank {job.rank}'s part of step {job.step}"):
+            for p, ident in copied.items():
+                try:
+                    if _identity(p) == ident:
+                        p.unlink()
+                except OSError:
+                    pass
+    except (FencedOut, OSError) as e:
+        log.warning("varuna: left rank %d's files of step %d in place: %s", job.rank, job.step, e)
 
 
 def _identity(path: Path) -> tuple[int, int]:
