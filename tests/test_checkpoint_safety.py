@@ -355,3 +355,31 @@ def test_temporary_names_differ_between_writers_with_the_same_pid(tmp_path):
 
     names = {_tmp_name(tmp_path / "seg000-00.pt") for _ in range(64)}
     assert len(names) == 64
+
+
+def test_a_fenced_out_writer_removes_nothing_from_the_store(tmp_path):
+    """A writer whose save fails after a newer generation started leaves the store alone: the
+    names it wrote may be the newer generation's files by now (same names, recycled inodes), so
+    its clean-up runs inside the fence like its renames (Note [Checkpoint fence])."""
+    from varuna.runtime.checkpoint_fence import FenceToken, raise_fence
+    from varuna.runtime.checkpoint_writer import run_save_job
+
+    ckpt = tmp_path / "ckpt"
+    eng = make_engine(ckpt)
+    try:
+        eng.train_step(batch_for(1))
+        target = ckpt / step_dir_name(1)
+        job = eng.checkpointer._save_job(ckpt, target, 1, nonce=5)
+        ckpt.mkdir(parents=True, exist_ok=True)
+        job.fence = raise_fence(ckpt, FenceToken(1))
+
+        def newer_generation_then_fail(event: str) -> None:
+            if event == "copied":
+                raise_fence(ckpt, FenceToken(2))  # the next generation starts on this store
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        job.hook = newer_generation_then_fail
+        assert not run_save_job(job)
+        assert (target / job.shards[0].name).is_file(), "a fenced-out writer deleted a file in the store"
+    finally:
+        eng.close()

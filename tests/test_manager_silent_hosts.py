@@ -139,7 +139,10 @@ def _host_of(net: NetHosts, address: str) -> int:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("live", "victim_rank"), [(False, 0), (False, 3), (True, 0), (True, 2)])
+# Rank 0 and another rank, live and not, in two runs (each ~100 s on CI's 2 cores): rank 0 with a
+# restart is the case where the rendezvous store goes silent with its host; a live run's store is
+# the manager's, so there the victim's rank matters less than the regrouping of the survivors.
+@pytest.mark.parametrize(("live", "victim_rank"), [(False, 0), (True, 2)])
 def test_a_silent_vm_is_named_within_5s_and_the_job_recovers(reference, tmp_path: Path, live: bool,
                                                               victim_rank: int):
     chaos = _chaos_hosts()
