@@ -287,10 +287,12 @@ def run_save_job(job: SaveJob) -> bool:
             marker = {"nonce": job.nonce, "rank": job.rank, "files": records}
             with guard():
                 atomic_write(markers / f"rank{job.rank}.json", json.dumps(marker).encode())
-            # Once the marker is out the files are the checkpoint's, not this rank's: rank 0 may
-            # commit and remove .markers/ at once, so nothing here may touch them again (a
-            # failure from here on must not delete shards of a committed checkpoint).
-            copied.clear()
+            if job.rank != 0:
+                # Once the marker is out the files are the checkpoint's, not this rank's: rank 0
+                # may commit and remove .markers/ at once, so nothing here may touch them again
+                # (a failure from here on must not delete shards of a committed checkpoint).
+                # Rank 0 is the committer: until its commit is in, its files are still its own.
+                copied.clear()
             hook("marker")
         shutil.rmtree(job.local, ignore_errors=True)
         if job.rank == 0:
@@ -325,7 +327,9 @@ def _remove_own(job: SaveJob, copied: dict[Path, tuple[int, int]]) -> None:
                         p.unlink()
                 except OSError:
                     pass
-    except (FencedOut, OSError) as e:
+    except FencedOut:
+        pass  # the save's own failure line already says the newer generation refused it
+    except OSError as e:
         log.warning("varuna: left rank %d's files of step %d in place: %s", job.rank, job.step, e)
 
 
