@@ -76,6 +76,30 @@ def test_transfer_plan_sends_only_what_is_missing_from_a_holder():
         transfer_plan(held, [["x"]] * 3)
 
 
+def test_mixed_steps_resume_after_the_newest_only_when_its_holders_hold_everything():
+    """Note [Mixed steps]: the newest step's holders are taken when they hold every name; a holder
+    a step behind then holds nothing (it receives, and serves no stale tensor); when the newest
+    lack a name the others hold, no step is whole: the restart path, naming the steps."""
+    from varuna.runtime.live_morph import LiveMorphFailed, _newest_holders
+
+    def rec(step, names):
+        return {"holds": True, "step": step, "names": names}
+
+    recs = {0: rec(7, ["a", "b"]), 1: rec(7, ["c"]), 2: rec(6, ["a", "b"])}
+    assert _newest_holders(recs, [0, 1, 2]) == (7, [0, 1])
+    assert recs[2]["holds"] is False and recs[0]["holds"] is True
+    held = [recs[m]["names"] if recs[m]["holds"] else [] for m in (0, 1, 2)]
+    assert all(src != 2 for src, _ in transfer_plan(held, [["a", "b"], ["c"], ["a", "b"]])), \
+        "the stale member serves nothing"
+    same = {0: rec(5, ["a"]), 1: rec(5, ["b"])}
+    assert _newest_holders(same, [0, 1]) == (5, [0, 1]) and same[1]["holds"]
+    lacking = {0: rec(7, ["a", "b"]), 1: rec(6, ["c"])}
+    with pytest.raises(LiveMorphFailed, match=r"different steps \[6, 7\] and those at step 7 lack 1"):
+        _newest_holders(lacking, [0, 1])
+    with pytest.raises(LiveMorphFailed, match="no member holds any state"):
+        _newest_holders({}, [])
+
+
 def test_generation_plan_takes_the_managers_layout_when_it_fits():
     # 1x2 plus two joiners: the rule alone would keep P=1 (1x4); the manager asked for 2x2
     limits = {"max_stages": 3, "max_replicas": 4}
@@ -331,6 +355,27 @@ def test_a_frozen_member_is_declared_dead_and_the_survivors_go_on_live(tmp_path,
     log3 = (out / "member3.log").read_text()
     assert "member 3 was declared dead (no heartbeat for" in log3, log3[-2000:]
     assert not (out / "member3.json").exists(), "the stale member wrote nothing after it resumed"
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.slow
+def test_a_member_a_step_behind_takes_its_stage_from_those_that_committed_it(tmp_path, reference):
+    """Note [Mixed steps]: member 2 fails between the end-of-step agreement and its optimizer step
+    of step 3, so members 0, 1 and 3 commit step 3 and it stays at step 2. Those at step 3 hold the
+    whole model: the run goes on at 2×2 after step 3, member 2 receiving its stage from its replica
+    peer like a newcomer (its stale state serves nothing), bit-identical, no checkpoint read. The
+    old rule (every holder at one step) sent this run to the restart path (exit 75)."""
+    out = tmp_path / "mixed"
+    pids, codes = run_live_world(out, tmp_path / "ckpt", args=("--fail-before-commit", "2:3"))
+    assert codes == {0: 0, 1: 0, 2: 0, 3: 0}, logs_of(out)
+    reports = check_bit_identical(out, [0, 1, 2, 3], reference)
+    for m, report in reports.items():
+        assert report["pid"] == pids[m] and (report["P"], report["D"]) == (2, 2)
+        [morph] = report["morphs"]
+        assert morph["lost"] == [] and morph["resumed_after"] == 3, morph
+        assert report["failed_steps"] == ([3] if m == 2 else [4]), report["failed_steps"]
+    assert [s for s, _ in reports[2]["losses"]] == [1, 2, *range(4, STEPS + 1)]
+    assert "members committed different steps" not in "".join(logs_of(out).values())
     assert not (tmp_path / "ckpt").exists()
 
 

@@ -5,6 +5,8 @@ step; ``--freeze`` SIGSTOPs it after the step (the survivors' heartbeat watch mu
 dead; ``--freeze-s`` is their verdict time); ``--notice`` sends it SIGUSR1 after the step (it
 leaves at the next boundary);
 ``--die-in-transfer member:generation`` SIGKILLs it when that regroup starts its transfer;
+``--fail-before-commit member:step``: its optimizer step of that step raises (after the end-of-step
+agreement: the others commit the step, it does not) and it regroups a step behind the others;
 ``--joiners-after step:n``: member 0 sets ``test/joiners`` after the step (the harness starts n
 joiners) and, after the next step, waits (bounded) until they registered, so growth happens at
 a known boundary.
@@ -56,6 +58,16 @@ def audit_opens(root: Path, seen: list[str]) -> None:
     sys.addaudithook(hook)
 
 
+def fail_next_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """The next ``optimizer.step()`` raises, once, as a peer lost right after the agreement would."""
+    def step(*args, **kwargs):
+        optimizer.step = original
+        raise RuntimeError("injected: a peer was lost after the end-of-step agreement")
+
+    original = optimizer.step
+    optimizer.step = step
+
+
 def pairs(text: str) -> dict[int, int]:
     return {int(a): int(b) for a, b in (p.split(":") for p in text.split(",") if p)}
 
@@ -70,6 +82,7 @@ def main() -> None:
     p.add_argument("--freeze", default="")
     p.add_argument("--freeze-s", type=float, default=30.0)
     p.add_argument("--die-in-transfer", default="")
+    p.add_argument("--fail-before-commit", default="")
     p.add_argument("--joiners-after", default="")
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--shard", action="store_true", help="optimizer state sharded over the replicas")
@@ -78,6 +91,7 @@ def main() -> None:
     opened: list[str] = []
     audit_opens(a.ckpt_dir, opened)
     die, notice, die_xfer, freeze = pairs(a.die), pairs(a.notice), pairs(a.die_in_transfer), pairs(a.freeze)
+    fail_commit = pairs(a.fail_before_commit)
     join_step, n_joiners = (int(x) for x in a.joiners_after.split(":")) if a.joiners_after else (-9, 0)
     member = int(os.environ["RANK"])
 
@@ -104,6 +118,8 @@ def main() -> None:
             store.set("test/joiners", "1")
         if member == 0 and r.step == join_step + 1:  # growth at the next boundary, not by chance later
             store.wait([f"{KEYS}join/{i}" for i in range(1, n_joiners + 1)], timedelta(seconds=a.timeout))
+        if fail_commit.get(member) == r.step + 1:
+            fail_next_optimizer_step(trainer.engine.optimizer)
         if die.get(member) == r.step:
             os.kill(os.getpid(), signal.SIGKILL)
         if freeze.get(member) == r.step:

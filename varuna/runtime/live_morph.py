@@ -579,8 +579,7 @@ def _form(live: LiveWorld, gen: int, closed: dict, held: Engine | None, build: C
     store, pre = live.store, f"{ROOT}gen{gen}/"
     arrived = closed["arrived"]
     recs = dict(zip(arrived, (json.loads(v) for v in store.multi_get([f"{pre}member/{m}" for m in arrived]))))
-    holders = [m for m in arrived if recs[m]["holds"]]
-    step = _common_step(recs, holders)
+    step, holders = _newest_holders(recs, [m for m in arrived if recs[m]["holds"]])
     _check_stages(recs, holders)
     staying = sorted((m for m in holders if not recs[m]["leaving"]), key=lambda m: (recs[m]["rank"], m))
     newcomers = sorted(m for m in arrived if not recs[m]["holds"] and not recs[m]["leaving"])
@@ -599,6 +598,8 @@ def _form(live: LiveWorld, gen: int, closed: dict, held: Engine | None, build: C
     if live.member in live.spares:
         return None
     xfer = live.members + leavers
+    if held is not None and live.member not in holders:
+        held = None  # its state is a step behind: it serves nothing and keeps nothing of it
     if live.member in leavers:
         _hand_over(live, gen, xfer, recs, held, None, on_phase)
         live.close()  # its watch stops first: it would take the word below for a freeze verdict
@@ -630,15 +631,34 @@ def _form(live: LiveWorld, gen: int, closed: dict, held: Engine | None, build: C
     return new
 
 
-def _common_step(recs: dict, holders: list[int]) -> int:
+def _newest_holders(recs: dict, holders: list[int]) -> tuple[int, list[int]]:
+    """The step the next generation resumes after and the members whose state it takes.
+
+    Note [Mixed steps]: a peer lost between two collectives of a step lets some members commit
+    it and not others (rank 3 frozen after its stage's gradient all-reduce but before the
+    pipeline's norm all-reduce: ranks 0 and 1 commit step s, rank 2 stays at s - 1). A committed
+    step is whole (no member commits before every collective of the step completed, with every
+    replica's gradients in it), so the newest step's holders are a sound model provided they hold
+    every name the others hold. The holders a step behind then hold nothing (``recs`` is changed
+    to say so): they receive their new stage from the newest ones, like newcomers. Where the
+    newest holders lack a name, no single step is whole: restart from a checkpoint.
+    """
     if not holders:
         raise LiveMorphFailed("no member holds any state (every holder is gone); restart from the newest "
                               "checkpoint")
     steps = sorted({recs[m]["step"] for m in holders})
+    newest = [m for m in holders if recs[m]["step"] == steps[-1]]
     if len(steps) > 1:
-        raise LiveMorphFailed(f"members committed different steps {steps}; a mixed-step model cannot go on, "
-                              "restart from the newest checkpoint")
-    return steps[0]
+        have = {n for m in newest for n in recs[m]["names"]}
+        missing = sorted({n for m in holders for n in recs[m]["names"]} - have)
+        if missing:
+            raise LiveMorphFailed(f"members committed different steps {steps} and those at step {steps[-1]} "
+                                  f"lack {len(missing)} tensor(s) (e.g. {missing[0]}); a mixed-step model "
+                                  "cannot go on, restart from the newest checkpoint")
+        for m in holders:
+            if m not in newest:
+                recs[m] = {**recs[m], "holds": False}
+    return steps[-1], newest
 
 
 def _check_stages(recs: dict, holders: list[int]) -> None:
