@@ -7,4 +7,4 @@ bash scripts/setup.sh --tests
 # Layers and cycles (pyproject.toml [tool.importlinter]); complexity and style (ruff).
 lint-imports --no-cache
 ruff check --quiet .
-python3 -m pytest -q tests "$@"
+python3 -m pytest -q --durations=40 tests "$@"
