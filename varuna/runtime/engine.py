@@ -142,6 +142,10 @@ class Engine:
         self.config = config
         self.env = env
         self.loss_fn = loss_fn or default_loss
+        if config.cutting.cut_after:  # a pattern matching nothing: one line before the rendezvous, not after
+            from varuna.cutting.routing import match_modules
+
+            match_modules(model, config.cutting.cut_after)
         self.layout: Layout
         lifecycle.emit(lifecycle.RENDEZVOUS, enabled=env.settings.lifecycle)  # Note [Lifecycle lines]
         self.layout, self._owns_pg = init_distributed(
