@@ -440,7 +440,9 @@ class Supervisor:
         for it: the job fails with one line at once (the others stopped without a word, their
         output only logged), instead of their rendezvous timeouts minutes later."""
         ranks = [w.spec.env.rank for w in running]
-        rank = None if self._cause is not None else self._lifecycle.culprit(ranks)
+        # After a stop the launcher forwarded (SIGUSR1), an exit 0 before the Engine is the answer to it.
+        stopping = self._cause is not None or self._graceful_stop
+        rank = None if stopping else self._lifecycle.culprit(ranks)
         if rank is None:
             return
         for thread in self._readers_of.get(rank, []):  # a "built" line still in its pipe counts
