@@ -142,12 +142,8 @@ class Engine:
         self.config = config
         self.env = env
         self.loss_fn = loss_fn or default_loss
-        if config.cutting.cut_after:  # a pattern matching nothing: one line before the rendezvous, not after
-            from varuna.cutting.routing import match_modules
-
-            match_modules(model, config.cutting.cut_after)
         self.layout: Layout
-        lifecycle.emit(lifecycle.RENDEZVOUS, enabled=env.settings.lifecycle)  # Note [Lifecycle lines]
+        _before_rendezvous(model, config, env)
         self.layout, self._owns_pg = init_distributed(
             config.pipeline_depth, config.data_parallel, device=config.device,
             timeout_s=config.timeouts.comm_s, env=env,
@@ -741,6 +737,17 @@ def _destroy_groups(groups: ProcessGroups, *, owns_default: bool, collect: bool 
     groups.release()
     if collect:
         gc.collect()
+
+
+def _before_rendezvous(model: nn.Module, config: VarunaConfig, env: ProcessEnv) -> None:
+    """What this rank says alone, before it waits for the others in the rendezvous: a
+    ``cut_after`` pattern that matches nothing (one line), then the ``rendezvous`` lifecycle line
+    (Note [Lifecycle lines] in varuna/core/lifecycle.py)."""
+    if config.cutting.cut_after:
+        from varuna.cutting.routing import match_modules
+
+        match_modules(model, config.cutting.cut_after)
+    lifecycle.emit(lifecycle.RENDEZVOUS, enabled=env.settings.lifecycle)
 
 
 def _place_cutpoints(
