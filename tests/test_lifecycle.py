@@ -139,12 +139,12 @@ if then == "pause":
 """
 
 
-def _supervise(rank0: str, rank1: str) -> tuple[int, str, str, Supervisor]:
+def _supervise(rank0: str, rank1: str, log_dir: str | None = None) -> tuple[int, str, str, Supervisor]:
     cfg = LaunchConfig(script="-c", script_args=(WORKER, rank0, rank1), pipeline_depth=2, data_parallel=1)
     hosts = [LocalHost(slots=2)]
     out, err = io.StringIO(), io.StringIO()
     specs = plan_workers(cfg, hosts, master_port=1, lifecycle_lines=True)
-    sup = Supervisor(specs, hosts, stop_timeout_s=30.0, stdout=out, stderr=err)
+    sup = Supervisor(specs, hosts, stop_timeout_s=30.0, stdout=out, stderr=err, log_dir=log_dir)
     try:
         sup.start()
         code = sup.wait()
@@ -166,9 +166,13 @@ def test_the_supervisor_ends_the_job_in_one_line_when_a_rank_leaves_before_its_e
 
 
 @pytest.mark.timeout(60)
-def test_the_supervisor_lets_a_normal_run_end_and_relays_no_marker():
-    """The negative control: both ranks build and close their Engines, then exit 0."""
-    code, out, err, sup = _supervise("rendezvous,built,closed:exit", "rendezvous,built,closed:exit")
+def test_the_supervisor_lets_a_normal_run_end_and_relays_no_marker(tmp_path):
+    """The negative control: both ranks build and close their Engines, then exit 0; the log keeps
+    every line as the worker wrote it."""
+    code, out, err, sup = _supervise("rendezvous,built,closed:exit", "rendezvous,built,closed:exit",
+                                     log_dir=str(tmp_path))
+    assert (tmp_path / "rank1.log").read_text().splitlines() == [
+        "VARUNA_LIFECYCLE rendezvous", "loss 1.0 VARUNA_LIFECYCLE built", "VARUNA_LIFECYCLE closed"]
     assert (code, err, sup.early_exit) == (0, "", False)
     assert sorted(out.splitlines()) == ["[rank 0 stage 0 replica 0] loss 1.0 ",
                                         "[rank 1 stage 1 replica 0] loss 1.0 "]

@@ -34,6 +34,11 @@ yet be declared silent, at most the hosts' silence timeout) for a primary cause:
 worker's failure or a host declared silent. Only if none comes is the job's failure this
 worker's exit, quoted with its own one-line reason (which names the peer it lost).
 
+Note [Lifecycle lines] (varuna/core/lifecycle.py): the engine's ``VARUNA_LIFECYCLE <phase>``
+lines are not relayed (the logs keep them); a worker that exits 0 before building its Engine while
+another waits for it (:mod:`varuna.launch.early_exit`) ends the job at once with one line, exit 1,
+the others stopped without a word, no restart.
+
 Exit codes: 0 all workers exited 0 (with live morph: every worker not lost); 1 a worker failed
 (the message names its rank and exit code) or could not be started, an agent failed, or the job
 does not fit the reachable hosts; 2 bad usage, also found by a worker (it exited 78 with one
@@ -633,10 +638,11 @@ class Supervisor:
                 head, phase = split_marker(text)
                 if phase is not None:  # Note [Lifecycle lines]: for the launcher and the log only
                     self._lifecycle.saw(rank, phase)
-                    self._log_line(rank, text.removeprefix(head))
-                    if not head:
-                        continue
-                    text = head + "\n"  # the script's unfinished line, shown as its own
+                    self._log_line(rank, text)
+                    if head and not self._quiet:  # the script's unfinished line, shown as its own
+                        with self._out_lock:
+                            self._write(sink, prefix + head + "\n")
+                    continue
                 if text.startswith(ERROR_PREFIX):  # the job's last line quotes it (_config_error)
                     self._config_lines[rank] = text.strip().removeprefix(ERROR_PREFIX)
                 elif text.startswith("varuna: "):
