@@ -394,3 +394,17 @@ def test_the_engine_cuts_by_name_once_and_takes_the_hf_loss(capsys):
         finally:
             engine.close()
     assert len([x for x in m.modules() if isinstance(x, varuna.CutPoint)]) == 4
+
+
+def test_a_cut_after_pattern_matching_nothing_is_refused_before_the_rendezvous(capfd, monkeypatch):
+    """Said early: before this rank joins the process group (it needs no other rank to say it;
+    the launcher cannot, it never sees the model), with no lifecycle line past the start."""
+    from varuna.core.config_error import ConfigError
+
+    monkeypatch.setenv("VARUNA_LIFECYCLE", "1")
+    cfg = VarunaConfig(global_batch_size=4, micro_batch_size=2, cut_after=("model.layer.*",), stop_signals=())
+    with pytest.raises(ConfigError, match="'model.layer.\\*' matches no module of the model"):
+        varuna.Engine(_Stack(), cfg, example_batch=torch.randn(4, 8),
+                      optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    assert not torch.distributed.is_initialized()
+    assert "VARUNA_LIFECYCLE" not in capfd.readouterr().out, "refused before the rendezvous line"

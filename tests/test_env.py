@@ -29,7 +29,7 @@ def test_a_launched_worker_reads_what_the_launcher_wrote():
                 "VARUNA_NETEM": "latency=5ms", "VARUNA_ENGINE_PLUGINS": "m:f", "VARUNA_LIVE_STORE": "h:1",
                 "VARUNA_LIVE_JOIN": "1", "VARUNA_COMM_BACKEND": "gloo", "VARUNA_PEAK_TFLOPS": "989.4",
                 "VARUNA_FENCE_EPOCH": "17", "VARUNA_GENERATION": "3", "VARUNA_RESTARTS": "1",
-                "VARUNA_LIVE_STORE_KEY": "k" * 64}
+                "VARUNA_LIVE_STORE_KEY": "k" * 64, "VARUNA_LIFECYCLE": "1"}
     worker = WorkerEnv(master_addr="h0", master_port=29500, rank=3, world_size=4, local_rank=1,
                        local_world_size=2, pipeline_depth=2, data_parallel=2,
                        extra={**plan.to_env(), **settings})
@@ -40,7 +40,8 @@ def test_a_launched_worker_reads_what_the_launcher_wrote():
     assert env.settings == worker.settings == WorkerSettings(
         checkpoint_dir="/ckpt", resume="auto", cut_after=("a.*", "b"), auto_cutpoints=None, plan_cost="time",
         tensorboard_dir="/tb", netem="latency=5ms", engine_plugins="m:f", live_store="h:1", live_join=True,
-        comm_backend="gloo", peak_tflops=989.4, fence_epoch=17, generation=3, live_store_key="k" * 64)
+        comm_backend="gloo", peak_tflops=989.4, fence_epoch=17, generation=3, live_store_key="k" * 64,
+        lifecycle=True)
     assert set(settings) == set(SETTING_VARS)
     assert "k" * 64 not in repr(env), "the store's secret is never printed"
 
@@ -67,6 +68,7 @@ def test_a_launched_worker_reads_what_the_launcher_wrote():
         ("VARUNA_PLAN_COST", "fast", "VARUNA_PLAN_COST='fast' is not flop or time"),
         ("VARUNA_RECOMPUTE", "yes", "VARUNA_RECOMPUTE='yes' is not 1 or 0"),
         ("VARUNA_SHARD_OPTIMIZER", "2", "VARUNA_SHARD_OPTIMIZER='2' is not 1 or 0"),
+        ("VARUNA_LIFECYCLE", "yes", "WorkerSettings: VARUNA_LIFECYCLE='yes' is not 1 or 0"),
         ("VARUNA_COMM_BACKEND", "mpi", "VARUNA_COMM_BACKEND='mpi' is not nccl or gloo"),
         ("VARUNA_PEAK_TFLOPS", "fast", "VARUNA_PEAK_TFLOPS='fast' is not a peak TFLOP/s"),
         ("VARUNA_PEAK_TFLOPS", "-1", "VARUNA_PEAK_TFLOPS='-1' is not a peak TFLOP/s"),

@@ -110,11 +110,11 @@ def test_simulate_refuses_chunks_with_a_one_chunk_schedule_as_the_launcher_does(
 # --------------------------------------------------------------------------- found by a worker
 
 
-def launch(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+def launch(tmp_path: Path, *argv: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", "varuna.launch", *argv], env=env, capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path)
+                          text=True, timeout=timeout_s, cwd=tmp_path)
 
 
 @pytest.mark.slow
@@ -246,3 +246,42 @@ def test_live_morph_with_a_script_that_never_joins_the_live_run_says_so_once(tmp
     assert "no worker ever joined the live run: the script does not use" in said[0]
     assert "fallback: restarting all 4 workers" in said[0] and "regroup without a restart" not in said[0]
     assert "Traceback" not in run.stdout + run.stderr
+
+
+#: Rank 1 leaves before it builds its Engine (an early return on some ranks); rank 0 trains.
+EARLY_EXIT = """
+import os, sys, torch, varuna
+from torch import nn
+if os.environ["RANK"] == "1":
+    sys.exit(0)
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.cut, self.b = nn.Linear(4, 4), varuna.CutPoint(), nn.Linear(4, 4)
+    def forward(self, x):
+        return self.b(self.cut(self.a(x))).sum()
+torch.set_num_threads(1)
+cfg = varuna.VarunaConfig(global_batch_size=4, micro_batch_size=1)
+engine = varuna.Engine(M(), cfg, example_batch=torch.zeros(4, 4),
+                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+engine.train_step(torch.randn(4, 4))
+engine.close()
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_that_exits_0_before_building_its_engine_is_one_line_at_once(tmp_path):
+    """Once: rank 0 waited in the rendezvous until its timeouts (~305 s), then a vague failure. Now
+    the launcher's one line names rank 1 and the fix, exit 1, no restart (--max-restarts is set),
+    rank 0 stopped without a word. The subprocess timeout is far below the rendezvous timeout: the
+    old behaviour fails this test by timing out."""
+    path = tmp_path / "early.py"
+    path.write_text(EARLY_EXIT)
+    run = launch(tmp_path, "--procs", "2", "--pipeline-depth", "2", "--max-restarts", "2", "--checkpoint-dir",
+                 str(tmp_path / "ckpt"), str(path), timeout_s=120)
+    assert run.returncode == 1, run.stderr[-3000:]
+    line = one_line(run.stderr, "varuna-launch")
+    assert line.startswith("varuna-launch: job failed: rank 1 stage 1 replica 0 exited with code 0 before "
+                           "building its Engine, while rank 0 waits for it: every rank must construct "
+                           "varuna.Engine"), line
+    assert run.stdout == "", "the others are quiet and the lifecycle lines are the launcher's"

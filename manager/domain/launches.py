@@ -107,6 +107,8 @@ class WorkerLaunches:
             worker_env=env,
             rank_hosts=json.loads(gen.mixed_json)["rank_hosts"] if gen.mixed_json else None,
         )
+        # No lifecycle lines (lifecycle_lines=False): nothing on this path reads them, so a rank
+        # exiting 0 before its Engine still waits out the others' timeouts (docs/launch.md).
         specs = plan_workers(
             config, hosts, master_port=gen.master_port, launcher_environ={}, cwd=spec.workdir
         )

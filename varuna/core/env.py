@@ -145,6 +145,7 @@ SETTING_VARS = (
     "VARUNA_FENCE_EPOCH",
     "VARUNA_GENERATION",
     "VARUNA_RESTARTS",
+    "VARUNA_LIFECYCLE",
 )
 
 #: Backends that may carry a CUDA job's traffic (``VarunaConfig.comm_backend``, ``VARUNA_COMM_BACKEND``).
@@ -497,13 +498,13 @@ class RunPlan:
         )
 
 
-def _bool_var(environ: Mapping[str, str], name: str) -> bool | None:
+def _bool_var(environ: Mapping[str, str], name: str, owner: str = "RunPlan") -> bool | None:
     """``$name`` as "1"/"0" (None when unset or empty); one line naming the variable otherwise."""
     raw = environ.get(name, "").strip()
     if not raw:
         return None
     if raw not in ("0", "1"):
-        raise ValueError(f"RunPlan: {name}={raw!r} is not 1 or 0; set 1 (on), 0 (off) or unset it")
+        raise ValueError(f"{owner}: {name}={raw!r} is not 1 or 0; set 1 (on), 0 (off) or unset it")
     return raw == "1"
 
 
@@ -602,6 +603,9 @@ class WorkerSettings:
     generation: int | None = None
     """The launch's generation: the manager's ``VARUNA_GENERATION``, else the launcher's restart
     count ``VARUNA_RESTARTS``; None when neither is set."""
+    lifecycle: bool = False
+    """``VARUNA_LIFECYCLE=1`` (set by ``varuna-launch``): the engine prints its lifecycle lines on
+    stdout for the launcher (``varuna.core.lifecycle``, Note [Lifecycle lines])."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerSettings:
@@ -656,6 +660,7 @@ class WorkerSettings:
             comm_backend=backend,
             peak_tflops=check_peak_tflops(_str_var(environ, "VARUNA_PEAK_TFLOPS"),
                                           "WorkerSettings: VARUNA_PEAK_TFLOPS"),
+            lifecycle=bool(_bool_var(environ, "VARUNA_LIFECYCLE", "WorkerSettings")),
         )
 
 

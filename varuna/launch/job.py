@@ -171,7 +171,7 @@ def _run_once(
     """One launch of every worker, supervised to the end: the supervisor's code, and why a
     relaunch could help ("" when it could not; :func:`restart_reason`)."""
     port = config.master_port or find_free_port()
-    specs = plan_workers(config, hosts, master_port=port, cwd=os.getcwd())
+    specs = plan_workers(config, hosts, master_port=port, cwd=os.getcwd(), lifecycle_lines=True)
     supervisor = Supervisor(
         specs,
         hosts,
@@ -201,10 +201,13 @@ def restart_reason(code: int, supervisor: Supervisor, *, live: bool) -> str:
     """Why relaunching from the newest checkpoint could help after the supervisor returned
     ``code``, or "": with live morph when a live morph was impossible (EXIT_RESTART); without it
     when a worker failed or a host was lost -- not when a worker could not be started (it would
-    not start again) or a signal stopped the job."""
+    not start again), exited before building its Engine (the script would do it again: Note
+    [Lifecycle lines] in varuna/core/lifecycle.py) or a signal stopped the job."""
     if live:
         return supervisor.restart_reason if code == EXIT_RESTART else ""
-    if code != EXIT_WORKER_FAILED or supervisor.start_failed or supervisor.received_signals:
+    if code != EXIT_WORKER_FAILED or supervisor.received_signals:
+        return ""
+    if supervisor.start_failed or supervisor.early_exit:
         return ""
     return supervisor.failure or "a worker failed"
 
@@ -564,7 +567,7 @@ def attempt_on_hosts(
             live: dict[str, Callable] = {}
             if config.live_morph:
                 config, live = _live_store_for(config, hosts, stack)
-            specs = plan_workers(config, hosts, master_port=port, cwd=os.getcwd())
+            specs = plan_workers(config, hosts, master_port=port, cwd=os.getcwd(), lifecycle_lines=True)
             supervisor = Supervisor(
                 specs,
                 hosts,

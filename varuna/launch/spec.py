@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import IO, Protocol
 
 from varuna.core.env import CONTRACT_VARS, PASSTHROUGH_PREFIX, WorkerEnv, is_passthrough
+from varuna.core.lifecycle import LIFECYCLE_VAR
 from varuna.core.planning import check_count
 
 __all__ = [
@@ -271,11 +272,15 @@ def plan_workers(
     master_port: int,
     launcher_environ: Mapping[str, str] | None = None,
     cwd: str | None = None,
+    lifecycle_lines: bool = False,
 ) -> list[WorkerSpec]:
     """One spec per rank; hosts get contiguous rank ranges in order (Note [Rank layout] in
     :mod:`varuna.core.env`), so a host with several slots holds consecutive stages of a pipeline.
 
     ``launcher_environ`` (default ``os.environ``) supplies the ``VARUNA_*`` pass-through.
+    ``lifecycle_lines``: ask every worker's Engine for its lifecycle lines (``VARUNA_LIFECYCLE=1``),
+    which a :class:`~varuna.launch.supervisor.Supervisor` reads (Note [Lifecycle lines] in
+    :mod:`varuna.core.lifecycle`); ``varuna-launch`` does, the manager's launches do not.
 
     Example::
 
@@ -324,6 +329,8 @@ def plan_workers(
         # printed rather than in 8 KiB blocks at exit; a user's explicit choice wins.
         if "PYTHONUNBUFFERED" not in launcher_environ and "PYTHONUNBUFFERED" not in set_vars:
             set_vars["PYTHONUNBUFFERED"] = "1"
+        if lifecycle_lines:
+            set_vars[LIFECYCLE_VAR] = "1"
         specs.append(WorkerSpec(env=env, argv=argv, set_vars=set_vars, cwd=cwd))
     return specs
 

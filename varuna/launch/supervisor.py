@@ -34,6 +34,11 @@ yet be declared silent, at most the hosts' silence timeout) for a primary cause:
 worker's failure or a host declared silent. Only if none comes is the job's failure this
 worker's exit, quoted with its own one-line reason (which names the peer it lost).
 
+Note [Lifecycle lines] (varuna/core/lifecycle.py): the engine's ``VARUNA_LIFECYCLE <phase>``
+lines are not relayed (the logs keep them); a worker that exits 0 before building its Engine while
+another waits for it (:mod:`varuna.launch.early_exit`) ends the job at once with one line, exit 1,
+the others stopped without a word, no restart.
+
 Exit codes: 0 all workers exited 0 (with live morph: every worker not lost); 1 a worker failed
 (the message names its rank and exit code) or could not be started, an agent failed, or the job
 does not fit the reachable hosts; 2 bad usage, also found by a worker (it exited 78 with one
@@ -70,7 +75,9 @@ from pathlib import Path
 from typing import IO, TextIO
 
 from varuna.core.config_error import CONFIG_EXIT_CODE, ERROR_PREFIX
+from varuna.core.lifecycle import split_marker
 from varuna.core.progress import Progress
+from varuna.launch.early_exit import EarlyExits, early_exit_line
 from varuna.launch.procs import KILL_REAP_TIMEOUT_S
 from varuna.launch.spec import Host, WorkerHandle, WorkerSpec
 
@@ -228,6 +235,10 @@ class Supervisor:
         self.restart_reason = ""
         #: a worker could not be started (a restart would not help)
         self.start_failed = False
+        #: a worker exited before building its Engine while others waited (a restart runs the same
+        #: script: it would not help; Note [Lifecycle lines] in varuna/core/lifecycle.py)
+        self.early_exit = False
+        self._lifecycle = EarlyExits()
         #: the signals handled (a job stopped by one is never restarted)
         self.received_signals: list[int] = []
         self._last_note: dict[int, str] = {}  # rank -> its last "varuna: ..." output line
@@ -345,6 +356,7 @@ class Supervisor:
                     if code is not None:
                         self._on_exit(worker, code)
             running = self._running()
+            self._check_early_exit(running)
             if not running:
                 self._blame(time.monotonic(), force=True)
                 unreaped = False
@@ -399,6 +411,7 @@ class Supervisor:
 
     def _on_exit(self, worker: WorkerHandle, code: int) -> None:
         self._exit_codes[worker.spec.env.rank] = code
+        self._lifecycle.exited(worker.spec.env.rank, code)
         # Non-zero codes after we began stopping are our own doing (SIGTERM/SIGKILL), not failures.
         if code != 0 and self._cause is None:
             detail = getattr(worker, "exit_detail", None) or _describe_exit(code)
@@ -425,6 +438,27 @@ class Supervisor:
         self.config_error = True
         self._quiet = True
         self._cause = ("failed", f"{_where(worker)}: {line}")
+        self._begin_stop(signal.SIGTERM)
+
+    def _check_early_exit(self, running: list[WorkerHandle]) -> None:
+        """Note [Lifecycle lines]: a worker exited 0 before building its Engine while others wait
+        for it: the job fails with one line at once (the others stopped without a word, their
+        output only logged), instead of their rendezvous timeouts minutes later."""
+        ranks = [w.spec.env.rank for w in running]
+        # After a stop the launcher forwarded (SIGUSR1), an exit 0 before the Engine is the answer to it.
+        stopping = self._cause is not None or self._graceful_stop
+        rank = None if stopping else self._lifecycle.culprit(ranks)
+        if rank is None:
+            return
+        for thread in self._readers_of.get(rank, []):  # a "built" line still in its pipe counts
+            thread.join(timeout=LAST_WORDS_TIMEOUT_S)
+        if self._lifecycle.culprit(ranks) != rank:
+            return
+        worker = next(w for w in self.workers if w.spec.env.rank == rank)
+        self.early_exit = True
+        self._quiet = True
+        line = early_exit_line(_where(worker), self._exit_codes[rank], waiting=self._lifecycle.waiting(ranks))
+        self._cause = ("failed", line)
         self._begin_stop(signal.SIGTERM)
 
     def _blame(self, now: float, *, force: bool = False) -> None:
@@ -577,7 +611,9 @@ class Supervisor:
         if kind == "signal":
             assert isinstance(detail, int)
             return 128 + detail
-        self._message(f"{self._failure_word}: {detail}")
+        # A refused configuration or an early exit is not restarted (the script would do it again).
+        word = "job failed" if self.config_error or self.early_exit else self._failure_word
+        self._message(f"{word}: {detail}")
         return EXIT_USAGE if self.config_error else EXIT_WORKER_FAILED
 
     def _finish_live(self) -> int:
@@ -599,6 +635,14 @@ class Supervisor:
                 text = raw.decode("utf-8", errors="replace")
                 if not text.endswith("\n"):
                     text += "\n"  # a last line without newline must not glue onto the next prefix
+                head, phase = split_marker(text)
+                if phase is not None:  # Note [Lifecycle lines]: for the launcher and the log only
+                    self._lifecycle.saw(rank, phase)
+                    self._log_line(rank, text)
+                    if head and not self._quiet:  # the script's unfinished line, shown as its own
+                        with self._out_lock:
+                            self._write(sink, prefix + head + "\n")
+                    continue
                 if text.startswith(ERROR_PREFIX):  # the job's last line quotes it (_config_error)
                     self._config_lines[rank] = text.strip().removeprefix(ERROR_PREFIX)
                 elif text.startswith("varuna: "):
@@ -607,15 +651,20 @@ class Supervisor:
                 with self._out_lock:
                     if shown:
                         self._write(sink, prefix + text)
-                    log = self._log_files.get(rank)
-                    if log is not None:
-                        log.write(text)
-                        log.flush()
+                self._log_line(rank, text)
         except (OSError, ValueError):
             pass  # the pipe closed under us (launcher shutting down): nothing left to relay
         finally:
             with contextlib.suppress(OSError):
                 stream.close()
+
+    def _log_line(self, rank: int, text: str) -> None:
+        """Append ``text`` to ``rank``'s ``--log-dir`` log, if there is one."""
+        with self._out_lock:
+            log = self._log_files.get(rank)
+            if log is not None:
+                log.write(text)
+                log.flush()
 
     def _write(self, sink: TextIO, text: str) -> None:
         # A closed or broken sink (e.g. `varuna-launch ... | head`) must not stop the relay:

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from varuna.core import lifecycle
 from varuna.core.batching import plan_microbatches
 from varuna.core.config_error import ConfigError, install_excepthook
 from varuna.core.env import ProcessEnv
@@ -142,6 +143,7 @@ class Engine:
         self.env = env
         self.loss_fn = loss_fn or default_loss
         self.layout: Layout
+        _before_rendezvous(model, config, env)
         self.layout, self._owns_pg = init_distributed(
             config.pipeline_depth, config.data_parallel, device=config.device,
             timeout_s=config.timeouts.comm_s, env=env,
@@ -174,6 +176,7 @@ class Engine:
         self._close_at_exit()
         self._tb = TensorBoardLog.attach(self)  # after a resume: it notes the resume and any morph
         run_plugins(self, env.settings.engine_plugins)
+        lifecycle.emit(lifecycle.BUILT, enabled=env.settings.lifecycle)
 
     # ------------------------------------------------------------------ setup
 
@@ -588,6 +591,7 @@ class Engine:
         _destroy_groups(self._groups, owns_default=self._owns_pg, collect=collect)
         self._owns_pg = False
         self.extras.close()
+        lifecycle.emit(lifecycle.CLOSED, enabled=self.env.settings.lifecycle)
 
     def __enter__(self) -> Engine:
         return self
@@ -733,6 +737,17 @@ def _destroy_groups(groups: ProcessGroups, *, owns_default: bool, collect: bool 
     groups.release()
     if collect:
         gc.collect()
+
+
+def _before_rendezvous(model: nn.Module, config: VarunaConfig, env: ProcessEnv) -> None:
+    """What this rank says alone, before it waits for the others in the rendezvous: a
+    ``cut_after`` pattern that matches nothing (one line), then the ``rendezvous`` lifecycle line
+    (Note [Lifecycle lines] in varuna/core/lifecycle.py)."""
+    if config.cutting.cut_after:
+        from varuna.cutting.routing import match_modules
+
+        match_modules(model, config.cutting.cut_after)
+    lifecycle.emit(lifecycle.RENDEZVOUS, enabled=env.settings.lifecycle)
 
 
 def _place_cutpoints(
