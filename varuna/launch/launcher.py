@@ -491,7 +491,7 @@ def _with_layout(config: LaunchConfig, layout: Layout, args: argparse.Namespace)
         print(f"{PROG}: {layout.note}", file=sys.stderr, flush=True)
     plan = layout.run_plan(
         global_batch_size=args.global_batch_size, schedule=args.schedule, chunks=args.chunks,
-        micro_batch_size=args.micro_batch_size,
+        micro_batch_size=args.micro_batch_size, recompute_segments=args.recompute_segments,
     )
     problem = _chunks_problem(args, layout.pipeline_depth)  # P chosen by auto-config is known now
     if problem is not None:
