@@ -268,7 +268,7 @@ def stage_memory_for(
     shards = layout.D if config.optimizer_state.shard else 1
     nm = max(len(p) for p in micro_plan)
     return StageMemory(caps, optimizer_shards=shards, num_microbatches=nm, replicas=layout.D,
-                       recompute=bool(config.pipeline.recompute),
+                       recompute=config.pipeline.recompute is not False,  # None: the default, on
                        recompute_segments=recompute_set(config.pipeline.recompute_segments, num_segments))
 
 
