@@ -341,12 +341,8 @@ def _measure_activations(model, batch, loss_fn, state, cut_names) -> tuple[list[
     restored after, so the dry run draws nothing a training step would (dropout stays aligned)."""
     params = list(model.parameters())
     excluded = {_storage_key(t)[0] for t in (*params, *model.buffers())}
-    batch_keys: dict[int, int] = {}
-    for t in tree_flatten(batch)[0]:
-        if isinstance(t, torch.Tensor):
-            key, nbytes = _storage_key(t)
-            batch_keys[key] = nbytes
-    excluded |= set(batch_keys)
+    batch_tensors = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    excluded |= {_storage_key(t)[0] for t in batch_tensors}
     owner: dict[int, tuple[int, int]] = {}  # storage -> (segment, bytes)
     dry = DryRun(cutpoint_names=cut_names)
 
@@ -377,8 +373,9 @@ def _measure_activations(model, batch, loss_fn, state, cut_names) -> tuple[list[
     acts = [0] * n
     for seg, nbytes in owner.values():
         acts[min(seg, n - 1)] += nbytes
-    inputs = [sum(batch_keys.values())] + [
-        sum(_storage_key(x)[1] if not x.is_meta else 0 for x in xs) for xs in dry.crossing_tensors]
+    # A stash holds the tensors themselves: their bytes, not their storages' (a micro-batch is
+    # often a slice of the whole batch).
+    inputs = [sum(t.numel() * t.element_size() for t in ts) for ts in (batch_tensors, *dry.crossing_tensors)]
     return acts, inputs
 
 
