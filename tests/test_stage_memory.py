@@ -251,3 +251,19 @@ def test_fits_finds_the_fastest_split_that_fits_on_random_cases():
         assert max(stage_costs(full, last, got)) == want
         constrained += want > max(stage_costs(full, last, balanced_stages(full, last, P)))
     assert infeasible > 5 and constrained > 5, (infeasible, constrained)  # both cases were exercised
+
+
+def test_dry_run_counts_what_the_profiler_counts_on_the_gpt_example():
+    """One pass over the whole model gives, per segment, the bytes varuna-profile measures one
+    segment at a time (profiler/compute.py; the planner's numbers): within 1 % and the same inputs."""
+    from profiler.compute import SegmentProfiler
+    from profiler.spec import load_target
+
+    target = load_target("examples/gpt2/profile_target.py:build",
+                         {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16, "dropout": 0.0})
+    profiler, m = SegmentProfiler(target, warmup=0, reps=1, optimizer="none"), 2
+    mine = profile_model(target.model, target.make_batch(m), target.loss_fn, costs=False, activations=True)
+    theirs = [profiler.measure(s, [m])[0] for s in range(profiler.num_cutpoints + 1)]
+    assert mine.input_bytes == [r.stashed_input_bytes for r in theirs]
+    for s, r in enumerate(theirs):
+        assert abs(mine.activation_bytes[s] - r.activation_bytes) <= 0.01 * r.activation_bytes, (s, mine, r)

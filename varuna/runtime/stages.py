@@ -195,15 +195,23 @@ class StageMemory:
         """Stage ``k`` of ``P`` holding segments [first, last]: its activation memory at the dry
         run's micro-batch (``activation_memory_bytes`` with the kind's ``stash_peak`` and whether
         the stage recomputes)."""
+        return self._activations(profile, schedule, P)(k, first, last)
+
+    def _activations(self, profile: ModelProfile, schedule: str, P: int) -> Callable[[int, int, int], float]:
+        """(k, first, last) -> :meth:`activation_bytes`, the profile's lists read once (the split
+        asks for O(P·K²) ranges)."""
         kind = schedule_kind(schedule)
         ins = profile.segment_input_bytes()
         acts = profile.activation_bytes or [0] * profile.num_segments
-        return activation_memory_bytes(
-            first, last, stashed=kind.stash_peak(P, k, self.num_microbatches),
-            recompute=kind.recomputes(P, k, recompute=self.recompute),
-            input_bytes=ins.__getitem__, activation_bytes=acts.__getitem__,
-            recompute_segments=self.recompute_segments,
-        )
+        stash = [kind.stash_peak(P, k, self.num_microbatches) for k in range(P)]
+        recomputes = [kind.recomputes(P, k, recompute=self.recompute) for k in range(P)]
+
+        def count(k: int, first: int, last: int) -> float:
+            return activation_memory_bytes(
+                first, last, stashed=stash[k], recompute=recomputes[k], input_bytes=ins.__getitem__,
+                activation_bytes=acts.__getitem__, recompute_segments=self.recompute_segments)
+
+        return count
 
     def stage_bytes(
         self, profile: ModelProfile, schedule: str, P: int, k: int, first: int, last: int
@@ -227,8 +235,10 @@ class StageMemory:
         extra = ENGINE_OVERHEAD_BYTES + comm_buffer_bytes(self.replicas, GRAD_BUCKET_BYTES)
         room = [c * (1 - MEMORY_MARGIN) - extra for c in caps]
 
+        activations = self._activations(profile, schedule, P)
+
         def need(k: int, a: int, b: int) -> float:
-            return prefix[b + 1] - prefix[a] + self.activation_bytes(profile, schedule, P, k, a, b)
+            return prefix[b + 1] - prefix[a] + activations(k, a, b)
 
         def fits(k: int, a: int, b: int) -> bool:
             return need(k, a, b) <= room[k]
