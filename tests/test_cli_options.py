@@ -143,3 +143,7 @@ def test_recompute_segments_is_a_planning_option_parsed_once(tmp_path, launched:
     assert launch_main(argv) == 0
     assert RunPlan.from_env(launched[-1].worker_env) == RunPlan(recompute_segments=(0, 2))
     assert launched[-1].worker_env["VARUNA_RECOMPUTE_SEGMENTS"] == "0,2"
+    capsys.readouterr()
+    assert launch_main([*argv[:-1], "--schedule", "zb-h1", str(script)]) == 2  # said before any worker starts
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--recompute-segments is not supported with --schedule zb-h1" in err[0], err

@@ -390,6 +390,10 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
     problem = _chunks_problem(args)
     if problem is not None:
         return problem
+    kind = schedule_kind(args.schedule or DEFAULT_SCHEDULE)
+    if args.recompute_segments is not None and kind.splits_backward:
+        return (f"--recompute-segments is not supported with --schedule {args.schedule} (its split backward "
+                "needs one graph per stage); drop one of them")
     if args.max_restarts and args.checkpoint_dir is None:
         return (f"--max-restarts {args.max_restarts} needs --checkpoint-dir DIR: a restart resumes from the"
                 " newest checkpoint there")
