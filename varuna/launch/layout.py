@@ -45,7 +45,7 @@ class Layout:
         >>> resolve_layout(slots=[2, 2, 1], pipeline_depth=2)  # doctest: +NORMALIZE_WHITESPACE
         Layout(pipeline_depth=2, data_parallel=2, micro_batch_size=None, stage_ranges=None,
                schedule=None, replica_shares=None, stage_speeds=None, recompute=None,
-               shard_optimizer=None, note='')
+               recompute_segments=None, shard_optimizer=None, note='')
     """
 
     pipeline_depth: int
