@@ -189,7 +189,7 @@ class _Planner:
     """Caches per-(m) segment costs and per-(m, P) partitions across candidates and G values."""
 
     def __init__(self, cal: Calibration, schedule: str, recompute: bool, chunks: int, host_slots, memory,
-                 shard: bool = False):
+                 shard: bool = False, fixed_segments: tuple[int, ...] | None = None):
         self.cal = cal
         self.schedule = schedule
         self.kind = schedule_kind(schedule)
@@ -202,10 +202,12 @@ class _Planner:
         self._part: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
         self._fit: dict[tuple[int, int, int, int], tuple[tuple[tuple[int, int], ...], int]] = {}
         self._sel: dict[tuple, tuple[int, ...] | None] = {}
+        #: the recompute set the user gave (``--recompute-segments``): planned with, never chosen
+        self.fixed_segments = fixed_segments
         #: Note [Selective recompute] (varuna/core/selective_recompute.py): where the stages
         #: recompute and the memory is known, recompute only what it needs
         self.selective = (recompute or not self.kind.recompute_optional) and memory is not None \
-            and not self.kind.splits_backward and self.chunks_per_device == 1
+            and not self.kind.splits_backward and self.chunks_per_device == 1 and fixed_segments is None
 
     def seg_costs(self, m: int):
         if m not in self._seg:
@@ -266,7 +268,10 @@ class _Planner:
     ) -> tuple[int, ...] | None:
         """The recompute set of a selective plan (Note [Selective recompute]): per recomputing
         stage the fewest seconds of recompute that keep it within the memory; None (whole stages)
-        where the plan is not selective or a stage needs every segment recomputed."""
+        where the plan is not selective or a stage needs every segment recomputed; the user's set
+        where one was given."""
+        if self.fixed_segments is not None:
+            return self.fixed_segments
         if not self.selective:
             return None
         key = (P, m, nm, tuple(ranges), D, None if stash is None else tuple(stash))
@@ -296,7 +301,8 @@ class _Planner:
         varuna/core/partition.py). Returns (ranges, largest stage memory)."""
         v = self.chunks_per_device
         ranges = self.partition(m, P * v)
-        mem = self.memory_of(P, m, nm, ranges, D=D)
+        fixed = self.fixed_segments
+        mem = self.memory_of(P, m, nm, ranges, D=D, segments=fixed)
         if self.memory is None or mem <= self.memory or v > 1:
             return ranges, mem
         key = (P, m, nm, self.shards(D))
@@ -307,7 +313,7 @@ class _Planner:
             best = (ranges, mem)
             cap_prev = None
             for _ in range(4):  # the activation allowance depends on the map: iterate a little
-                per_stage = self.stage_memories(P, m, nm, best[0], D=D)
+                per_stage = self.stage_memories(P, m, nm, best[0], D=D, segments=fixed)
                 allowance = max(per_stage[k] - sum(static[a : b + 1]) for k, (a, b) in enumerate(best[0]))
                 cap = self.memory - allowance
                 if cap <= 0 or cap == cap_prev:
@@ -319,14 +325,14 @@ class _Planner:
                     )
                 except ValueError:
                     break
-                best = (cand, self.memory_of(P, m, nm, cand, D=D))
+                best = (cand, self.memory_of(P, m, nm, cand, D=D, segments=fixed))
                 if best[1] <= self.memory:
                     break
             self._fit[key] = best
         return self._fit[key]
 
     def config(self, P: int, D: int, m: int, M: int, ranges, nm: int | None = None) -> SimConfig:
-        segments = None if nm is None else self.recompute_segments(P, m, nm, ranges, D)
+        segments = self.fixed_segments if nm is None else self.recompute_segments(P, m, nm, ranges, D)
         return SimConfig.for_global_batch(
             recompute_segments=segments,
             global_batch_size=M,
@@ -414,6 +420,7 @@ def autoconfigure(
     exhaustive: bool = False,
     progress: bool | None = False,
     pipeline_depth: int | None = None,
+    recompute_segments: Sequence[int] | None = None,
     _planner: _Planner | None = None,
 ) -> AutoConfigResult:
     """Rank configurations for ``gpus`` GPUs (see the module docstring).
@@ -427,7 +434,8 @@ def autoconfigure(
     where memory needs them. Given values are kept as they are.
 
     ``micro_batch_size`` fixes m (it must be measured, or interpolable from two measured sizes),
-    ``pipeline_depth`` fixes P;
+    ``pipeline_depth`` fixes P; ``recompute_segments`` fixes the recompute set (Note [Selective
+    recompute]: the memory is counted with it, and it is not chosen);
     ``exhaustive`` simulates every candidate instead of pruning by the lower bound (for tests and
     "why not P=..." questions). Simulations use mean times (no jitter), so the ranking is
     deterministic. ``progress``: a bar over the candidates (:class:`varuna.core.progress.Progress`
@@ -446,14 +454,20 @@ def autoconfigure(
             chunk_options=(chunks,), gpu_memory_bytes=gpu_memory_bytes, recompute=recompute,
             shard_optimizer=shard_optimizer, micro_batch_size=micro_batch_size, host_slots=host_slots,
             exhaustive=exhaustive, progress=progress, pipeline_depth=pipeline_depth,
+            recompute_segments=recompute_segments,
         )
     _check_schedule(schedule)
+    fixed = None if recompute_segments is None else tuple(sorted(set(recompute_segments)))
+    if fixed and fixed[-1] >= cal.num_segments:
+        raise ValueError(f"--recompute-segments names segment {fixed[-1]} but the calibration's model has "
+                         f"{cal.num_segments} segments (0-{cal.num_segments - 1}); drop the indices past the "
+                         "last one")
     if not 1 <= gpus <= MAX_GPUS:
         raise ValueError(f"gpus must be between 1 and {MAX_GPUS}, got {gpus}")
     if global_batch_size < 1:
         raise ValueError(f"global batch size must be >= 1, got {global_batch_size}")
     planners = [_planner] if _planner is not None else [
-        _Planner(cal, schedule, r, chunks, host_slots, gpu_memory_bytes, shard=sh)
+        _Planner(cal, schedule, r, chunks, host_slots, gpu_memory_bytes, shard=sh, fixed_segments=fixed)
         for r, sh in plan_variants(schedule, recompute, shard_optimizer)
     ]
     planner = planners[-1]  # the most frugal variant: what "nothing fits" is explained with
@@ -520,6 +534,7 @@ def autoconfigure_request(
         chunks=request.chunks,
         micro_batch_size=request.micro_batch_size,
         host_slots=request.host_slots,
+        recompute_segments=request.recompute_segments,
         exhaustive=exhaustive,
         progress=progress,
     )

@@ -327,6 +327,9 @@ def _mixed(args, request: PlanRequest) -> int:
     """``--cluster``: plan a cluster of several VM types; prints the plan and why (or JSON)."""
     if args.gpus is not None or args.config is not None or args.sweep_gpus:
         raise _UsageError("--cluster plans the given VMs; leave out --gpus, --config and --sweep-gpus")
+    if request.recompute_segments is not None:  # the mixed planner keeps whole stages
+        raise _UsageError("--cluster does not plan a given --recompute-segments yet; drop it (the plan "
+                          "recomputes whole stages)")
     if args.type_calibration:
         costs = {name: Calibration.load(path) for name, path in args.type_calibration}
     elif args.calibration is not None:

@@ -23,7 +23,7 @@ needs_simulator = pytest.mark.skipif(
     importlib.util.find_spec("simulator.autoconfig") is None, reason="no simulator.autoconfig"
 )
 PLANNING = ("--calibration", "--global-batch-size", "--schedule", "--chunks", "--micro-batch-size",
-            "--gpu-memory")
+            "--gpu-memory", "--recompute-segments")
 
 
 def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -121,3 +121,29 @@ def test_launcher_plans_with_the_gib_spelling_like_the_size_one(
     assert "--gpu-memory-gib is deprecated; use --gpu-memory 4GiB" in capsys.readouterr().err
     same = [{k: v for k, v in c.worker_env.items() if k != "VARUNA_FENCE_EPOCH"} for c in launched[:2]]
     assert same[0] == same[1]  # but the fence epoch: each run of the command is a new one
+
+
+def test_recompute_segments_is_a_planning_option_parsed_once(tmp_path, launched: list[LaunchConfig], capsys):
+    """``--recompute-segments`` sits in the shared group, parses ranges, reaches PlanRequest and,
+    without auto-config, every worker's run plan; a malformed set is one usage line."""
+    parser = OneLineParser(prog="demo")
+    add_planning_args(parser)
+    args = parser.parse_args(["--calibration", "c.json", "--global-batch-size", "8",
+                              "--recompute-segments", "3,0-1"])
+    assert args.recompute_segments == (0, 1, 3)
+    assert PlanRequest.from_args(args, gpus=2).recompute_segments == (0, 1, 3)
+    assert PlanRequest.from_args(parser.parse_args(["--global-batch-size", "8"])).recompute_segments is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--recompute-segments", "1-x"])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--recompute-segments" in err and "0,2-3" in err, err
+    script = tmp_path / "t.py"
+    script.write_text("")
+    argv = ["--procs", "2", "--pipeline-depth", "2", "--recompute-segments", "2,0", str(script)]
+    assert launch_main(argv) == 0
+    assert RunPlan.from_env(launched[-1].worker_env) == RunPlan(recompute_segments=(0, 2))
+    assert launched[-1].worker_env["VARUNA_RECOMPUTE_SEGMENTS"] == "0,2"
+    capsys.readouterr()
+    assert launch_main([*argv[:-1], "--schedule", "zb-h1", str(script)]) == 2  # said before any worker starts
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--recompute-segments is not supported with --schedule zb-h1" in err[0], err

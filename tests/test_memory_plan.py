@@ -91,7 +91,8 @@ def test_the_runtime_split_moves_segments_off_a_stage_only_when_it_overflows():
     fitted = memory.fit(timed, prof, "varuna", full, last, None)
     static = memory.static_bytes(prof)
     assert fitted != timed
-    for (a, b), stash in zip(fitted, memory.stash_bytes(prof, "varuna", fitted)):
+    for k, (a, b) in enumerate(fitted):
+        stash = memory.activation_bytes(prof, "varuna", 4, k, a, b)
         assert sum(static[a : b + 1]) + stash + MEMORY_OVERHEAD_BYTES <= cap * (1 - MEMORY_MARGIN)
     params = [sum(1 for s in range(a, b + 1) if s < 24) for a, b in fitted]
     assert max(params) <= 1.1 * sum(params) / 4, params

@@ -49,8 +49,7 @@ from varuna.core.calibration_sections import (
     SendStat,
 )
 from varuna.core.calibration_types import SegmentCompute, VmType, for_type, with_types
-from varuna.core.memory import WORKSPACE_FACTOR
-from varuna.core.selective_recompute import selective_dynamic_bytes
+from varuna.core.memory import activation_memory_bytes
 
 __all__ = [
     "CALIBRATION_VERSION",
@@ -359,19 +358,14 @@ class Calibration:
             + self.segments[i].optimizer_bytes / optimizer_shards
             for i in segs
         )
-        stash_in = self._at(self.segments[segs[0]].stashed_input_bytes, m)
-        acts = sum(self._at(self.segments[i].activation_bytes, m) for i in segs)
-        if recompute and recompute_segments is not None:
-            dynamic = selective_dynamic_bytes(
-                segs[0], segs[-1], recompute_segments, stashed,
-                lambda s: self._at(self.segments[s].stashed_input_bytes, m),
-                lambda s: self._at(self.segments[s].activation_bytes, m),
-            )
-        elif recompute:
-            dynamic = stashed * stash_in + acts
-        else:
-            dynamic = stashed * (stash_in + acts)
-        return int(round(static + dynamic + WORKSPACE_FACTOR * acts))
+        # The one activation formula (varuna/core/memory.py), shared with the runtime's split.
+        dynamic = activation_memory_bytes(
+            segs[0], segs[-1], stashed=stashed, recompute=recompute,
+            input_bytes=lambda s: self._at(self.segments[s].stashed_input_bytes, m),
+            activation_bytes=lambda s: self._at(self.segments[s].activation_bytes, m),
+            recompute_segments=recompute_segments,
+        )
+        return int(round(static + dynamic))
 
     def p2p_s(self, nbytes: float, intra: bool) -> float:
         """Mean time of one point-to-point send of ``nbytes`` (fitted link model)."""

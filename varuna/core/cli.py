@@ -17,8 +17,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from varuna.core.selective_recompute import parse_segment_set
+
 __all__ = ["EXIT_USAGE", "OneLineParser", "add_deprecated_alias", "add_planning_args", "parse_size",
-           "positive_int"]
+           "positive_int", "segment_set"]
 
 #: Exit status of a command-line usage error (argparse's own convention).
 EXIT_USAGE = 2
@@ -76,6 +78,21 @@ def positive_int(text: str) -> int:
     return value
 
 
+def segment_set(text: str) -> tuple[int, ...]:
+    """A recompute set, ``0,2-3`` or ``none`` (argparse ``type``; one-line usage error otherwise:
+    ``varuna.core.selective_recompute.parse_segment_set``).
+
+    Example::
+
+        >>> segment_set("0,2-3")
+        (0, 2, 3)
+    """
+    try:
+        return parse_segment_set(text, "invalid value")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_planning_args(
     parser: argparse.ArgumentParser,
     *,
@@ -85,8 +102,9 @@ def add_planning_args(
 ) -> argparse._ArgumentGroup:
     """Add the auto-config options every planning CLI shares, as one group: ``--calibration``,
     ``--global-batch-size``, ``--schedule``, ``--chunks``, ``--micro-batch-size``,
-    ``--gpu-memory SIZE`` (and ``--gpu-memory-gib``, deprecated). Unset options are None (the
-    schedule too: the caller's default applies), so a plan records only what the user stated.
+    ``--gpu-memory SIZE`` (and ``--gpu-memory-gib``, deprecated), ``--recompute-segments SET``.
+    Unset options are None (the schedule too: the caller's default applies), so a plan records
+    only what the user stated.
     ``schedules``: the accepted kinds (default: any, checked by the planner); the parsed options
     become a :class:`varuna.core.planning.PlanRequest` with ``PlanRequest.from_args``.
 
@@ -120,6 +138,10 @@ def add_planning_args(
     add_deprecated_alias(group, "--gpu-memory-gib", "--gpu-memory", dest="gpu_memory", metavar="GIB",
                          convert=lambda text: int(float(text) * 2**30), example=lambda v: f"{v // 2**30}GiB"
                          if v % 2**30 == 0 else str(v))
+    group.add_argument("--recompute-segments", type=segment_set, default=None, metavar="SET",
+                       help="selective recompute: the segments a recomputed micro-batch recomputes, the "
+                       "others keep their activations (0,2-3; none: keep every activation; default: whole "
+                       "stages, or what auto-config chooses for --gpu-memory; VARUNA_RECOMPUTE_SEGMENTS)")
     return group
 
 

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field, fields
 
 from varuna.core.flops import check_peak_tflops
 from varuna.core.schedule import SCHEDULE_KINDS
+from varuna.core.selective_recompute import parse_segment_set
 
 __all__ = [
     "COMM_BACKENDS",
@@ -407,7 +408,8 @@ class RunPlan:
     ``"1"``/``"0"``; Note [Joint plan] in simulator/autoconfig.py)."""
     recompute_segments: tuple[int, ...] | None = None
     """The segments a recomputed micro-batch recomputes, as auto-config chose them for the memory
-    (``VARUNA_RECOMPUTE_SEGMENTS``, ``"1,3"``, ``"none"`` for the empty set; Note [Selective
+    or the user gave them (``--recompute-segments``) (``VARUNA_RECOMPUTE_SEGMENTS``, ``"1,3"``,
+    ``"0,2-3"``, ``"none"`` for the empty set; Note [Selective
     recompute] in varuna/core/selective_recompute.py)."""
     shard_optimizer: bool | None = None
     """Whether the optimizer state is sharded over each stage's replicas, as auto-config chose it
@@ -429,6 +431,8 @@ class RunPlan:
             object.__setattr__(self, "replica_shares", tuple(self.replica_shares))
         if self.stage_speeds is not None:
             object.__setattr__(self, "stage_speeds", tuple(float(v) for v in self.stage_speeds))
+        if self.recompute_segments is not None:  # a set: order and repeats say nothing
+            object.__setattr__(self, "recompute_segments", tuple(sorted(set(self.recompute_segments))))
 
     def planned(self) -> dict[str, object]:
         """The planned fields (name → value), in declaration order; unplanned ones left out.
@@ -492,10 +496,20 @@ class RunPlan:
             replica_shares=_parse_list(environ, "VARUNA_REPLICA_SHARES", int, "3,1"),
             stage_speeds=_parse_list(environ, "VARUNA_STAGE_SPEEDS", float, "1,1.6"),
             recompute=_bool_var(environ, "VARUNA_RECOMPUTE"),
-            recompute_segments=() if environ.get("VARUNA_RECOMPUTE_SEGMENTS", "").strip() == "none"
-            else _parse_list(environ, "VARUNA_RECOMPUTE_SEGMENTS", int, "1,3"),
+            recompute_segments=_segment_set_var(environ, "VARUNA_RECOMPUTE_SEGMENTS"),
             shard_optimizer=_bool_var(environ, "VARUNA_SHARD_OPTIMIZER"),
         )
+
+
+def _segment_set_var(environ: Mapping[str, str], name: str) -> tuple[int, ...] | None:
+    """A recompute set (``"0,2-3"``, ``"none"``; ``parse_segment_set``), None when unset or empty."""
+    raw = environ.get(name)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        return parse_segment_set(raw, f"RunPlan: {name}")
+    except ValueError as exc:
+        raise ValueError(str(exc).replace(f"{name} {raw!r}", f"{name}={raw!r}")) from None
 
 
 def _bool_var(environ: Mapping[str, str], name: str, owner: str = "RunPlan") -> bool | None:

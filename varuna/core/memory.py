@@ -11,8 +11,13 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
+
+from varuna.core.selective_recompute import selective_dynamic_bytes
+
 __all__ = [
-    "ENGINE_OVERHEAD_BYTES", "GRAD_BUCKET_BYTES", "MEMORY_MARGIN", "WORKSPACE_FACTOR", "comm_buffer_bytes",
+    "ENGINE_OVERHEAD_BYTES", "GRAD_BUCKET_BYTES", "MEMORY_MARGIN", "WORKSPACE_FACTOR",
+    "activation_memory_bytes", "comm_buffer_bytes",
 ]
 
 #: The gradient sync's flat buckets (``varuna.runtime.grad_sync.allreduce_bucketed``, and the
@@ -43,3 +48,45 @@ def comm_buffer_bytes(replicas: int, grad_bytes: int) -> int:
     """What the gradient sync adds to a stage with ``grad_bytes`` of gradients at ``replicas``
     replicas: one flat bucket (none without replicas)."""
     return 0 if replicas <= 1 else min(GRAD_BUCKET_BYTES, grad_bytes)
+
+
+def activation_memory_bytes(
+    first: int,
+    last: int,
+    *,
+    stashed: int,
+    recompute: bool,
+    input_bytes: Callable[[int], float],
+    activation_bytes: Callable[[int], float],
+    recompute_segments: Collection[int] | None = None,
+) -> float:
+    """Activation memory of a stage made of segments [first, last] at its peak: the one formula
+    the planner (``Calibration.stage_memory_bytes``, on calibrated per-segment bytes) and the
+    runtime's memory-aware split (``StageMemory``, on the dry run's measured bytes) both use.
+
+    ``stashed``: micro-batches in flight (forward done, backward not); ``input_bytes(s)``: bytes
+    entering segment s for one micro-batch (segment 0: the micro-batch's tensors);
+    ``activation_bytes(s)``: what autograd saves in segment s for one micro-batch (plus its
+    outputs). Without ``recompute`` every in-flight micro-batch keeps its input and activations;
+    with it each keeps its input (and, with ``recompute_segments``, its kept segments'
+    activations: Note [Selective recompute]) and one micro-batch at a time holds the rest while
+    it is recomputed and back-propagated. Either way one micro-batch's transients add
+    ``WORKSPACE_FACTOR`` × its activations (Note [Backward workspace]).
+
+    >>> ins, acts = (lambda s: 1.0), (lambda s: 10.0)
+    >>> activation_memory_bytes(0, 1, stashed=3, recompute=False, input_bytes=ins, activation_bytes=acts)
+    83.0
+    >>> activation_memory_bytes(0, 1, stashed=3, recompute=True, input_bytes=ins, activation_bytes=acts)
+    43.0
+    >>> activation_memory_bytes(0, 1, stashed=3, recompute=True, input_bytes=ins, activation_bytes=acts,
+    ...                         recompute_segments={1})   # 3 × (1 + 10 + 1) + 10 + 20
+    66.0
+    """
+    acts = sum(activation_bytes(s) for s in range(first, last + 1))
+    if recompute:
+        # recompute_segments None: whole-stage recompute (one block holding every segment).
+        dynamic = selective_dynamic_bytes(
+            first, last, recompute_segments, stashed, input_bytes, activation_bytes)
+    else:
+        dynamic = stashed * (input_bytes(first) + acts)
+    return float(dynamic + WORKSPACE_FACTOR * acts)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 __all__ = [
     "balanced_partition",
@@ -151,6 +151,7 @@ def balanced_stages(
     weights: Sequence[float] | None = None,
     capacity: float | Sequence[float] = math.inf,
     speeds: Sequence[float] | None = None,
+    fits: Callable[[int, int, int], bool] | None = None,
 ) -> list[tuple[int, int]]:
     """Contiguous ranges of segments for ``num_stages`` stages minimising the costliest stage.
 
@@ -160,6 +161,10 @@ def balanced_stages(
     every stage's summed weight must also stay within ``capacity`` -- one bound for every stage,
     or one per stage (VMs of different memory: Note [Memory-aware split]); ``ValueError`` if
     impossible. ``speeds[i]``: relative speed of stage i's device (its time is its cost / speeds[i]).
+    ``fits(stage, first, last)``: whether stage ``stage`` may hold segments [first, last] (e.g. its
+    whole memory, activations and stash included, within its capacity: not additive, since a
+    stage's stash depends on its first segment and its place); the split then is the fastest of
+    those where every stage fits (exact dynamic programme), ``ValueError`` when none does.
 
     Note [Memory-aware split]: the split minimises the slowest stage *subject to* every stage
     fitting its memory, never the memory itself: where the time-balanced split fits, it stands
@@ -177,6 +182,8 @@ def balanced_stages(
     [(0, 2), (3, 3)]
     >>> balanced_stages([1, 1, 1, 1], [1, 1, 1, 1], 2, weights=[1] * 4, capacity=[1, 3])  # a small first VM
     [(0, 0), (1, 3)]
+    >>> balanced_stages([1, 1, 1, 1], [1, 1, 1, 1], 2, fits=lambda k, a, b: k == 0 or a == b)  # 1 segment
+    [(0, 2), (3, 3)]
     """
     n = len(full)
     if len(last) != n or (weights is not None and len(weights) != n):
@@ -191,9 +198,9 @@ def balanced_stages(
         if problem is not None:
             raise ValueError(problem)
     caps = _capacities(capacity, num_stages)
-    if (speeds is not None and len(set(speeds)) > 1) or len(set(caps)) > 1:
+    if (speeds is not None and len(set(speeds)) > 1) or len(set(caps)) > 1 or fits is not None:
         sp = [float(v) for v in speeds] if speeds is not None else [1.0] * num_stages
-        return _split_by_speed(full, last, sp, weights, caps)
+        return _split_by_speed(full, last, sp, weights, caps, fits)
     capacity = caps[0]
     cands = list(candidates) if candidates is not None else candidate_maxima(full, last)
     lo, hi = 0, len(cands) - 1
@@ -248,9 +255,10 @@ def _split_by_speed(
     speeds: list[float],
     weights: Sequence[float] | None,
     capacity: Sequence[float],
+    fits: Callable[[int, int, int], bool] | None = None,
 ) -> list[tuple[int, int]]:
-    """Exact min-max stage time for per-stage ``speeds`` and weight bounds ``capacity`` (see the
-    module docstring)."""
+    """Exact min-max stage time for per-stage ``speeds``, weight bounds ``capacity`` and the
+    predicate ``fits`` (see the module docstring and :func:`balanced_stages`)."""
     n, P = len(full), len(speeds)
     pf, pl, pw = [0.0], [0.0], [0.0]
     for i in range(n):
@@ -270,18 +278,21 @@ def _split_by_speed(
                 if best[k - 1][i] == inf or pw[j] - pw[i] > wcap[k - 1]:
                     continue
                 t = max(best[k - 1][i], (pf[j] - pf[i]) / sp)
-                if t < best[k][j]:
+                # The predicate last: it may cost more than the sums (a stage's whole memory).
+                if t < best[k][j] and (fits is None or fits(k - 1, i, j - 1)):
                     best[k][j], arg[k][j] = t, i
     top, cut = inf, -1
     for i in range(P - 1, n):
         if best[P - 1][i] == inf or pw[n] - pw[i] > wcap[P - 1]:
             continue
         t = max(best[P - 1][i], (pl[n] - pl[i]) / speeds[P - 1])
-        if t < top:
+        if t < top and (fits is None or fits(P - 1, i, n - 1)):
             top, cut = t, i
     if cut < 0:
         caps = [f"{c:.6g}" for c in capacity]
         bound = caps[0] if len(set(caps)) == 1 else f"its capacity ({', '.join(caps)})"
+        if fits is not None and all(c == math.inf for c in capacity):
+            bound = "its memory"
         raise ValueError(f"no split of {n} segments into {P} stages keeps every stage within {bound}")
     ranges = [(cut, n - 1)]
     j = cut

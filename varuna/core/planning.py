@@ -26,6 +26,7 @@ from typing import Any
 
 from varuna.core.calibration import Calibration
 from varuna.core.schedule import DEFAULT_SCHEDULE, schedule_kind
+from varuna.core.selective_recompute import check_recompute_segments
 
 __all__ = ["PlanRequest", "check_count"]
 
@@ -86,6 +87,9 @@ class PlanRequest:
     shard_optimizer: bool | None = False
     """Optimizer state sharded over each stage's replicas; None: auto-config chooses it (on only
     where memory needs it; :meth:`from_args`'s default)."""
+    recompute_segments: tuple[int, ...] | None = None
+    """The segments a recomputed micro-batch recomputes (``--recompute-segments``, Note
+    [Selective recompute]); None: auto-config chooses them where memory binds, else whole stages."""
 
     def __post_init__(self) -> None:
         check_count("--global-batch-size", self.global_batch_size)
@@ -104,6 +108,15 @@ class PlanRequest:
             object.__setattr__(self, "host_slots", tuple(slots))
             if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.host_slots):
                 raise ValueError(f"host slots {self.host_slots} must be counts >= 0, one per host")
+        segments = self.recompute_segments
+        if segments is not None:
+            problem = check_recompute_segments(segments)
+            if problem is not None:
+                raise ValueError(problem.replace("pipeline.recompute_segments", "--recompute-segments"))
+            object.__setattr__(self, "recompute_segments", tuple(sorted(set(segments))))
+            if self.schedule is not None and schedule_kind(self.schedule).splits_backward:
+                raise ValueError(f"--recompute-segments is not supported with --schedule {self.schedule} "
+                                 "(its split backward needs one graph per stage); drop one of them")
         memory = self.gpu_memory_bytes
         if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 1):
             raise ValueError(f"--gpu-memory must be a size > 0, e.g. 16GiB, got {memory!r}")
@@ -145,6 +158,7 @@ class PlanRequest:
             "schedule": args.schedule,  # None: planned with the rest (Note [Joint plan])
             "micro_batch_size": args.micro_batch_size,
             "gpu_memory_bytes": args.gpu_memory,
+            "recompute_segments": getattr(args, "recompute_segments", None),
         }
         default_chunks = fields.pop("chunks", 1)  # the caller's default when --chunks is not given
         given["chunks"] = default_chunks if args.chunks is None else args.chunks

@@ -42,7 +42,7 @@ from collections.abc import Callable, Collection, Sequence
 
 __all__ = [
     "recompute_set", "recompute_blocks", "selective_dynamic_bytes", "choose_recompute_segments",
-    "check_recompute_segments",
+    "check_recompute_segments", "parse_segment_set",
 ]
 
 
@@ -151,3 +151,36 @@ def check_recompute_segments(segments: object, num_segments: int | None = None) 
         return (f"pipeline.recompute_segments names segment {max(segments)} but the model has {num_segments} "
                 f"segments (0-{num_segments - 1}); drop the indices past the last one")
     return None
+
+
+def parse_segment_set(text: str, option: str = "--recompute-segments") -> tuple[int, ...]:
+    """The recompute set written as ``--recompute-segments`` and ``VARUNA_RECOMPUTE_SEGMENTS``
+    take it: segment indices and inclusive ranges, comma-separated, or ``none`` (recompute no
+    segment); sorted, each once. ``ValueError`` (one line naming ``option`` and the form) when
+    malformed; indices past the model's last segment are checked where the model is known
+    (:func:`recompute_set`, auto-config against its calibration).
+
+    >>> parse_segment_set("0,2-3")
+    (0, 2, 3)
+    >>> parse_segment_set(" 3, 1 ,1 ")
+    (1, 3)
+    >>> parse_segment_set("none")
+    ()
+    >>> parse_segment_set("2-a")
+    Traceback (most recent call last):
+    ValueError: --recompute-segments '2-a': not segment indices and ranges; write e.g. 0,2-3 (or none)
+    """
+    raw = text.strip()
+    if raw.lower() == "none":
+        return ()
+    form = f"{option} {text!r}: not segment indices and ranges; write e.g. 0,2-3 (or none)"
+    out: set[int] = set()
+    for part in raw.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.strip().isdigit() or (dash and not hi.strip().isdigit()):
+            raise ValueError(form)
+        first, last = int(lo), int(hi) if dash else int(lo)
+        if last < first:
+            raise ValueError(f"{option} {text!r}: range {first}-{last} runs backwards; write {last}-{first}")
+        out.update(range(first, last + 1))
+    return tuple(sorted(out))

@@ -26,6 +26,7 @@ so the placeholder values never influence results.
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
 from collections.abc import Callable, Collection
@@ -99,6 +100,13 @@ class ModelProfile:
     #: module's segments, else segment 0 (Note [Buffers across replicas] in varuna/runtime/buffers.py)
     buffer_segments: dict[str, tuple[int, ...]] = field(default_factory=dict)
     buffer_bytes: dict[str, int] = field(default_factory=dict)
+    #: per segment: bytes of the distinct storages autograd saves in it for the dry run's
+    #: micro-batch, plus its outputs, less the parameters, buffers and its input (what the profiler
+    #: counts, profiler/compute.py); None: not measured (``profile_model(activations=False)``)
+    activation_bytes: list[int] | None = None
+    #: per segment: bytes entering it for the dry run's micro-batch (segment 0: the batch's
+    #: tensors); None: not measured
+    input_bytes: list[int] | None = None
 
     @property
     def num_cutpoints(self) -> int:
@@ -111,6 +119,15 @@ class ModelProfile:
     def shared_params(self) -> dict[str, tuple[int, ...]]:
         """Parameters read by more than one segment (e.g. tied input/output embeddings)."""
         return {n: s for n, s in self.param_segments.items() if len(s) > 1}
+
+    def segment_input_bytes(self) -> list[int]:
+        """Per segment, the bytes entering it for the dry run's micro-batch: measured when the
+        dry run counted activations, else from the boundaries' shapes (segment 0: 0, the batch
+        unknown)."""
+        if self.input_bytes is not None:
+            return list(self.input_bytes)
+        return [0] + [sum(math.prod(shape) * dtype.itemsize for shape, dtype in meta)
+                      for meta in self.act_meta]
 
     def segment_param_bytes(self) -> list[int]:
         out = [0] * self.num_segments
@@ -221,6 +238,7 @@ def profile_model(
     timing_reps: int = 2,
     measure: bool = True,
     costs: bool = True,
+    activations: bool = False,
 ) -> ModelProfile:
     """Dry-run ``model`` on ``batch`` (one micro-batch) and return its :class:`ModelProfile`.
 
@@ -228,7 +246,15 @@ def profile_model(
     model on a real device, segment costs are the median of ``timing_reps`` timed
     forward+backward runs; otherwise (or for a ``meta`` model) they are FLOP counts. With
     ``costs=False`` (the caller does not use them) costs are zeros and nothing is counted or timed:
-    FLOP counting imports ``torch._dynamo``, seconds of start-up on a busy host.
+    FLOP counting imports ``torch._dynamo``, seconds of start-up on a busy host. With
+    ``activations`` (and a model off the ``meta`` device) one more forward with autograd counts
+    each segment's activation and input bytes (:func:`_measure_activations`), for the
+    memory-aware split.
+
+    Example::
+
+        prof = profile_model(model, micro_batch, lambda out, b: out.sum(), activations=True)
+        prof.activation_bytes   # e.g. [65536, 65540]: bytes per segment for this micro-batch
     """
     cut_names = {id(m): n for n, m in model.named_modules() if isinstance(m, CutPoint)}
     cps = [m for m in model.modules() if isinstance(m, CutPoint)]
@@ -293,7 +319,64 @@ def profile_model(
         fwd, bwd = _time_segments(model, batch, loss_fn, state, cut_names, timing_reps)
         if fwd is not None:
             profile.fwd_cost, profile.bwd_cost, profile.cost_unit = fwd, bwd, "s"
+    if activations and not on_meta:
+        profile.activation_bytes, profile.input_bytes = _measure_activations(
+            model, batch, loss_fn, state, cut_names)
     return profile
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    try:
+        s = t.untyped_storage()
+        return s.data_ptr(), s.nbytes()
+    except (RuntimeError, NotImplementedError):  # tensors without a plain storage
+        return id(t), t.numel() * t.element_size()
+
+
+def _measure_activations(model, batch, loss_fn, state, cut_names) -> tuple[list[int], list[int]]:
+    """Per segment, (activation bytes, input bytes) of one forward with autograd (see
+    :class:`ModelProfile`). Each distinct storage counts once, on the segment that first saves or
+    outputs it: a boundary's tensors are their segment's outputs, not the next one's activations
+    (as the profiler counts them: a stage's stash holds its input, its graph the rest). The RNG is
+    restored after, so the dry run draws nothing a training step would (dropout stays aligned)."""
+    params = list(model.parameters())
+    excluded = {_storage_key(t)[0] for t in (*params, *model.buffers())}
+    batch_tensors = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    excluded |= {_storage_key(t)[0] for t in batch_tensors}
+    owner: dict[int, tuple[int, int]] = {}  # storage -> (segment, bytes)
+    dry = DryRun(cutpoint_names=cut_names)
+
+    def note(t: torch.Tensor, segment: int) -> None:
+        if isinstance(t, torch.Tensor) and not t.is_meta:
+            key, nbytes = _storage_key(t)
+            if key not in excluded and key not in owner and nbytes > 0:
+                owner[key] = (segment, nbytes)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        note(t, dry.segment)
+        return t  # no copy: the hook only looks
+
+    # The tensors crossing boundary i are segment i's outputs (noted before segment i + 1 saves them).
+    dry.on_segment = lambda seg: [note(x, seg - 1) for x in dry.crossing_tensors[-1]]
+    devices = [d for d in {t.device for t in params} if d.type == "cuda"]
+    state.run = dry
+    try:
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = loss_fn(call_with_batch(model, batch), batch)
+            for t in tree_flatten(loss)[0]:
+                note(t, dry.segment)
+    finally:
+        state.run = None
+    del loss  # frees the graph
+    n = len(dry.order) + 1
+    acts = [0] * n
+    for seg, nbytes in owner.values():
+        acts[min(seg, n - 1)] += nbytes
+    # A stash holds the tensors themselves: their bytes, not their storages' (a micro-batch is
+    # often a slice of the whole batch).
+    inputs = [sum(t.numel() * t.element_size() for t in ts) for ts in (batch_tensors, *dry.crossing_tensors)]
+    return acts, inputs
 
 
 def _examples(batch) -> int:

@@ -390,6 +390,10 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
     problem = _chunks_problem(args)
     if problem is not None:
         return problem
+    kind = schedule_kind(args.schedule or DEFAULT_SCHEDULE)
+    if args.recompute_segments is not None and kind.splits_backward:
+        return (f"--recompute-segments is not supported with --schedule {args.schedule} (its split backward "
+                "needs one graph per stage); drop one of them")
     if args.max_restarts and args.checkpoint_dir is None:
         return (f"--max-restarts {args.max_restarts} needs --checkpoint-dir DIR: a restart resumes from the"
                 " newest checkpoint there")
@@ -491,7 +495,7 @@ def _with_layout(config: LaunchConfig, layout: Layout, args: argparse.Namespace)
         print(f"{PROG}: {layout.note}", file=sys.stderr, flush=True)
     plan = layout.run_plan(
         global_batch_size=args.global_batch_size, schedule=args.schedule, chunks=args.chunks,
-        micro_batch_size=args.micro_batch_size,
+        micro_batch_size=args.micro_batch_size, recompute_segments=args.recompute_segments,
     )
     problem = _chunks_problem(args, layout.pipeline_depth)  # P chosen by auto-config is known now
     if problem is not None:

@@ -45,7 +45,7 @@ class Layout:
         >>> resolve_layout(slots=[2, 2, 1], pipeline_depth=2)  # doctest: +NORMALIZE_WHITESPACE
         Layout(pipeline_depth=2, data_parallel=2, micro_batch_size=None, stage_ranges=None,
                schedule=None, replica_shares=None, stage_speeds=None, recompute=None,
-               shard_optimizer=None, note='')
+               recompute_segments=None, shard_optimizer=None, note='')
     """
 
     pipeline_depth: int
@@ -77,11 +77,12 @@ class Layout:
         schedule: str | None = None,
         chunks: int | None = None,
         micro_batch_size: int | None = None,
+        recompute_segments: tuple[int, ...] | None = None,
     ) -> RunPlan:
         """The plan every worker gets: ``global_batch_size``, ``schedule``, ``chunks`` (model
-        chunks per process, interleaved kinds) and ``micro_batch_size`` as the user gave them (the
-        schedule and m auto-config planned for when none is given), the stage ranges when
-        auto-config chose them; ``None`` fields are not exported.
+        chunks per process, interleaved kinds), ``micro_batch_size`` and ``recompute_segments`` as
+        the user gave them (the schedule, m and set auto-config planned for when none is given),
+        the stage ranges when auto-config chose them; ``None`` fields are not exported.
 
         Example::
 
@@ -98,7 +99,7 @@ class Layout:
             replica_shares=self.replica_shares,
             stage_speeds=self.stage_speeds,
             recompute=self.recompute,
-            recompute_segments=self.recompute_segments,
+            recompute_segments=self.recompute_segments if recompute_segments is None else recompute_segments,
             shard_optimizer=self.shard_optimizer,
         )
 

@@ -452,7 +452,9 @@ def _comparable(name: str, value: Any) -> Any:
         return tuple((int(a), int(b)) for a, b in value)
     if name == "stage_speeds":
         return tuple(float(v) for v in value)
-    if name in ("replica_shares", "recompute_segments"):
+    if name == "recompute_segments":  # a set: the same segments in any order agree
+        return tuple(sorted(set(value)))
+    if name == "replica_shares":
         return tuple(value)
     return value
 

@@ -70,7 +70,13 @@ from varuna.runtime.sharded_optimizer import (
     ShardedOptimizer,
     stage_optimizer_state,
 )
-from varuna.runtime.stages import assign_stages, chunks_per_process, planning_profile, stage_memory_for
+from varuna.runtime.stages import (
+    assign_stages,
+    chunks_per_process,
+    measures_activations,
+    planning_profile,
+    stage_memory_for,
+)
 from varuna.runtime.tensorboard import TensorBoardLog, adopt_tensorboard_settings, require_tensorboard
 from varuna.runtime.timeline_gather import gather_timeline
 from varuna.runtime.weight_versions import stale_weights, weight_versions_for
@@ -194,7 +200,8 @@ class Engine:
             explicit=config.pipeline.stage_ranges,
             speeds=config.pipeline.stage_speeds,
             chunks=v,
-            memory=stage_memory_for(config, self.layout, self.device, self.micro_plan),
+            memory=stage_memory_for(
+                config, self.layout, self.device, self.micro_plan, self.profile.num_segments),
         )
         self.flops: StepFlops | None = engine_flops(self)  # a collective: rank 0's count reaches every rank
         mine = self.stage_ranges[self.stage :: P]  # interleaved: virtual stages stage, stage + P, ...
@@ -225,7 +232,9 @@ class Engine:
         self.device = pick_device(config.device, local_rank=self.env.local_rank)
         self._split = SplitState()
         first = slice_batch(example_batch, 0, min(config.micro_batch_size, batch_size_of(example_batch)))
-        self.profile: ModelProfile = planning_profile(model, first, self.loss_fn, config, self.layout)
+        self.profile: ModelProfile = planning_profile(
+            model, first, self.loss_fn, config, self.layout,
+            activations=measures_activations(config, self.layout, self.device))
         self.chunks = chunks_per_process(config, P, self.profile.num_cutpoints, self.micro_plan)
         if P > 1:  # refuse hidden dependencies (values crossing a boundary outside a CutPoint)
             from varuna.cutting.tracer import carry_specs, check_splittable

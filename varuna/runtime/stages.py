@@ -14,7 +14,6 @@ Example::
 
 from __future__ import annotations
 
-import math
 import resource
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,9 +26,16 @@ from torch import nn
 from varuna.core.calibration import plan_model_mismatch
 from varuna.core.config_error import ConfigError
 from varuna.core.env import ProcessEnv
-from varuna.core.memory import ENGINE_OVERHEAD_BYTES, GRAD_BUCKET_BYTES, MEMORY_MARGIN, comm_buffer_bytes
+from varuna.core.memory import (
+    ENGINE_OVERHEAD_BYTES,
+    GRAD_BUCKET_BYTES,
+    MEMORY_MARGIN,
+    activation_memory_bytes,
+    comm_buffer_bytes,
+)
 from varuna.core.partition import balanced_stages
 from varuna.core.schedule import schedule_kind
+from varuna.core.selective_recompute import recompute_set
 from varuna.cutting.split import ModelProfile, profile_model
 from varuna.runtime.config import VarunaConfig
 from varuna.runtime.layout import Layout
@@ -40,6 +46,7 @@ __all__ = [
     "check_chunks_fit",
     "check_pipeline_depth",
     "chunks_per_process",
+    "measures_activations",
     "planning_profile",
     "stage_memory_budget",
     "stage_memory_for",
@@ -110,7 +117,7 @@ def check_pipeline_depth(P: int, num_cutpoints: int) -> None:
 
 
 def planning_profile(model: nn.Module, micro_batch, loss_fn: Callable, config: VarunaConfig,
-                     layout: Layout) -> ModelProfile:
+                     layout: Layout, *, activations: bool = False) -> ModelProfile:
     """The engine's dry run (:func:`varuna.cutting.split.profile_model`) with the segment costs
     the stage split needs and the FLOPs the step metrics need: counted only on rank 0 (it
     broadcasts the split and the FLOPs, varuna/runtime/flops.py); the split balances FLOPs unless
@@ -130,6 +137,7 @@ def planning_profile(model: nn.Module, micro_batch, loss_fn: Callable, config: V
         timing_reps=config.cutting.timing_reps,
         measure=splits and config.cutting.plan_cost == "time",
         costs=layout.rank == 0,
+        activations=activations,  # the memory-aware split's per-segment activation bytes
     )
     if splits and prof.cost_unit == "flop" and not any(prof.fwd_cost) and not any(
         p.is_meta for p in model.parameters()
@@ -138,7 +146,8 @@ def planning_profile(model: nn.Module, micro_batch, loss_fn: Callable, config: V
         # segments, so measure after all (and say so: this plan may vary between runs).
         print("varuna: the model's segments count no FLOPs; balancing stages on measured time", flush=True)
         prof = profile_model(
-            model, micro_batch, loss_fn, timing_reps=config.cutting.timing_reps, measure=True, costs=True
+            model, micro_batch, loss_fn, timing_reps=config.cutting.timing_reps, measure=True, costs=True,
+            activations=activations,
         )
     return prof
 
@@ -150,12 +159,24 @@ OPTIMIZER_STATES_PER_WEIGHT = 2
 class StageMemory:
     """What each stage may hold (bytes, one per stage) and how its state is counted: the
     optimizer state divided over ``optimizer_shards`` replicas, ``num_microbatches`` per replica
-    (the stash), for the memory-aware split (Note [Memory-aware split])."""
+    (the stash), whether the kind's stages recompute and which segments (``recompute_segments``,
+    Note [Selective recompute]; None: whole stages), for the memory-aware split (Note
+    [Memory-aware split]). Activations are the dry run's measured bytes per segment
+    (``profile_model(activations=True)``; none counted when it did not measure them), through the
+    one formula the planner uses (``varuna.core.memory.activation_memory_bytes``).
+
+    Example::
+
+        mem = StageMemory((2 << 30,), num_microbatches=4)
+        mem.stage_bytes(profile, "varuna", 2, 0, 0, 3)   # stage 0 of 2 holding segments 0-3
+    """
 
     caps: tuple[int, ...]
     optimizer_shards: int = 1
     num_microbatches: int = 1
     replicas: int = 1
+    recompute: bool = True
+    recompute_segments: frozenset[int] | None = None
 
     def static_bytes(self, profile: ModelProfile) -> list[float]:
         """Per segment: weights + gradients + optimizer state of the parameters it reads (a
@@ -168,35 +189,68 @@ class StageMemory:
                 out[s] += per * profile.param_bytes.get(name, 0)
         return out
 
-    def stash_bytes(self, profile: ModelProfile, schedule: str, ranges) -> list[float]:
-        """Per stage: its boundary input (at the dry run's micro-batch) times the micro-batches it
-        stashes at most (the kind's ``stash_peak``)."""
-        kind, P = schedule_kind(schedule), len(ranges)
-        out = []
-        for k, (a, _b) in enumerate(ranges):
-            meta = profile.act_meta[a - 1] if a > 0 else []
-            nbytes = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in meta)
-            out.append(nbytes * kind.stash_peak(P, k, self.num_microbatches))
-        return out
+    def activation_bytes(
+        self, profile: ModelProfile, schedule: str, P: int, k: int, first: int, last: int
+    ) -> float:
+        """Stage ``k`` of ``P`` holding segments [first, last]: its activation memory at the dry
+        run's micro-batch (``activation_memory_bytes`` with the kind's ``stash_peak`` and whether
+        the stage recomputes)."""
+        return self._activations(profile, schedule, P)(k, first, last)
+
+    def _activations(self, profile: ModelProfile, schedule: str, P: int) -> Callable[[int, int, int], float]:
+        """(k, first, last) -> :meth:`activation_bytes`, the profile's lists read once (the split
+        asks for O(P·K²) ranges)."""
+        kind = schedule_kind(schedule)
+        ins = profile.segment_input_bytes()
+        acts = profile.activation_bytes or [0] * profile.num_segments
+        stash = [kind.stash_peak(P, k, self.num_microbatches) for k in range(P)]
+        recomputes = [kind.recomputes(P, k, recompute=self.recompute) for k in range(P)]
+
+        def count(k: int, first: int, last: int) -> float:
+            return activation_memory_bytes(
+                first, last, stashed=stash[k], recompute=recomputes[k], input_bytes=ins.__getitem__,
+                activation_bytes=acts.__getitem__, recompute_segments=self.recompute_segments)
+
+        return count
+
+    def stage_bytes(
+        self, profile: ModelProfile, schedule: str, P: int, k: int, first: int, last: int
+    ) -> float:
+        """Stage ``k`` of ``P`` holding segments [first, last]: static bytes + activations (what
+        the split compares with the stage's room)."""
+        return sum(self.static_bytes(profile)[first : last + 1]) + self.activation_bytes(
+            profile, schedule, P, k, first, last)
 
     def fit(self, ranges, profile: ModelProfile, schedule: str, full, last, speeds) -> list[tuple[int, int]]:
         """``ranges`` if every stage fits, else the fastest split that does; ``ranges`` with one
         line on stderr when none does (the run then fails where memory runs out, as before)."""
+        P = len(ranges)
         static = self.static_bytes(profile)
-        caps = list(self.caps) if len(self.caps) > 1 else [self.caps[0]] * len(ranges)
-        stash = self.stash_bytes(profile, schedule, ranges)
+        prefix = [0.0]
+        for b in static:
+            prefix.append(prefix[-1] + b)
+        caps = list(self.caps) if len(self.caps) > 1 else [self.caps[0]] * P
         # What the model does not count (varuna/core/memory.py): the engine's own memory, one
         # gradient bucket with replicas (the largest a stage may need), a share for the rest.
         extra = ENGINE_OVERHEAD_BYTES + comm_buffer_bytes(self.replicas, GRAD_BUCKET_BYTES)
-        room = [c * (1 - MEMORY_MARGIN) - extra - st for c, st in zip(caps, stash)]
-        if all(sum(static[a : b + 1]) <= r for (a, b), r in zip(ranges, room)):
+        room = [c * (1 - MEMORY_MARGIN) - extra for c in caps]
+
+        activations = self._activations(profile, schedule, P)
+
+        def need(k: int, a: int, b: int) -> float:
+            return prefix[b + 1] - prefix[a] + activations(k, a, b)
+
+        def fits(k: int, a: int, b: int) -> bool:
+            return need(k, a, b) <= room[k]
+
+        if all(fits(k, a, b) for k, (a, b) in enumerate(ranges)):
             return ranges
         try:
-            fitted = balanced_stages(full, last, len(ranges), speeds=speeds, weights=static, capacity=room)
+            fitted = balanced_stages(full, last, P, speeds=speeds, fits=fits)
         except ValueError:
-            need = max(sum(static[a : b + 1]) + st for (a, b), st in zip(ranges, stash)) + extra
+            most = max(need(k, a, b) for k, (a, b) in enumerate(ranges)) + extra
             print(f"varuna: no stage split keeps every stage within its memory ({min(caps) / 2**20:.0f} "
-                  f"MiB, {MEMORY_MARGIN:.0%} kept free; the time-balanced one needs about {need / 2**20:.0f} "
+                  f"MiB, {MEMORY_MARGIN:.0%} kept free; the time-balanced one needs about {most / 2**20:.0f} "
                   "MiB on its largest stage): keeping it", flush=True)
             return ranges
         print(f"varuna: stage split {fitted} instead of {ranges}: the time-balanced one overflows a stage's "
@@ -205,10 +259,12 @@ class StageMemory:
 
 
 def stage_memory_for(
-    config: VarunaConfig, layout: Layout, device: torch.device, micro_plan: Sequence
+    config: VarunaConfig, layout: Layout, device: torch.device, micro_plan: Sequence, num_segments: int
 ) -> StageMemory | None:
     """What each stage may hold for the memory-aware split (``pipeline.stage_memory``, else the
-    process's hard limit, on rank 0: it splits), or None (unbounded, or not rank 0)."""
+    process's hard limit, on rank 0: it splits), or None (unbounded, or not rank 0). The model's
+    ``num_segments`` checks the recompute set (``pipeline.recompute_segments``), which the
+    memory counts (Note [Selective recompute])."""
     caps = config.pipeline.stage_memory
     if caps is None and layout.rank == 0 and layout.P > 1:
         caps = stage_memory_budget(device)
@@ -221,7 +277,23 @@ def stage_memory_for(
                          f"(P={layout.P})")
     shards = layout.D if config.optimizer_state.shard else 1
     nm = max(len(p) for p in micro_plan)
-    return StageMemory(caps, optimizer_shards=shards, num_microbatches=nm, replicas=layout.D)
+    return StageMemory(caps, optimizer_shards=shards, num_microbatches=nm, replicas=layout.D,
+                       recompute=config.pipeline.recompute is not False,  # None: the default, on
+                       recompute_segments=recompute_set(config.pipeline.recompute_segments, num_segments))
+
+
+def measures_activations(config: VarunaConfig, layout: Layout, device: torch.device) -> bool:
+    """Whether this rank's dry run should count activation bytes per segment: it splits (rank 0,
+    P > 1, no given ranges) and the memory is bounded (:func:`stage_memory_for` would answer).
+
+    Example::
+
+        prof = planning_profile(model, mb, loss_fn, config, layout,
+                                activations=measures_activations(config, layout, device))
+    """
+    if layout.rank != 0 or layout.P == 1 or config.pipeline.stage_ranges is not None:
+        return False
+    return config.pipeline.stage_memory is not None or stage_memory_budget(device) is not None
 
 
 def stage_memory_budget(device: torch.device) -> int | None:
