@@ -97,7 +97,8 @@ class ProfileOptions:
     min_time_s: float = 0.05
     """... and more, up to 50, until they take this long (cheap segments get more samples)."""
     link_reps: int = 8
-    """Measured rounds per message size and direction (after 2 warm-up rounds)."""
+    """Measured rounds per message size and direction (after 2 warm-up rounds); a round sends each
+    message twice and times the second (Note [Steady-state sends] in profiler/network.py)."""
     link_pings: int = 5
     """Ping-pongs that relate the two clocks of a link."""
     link_sweep_bytes: tuple[int, ...] = (1 << 10, 64 << 10, 1 << 20, 4 << 20)

@@ -8,10 +8,21 @@ the set's control namespace and reaches the hosts with OpenSSH as ``varuna-launc
 (Note [Calibrating real links] in profiler/hosts.py): nothing is emulated, the kernel's ``tbf`` is
 the only cap.
 
+``--step``: on the same hosts, each P×D layout of ``--layouts`` (default 1x2, 2x1, 2x2: one
+process per host when P×D is the number of hosts, else P×D / hosts; consecutive ranks fill a host,
+so 2x2's pipelines stay inside a host and its all-reduces cross) trains the GPT example (the same
+model, m = 2, global batch ``--global-batch-size``) with ``varuna-launch --hosts``; its measured
+step time (the median ``step_s`` after two warm-up steps) is printed against
+``simulator.engine.simulate`` on the calibration just measured (nothing fitted to the run). The
+calibration has no ``runtime_overheads`` (the profiler does not measure them), so the simulated
+step leaves out the engine's own per-task and per-step costs.
+
 Usage (root; every namespace, sshd and process is removed on exit)::
 
     python scripts/calibrate_hosts.py                      # 100 and 400 Mbit/s, 2 hosts
     python scripts/calibrate_hosts.py --rates-mbit 50 --hosts 3
+    python scripts/calibrate_hosts.py --step --keep runs/cal   # + simulated vs measured steps;
+                                                               # files kept under runs/cal
 
 Results and the machine's load when they were taken: docs/profiling.md, "Calibrating real links".
 """
@@ -19,7 +30,9 @@ Results and the machine's load when they were taken: docs/profiling.md, "Calibra
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,12 +42,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from simulator.config import SimConfig  # noqa: E402
+from simulator.engine import simulate  # noqa: E402
 from varuna.core.calibration import Calibration  # noqa: E402
 from varuna.testing.netns import NetHosts, netns_unavailable  # noqa: E402
 from varuna.testing.sshd import sshd_unavailable  # noqa: E402
 
 MODEL = f"{ROOT / 'examples' / 'gpt2' / 'profile_target.py'}:build"
 MODEL_ARGS = ("n_layer=2", "n_embd=64", "n_head=2", "block_size=32")
+TRAIN = ROOT / "examples" / "gpt2" / "train.py"
+TRAIN_ARGS = ("--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--block-size", "32", "--micro-batch-size",
+              "2", "--eval-every", "0")  # the model of MODEL_ARGS, m = 2 as calibrated
+MICRO_BATCH = 2
+WARMUP_STEPS = 2
 TOLERANCE = 0.10
 
 
@@ -54,12 +74,88 @@ def calibrate(net: NetHosts, out: Path, timeout_s: float) -> tuple[Calibration, 
     return Calibration.load(out), time.monotonic() - started
 
 
+def parse_layouts(text: str, num_hosts: int) -> list[tuple[int, int]]:
+    """``"1x2,2x1"`` -> [(1, 2), (2, 1)] (P×D); each must fill the hosts evenly.
+
+    >>> parse_layouts("1x2, 2x2", 2)
+    [(1, 2), (2, 2)]
+    """
+    out = []
+    for word in (w.strip() for w in text.split(",") if w.strip()):
+        try:
+            p, d = (int(x) for x in word.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"--layouts: {word!r} is not PxD (e.g. 2x1)") from None
+        if p < 1 or d < 1 or (p * d) % num_hosts:
+            raise ValueError(f"--layouts: {word} needs P*D a multiple of --hosts ({num_hosts}); "
+                             f"choose another layout or host count")
+        out.append((p, d))
+    return out
+
+
+def measure_step(net: NetHosts, p: int, d: int, steps: int, global_batch: int, workdir: Path,
+                 timeout_s: float) -> float:
+    """The GPT example trained as P×D over every host of ``net`` with ``varuna-launch --hosts``:
+    the median step time (s) after the warm-up steps."""
+    metrics = workdir / f"steps-{p}x{d}.jsonl"
+    metrics.unlink(missing_ok=True)
+    hosts = ",".join(net.address(h) for h in range(net.num_hosts))
+    cmd = [sys.executable, "-m", "varuna.launch", "--hosts", hosts, "--procs-per-host",
+           str(p * d // net.num_hosts), "--pipeline-depth", str(p), "--quiet", *net.ssh_options(), str(TRAIN),
+           *TRAIN_ARGS, "--global-batch-size", str(global_batch), "--steps", str(steps), "--metrics-out",
+           str(metrics)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(workdir)}
+    run = subprocess.run(net.control(cmd), capture_output=True, text=True, timeout=timeout_s, cwd=workdir,
+                         env=env)
+    if run.returncode != 0:
+        raise RuntimeError(f"varuna-launch {p}x{d} failed ({run.returncode}): {run.stderr.strip()[-2000:]}")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    times = [r["step_s"] for r in rows if r["step"] > WARMUP_STEPS]
+    if not times:
+        raise RuntimeError(f"{p}x{d}: no step after the {WARMUP_STEPS} warm-up steps in {metrics}")
+    return statistics.median(times)
+
+
+def simulate_step(cal: Calibration, p: int, d: int, host_slots: int, global_batch: int) -> float:
+    """``simulator.engine.simulate``'s step time (s) of the same P×D layout and batch."""
+    config = SimConfig.for_global_batch(global_batch_size=global_batch, num_replicas=d,
+                                        micro_batch_size=MICRO_BATCH, num_stages=p, host_slots=host_slots)
+    return simulate(cal, config).minibatch_s
+
+
+def step_rows(net: NetHosts, cal: Calibration, layouts: list[tuple[int, int]], a: argparse.Namespace,
+              workdir: Path) -> list[str]:
+    """One printed line per layout: simulated vs measured step time on ``net``'s hosts."""
+    lines = []
+    for p, d in layouts:
+        measured = measure_step(net, p, d, a.steps, a.global_batch_size, workdir, a.timeout)
+        simulated = simulate_step(cal, p, d, p * d // net.num_hosts, a.global_batch_size)
+        lines.append(f"{'':>10} {f'{p}x{d}':>9} step: simulated {simulated * 1e3:8.1f} ms, measured "
+                     f"{measured * 1e3:8.1f} ms, error {simulated / measured - 1:+7.1%}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rates-mbit", default="100,400", help="tbf caps to check, Mbit/s (default 100,400)")
     p.add_argument("--hosts", type=int, default=2)
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--step", action="store_true",
+                   help="also train the GPT example per --layouts and print simulated vs measured step time")
+    p.add_argument("--layouts", default="1x2,2x1,2x2", help="PxD layouts for --step (default 1x2,2x1,2x2)")
+    p.add_argument("--steps", type=int, default=8, help=f"steps per --step run ({WARMUP_STEPS} are warm-up)")
+    p.add_argument("--global-batch-size", type=int, default=16, help="global batch of the --step runs")
+    p.add_argument("--keep", type=Path, metavar="DIR",
+                   help="keep each rate's calibration (and --step metrics) under DIR/<rate>mbit/")
     a = p.parse_args(argv)
+    try:
+        layouts = parse_layouts(a.layouts, a.hosts) if a.step else []
+    except ValueError as e:
+        print(f"calibrate_hosts: {e}", file=sys.stderr)
+        return 2
+    if a.step and a.steps <= WARMUP_STEPS:
+        print(f"calibrate_hosts: --steps must be > {WARMUP_STEPS} (the warm-up steps)", file=sys.stderr)
+        return 2
     why = netns_unavailable() or sshd_unavailable()
     if why is not None:
         print(f"calibrate_hosts: cannot run: {why}", file=sys.stderr)
@@ -73,7 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         rate = mbit * 1e6 / 8
         with tempfile.TemporaryDirectory(prefix="varuna-cal-hosts-") as tmp, \
                 NetHosts.create(a.hosts, workdir=Path(tmp), rate_bytes_per_s=rate) as net:
-            cal, wall = calibrate(net, Path(tmp) / "calibration.json", a.timeout)
+            keep = a.keep / f"{mbit:g}mbit" if a.keep else Path(tmp)
+            keep.mkdir(parents=True, exist_ok=True)
+            cal, wall = calibrate(net, keep / "calibration.json", a.timeout)
+            steps = step_rows(net, cal, layouts, a, keep) if layouts else []
         inter = cal.inter.bandwidth_bytes_per_s
         ar = cal.allreduce.bandwidth_bytes_per_s
         err, ar_err = inter / rate - 1, ar / rate - 1
@@ -82,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         latency_ms = cal.inter.latency_s * 1e3
         print(f"{mbit:>10g} {rate / 1e6:>9.2f} {inter / 1e6:>10.2f} {err:>+7.1%} {latency_ms:>10.3f}"
               f" {ar / 1e6:>14.2f} {ar_err:>+7.1%} {wall:>7.1f}  {'yes' if ok else 'NO'}")
+        for line in steps:
+            print(line)
     print(f"load average after: {os.getloadavg()[0]:.2f} (1 min)")
     return 1 if bad else 0
 

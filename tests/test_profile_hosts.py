@@ -2,8 +2,8 @@
 [Calibrating real links] in profiler/hosts.py). Fast: the host list's parsing and the remote
 command's quoting. Slow (root): the profiler on two hosts in network namespaces whose links
 ``tbf`` caps, the calibrated bandwidths bounded by the cap (a loaded machine only slows a link
-down: the cap is a bound no measurement may exceed by more than the bucket; the 10 % match is
-scripts/calibrate_hosts.py's, docs/profiling.md)."""
+down: the cap is a bound no measurement may exceed by more than the bucket; each measures at
+least 90 % of it, the match scripts/calibrate_hosts.py checks, docs/profiling.md)."""
 
 from __future__ import annotations
 
@@ -65,9 +65,11 @@ def test_host_list_calibrates_real_links_bounded_by_their_cap(tmp_path: Path):
     [entry] = cal["profiler"]["history"]
     assert "2 hosts over ssh (10.214.0.1, 10.214.0.2, real links)" in entry["hosts"], entry
     # Over the cap is impossible (the bucket lets 128 KiB pass at line rate: 15 % of slack covers
-    # it on these sizes); far under it would mean the links were not the ones measured.
+    # it on these sizes). Under it by more than 10 % means the link is timed off its steady state
+    # (Note [Steady-state sends] in profiler/network.py: timing first sends read 23 % low); TCP/IP
+    # framing, which the cap counts and the payload does not, costs ~4 %.
     for what, bw in (("inter", cal["links"]["inter"]["bandwidth_bytes_per_s"]),
                      ("allreduce", cal["allreduce"]["bandwidth_bytes_per_s"])):
-        assert 0.3 * rate < bw < 1.15 * rate, (what, bw)
+        assert 0.9 * rate <= bw < 1.15 * rate, (what, bw / rate)
     # The intra-host link is loopback inside one namespace: not capped.
     assert cal["links"]["intra"]["bandwidth_bytes_per_s"] > 2 * rate
