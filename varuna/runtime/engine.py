@@ -265,10 +265,9 @@ class Engine:
                 )
         self.optimizer = optimizer(list(self._trainable.values()))
         self.weight_versions = weight_versions_for(config, self._trainable, self.layout.P, self.micro_plan)
-        self.scaler = DynamicLossScale(
-            scale=config.numerics.loss_scale if config.precision == "fp16" else 1.0,
-            growth_interval=config.numerics.loss_scale_growth_interval,
-        )
+        num = config.numerics
+        self.scaler = DynamicLossScale(scale=num.loss_scale if config.precision == "fp16" else 1.0,
+                                       growth_interval=num.loss_scale_growth_interval)
 
     def _build_comm(self, lr_scheduler=None) -> None:
         """Process groups (a collective), network emulation, links, buffers, executor, gradient sync."""
@@ -335,12 +334,10 @@ class Engine:
             replica=self.replica,
             num_stages=self.layout.P,
             device=self.device,
-            carry_plan=CarryPlan.for_stage(
-                self.profile.carried, self.first_segment, self.last_segment, self.is_last_stage
-            ),
-            recompute_segments=recompute_set(
-                self.config.pipeline.recompute_segments, self.profile.num_segments
-            ),
+            carry_plan=CarryPlan.for_stage(self.profile.carried, self.first_segment, self.last_segment,
+                                           self.is_last_stage),
+            recompute_segments=recompute_set(self.config.pipeline.recompute_segments,
+                                             self.profile.num_segments),
         )
         stage.set_chunks(self.stage_ranges[self.stage :: self.layout.P], self.profile.carried)
         return stage
