@@ -634,9 +634,9 @@ def _form(live: LiveWorld, gen: int, closed: dict, held: Engine | None, build: C
 def _newest_holders(recs: dict, holders: list[int]) -> tuple[int, list[int]]:
     """The step the next generation resumes after and the members whose state it takes.
 
-    Note [Mixed steps]: a peer lost between two collectives of a step lets some members commit
-    it and not others (rank 3 frozen after its stage's gradient all-reduce but before the
-    pipeline's norm all-reduce: ranks 0 and 1 commit step s, rank 2 stays at s - 1). A committed
+    Note [Mixed steps]: a peer lost inside a step's last collective lets some members commit the
+    step and not others (CI: rank 3 froze inside the end-of-step agreement, a world all-reduce
+    that completed on ranks 0 and 1, which committed step 7, and not on rank 2, left at 6). A committed
     step is whole (no member commits before every collective of the step completed, with every
     replica's gradients in it), so the newest step's holders are a sound model provided they hold
     every name the others hold. The holders a step behind then hold nothing (``recs`` is changed
