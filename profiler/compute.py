@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from profiler.spec import ModelTarget
 from varuna.cutting.batches import call_with_batch
 from varuna.cutting.cutpoint import CutPoint, DryRun, ForwardRun, SplitState, StopForward
-from varuna.cutting.split import ModelProfile, materialize_stage, profile_model
+from varuna.cutting.split import ModelProfile, materialize_stage, profile_model, storage_key
 from varuna.runtime.executor import leaf
 
 __all__ = ["SegmentMeasurement", "SegmentProfiler", "median_iqr", "DryRunInfo", "dry_run"]
@@ -106,14 +106,6 @@ def median_iqr(values: Sequence[float]) -> tuple[float, float]:
 
 def _tensor_bytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
-
-
-def _storage_key(t: torch.Tensor) -> tuple[int, int]:
-    try:
-        s = t.untyped_storage()
-        return s.data_ptr(), s.nbytes()
-    except (RuntimeError, NotImplementedError):  # tensors without a plain storage
-        return id(t), t.numel() * t.element_size()
 
 
 @dataclass
@@ -419,15 +411,15 @@ class SegmentProfiler:
     def _activation_bytes(self, model, state, order, segment, stash, batch, grads, params) -> tuple[int, str]:
         """Bytes alive for one micro-batch during its recompute/backward (see the module docstring)."""
         inputs = None if stash is None else tuple(leaf(x) for x in stash)
-        excluded = {_storage_key(p)[0] for p in params.values()}
-        excluded |= {_storage_key(x)[0] for x in (stash or ())}
-        excluded |= {_storage_key(x)[0] for x in (inputs or ())}
+        excluded = {storage_key(p)[0] for p in params.values()}
+        excluded |= {storage_key(x)[0] for x in (stash or ())}
+        excluded |= {storage_key(x)[0] for x in (inputs or ())}
         saved: dict[int, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             if t.is_meta:  # shape inference of placeholders: no memory
                 return t
-            key, nbytes = _storage_key(t)
+            key, nbytes = storage_key(t)
             if key not in excluded and nbytes > 0:
                 saved[key] = nbytes
             return t  # no copy: the hook only looks
@@ -445,7 +437,7 @@ class SegmentProfiler:
             out, _, _ = self._forward(model, state, order, segment, inputs, batch, grad=True)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                key, nbytes = _storage_key(t)
+                key, nbytes = storage_key(t)
                 if key not in excluded:
                     saved[key] = nbytes
         total = sum(saved.values())

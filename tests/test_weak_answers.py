@@ -46,6 +46,21 @@ engine.close()
 """
 
 
+#: Builds ``engine``: two Linear layers around one CutPoint, SGD (the scripts below start with
+#: their imports, then this).
+ONE_CUT_ENGINE = """class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.cut, self.b = nn.Linear(4, 4), varuna.CutPoint(), nn.Linear(4, 4)
+    def forward(self, x):
+        return self.b(self.cut(self.a(x))).sum()
+torch.set_num_threads(1)
+cfg = varuna.VarunaConfig(global_batch_size=4, micro_batch_size=1)
+engine = varuna.Engine(M(), cfg, example_batch=torch.zeros(4, 4),
+                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+"""
+
+
 def one_line(err: str, prog: str) -> str:
     lines = [x for x in err.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"{prog}: "), err[-3000:]
@@ -156,17 +171,7 @@ def test_the_engine_refuses_a_checkpoint_directory_that_is_a_file(tmp_path):
 CHECKPOINT = """
 import math, sys, torch, varuna
 from torch import nn
-class M(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.cut, self.b = nn.Linear(4, 4), varuna.CutPoint(), nn.Linear(4, 4)
-    def forward(self, x):
-        return self.b(self.cut(self.a(x))).sum()
-torch.set_num_threads(1)
-cfg = varuna.VarunaConfig(global_batch_size=4, micro_batch_size=1)
-engine = varuna.Engine(M(), cfg, example_batch=torch.zeros(4, 4),
-                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
-if sys.argv[1] == "nan":
+""" + ONE_CUT_ENGINE + """if sys.argv[1] == "nan":
     with torch.no_grad():
         for p in dict(engine.named_parameters()).values():
             p.fill_(math.nan)
@@ -213,17 +218,7 @@ def test_a_checkpoint_with_nan_weights_or_a_bad_step_is_refused_in_one_line(dama
 NOT_LIVE = """
 import os, signal, torch, varuna
 from torch import nn
-class M(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.cut, self.b = nn.Linear(4, 4), varuna.CutPoint(), nn.Linear(4, 4)
-    def forward(self, x):
-        return self.b(self.cut(self.a(x))).sum()
-torch.set_num_threads(1)
-cfg = varuna.VarunaConfig(global_batch_size=4, micro_batch_size=1)
-engine = varuna.Engine(M(), cfg, example_batch=torch.zeros(4, 4),
-                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
-for step in range(engine.step_count, 3):
+""" + ONE_CUT_ENGINE + """for step in range(engine.step_count, 3):
     engine.train_step(torch.randn(4, 4))
     if step == 0 and os.environ["RANK"] == "3" and os.environ.get("VARUNA_RESTARTS") == "0":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -254,17 +249,7 @@ import os, sys, torch, varuna
 from torch import nn
 if os.environ["RANK"] == "1":
     sys.exit(0)
-class M(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.cut, self.b = nn.Linear(4, 4), varuna.CutPoint(), nn.Linear(4, 4)
-    def forward(self, x):
-        return self.b(self.cut(self.a(x))).sum()
-torch.set_num_threads(1)
-cfg = varuna.VarunaConfig(global_batch_size=4, micro_batch_size=1)
-engine = varuna.Engine(M(), cfg, example_batch=torch.zeros(4, 4),
-                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
-engine.train_step(torch.randn(4, 4))
+""" + ONE_CUT_ENGINE + """engine.train_step(torch.randn(4, 4))
 engine.close()
 """
 

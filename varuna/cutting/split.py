@@ -48,6 +48,7 @@ __all__ = [
     "persistent_buffers",
     "profile_model",
     "resident_param_bytes",
+    "storage_key",
 ]
 
 
@@ -325,7 +326,15 @@ def profile_model(
     return profile
 
 
-def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+def storage_key(t: torch.Tensor) -> tuple[int, int]:
+    """(identity, bytes) of the storage behind ``t``: views of one storage count once when
+    activations are summed (the dry run here, the profiler's stage measurement).
+
+    Example::
+
+        >>> x = torch.zeros(4); storage_key(x[:2])[0] == storage_key(x)[0]
+        True
+    """
     try:
         s = t.untyped_storage()
         return s.data_ptr(), s.nbytes()
@@ -340,15 +349,15 @@ def _measure_activations(model, batch, loss_fn, state, cut_names) -> tuple[list[
     (as the profiler counts them: a stage's stash holds its input, its graph the rest). The RNG is
     restored after, so the dry run draws nothing a training step would (dropout stays aligned)."""
     params = list(model.parameters())
-    excluded = {_storage_key(t)[0] for t in (*params, *model.buffers())}
+    excluded = {storage_key(t)[0] for t in (*params, *model.buffers())}
     batch_tensors = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
-    excluded |= {_storage_key(t)[0] for t in batch_tensors}
+    excluded |= {storage_key(t)[0] for t in batch_tensors}
     owner: dict[int, tuple[int, int]] = {}  # storage -> (segment, bytes)
     dry = DryRun(cutpoint_names=cut_names)
 
     def note(t: torch.Tensor, segment: int) -> None:
         if isinstance(t, torch.Tensor) and not t.is_meta:
-            key, nbytes = _storage_key(t)
+            key, nbytes = storage_key(t)
             if key not in excluded and key not in owner and nbytes > 0:
                 owner[key] = (segment, nbytes)
 
