@@ -585,6 +585,8 @@ def parse_args(argv: list[str] | None) -> Options:
 def trial_root(opts: Options) -> Iterator[Path]:
     """The directory of every trial; on any exit (SIGTERM included) every process started under
     it is killed, and it is removed unless ``--keep``."""
+    if opts.workdir is not None:  # a --workdir that does not exist yet is made, as --keep expects
+        opts.workdir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="varuna-chaos-", dir=opts.workdir))
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:

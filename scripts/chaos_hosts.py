@@ -452,6 +452,8 @@ def parse_args(argv: list[str] | None) -> Options:
 
 @contextlib.contextmanager
 def trial_root(opts: Options) -> Iterator[Path]:
+    if opts.workdir is not None:  # a --workdir that does not exist yet is made, as --keep expects
+        opts.workdir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="varuna-chaos-hosts-", dir=opts.workdir))
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
