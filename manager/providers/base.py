@@ -40,6 +40,9 @@ class ProviderContext:
     orphan_timeout_s: float = 300.0
     heartbeat_timeout_s: float = 15.0
     """The manager's T (a VM silent that long is gone)."""
+    silence_probe_after_s: float = 0.0
+    """The manager's S: an agent that has had no answer this long probes the manager's host (Note
+    [Fencing under the manager] in manager/agent/vm_agent.py); 0: never."""
 
     @property
     def fence_timeout_s(self) -> float:
