@@ -8,17 +8,28 @@ then kills its workers and exits (so nothing runs forever unsupervised).
 
 Note [Fencing under the manager]: a manager that is *down* refuses connections (its host
 answers); a VM that is *cut off* hears nothing at all (a partition, an eviction: its RPCs time
-out). The manager declares a VM gone after ``--heartbeat-timeout`` T of silence and relaunches
-without it, so with ``--fence-timeout`` (the provider passes T + 2 s: ``ProviderContext.
+out). The rule (:class:`manager.agent.fencing.FenceRule`) is the manager's Note [Silence probes]
+(manager/domain/silence.py) the other way round: after ``--silence-probe-after`` S (the
+manager's, passed by the provider: ``ProviderContext.silence_probe_after_s``) plus 0.5 s without
+an answer, the agent probes the manager's ``host:port`` (one TCP connect in the background,
+Note [Reachability probe] in manager/common/reachability.py). Nothing answers within
+``--probe-timeout`` P: the VM is cut off, it kills its workers at once. The host answers (a
+manager merely slow or hung): the old bound holds, ``--fence-timeout`` (T + 2 s: ``ProviderContext.
 fence_timeout_s``; the 2 s keep a reply merely slowed by a loaded manager from killing workers the
-manager still counts) an agent that has had no answer and no refusal for that long kills its
-workers: 2 s after the manager named the VM gone, while the next generation's workers are still
-starting (a process start and a torch import; they cannot commit a checkpoint before their
-first step), even where the provider's delete does not reach the VM. The store's fencing token
-is what refuses a late commit for certain; this bounds how long a stale writer lives. A refusal
-within the window means the manager restarts: the workers keep running, as before, until
-``--orphan-timeout``. The agent keeps trying; an answer afterwards brings it back (the
-manager's orders: IDLE, a new RUN).
+manager still counts) with neither an answer nor a refusal.
+
+The bound, with the defaults (interval 2 s, S = 3 s, P = 1 s): the heartbeat after the last
+answer is sent one interval later and fails after its timeout (2 s), the probe starts then and
+says *silent* P later: the workers are killed 5-5.5 s after the last answer (5.2 s after the
+link went down, measured on namespaces). The manager names the VM S + P + two ticks (about
+4.4 s) after its last heartbeat, then has the survivors killed (their next heartbeat) and
+relaunches: the next generation's workers start a process and import torch, and commit nothing
+before their first step, seconds later. So the cut-off workers are gone before the next
+generation can write, even where the provider's delete does not reach the VM. The store's
+fencing token is what refuses a late commit for certain (tests/test_checkpoint_fence.py); this
+bounds how long a stale writer lives. A refusal means the manager restarts: the workers keep
+running, as before, until ``--orphan-timeout``. The agent keeps trying; an answer afterwards
+brings it back (the manager's orders: IDLE, a new RUN).
 
 Workers (:class:`manager.agent.workers.WorkerPool`) run as ``python -m manager.worker.shim
 SCRIPT ARGS`` (heartbeats, checkpoint interval),

@@ -19,8 +19,9 @@ from typing import Any, Protocol
 __all__ = ["NewVM", "Provider", "ProviderContext", "ProviderVM"]
 
 
-#: Note [Fencing under the manager]: an agent fences this long after the manager's T, so that a
-#: reply merely slowed by a loaded manager does not kill workers the manager still counts.
+#: Note [Fencing under the manager]: an agent whose manager's host answers its probes (or that
+#: does not probe) fences this long after the manager's T, so that a reply merely slowed by a
+#: loaded manager does not kill workers the manager still counts.
 FENCE_SLACK_S = 2.0
 
 
