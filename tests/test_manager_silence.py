@@ -111,3 +111,17 @@ def test_probes_off_is_t_alone(tmp_path):
     """``--silence-probe-after 0``: the manager makes no prober and waits T."""
     w = World(tmp_path, silence_probe_after_s=0.0)
     assert type(w.mgr.ctx.reach).__name__ == "NoReachability"
+
+
+def test_the_cli_default_is_one_beat_late_and_a_bad_value_is_one_line(tmp_path, capsys):
+    from manager.cli import _build_parser, _tuning, main
+
+    base = ["serve", "--db", str(tmp_path / "s.sqlite"), "--token-file", str(tmp_path / "t")]
+    tuning = _tuning(_build_parser().parse_args([*base, "--heartbeat-interval", "0.5"]))
+    assert tuning["silence_probe_after_s"] == 0.75 and tuning["probe_timeout_s"] == 1.0
+    off = _tuning(_build_parser().parse_args([*base, "--silence-probe-after", "0"]))
+    assert off["silence_probe_after_s"] == 0
+    assert main([*base, "--silence-probe-after", "20"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["varuna-manager: error: --silence-probe-after must be 0 (off) or between 0 and "
+                   "--heartbeat-timeout (15); got 20"], err

@@ -146,7 +146,7 @@ class Manager:
         if reach is not None:
             self.ctx.reach = reach
         elif config.silence_probe_after_s > 0:  # Note [Silence probes] in manager/domain/silence.py
-            self.ctx.reach = Prober(timeout_s=config.probe_timeout_s, clock=clock)
+            self.ctx.reach = Prober(timeout_s=config.probe_timeout_s, clock=clock, max_workers=32)
         if pool is not None or PoolStore(store).load()[0]:
             # The shared pool (docs/pool.md); a restart without --pool goes on with the stored one.
             self.ctx.pool = PoolRounds(self.ctx, pool)
