@@ -137,6 +137,21 @@ def _add_tuning_options(serve: argparse.ArgumentParser) -> None:
         help="a VM silent this long is gone (default 15)",
     )
     tune.add_argument(
+        "--silence-probe-after",
+        type=float,
+        default=None,
+        metavar="S",
+        help="probe a VM quiet this long; gone at once when its host does not answer"
+        " (default 1.5 heartbeat intervals; 0: never, only T)",
+    )
+    tune.add_argument(
+        "--probe-timeout",
+        type=_positive(float),
+        default=1.0,
+        metavar="P",
+        help="how long a probe waits for a VM's host to answer (default 1)",
+    )
+    tune.add_argument(
         "--stop-timeout",
         type=_positive(float),
         default=60.0,
@@ -259,6 +274,9 @@ def _serve(args: argparse.Namespace) -> int:
     raise_soft_limit()
     if args.heartbeat_timeout <= args.heartbeat_interval:
         raise _UsageError("--heartbeat-timeout must exceed --heartbeat-interval (a few intervals)")
+    if args.silence_probe_after is not None and not 0 <= args.silence_probe_after < args.heartbeat_timeout:
+        raise _UsageError("--silence-probe-after must be 0 (off) or between 0 and --heartbeat-timeout"
+                          f" ({args.heartbeat_timeout:g}); got {args.silence_probe_after:g}")
     pool = None
     if args.pool:
         from manager.domain.pool_config import load_pool_config
@@ -299,6 +317,10 @@ def _tuning(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "heartbeat_interval_s": args.heartbeat_interval,
         "heartbeat_timeout_s": args.heartbeat_timeout,
+        # Note [Silence probes] in manager/domain/silence.py: one beat late (default).
+        "silence_probe_after_s": (1.5 * args.heartbeat_interval if args.silence_probe_after is None
+                                  else args.silence_probe_after),
+        "probe_timeout_s": args.probe_timeout,
         "stop_timeout_s": args.stop_timeout,
         "kill_timeout_s": args.kill_timeout,
         "gather_timeout_s": args.gather_timeout,

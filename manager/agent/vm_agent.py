@@ -8,17 +8,28 @@ then kills its workers and exits (so nothing runs forever unsupervised).
 
 Note [Fencing under the manager]: a manager that is *down* refuses connections (its host
 answers); a VM that is *cut off* hears nothing at all (a partition, an eviction: its RPCs time
-out). The manager declares a VM gone after ``--heartbeat-timeout`` T of silence and relaunches
-without it, so with ``--fence-timeout`` (the provider passes T + 2 s: ``ProviderContext.
+out). The rule (:class:`manager.agent.fencing.FenceRule`) is the manager's Note [Silence probes]
+(manager/domain/silence.py) the other way round: after ``--silence-probe-after`` S (the
+manager's, passed by the provider: ``ProviderContext.silence_probe_after_s``) plus 0.5 s without
+an answer, the agent probes the manager's ``host:port`` (one TCP connect in the background,
+Note [Reachability probe] in manager/common/reachability.py). Nothing answers within
+``--probe-timeout`` P: the VM is cut off, it kills its workers at once. The host answers (a
+manager merely slow or hung): the old bound holds, ``--fence-timeout`` (T + 2 s: ``ProviderContext.
 fence_timeout_s``; the 2 s keep a reply merely slowed by a loaded manager from killing workers the
-manager still counts) an agent that has had no answer and no refusal for that long kills its
-workers: 2 s after the manager named the VM gone, while the next generation's workers are still
-starting (a process start and a torch import; they cannot commit a checkpoint before their
-first step), even where the provider's delete does not reach the VM. The store's fencing token
-is what refuses a late commit for certain; this bounds how long a stale writer lives. A refusal
-within the window means the manager restarts: the workers keep running, as before, until
-``--orphan-timeout``. The agent keeps trying; an answer afterwards brings it back (the
-manager's orders: IDLE, a new RUN).
+manager still counts) with neither an answer nor a refusal.
+
+The bound, with the defaults (interval 2 s, S = 3 s, P = 1 s): the heartbeat after the last
+answer is sent one interval later and fails after its timeout (2 s), the probe starts then and
+says *silent* P later: the workers are killed 5-5.5 s after the last answer (5.2 s after the
+link went down, measured on namespaces). The manager names the VM S + P + two ticks (about
+4.4 s) after its last heartbeat, then has the survivors killed (their next heartbeat) and
+relaunches: the next generation's workers start a process and import torch, and commit nothing
+before their first step, seconds later. So the cut-off workers are gone before the next
+generation can write, even where the provider's delete does not reach the VM. The store's
+fencing token is what refuses a late commit for certain (tests/test_checkpoint_fence.py); this
+bounds how long a stale writer lives. A refusal means the manager restarts: the workers keep
+running, as before, until ``--orphan-timeout``. The agent keeps trying; an answer afterwards
+brings it back (the manager's orders: IDLE, a new RUN).
 
 Workers (:class:`manager.agent.workers.WorkerPool`) run as ``python -m manager.worker.shim
 SCRIPT ARGS`` (heartbeats, checkpoint interval),
@@ -71,9 +82,11 @@ from pathlib import Path
 import grpc
 
 from manager.agent.calibrate import ProfileRun
+from manager.agent.fencing import FenceRule
 from manager.agent.notices import Notice, NoticeSource, load_notice_source
 from manager.agent.workers import WorkerPool
 from manager.common.procs import find_free_port
+from manager.common.reachability import Prober
 from manager.common.wire import load_token
 from manager.transport import varuna_manager_pb2 as pb
 from manager.transport.client import ClientConfig, ManagerClient
@@ -118,6 +131,11 @@ class AgentConfig:
     fence_timeout_s: float = 0.0
     """Note [Fencing under the manager]: kill the workers after this long with neither an answer
     nor a refusal from the manager (0: never; the manager's ``--heartbeat-timeout``)."""
+    silence_probe_after_s: float = 0.0
+    """Note [Fencing under the manager]: probe the manager's host after this long without an
+    answer, and fence at once when it does not answer (0: never; the manager's S)."""
+    probe_timeout_s: float = 1.0
+    """How long that probe waits for the manager's host to answer."""
     log_dir: str = ""
     """Worker logs (``gen{g}-rank{r}.log``); default: the current directory."""
     standby: int = 0
@@ -170,6 +188,9 @@ class VMAgent:
         self._profile_reported = False
         self._report_retrying = False
         self._next_report = 0.0
+        #: Probes of the manager's host (Note [Fencing under the manager]); None: no probing.
+        self._prober = (Prober(timeout_s=config.probe_timeout_s, clock=time.monotonic, max_workers=1)
+                        if config.silence_probe_after_s > 0 else None)
 
     # -- life cycle ----------------------------------------------------------------------------
 
@@ -192,6 +213,8 @@ class VMAgent:
             self._pool.kill_standbys()
             self._stop_profile()
             self._client.close()
+            if self._prober is not None:
+                self._prober.close()
 
     def _say(self, text: str) -> None:
         stamp = time.strftime("%H:%M:%S") + f".{int(time.time() * 1000) % 1000:03d}"
@@ -232,7 +255,13 @@ class VMAgent:
         return False
 
     def _loop(self) -> int:
-        last_ok = last_refused = time.monotonic()
+        fence = FenceRule(
+            manager=self.config.manager,
+            fence_timeout_s=self.config.fence_timeout_s,
+            probe_after_s=self.config.silence_probe_after_s,
+            prober=self._prober,
+            now=time.monotonic(),
+        )
         fenced = failing = False
         next_beat = 0.0
         reported: tuple = ()
@@ -244,41 +273,38 @@ class VMAgent:
             self._report_profile()
             state = self._state_key()
             now = time.monotonic()
+            cut_off = fence.reason(now) if failing else None  # Note [Fencing under the manager]
+            if cut_off is not None and not fenced:
+                fenced = True
+                self._say(f"{cut_off}: this VM is cut off; fencing: killing its workers")
+                self._pool.kill_all()
+                self._pool.kill_standbys()
             # Beat on schedule, and at once when something changed (a worker exited, a notice):
             # the manager reacts to those within a round trip instead of an interval.
             if now >= next_beat or state != reported:
                 timeout_s = max(2.0, self._interval)
-                if failing and self.config.fence_timeout_s > 0:  # no call may overrun the fence
-                    fence_at = max(last_ok, last_refused) + self.config.fence_timeout_s
-                    timeout_s = max(0.5, min(timeout_s, fence_at - now + 0.05))
+                if failing:  # no call may overrun the fence, nor hide a probe's verdict long
+                    timeout_s = fence.rpc_timeout(now, timeout_s)
                 try:
                     orders = self._client.vm_heartbeat(self._heartbeat(), timeout_s=timeout_s)
                 except grpc.RpcError as exc:
                     if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
                         self._say(f"the manager no longer knows this VM ({exc.details()}); exiting")
                         return 0
-                    if time.monotonic() - last_ok > self.config.orphan_timeout_s:
+                    if time.monotonic() - fence.last_ok > self.config.orphan_timeout_s:
                         self._say(
                             f"no manager for {self.config.orphan_timeout_s:g} s; killing workers and exiting"
                         )
                         return 3
                     failing = True
                     if _refused(exc):
-                        last_refused = time.monotonic()
-                    fence = self.config.fence_timeout_s
-                    quiet = time.monotonic() - max(last_ok, last_refused)
-                    if fence > 0 and not fenced and quiet > fence:  # Note [Fencing under the manager]
-                        fenced = True
-                        self._say(f"no answer from the manager for {quiet:.1f} s and no refusal: this VM"
-                                  " is cut off; fencing: killing its workers")
-                        self._pool.kill_all()
-                        self._pool.kill_standbys()
+                        fence.refused(time.monotonic())
                     next_beat = time.monotonic() + min(1.0, self._interval)
                 else:
-                    last_ok = time.monotonic()
+                    fence.answered(time.monotonic())
                     fenced = failing = False
                     reported = state
-                    next_beat = last_ok + self._interval
+                    next_beat = fence.last_ok + self._interval
                     if self._apply(orders):
                         return 0
             self._shutdown.wait(POLL_S)
@@ -566,6 +592,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fence-timeout", type=float, default=0.0, metavar="S",
                         help="kill the workers after S s without an answer or a refusal from the manager"
                              " (0: never; Note [Fencing under the manager])")
+    parser.add_argument("--silence-probe-after", type=float, default=0.0, metavar="S",
+                        help="after S s without an answer probe the manager's host; no answer: fence at"
+                             " once (0: never; Note [Fencing under the manager])")
+    parser.add_argument("--probe-timeout", type=float, default=1.0, metavar="P",
+                        help="how long that probe waits for the manager's host (default 1)")
     parser.add_argument("--log-dir", default="")
     parser.add_argument(
         "--standby",
@@ -606,6 +637,8 @@ def main(argv: list[str] | None = None) -> int:
                 heartbeat_interval_s=args.heartbeat_interval,
                 orphan_timeout_s=args.orphan_timeout,
                 fence_timeout_s=args.fence_timeout,
+                silence_probe_after_s=args.silence_probe_after,
+                probe_timeout_s=args.probe_timeout,
                 log_dir=args.log_dir,
                 standby=args.standby,
                 standby_delay_s=args.standby_delay,

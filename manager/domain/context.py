@@ -26,7 +26,7 @@ from manager.common.wire import MAX_RECONNECT_BACKOFF_S
 from manager.domain.jobspec import JobSpec, ProfileSpec
 from manager.domain.messages import WorkerLaunch
 from manager.domain.policy import StutterConfig, StutterDetector
-from manager.domain.ports import LiveMorph, NoLiveMorph, NoPool, SharedPool
+from manager.domain.ports import LiveMorph, NoLiveMorph, NoPool, NoReachability, Reachability, SharedPool
 from manager.domain.records import GenerationRecord, JobRecord, VMRecord
 from manager.domain.store import Store
 from manager.providers.base import Provider, ProviderContext
@@ -52,7 +52,13 @@ class ManagerConfig:
     heartbeat_interval_s: float = 2.0
     """How often agents heartbeat."""
     heartbeat_timeout_s: float = 15.0
-    """T: a VM silent this long is gone."""
+    """T: a VM silent this long is gone (whatever a probe says)."""
+    silence_probe_after_s: float = 3.0
+    """S: a VM quiet this long is probed, and gone at once when its host does not answer (Note
+    [Silence probes] in manager/domain/silence.py); 0: never. The CLI's default is 1.5 heartbeat
+    intervals."""
+    probe_timeout_s: float = 1.0
+    """P: how long a probe waits for the VM's kernel to answer."""
     stop_timeout_s: float = 60.0
     """Graceful stop (checkpoint) → SIGKILL after this long."""
     kill_timeout_s: float = 15.0
@@ -151,6 +157,8 @@ class ManagerContext:
         self.pool: SharedPool = NoPool()
         #: Live morph's stores and decisions (manager.domain.live_runs.LiveRuns), set by the Manager.
         self.live: LiveMorph = NoLiveMorph()
+        #: Probes of quiet VMs' hosts (manager.common.reachability.Prober), set by the Manager.
+        self.reach: Reachability = NoReachability()
         self.provider_context = ProviderContext(
             manager_address=config.advertise_address,
             token_file=config.token_file,
@@ -159,6 +167,7 @@ class ManagerContext:
             heartbeat_interval_s=config.heartbeat_interval_s,
             orphan_timeout_s=config.orphan_timeout_s,
             heartbeat_timeout_s=config.heartbeat_timeout_s,
+            silence_probe_after_s=config.silence_probe_after_s,
         )
 
     # -- per-job soft state --------------------------------------------------------------------

@@ -79,6 +79,7 @@ from collections.abc import Callable
 from typing import Any
 
 from manager.common.log_lines import RateLimitedLines, stderr_line
+from manager.common.reachability import Prober
 from manager.domain.calibration_orders import CalibrationOrders
 from manager.domain.context import ManagerConfig, ManagerContext
 from manager.domain.generations import JobController
@@ -100,6 +101,7 @@ from manager.domain.morph_planner import MorphPlanner
 from manager.domain.pool_config import PoolConfig
 from manager.domain.pool_rounds import PoolRounds
 from manager.domain.pool_store import PoolStore
+from manager.domain.ports import Reachability
 from manager.domain.records import EventRecord, JobRecord, VMRecord
 from manager.domain.store import Store
 from manager.domain.vm_book import VMBook
@@ -117,7 +119,9 @@ class Manager:
     """See the module docstring. ``provider_factory`` and ``clock`` (wall-clock seconds) are for
     tests: a fake cloud, and time that moves only when the test says so. ``relock``: take the
     daemon lock again before a vanished state file is put back (``serve``'s
-    ``DaemonLock.ensure``; ``OSError`` when another manager holds it now).
+    ``DaemonLock.ensure``; ``OSError`` when another manager holds it now). ``reach``: the
+    probes of quiet VMs' hosts (a test's fake; None: a real ``Prober`` unless the configuration
+    turns probing off; Note [Silence probes] in manager/domain/silence.py).
 
     Example::
 
@@ -136,8 +140,13 @@ class Manager:
         clock: Callable[[], float] = time.time,
         pool: PoolConfig | None = None,
         relock: Callable[[], None] = lambda: None,
+        reach: Reachability | None = None,
     ) -> None:
         self.ctx = ManagerContext(store, config, provider_factory=provider_factory, clock=clock)
+        if reach is not None:
+            self.ctx.reach = reach
+        elif config.silence_probe_after_s > 0:  # Note [Silence probes] in manager/domain/silence.py
+            self.ctx.reach = Prober(timeout_s=config.probe_timeout_s, clock=clock, max_workers=32)
         if pool is not None or PoolStore(store).load()[0]:
             # The shared pool (docs/pool.md); a restart without --pool goes on with the stored one.
             self.ctx.pool = PoolRounds(self.ctx, pool)
@@ -205,6 +214,7 @@ class Manager:
             self._thread.join(timeout_s)
         self.ctx.store.flush()  # a stopped manager leaves nothing only in memory
         self.ctx.close_providers()
+        self.ctx.reach.close()  # waits for probes in flight: at most the probe timeout
         with self.ctx.lock:
             self.ctx.live.close_all()
 

@@ -16,8 +16,13 @@ of the generation has been quiet for over two heartbeat intervals, at most the h
 plus the window, for a primary cause (a VM declared gone, a worker that failed otherwise). The
 ``killing`` event, and the cause the relaunch records (``resumed``), then name only the causes,
 each with its ranks (``vm3 (rank 2) gone (no heartbeat for 4.1 s)``); the survivors are named
-only when no cause shows up. Detection of a silent VM is the heartbeat timeout T plus one tick
-(``--heartbeat-timeout``: T ≤ 4 s keeps it within 5 s).
+only when no cause shows up. A silent VM is named S + P + up to two ticks after its last
+heartbeat when its host does not answer a probe (Note [Silence probes] in
+manager/domain/silence.py: about 4.4 s with the defaults), which ends the wait early; T plus a tick
+otherwise. The wait's bound stays T + the window even when a quiet VM's probe *answered*: a
+kernel that answers says the host is there, not that its workers are (a frozen or swapping VM
+answers too, and T names it, as before), and ending the wait then would blame the survivors
+and plan the frozen VM into the relaunch.
 
     >>> vm = VMRecord(vm_id="v", job_id="j", provider="local", seq=1, state="gone", slots=1, created=0.0)
     >>> vm_progress(vm, 1)   # (done, failed, clean): a VM gone before reporting the generation

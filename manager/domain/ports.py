@@ -15,11 +15,14 @@ protocol           implemented by                              used by
 ``Launches``       ``launches.WorkerLaunches``                 vm_book
 ``LiveMorph``      ``live_runs.LiveRuns`` / :class:`NoLiveMorph`   the context's ``live``
 ``SharedPool``     ``pool_rounds.PoolRounds`` / :class:`NoPool`    the context's ``pool``
+``Reachability``   ``manager.common.reachability.Prober`` /    the context's ``reach``
+                   :class:`NoReachability`                     (silence.py)
 =================  ==========================================  ================================
 
-``LiveMorph`` and ``SharedPool`` sit on :class:`manager.domain.context.ManagerContext` (``live``,
-``pool``): several parts and the context's own ``finish_job`` call them. Their null
-implementations answer "not this job" and do nothing, so no part tests for None.
+``LiveMorph``, ``SharedPool`` and ``Reachability`` sit on
+:class:`manager.domain.context.ManagerContext` (``live``, ``pool``, ``reach``): several parts and
+the context's own ``finish_job`` call them. Their null implementations answer "not this job" (or
+"no verdict") and do nothing, so no part tests for None.
 
     >>> NoPool().active, NoLiveMorph().address(None, 1)
     (False, None)
@@ -30,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from manager.common.reachability import ProbeResult
 from manager.domain.messages import PoolShare, ProfileOrder, WorkerLaunch
 from manager.domain.policy import LayoutPlan
 from manager.domain.records import GenerationRecord, JobRecord, VMRecord
@@ -40,8 +44,10 @@ __all__ = [
     "LiveMorph",
     "NoLiveMorph",
     "NoPool",
+    "NoReachability",
     "Placement",
     "Planner",
+    "Reachability",
     "SharedPool",
 ]
 
@@ -216,6 +222,37 @@ class SharedPool(Protocol):
     def type_provider(self, vm_type: str) -> tuple[str, dict[str, Any]] | None:
         """(provider, its options) of a pool type that names its own provider; None: the job's."""
         ...
+
+
+class Reachability(Protocol):
+    """Background probes of a host (Note [Silence probes] in manager/domain/silence.py); neither
+    call blocks."""
+
+    def probe(self, address: str, port: int) -> bool:
+        """Start a probe of ``address:port`` unless one is in flight; True when one started."""
+        ...
+
+    def result(self, address: str, port: int) -> ProbeResult | None:
+        """The latest finished probe of ``address:port``; None when none finished."""
+        ...
+
+    def close(self) -> None:
+        """Stop probing (the manager stops)."""
+        ...
+
+
+class NoReachability:
+    """The :class:`Reachability` of a manager that does not probe (``--silence-probe-after 0``):
+    no verdict ever, so only T declares a silent VM gone."""
+
+    def probe(self, address: str, port: int) -> bool:
+        return False
+
+    def result(self, address: str, port: int) -> ProbeResult | None:
+        return None
+
+    def close(self) -> None:
+        pass
 
 
 class NoLiveMorph:

@@ -1,6 +1,7 @@
 """VM bookkeeping: registration, agent heartbeats and the orders they get back, VMs lost
-(silent for T, never registered, reported gone by the provider) and asking the provider for
-the VMs a job still lacks.
+(silent for T, or quiet for S with a host that does not answer a probe: Note [Silence probes]
+in manager/domain/silence.py; never registered; reported gone by the provider) and asking the
+provider for the VMs a job still lacks.
 
 An agent's heartbeat reply is the full desired state of its VM (Note [Orders] in
 manager/agent/vm_agent.py): RUN the generation's workers, STOP, KILL, PROFILE, IDLE or SHUTDOWN.
@@ -19,6 +20,7 @@ from manager.domain.errors import ErrorKind, ManagerError
 from manager.domain.messages import Action, Orders, Registered, RegisterVM, VMHeartbeat
 from manager.domain.ports import Calibrations, Launches
 from manager.domain.records import JobRecord, VMRecord
+from manager.domain.silence import SilenceProbes
 from manager.domain.vm_types import type_options as options_of_type
 from manager.domain.vm_types import vm_type_of
 
@@ -63,6 +65,7 @@ class VMBook:
         self.ctx = ctx
         self.calibration = calibration
         self.launches = launches
+        self.silence = SilenceProbes(ctx)
 
     # -- RPCs from agents ----------------------------------------------------------------------
 
@@ -252,12 +255,16 @@ class VMBook:
     # -- liveness ------------------------------------------------------------------------------
 
     def check_liveness(self, job: JobRecord, now: float) -> None:
-        """Declare gone the VMs silent for T and those that never registered in time."""
+        """Declare gone the VMs silent for T, those quiet for S whose host does not answer a
+        probe (Note [Silence probes] in manager/domain/silence.py) and those that never
+        registered in time."""
         ctx, cfg = self.ctx, self.ctx.config
         for vm in ctx.store.vms(job.job_id, states=["requested", "up"]):
-            if vm.state == "up" and ctx.age(vm, now) > cfg.heartbeat_timeout_s:
-                silent_s = ctx.age(vm, now)
+            silent_s = ctx.age(vm, now) if vm.state == "up" else 0.0
+            if vm.state == "up" and silent_s > cfg.heartbeat_timeout_s:
                 self.mark_gone(job, vm, f"no heartbeat for {silent_s:.1f} s", now, silent_s=silent_s)
+            elif vm.state == "up" and (why := self.silence.verdict(vm, silent_s, now)):
+                self.mark_gone(job, vm, why, now, silent_s=silent_s)
             elif vm.state == "requested" and now - max(vm.created, ctx.started_at) > cfg.register_timeout_s:
                 self.mark_gone(job, vm, f"never registered within {cfg.register_timeout_s:g} s", now)
 

@@ -46,6 +46,9 @@ class AgentStart:
     fence_timeout_s: float = 0.0
     """Kill the workers after this long cut off from the manager (its ``--heartbeat-timeout``;
     0: never). Note [Fencing under the manager] in manager/agent/vm_agent.py."""
+    silence_probe_after_s: float = 0.0
+    """Probe the manager's host after this long without an answer, and fence at once when it does
+    not answer (the manager's ``--silence-probe-after``; 0: never)."""
     address: str = ""
     """How other VMs reach this one; empty: the agent finds the address that routes to the manager."""
     tls_ca: str | None = None
@@ -82,6 +85,8 @@ def agent_argv(start: AgentStart) -> list[str]:
     ]
     if start.fence_timeout_s > 0:
         argv += ["--fence-timeout", f"{start.fence_timeout_s:g}"]
+    if start.silence_probe_after_s > 0:
+        argv += ["--silence-probe-after", f"{start.silence_probe_after_s:g}"]
     if start.tls_ca:
         argv += ["--tls-ca", start.tls_ca]
     if start.notice_source:

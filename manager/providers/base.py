@@ -19,8 +19,9 @@ from typing import Any, Protocol
 __all__ = ["NewVM", "Provider", "ProviderContext", "ProviderVM"]
 
 
-#: Note [Fencing under the manager]: an agent fences this long after the manager's T, so that a
-#: reply merely slowed by a loaded manager does not kill workers the manager still counts.
+#: Note [Fencing under the manager]: an agent whose manager's host answers its probes (or that
+#: does not probe) fences this long after the manager's T, so that a reply merely slowed by a
+#: loaded manager does not kill workers the manager still counts.
 FENCE_SLACK_S = 2.0
 
 
@@ -40,6 +41,9 @@ class ProviderContext:
     orphan_timeout_s: float = 300.0
     heartbeat_timeout_s: float = 15.0
     """The manager's T (a VM silent that long is gone)."""
+    silence_probe_after_s: float = 0.0
+    """The manager's S: an agent that has had no answer this long probes the manager's host (Note
+    [Fencing under the manager] in manager/agent/vm_agent.py); 0: never."""
 
     @property
     def fence_timeout_s(self) -> float:

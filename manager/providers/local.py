@@ -331,6 +331,7 @@ class LocalProvider:
             heartbeat_interval_s=c.heartbeat_interval_s,
             orphan_timeout_s=c.orphan_timeout_s,
             fence_timeout_s=c.fence_timeout_s,
+            silence_probe_after_s=c.silence_probe_after_s,
             tls_ca=str(Path(c.tls_ca).resolve()) if c.tls_ca else None,
             notice_source=self._notice_source() if o.metadata_url else None,
             notice_url=o.metadata_url,
