@@ -170,6 +170,7 @@ def test_user_data_is_valid_bash_and_keeps_the_token_out_unless_asked(ctx, tmp_p
         assert ("/varuna/job1/token" in script) == (options.token_delivery == "ssm")
         assert f"--notice-source {AWS_IMDS_SOURCE} --notice-url \"$IMDS\"" in script
         assert ('--tls-ca "$ETC/ca.pem"' in script) == (context.tls_ca is not None)
+        assert f"--fence-timeout {context.fence_timeout_s:g}" in script  # cut off: the agent fences
 
 
 @pytest.mark.slow  # processes: the user data's bash, python and agents

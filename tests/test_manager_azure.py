@@ -192,6 +192,8 @@ def test_first_create_makes_a_spot_scale_set_with_the_agent(tmp_path):
     # endpoint: Azure's Scheduled Events).
     assert "--notice-source manager.agent.scheduled_events:ScheduledEventsClient" in script
     assert "--approve-notices" in script and '--vm-id "$VM_NAME"' in script
+    # Cut off from the manager, the agent fences its workers (Note [Fencing under the manager]).
+    assert "--fence-timeout 17" in script and "--silence-probe-after" not in script  # the context's S: 0
 
 
 def test_later_creates_raise_capacity(tmp_path):

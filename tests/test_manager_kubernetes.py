@@ -172,7 +172,8 @@ def test_the_pod_runs_the_agent_and_the_token_stays_in_the_secret(tmp_path):
             "grace_period_s": 30,
         }
     )
-    provider = KubernetesProvider(opts, _context(tmp_path), client=object())
+    context = _context(tmp_path)
+    provider = KubernetesProvider(opts, context, client=object())
     spot = {
         "vm_type": "spot",
         "node_selector": {"cloud.google.com/gke-spot": "true"},
@@ -194,6 +195,8 @@ def test_the_pod_runs_the_agent_and_the_token_stays_in_the_secret(tmp_path):
             job_id="job-1",
             slots=8,
             log_dir="/var/log/varuna",
+            fence_timeout_s=context.fence_timeout_s,  # the pod's agent fences its workers when cut off
+            silence_probe_after_s=context.silence_probe_after_s,
             notice_source=provider_entry("kubernetes").notice_source,
             notice_url="/var/run/varuna/notice",
             vm_name="job-1-vm3",
@@ -202,6 +205,7 @@ def test_the_pod_runs_the_agent_and_the_token_stays_in_the_secret(tmp_path):
         )
     )
     assert container["command"] == expected
+    assert "--fence-timeout" in expected  # the expectation is not vacuous: the provider passes the fence
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes[mounts["/var/run/secrets/varuna"]]["secret"]["secretName"] == "job-1-vm3"

@@ -330,6 +330,8 @@ def agent_user_data(
         log_dir="$LOGS",
         heartbeat_interval_s=context.heartbeat_interval_s,
         orphan_timeout_s=context.orphan_timeout_s,
+        fence_timeout_s=context.fence_timeout_s,  # Note [Fencing under the manager]
+        silence_probe_after_s=context.silence_probe_after_s,
         tls_ca="$ETC/ca.pem" if context.tls_ca else None,
         notice_source=AWS_IMDS_SOURCE,
         notice_url="$IMDS",

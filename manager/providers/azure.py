@@ -117,6 +117,8 @@ def agent_custom_data(
         log_dir="/var/log/varuna",
         heartbeat_interval_s=context.heartbeat_interval_s,
         orphan_timeout_s=context.orphan_timeout_s,
+        fence_timeout_s=context.fence_timeout_s,  # Note [Fencing under the manager]
+        silence_probe_after_s=context.silence_probe_after_s,
         tls_ca="/etc/varuna/ca.pem" if context.tls_ca else None,
         notice_source=SCHEDULED_EVENTS_SOURCE,
         approve_notices=options.approve_notices,

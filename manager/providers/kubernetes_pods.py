@@ -273,6 +273,8 @@ def agent_start(
         log_dir=LOG_DIR,
         heartbeat_interval_s=c.heartbeat_interval_s,
         orphan_timeout_s=c.orphan_timeout_s,
+        fence_timeout_s=c.fence_timeout_s,  # Note [Fencing under the manager]
+        silence_probe_after_s=c.silence_probe_after_s,
         tls_ca=f"{SECRET_DIR}/ca.pem" if c.tls_ca else None,
         notice_source=notice_source,
         notice_url=NOTICE_DIR,
