@@ -13,6 +13,8 @@ cores of a small machine:
    when the plan gives a netem string); one pair at a time.
 3. **allreduce** — for each configuration (ring size, concurrent rings), its ranks run
    :func:`profiler.network.allreduce_session`; one configuration at a time.
+4. **overheads** (when the plan has it) — every rank runs the engine's micro-benchmarks
+   (:mod:`profiler.overhead_phase`, Note [Overheads on the hosts]).
 
 Idle ranks wait on the rendezvous store (a blocking socket read), not in a gloo barrier, which
 spins and would steal a core from the ranks being timed. Each rank writes
@@ -31,6 +33,7 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+from profiler.overhead_phase import PHASE, run_phase
 from profiler.phase_progress import note
 from varuna.core.process import PARENT_PID_VAR, die_with_parent
 
@@ -157,6 +160,11 @@ def run(
         if ar:
             _run_allreduce_phase(ar, ar_groups, store, rank, result, timeout_s, run_dir)
         mark("allreduce")
+        if plan.get(PHASE):  # last: the engine's own costs on these hosts (Note [Overheads on the hosts])
+            result["bench"] = run_phase(plan[PHASE], rank, world, timeout_s)
+            if rank == 0:
+                note(run_dir, rank, PHASE)
+            mark(PHASE)
         # Rank 0 hosts the store: everyone leaves together, so no rank loses it while waiting.
         # (On an error a rank just exits; the parent then stops the others.)
         _phase(store, "exit", rank, list(range(world)), timeout_s)
