@@ -59,6 +59,7 @@ from varuna.core.calibration import (
     LinkPoint,
     RuntimeOverheads,
     SendStat,
+    SharedParams,
 )
 from varuna.core.process import PARENT_PID_VAR
 from varuna.cutting.cutpoint import CutPoint
@@ -518,6 +519,10 @@ def _reduce_compute(st: CalibrationState, results: Sequence[dict], info: Any, ne
     flops = next((r["fwd_flops_per_example"] for r in results if r.get("fwd_flops_per_example")), None)
     if flops is not None:  # every compute rank counts the same model: any one will do
         st.fwd_flops_per_example = list(flops)
+    shared = next((r["shared_params"] for r in results if "shared_params" in r), None)
+    if shared is not None:  # the same model on every compute rank, as the FLOPs
+        st.shared_params = [SharedParams(segments=tuple(d["segments"]), grad_bytes=d["grad_bytes"])
+                            for d in shared]
     for m in new_ms:
         for c, cut in enumerate(info.act_meta[m]):
             st.act_bytes[(c, m)] = payload_bytes([(tuple(s), d) for s, d in cut])

@@ -141,6 +141,7 @@ def run(
             prof = profiler or _make_profiler(plan, rank)
             result["compute"] = _run_compute(prof, assign[rank], compute["micro_batch_sizes"], run_dir, rank)
             result["fwd_flops_per_example"] = prof.fwd_flops_per_example()
+            result["shared_params"] = prof.shared_params()
             for r in result["compute"]:  # the all-reduce phase moves each segment's gradient bytes
                 store.set(f"grad_bytes/{r['segment']}", str(r["grad_bytes"]))
         _phase(store, "compute", rank, sorted(assign), timeout_s)
