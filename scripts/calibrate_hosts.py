@@ -51,10 +51,8 @@ from varuna.testing.netns import NetHosts, netns_unavailable  # noqa: E402
 from varuna.testing.sshd import sshd_unavailable  # noqa: E402
 
 MODEL = f"{ROOT / 'examples' / 'gpt2' / 'profile_target.py'}:build"
-MODEL_ARGS = ("n_layer=2", "n_embd=64", "n_head=2", "block_size=32")
+GPT = "n_layer=2,n_embd=64,n_head=2,block_size=32"  # --gpt's default
 TRAIN = ROOT / "examples" / "gpt2" / "train.py"
-TRAIN_ARGS = ("--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--block-size", "32", "--micro-batch-size",
-              "2", "--eval-every", "0")  # the model of MODEL_ARGS, m = 2 as calibrated
 MICRO_BATCH = 2
 WARMUP_STEPS = 2
 TOLERANCE = 0.10
@@ -102,13 +100,34 @@ class Prioritizer:
             self.stop.wait(self.period_s)
 
 
-def calibrate(net: NetHosts, out: Path, timeout_s: float) -> tuple[Calibration, float]:
+def gpt_model(text: str) -> dict[str, int]:
+    """``--gpt``: the GPT example's size, the same words for the profiler and examples/gpt2/train.py.
+
+    >>> gpt_model("n_layer=4, n_embd=128")
+    {'n_layer': 4, 'n_embd': 128}
+    """
+    out = {}
+    for word in (w.strip() for w in text.split(",") if w.strip()):
+        key, _, value = word.partition("=")
+        if key not in ("n_layer", "n_embd", "n_head", "block_size") or not value.isdigit():
+            raise ValueError(f"--gpt: {word!r} is not n_layer|n_embd|n_head|block_size=INT")
+        out[key] = int(value)
+    return out
+
+
+def train_args(model: dict[str, int]) -> list[str]:
+    """examples/gpt2/train.py's options for ``model`` (m as calibrated, no evaluation)."""
+    return [*[a for k, v in model.items() for a in (f"--{k.replace('_', '-')}", str(v))],
+            "--micro-batch-size", str(MICRO_BATCH), "--eval-every", "0"]
+
+
+def calibrate(net: NetHosts, out: Path, timeout_s: float, model: dict[str, int]) -> tuple[Calibration, float]:
     """``varuna-profile --host-list`` over every host of ``net``; the calibration and its wall time."""
     hosts = ",".join(net.address(h) for h in range(net.num_hosts))
     cmd = [sys.executable, "-m", "profiler.cli", "--model", MODEL,
-           *[a for arg in MODEL_ARGS for a in ("--model-arg", arg)], "--micro-batch-sizes", "2", "--out",
-           str(out), "--host-list", hosts, "--procs-per-host", "2", "--procs", "2", "--quiet",
-           *net.ssh_options()]
+           *[a for k, v in model.items() for a in ("--model-arg", f"{k}={v}")], "--micro-batch-sizes",
+           str(MICRO_BATCH), "--out", str(out), "--host-list", hosts, "--procs-per-host", "2", "--procs", "2",
+           "--quiet", *net.ssh_options()]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(out.parent)}
     started = time.monotonic()
     run = subprocess.run(net.control(cmd), capture_output=True, text=True, timeout=timeout_s, cwd=ROOT,
@@ -138,7 +157,7 @@ def parse_layouts(text: str, num_hosts: int) -> list[tuple[int, int]]:
 
 
 def measure_step(net: NetHosts, p: int, d: int, steps: int, global_batch: int, workdir: Path,
-                 timeout_s: float) -> float:
+                 timeout_s: float, model: dict[str, int]) -> float:
     """The GPT example trained as P×D over every host of ``net`` with ``varuna-launch --hosts``:
     the median step time (s) after the warm-up steps."""
     metrics = workdir / f"steps-{p}x{d}.jsonl"
@@ -146,8 +165,9 @@ def measure_step(net: NetHosts, p: int, d: int, steps: int, global_batch: int, w
     hosts = ",".join(net.address(h) for h in range(net.num_hosts))
     cmd = [sys.executable, "-m", "varuna.launch", "--hosts", hosts, "--procs-per-host",
            str(p * d // net.num_hosts), "--pipeline-depth", str(p), "--quiet", *net.ssh_options(), str(TRAIN),
-           *TRAIN_ARGS, "--global-batch-size", str(global_batch), "--steps", str(steps), "--metrics-out",
-           str(metrics), "--trace", str(workdir / f"trace-{p}x{d}.json")]  # the last step's tasks
+           *train_args(model), "--global-batch-size", str(global_batch), "--steps", str(steps),
+           "--metrics-out", str(metrics),
+           "--trace", str(workdir / f"trace-{p}x{d}.json")]  # the last step's tasks, to look into
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(workdir)}
     run = subprocess.run(net.control(cmd), capture_output=True, text=True, timeout=timeout_s, cwd=workdir,
                          env=env)
@@ -173,7 +193,7 @@ def step_rows(net: NetHosts, cal: Calibration, layouts: list[tuple[int, int]], a
     many layouts are off by more than ``--step-tolerance``."""
     lines, bad = [], 0
     for p, d in layouts:
-        measured = measure_step(net, p, d, a.steps, a.global_batch_size, workdir, a.timeout)
+        measured = measure_step(net, p, d, a.steps, a.global_batch_size, workdir, a.timeout, a.gpt)
         simulated = simulate_step(cal, p, d, p * d // net.num_hosts, a.global_batch_size)
         err = simulated / measured - 1
         ok = abs(err) <= a.step_tolerance
@@ -202,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layouts", default="1x2,2x1,2x2", help="PxD layouts for --step (default 1x2,2x1,2x2)")
     p.add_argument("--steps", type=int, default=8, help=f"steps per --step run ({WARMUP_STEPS} are warm-up)")
     p.add_argument("--global-batch-size", type=int, default=16, help="global batch of the --step runs")
+    p.add_argument("--gpt", default=GPT, help=f"the GPT example's size (default {GPT})")
     p.add_argument("--step-tolerance", type=float, default=0.05, metavar="FRACTION",
                    help="--step: largest |simulated / measured - 1| per layout (default 0.05); "
                    "beyond: exit 1")
@@ -213,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         layouts = parse_layouts(a.layouts, a.hosts) if a.step else []
+        a.gpt = gpt_model(a.gpt)
     except ValueError as e:
         print(f"calibrate_hosts: {e}", file=sys.stderr)
         return 2
@@ -236,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             keep = a.keep / f"{mbit:g}mbit" if a.keep else Path(tmp)
             keep.mkdir(parents=True, exist_ok=True)
             with Prioritizer(net, a.priority == "rr"):
-                cal, wall = calibrate(net, keep / "calibration.json", a.timeout)
+                cal, wall = calibrate(net, keep / "calibration.json", a.timeout, a.gpt)
                 steps, step_bad = step_rows(net, cal, layouts, a, keep) if layouts else ([], 0)
         bad += step_bad
         inter = cal.inter.bandwidth_bytes_per_s

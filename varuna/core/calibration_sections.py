@@ -514,8 +514,9 @@ class RuntimeOverheads:
     """The runtime's own costs beyond the calibrated compute, sends, all-reduce and optimizer step.
 
     All in seconds. The simulator adds them to every simulated mini-batch unless its ``SimConfig``
-    sets the same-named field (``docs/simulator.md``). ``varuna-profile`` does not measure them:
-    they need the engine itself running a pipeline (see ``docs/calibration.md``).
+    sets the same-named field (``docs/simulator.md``). ``varuna-profile --host-list`` measures
+    them on the hosts by running the engine itself (its runtime-overheads phase,
+    ``docs/calibration.md``).
 
     >>> RuntimeOverheads(task_overhead_s=5e-4, step_overhead_s=2e-3).to_dict()["placeholder_s"]
     0.0
