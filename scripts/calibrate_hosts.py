@@ -10,12 +10,16 @@ the only cap.
 
 ``--step``: on the same hosts, each P×D layout of ``--layouts`` (default 1x2, 2x1, 2x2: one
 process per host when P×D is the number of hosts, else P×D / hosts; consecutive ranks fill a host,
-so 2x2's pipelines stay inside a host and its all-reduces cross) trains the GPT example (the same
-model, m = 2, global batch ``--global-batch-size``) with ``varuna-launch --hosts``; its measured
-step time (the median ``step_s`` after two warm-up steps) is printed against
-``simulator.engine.simulate`` on the calibration just measured (nothing fitted to the run). The
-calibration has no ``runtime_overheads`` (the profiler does not measure them), so the simulated
-step leaves out the engine's own per-task and per-step costs.
+so 2x2's pipelines stay inside a host and its all-reduces cross) trains the GPT example (``--gpt``
+sets its size, the same for the profiler and the run; m = 2, global batch ``--global-batch-size``)
+with ``varuna-launch --hosts``; its measured step time (the median ``step_s`` after two warm-up
+steps; the last step's task timeline is kept as ``trace-PxD.json`` beside the metrics) is printed
+against ``simulator.engine.simulate`` on the calibration just measured (nothing fitted to the run):
+the same schedule, micro-batches, stages, host slots, recompute and optimizer, the calibration's
+``runtime_overheads`` (measured on the hosts by the profiler's runtime-overheads phase) and its
+tied embedding (``model.shared_params``). A layout off by more than ``--step-tolerance`` (5 %)
+makes the exit status 1. Every process in the hosts runs at SCHED_RR priority (``--priority``,
+:class:`Prioritizer`), the profiler's as the trained runs'.
 
 Usage (root; every namespace, sshd and process is removed on exit)::
 
@@ -23,6 +27,8 @@ Usage (root; every namespace, sshd and process is removed on exit)::
     python scripts/calibrate_hosts.py --rates-mbit 50 --hosts 3
     python scripts/calibrate_hosts.py --step --keep runs/cal   # + simulated vs measured steps;
                                                                # files kept under runs/cal
+    python scripts/calibrate_hosts.py --step --rates-mbit 400 --steps 12 \
+        --gpt n_layer=4,n_embd=128,n_head=4,block_size=64     # the larger model of the docs' table
 
 Results and the machine's load when they were taken: docs/profiling.md, "Calibrating real links".
 """
