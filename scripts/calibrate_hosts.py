@@ -53,6 +53,8 @@ sys.path.insert(0, str(ROOT))
 from simulator.config import SimConfig  # noqa: E402
 from simulator.engine import simulate  # noqa: E402
 from varuna.core.calibration import Calibration  # noqa: E402
+from varuna.core.partition import balanced_stages  # noqa: E402
+from varuna.core.schedule import DEFAULT_SCHEDULE, schedule_kind  # noqa: E402
 from varuna.testing.netns import NetHosts, netns_unavailable  # noqa: E402
 from varuna.testing.sshd import sshd_unavailable  # noqa: E402
 
@@ -186,10 +188,24 @@ def measure_step(net: NetHosts, p: int, d: int, steps: int, global_batch: int, w
     return statistics.median(times)
 
 
+def engine_split(cal: Calibration, p: int) -> tuple[tuple[int, int], ...]:
+    """The stages the engine makes of the model without a plan (varuna/runtime/stages.py): the
+    dry run's FLOPs balanced for the default schedule, recompute on -- not the simulator's own
+    split by calibrated time, which calibration noise can move (one 100 Mbit/s calibration split
+    the 5 segments 1 + 4 where the runs used 2 + 3)."""
+    flops = cal.model.fwd_flops_per_example
+    if flops is None or p == 1:
+        return ((0, cal.num_segments - 1),) if p == 1 else ()
+    full, last = schedule_kind(DEFAULT_SCHEDULE).balancing_costs(flops, flops, [2.0 * f for f in flops],
+                                                                  recompute=True)
+    return tuple(tuple(r) for r in balanced_stages(full, last, p))
+
+
 def simulate_step(cal: Calibration, p: int, d: int, host_slots: int, global_batch: int) -> float:
-    """``simulator.engine.simulate``'s step time (s) of the same P×D layout and batch."""
+    """``simulator.engine.simulate``'s step time (s) of the same P×D layout, batch and stages."""
     config = SimConfig.for_global_batch(global_batch_size=global_batch, num_replicas=d,
-                                        micro_batch_size=MICRO_BATCH, num_stages=p, host_slots=host_slots)
+                                        micro_batch_size=MICRO_BATCH, num_stages=p, host_slots=host_slots,
+                                        stage_segments=engine_split(cal, p) or None)
     return simulate(cal, config).minibatch_s
 
 
