@@ -3,7 +3,9 @@
 command's quoting. Slow (root): the profiler on two hosts in network namespaces whose links
 ``tbf`` caps, the calibrated bandwidths bounded by the cap (a loaded machine only slows a link
 down: the cap is a bound no measurement may exceed by more than the bucket; each measures at
-least 90 % of it, the match scripts/calibrate_hosts.py checks, docs/profiling.md)."""
+least 90 % of it, the match scripts/calibrate_hosts.py checks, docs/profiling.md), and the
+file's runtime_overheads measured by the workers on those hosts (Note [Overheads on the hosts] in
+profiler/overhead_phase.py)."""
 
 from __future__ import annotations
 
