@@ -5,20 +5,25 @@ task loop, so it cannot see what the engine itself costs per task (dispatch, RNG
 slicing, the send), per segment before a stage (placeholders) and per step (set-up, the agreement
 all-reduce, the optimizer call) -- on a small model those are most of a step. This phase runs
 :func:`profiler.overhead_runs.micro_benchmarks` (the calibration runs of Note [Task costs] in
-:mod:`profiler.overheads`: W×1 pipelines of the engine itself over emulated blocks) in every
-worker, after the other phases, so on ``--host-list`` they run on the job's own hosts over its own
+:mod:`profiler.overheads`: W×1 pipelines of the engine itself over emulated blocks) in the
+workers, after the other phases, so on ``--host-list`` they run on the job's own hosts over its own
 links and their CPUs; :func:`runtime_constants` fits the costs and the file's ``runtime_overheads``
-section gets them (``source`` says where and at which world size: the step overhead grows with
-it). On by default with ``--host-list`` (``--runtime-overheads`` / ``--no-runtime-overheads``);
+section gets them (``source`` says where and at which world size W). W is one worker per host,
+the first of each, in a gloo world of their own: the profiler's k workers per host would measure
+k processes sharing a host's cores, and the constants grow with W (the step overhead by its
+agreement all-reduce; on a 2-core machine every term, by contention: task overhead 0.21 ms at
+W = 2 and 0.35 ms at W = 4 on one host, the engine's real tasks on the GPT example 0.0-0.2 ms).
+On by default with ``--host-list`` (``--runtime-overheads`` / ``--no-runtime-overheads``);
 off for emulated hosts, whose constants would describe this machine only.
 
 The worker half is :func:`run_phase`; this module's other functions are pure (no torch).
 
 Example::
 
-    plan["overheads"] = overheads_plan(probe_messages=40, calibration_steps=3)
-    ...                                              # the workers run it (run_phase)
-    section, constants = reduce_overheads(results, "2 hosts over ssh")
+    plan["overheads"] = overheads_plan(probe_messages=40, calibration_steps=3, num_hosts=2,
+                                       procs_per_host=2)
+    ...                                              # ranks 0 and 2 run it (run_phase)
+    section, constants = reduce_overheads([results[0], results[2]], "2 hosts over ssh")
     cal.runtime_overheads = section
 """
 
@@ -45,13 +50,16 @@ def wants_overheads(choice: bool | None, remote: bool) -> bool:
     return remote if choice is None else choice
 
 
-def overheads_plan(*, probe_messages: int, calibration_steps: int) -> dict[str, int]:
-    """The phase's entry of the workers' plan (the counts checked by ``ProfileOptions.validate``).
+def overheads_plan(*, probe_messages: int, calibration_steps: int, num_hosts: int, procs_per_host: int
+                   ) -> dict[str, Any]:
+    """The phase's entry of the workers' plan: the first worker of each host runs it (the counts
+    are checked by ``ProfileOptions.validate``).
 
-    >>> overheads_plan(probe_messages=40, calibration_steps=3)
-    {'probe_messages': 40, 'calibration_steps': 3}
+    >>> overheads_plan(probe_messages=40, calibration_steps=3, num_hosts=2, procs_per_host=2)
+    {'probe_messages': 40, 'calibration_steps': 3, 'ranks': [0, 2]}
     """
-    return {"probe_messages": probe_messages, "calibration_steps": calibration_steps}
+    return {"probe_messages": probe_messages, "calibration_steps": calibration_steps,
+            "ranks": [h * procs_per_host for h in range(num_hosts)]}
 
 
 def reduce_overheads(results: Sequence[dict], where: str) -> tuple[RuntimeOverheads, RuntimeConstants]:
@@ -65,9 +73,21 @@ def reduce_overheads(results: Sequence[dict], where: str) -> tuple[RuntimeOverhe
     return rc.to_runtime_overheads(source=source), rc
 
 
-def run_phase(spec: dict[str, Any], rank: int, world: int, timeout_s: float) -> list[dict]:
-    """Worker side: one round of micro-benchmarks on this rank (every rank of the world at once)."""
+def run_phase(spec: dict[str, Any], rank: int, ranks: list[int], store: Any, timeout_s: float) -> list[dict]:
+    """Worker side, on each rank of ``spec["ranks"]`` (one per host) at once: leave the profiler's
+    world for one of those ranks alone (a gloo world on a prefix of the same store), run one round
+    of micro-benchmarks in it, and end it."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
     from profiler.overhead_runs import micro_benchmarks
 
-    return [micro_benchmarks(rank, world, int(spec["probe_messages"]), int(spec["calibration_steps"]),
-                             timeout_s)]
+    dist.destroy_process_group()  # local: the phase's world replaces it (Note [Overheads on the hosts])
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"{PHASE}/", store), rank=ranks.index(rank),
+                            world_size=len(ranks), timeout=timedelta(seconds=timeout_s))
+    try:
+        return [micro_benchmarks(ranks.index(rank), len(ranks), int(spec["probe_messages"]),
+                                 int(spec["calibration_steps"]), timeout_s)]
+    finally:
+        dist.destroy_process_group()

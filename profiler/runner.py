@@ -654,7 +654,8 @@ def calibrate(
         plan, act_msgs, grad_msgs = _build_plan(opts, info, new_ms, old, ar_cfgs, inter_netem)
         if wants_overheads(opts.runtime_overheads, bool(opts.remote_hosts)):
             plan[PHASE] = overheads_plan(probe_messages=opts.overhead_probe_messages,
-                                         calibration_steps=opts.overhead_steps)
+                                         calibration_steps=opts.overhead_steps, num_hosts=opts.hosts,
+                                         procs_per_host=k)
         _say(
             opts,
             f"varuna-profile: {target.spec}: {info.num_segments} segments, m={new_ms or '-'}, "
@@ -673,7 +674,8 @@ def calibrate(
         _reduce_allreduce(st, plan, results, opts.allreduce_sweep_bytes)
 
     history = _history_entry(opts, target, new_ms, ar_cfgs, hosts, inter_netem, device)
-    measured = reduce_overheads(results, hosts.describe()) if PHASE in plan else None
+    measured = reduce_overheads([results[r] for r in plan[PHASE]["ranks"]], hosts.describe()) \
+        if PHASE in plan else None
     return _finish(st, old, target, opts, history, _allreduce_note(hosts), t_start,
                    out if out is not None else update, measured)
 

@@ -162,7 +162,10 @@ def run(
             _run_allreduce_phase(ar, ar_groups, store, rank, result, timeout_s, run_dir)
         mark("allreduce")
         if plan.get(PHASE):  # last: the engine's own costs on these hosts (Note [Overheads on the hosts])
-            result["bench"] = run_phase(plan[PHASE], rank, world, timeout_s)
+            ranks = plan[PHASE]["ranks"]
+            if rank in ranks:
+                result["bench"] = run_phase(plan[PHASE], rank, ranks, store, timeout_s)
+            _phase(store, PHASE, rank, ranks, timeout_s)
             if rank == 0:
                 note(run_dir, rank, PHASE)
             mark(PHASE)
@@ -174,7 +177,8 @@ def run(
         if run_dir is not None:
             _write_result(run_dir, rank, result)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # the overheads phase ends its own world
+            dist.destroy_process_group()
     return result
 
 

@@ -54,7 +54,7 @@ def test_the_overheads_phase_reduces_every_workers_rounds(monkeypatch):
                                 step_overhead_s=2e-3, allreduce_s=1e-3)
 
     monkeypatch.setattr(profiler.overhead_phase, "runtime_constants", fake_constants)
-    results = [{"rank": r, "bench": [{"round": r}]} for r in range(4)]
+    results = [{"rank": r, "bench": [{"round": r}]} for r in range(4)]  # the phase's ranks
     section, rc = reduce_overheads(results, "2 hosts over ssh (a, b, real links)")
     assert seen == [[{"bench": [{"round": r}]} for r in range(4)]]
     assert (section.task_overhead_s, section.placeholder_s, section.step_overhead_s) == (5e-4, 4e-5, 2e-3)
@@ -119,6 +119,6 @@ def test_host_list_calibrates_real_links_bounded_by_their_cap(tmp_path: Path):
     # The engine's own costs, measured by the workers on those hosts (Note [Overheads on the
     # hosts]): without the phase the file has no section and the simulator adds nothing for them.
     ro = cal.get("runtime_overheads")
-    assert ro is not None and "W=4 on 2 hosts over ssh" in ro["source"], ro
+    assert ro is not None and "W=2 on 2 hosts over ssh" in ro["source"], ro  # one worker per host
     assert ro["task_overhead_s"] > 0 and ro["step_overhead_s"] > 0, ro
     assert cal["profiler"]["runtime_constants"]["samples"]["tasks"] > 0
