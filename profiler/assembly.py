@@ -36,6 +36,7 @@ from varuna.core.calibration import (
     ModelInfo,
     SegmentCalibration,
     SendStat,
+    SharedParams,
 )
 from varuna.core.calibration_fit import FitFallbackWarning, fit_allreduce_model, fit_link_model
 
@@ -130,11 +131,14 @@ class CalibrationState:
     memory_source: str = "saved_tensors"
     fwd_flops_per_example: list[float] | None = None
     """Each segment's forward FLOPs per example (``model.fwd_flops_per_example``)."""
+    shared_params: list[SharedParams] = field(default_factory=list)
+    """Parameters several segments read (``model.shared_params``)."""
 
 
 def state_from_file(cal: Calibration, extra: Mapping[str, Any]) -> CalibrationState:
     st = CalibrationState(cutpoint_names=list(cal.model.cutpoint_names), num_segments=cal.num_segments,
-                          fwd_flops_per_example=cal.model.fwd_flops_per_example)
+                          fwd_flops_per_example=cal.model.fwd_flops_per_example,
+                          shared_params=list(cal.model.shared_params))
     ex_segs = extra.get("segments") or []
     for i, seg in enumerate(cal.segments):
         ex = ex_segs[i] if i < len(ex_segs) else {}
@@ -242,7 +246,7 @@ def assemble(st: CalibrationState, *, created: str, host: HostInfo, model_name: 
         created=created,
         model=ModelInfo(
             name=model_name, cutpoint_names=list(st.cutpoint_names), num_segments=st.num_segments,
-            fwd_flops_per_example=st.fwd_flops_per_example,
+            fwd_flops_per_example=st.fwd_flops_per_example, shared_params=list(st.shared_params),
         ),
         host=host,
         micro_batch_sizes=ms,

@@ -91,6 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allreduce-reps", type=int, default=d.allreduce_reps)
     p.add_argument("--optimizer", default=d.optimizer, choices=["adam", "sgd", "none"])
     p.add_argument(
+        "--runtime-overheads", action=argparse.BooleanOptionalAction, default=None,
+        help="measure the engine's own per-task / per-step costs in the workers (runtime_overheads;"
+        " default: on with --host-list, off on emulated hosts)",
+    )
+    p.add_argument("--overhead-steps", type=int, default=d.overhead_steps,
+                   help="timed steps per calibration run of --runtime-overheads "
+                   f"(default {d.overhead_steps})")
+    p.add_argument(
         "--timeout", type=float, default=d.timeout_s, help="seconds before a stuck worker is stopped"
     )
     p.add_argument("--quiet", action="store_true")
@@ -157,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             verbose=not args.quiet,
             clock_start=t0,
             remote_hosts=remote,
+            runtime_overheads=args.runtime_overheads,
+            overhead_steps=args.overhead_steps,
         )
         calibrate(
             args.model,

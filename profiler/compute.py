@@ -266,6 +266,15 @@ class SegmentProfiler:
             return None
         return [f / p.flops_examples for f in p.fwd_flops]
 
+    def shared_params(self) -> list[dict]:
+        """Parameters several segments read (tied embeddings), grouped by those segments, with
+        their bytes (calibration ``model.shared_params``; the runtime sums their gradients in a
+        group of their own: ``varuna.core.calibration.SharedParams``)."""
+        by_segments: dict[tuple[int, ...], int] = {}
+        for name, segs in sorted(self.profile.shared_params().items()):
+            by_segments[segs] = by_segments.get(segs, 0) + self.profile.param_bytes.get(name, 0)
+        return [{"segments": list(s), "grad_bytes": b} for s, b in sorted(by_segments.items())]
+
     # -- helpers -------------------------------------------------------------------------------
 
     def _sync(self) -> None:

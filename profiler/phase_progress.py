@@ -43,6 +43,7 @@ class PhaseProgress:
             ("compute", {f"segment {s}" for segs in assign.values() for s in segs}),
             ("links", {f"link {name}" for name in (plan.get("links") or {}).get("pairs", {})}),
             ("all-reduce", {f"allreduce {j}" for j in range(len(configs))}),
+            ("overheads", {"overheads"} if plan.get("overheads") else set()),
         ]
         self.steps = set().union(*(steps for _, steps in self.phases))
         self.bar = Progress(

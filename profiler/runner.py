@@ -48,6 +48,8 @@ from profiler.assembly import CalibrationState, add_compute, assemble, state_fro
 from profiler.compute import SegmentMeasurement, dry_run
 from profiler.hosts import HostSet, RemoteHost, open_hosts
 from profiler.network import MessageSpec, allreduce_times, link_stats, mean_std, payload_bytes
+from profiler.overhead_phase import PHASE, overheads_plan, reduce_overheads, wants_overheads
+from profiler.overheads import RuntimeConstants
 from profiler.phase_progress import PhaseProgress
 from profiler.spec import load_target, parse_micro_batch_sizes
 from varuna.core.calibration import (
@@ -55,7 +57,9 @@ from varuna.core.calibration import (
     Calibration,
     HostInfo,
     LinkPoint,
+    RuntimeOverheads,
     SendStat,
+    SharedParams,
 )
 from varuna.core.process import PARENT_PID_VAR
 from varuna.cutting.cutpoint import CutPoint
@@ -118,6 +122,14 @@ class ProfileOptions:
     remote_hosts: list[RemoteHost] = field(default_factory=list)
     """The job's hosts (``--host-list``): measure their real links over ssh instead of emulating
     ``hosts`` (Note [Calibrating real links] in profiler/hosts.py)."""
+    runtime_overheads: bool | None = None
+    """Measure the engine's own per-task / per-step costs in the workers (the file's
+    ``runtime_overheads``; Note [Overheads on the hosts] in profiler/overhead_phase.py). None: on
+    exactly with ``remote_hosts``."""
+    overhead_steps: int = 3
+    """Timed steps per calibration run of that phase (after one warm-up step)."""
+    overhead_probe_messages: int = 40
+    """Hand-off probe messages per direction in that phase."""
 
     def validate(self) -> None:
         if self.procs < 1 or self.threads < 1:
@@ -129,6 +141,8 @@ class ProfileOptions:
             raise ValueError("--hosts must be >= 2 to measure links between hosts and all-reduces")
         if self.procs_per_host < 2:
             raise ValueError("--procs-per-host must be >= 2 to measure the intra-host link")
+        if self.overhead_steps < 1 or self.overhead_probe_messages < 4:
+            raise ValueError("--overhead-steps must be >= 1 (and the hand-off probe messages >= 4)")
         if self.reps < 1 or self.warmup < 0 or self.link_reps < 1 or self.allreduce_reps < 1:
             raise ValueError("repetition counts must be >= 1 (warm-up >= 0)")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -505,6 +519,10 @@ def _reduce_compute(st: CalibrationState, results: Sequence[dict], info: Any, ne
     flops = next((r["fwd_flops_per_example"] for r in results if r.get("fwd_flops_per_example")), None)
     if flops is not None:  # every compute rank counts the same model: any one will do
         st.fwd_flops_per_example = list(flops)
+    shared = next((r["shared_params"] for r in results if "shared_params" in r), None)
+    if shared is not None:  # the same model on every compute rank, as the FLOPs
+        st.shared_params = [SharedParams(segments=tuple(d["segments"]), grad_bytes=d["grad_bytes"])
+                            for d in shared]
     for m in new_ms:
         for c, cut in enumerate(info.act_meta[m]):
             st.act_bytes[(c, m)] = payload_bytes([(tuple(s), d) for s, d in cut])
@@ -634,6 +652,10 @@ def calibrate(
             cutpoint_names=info.cutpoint_names, num_segments=info.num_segments)
         inter_netem = _strip_bandwidth(opts.inter_netem) if hosts.bandwidth_shaped else opts.inter_netem
         plan, act_msgs, grad_msgs = _build_plan(opts, info, new_ms, old, ar_cfgs, inter_netem)
+        if wants_overheads(opts.runtime_overheads, bool(opts.remote_hosts)):
+            plan[PHASE] = overheads_plan(probe_messages=opts.overhead_probe_messages,
+                                         calibration_steps=opts.overhead_steps, num_hosts=opts.hosts,
+                                         procs_per_host=k)
         _say(
             opts,
             f"varuna-profile: {target.spec}: {info.num_segments} segments, m={new_ms or '-'}, "
@@ -652,14 +674,17 @@ def calibrate(
         _reduce_allreduce(st, plan, results, opts.allreduce_sweep_bytes)
 
     history = _history_entry(opts, target, new_ms, ar_cfgs, hosts, inter_netem, device)
+    measured = reduce_overheads([results[r] for r in plan[PHASE]["ranks"]], hosts.describe()) \
+        if PHASE in plan else None
     return _finish(st, old, target, opts, history, _allreduce_note(hosts), t_start,
-                   out if out is not None else update)
+                   out if out is not None else update, measured)
 
 
 def _finish(st: CalibrationState, old: Calibration | None, target: Any, opts: ProfileOptions, history: dict,
-            allreduce_note: str, t_start: float, dest: str | os.PathLike | None) -> Calibration:
+            allreduce_note: str, t_start: float, dest: str | os.PathLike | None,
+            measured: tuple[RuntimeOverheads, RuntimeConstants] | None = None) -> Calibration:
     """Assemble the calibration, add the run's diagnostics, write it to ``dest`` (and check that
-    it reads back), report."""
+    it reads back), report. ``measured``: this run's runtime overheads (else the old file's)."""
     old_extra = (old.profiler or {}) if old else {}
     host = old.host if old else _host_info(history["device"], opts.threads)
     cal, extra = assemble(
@@ -668,8 +693,8 @@ def _finish(st: CalibrationState, old: Calibration | None, target: Any, opts: Pr
         host=host,
         model_name=old.model.name if old else target.spec,
     )
-    # Not measured here (they need the engine running a pipeline; docs/calibration.md): kept.
-    cal.runtime_overheads = old.runtime_overheads if old else None
+    # Measured by the overheads phase (Note [Overheads on the hosts]) or kept from the old file.
+    cal.runtime_overheads = measured[0] if measured else (old.runtime_overheads if old else None)
     history["wall_time_s"] = round(time.perf_counter() - t_start, 3)
     extra.update(
         {
@@ -681,6 +706,8 @@ def _finish(st: CalibrationState, old: Calibration | None, target: Any, opts: Pr
             "allreduce_note": allreduce_note,
         }
     )
+    if measured:  # every fitted constant, also those the schema's section has no field for
+        extra["runtime_constants"] = measured[1].to_dict()
     if dest is not None:
         _save(dest, cal, extra)
         Calibration.load(dest)  # the file must read back through the schema
@@ -744,6 +771,11 @@ def _report(opts: ProfileOptions, cal: Calibration, extra: dict, wall: float, de
         f"(ring sizes/concurrency {extra['allreduce_configs']})"
     )
     print(f"optimizer: {cal.optimizer_s_per_param_byte * 1e9:.3f} s per GB of parameters")
+    ro = cal.runtime_overheads
+    if ro is not None:
+        print(f"runtime overheads: task {ro.task_overhead_s * 1e3:.3f} ms, placeholder "
+              f"{ro.placeholder_s * 1e3:.3f} ms per segment, step {ro.step_overhead_s * 1e3:.2f} ms "
+              f"({ro.source})")
     if dest is not None:
         print(f"wrote {dest}")
     print(f"calibration wall time: {wall:.1f} s")

@@ -13,6 +13,8 @@ cores of a small machine:
    when the plan gives a netem string); one pair at a time.
 3. **allreduce** — for each configuration (ring size, concurrent rings), its ranks run
    :func:`profiler.network.allreduce_session`; one configuration at a time.
+4. **overheads** (when the plan has it) — every rank runs the engine's micro-benchmarks
+   (:mod:`profiler.overhead_phase`, Note [Overheads on the hosts]).
 
 Idle ranks wait on the rendezvous store (a blocking socket read), not in a gloo barrier, which
 spins and would steal a core from the ranks being timed. Each rank writes
@@ -31,6 +33,7 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+from profiler.overhead_phase import PHASE, run_phase
 from profiler.phase_progress import note
 from varuna.core.process import PARENT_PID_VAR, die_with_parent
 
@@ -138,6 +141,7 @@ def run(
             prof = profiler or _make_profiler(plan, rank)
             result["compute"] = _run_compute(prof, assign[rank], compute["micro_batch_sizes"], run_dir, rank)
             result["fwd_flops_per_example"] = prof.fwd_flops_per_example()
+            result["shared_params"] = prof.shared_params()
             for r in result["compute"]:  # the all-reduce phase moves each segment's gradient bytes
                 store.set(f"grad_bytes/{r['segment']}", str(r["grad_bytes"]))
         _phase(store, "compute", rank, sorted(assign), timeout_s)
@@ -157,6 +161,14 @@ def run(
         if ar:
             _run_allreduce_phase(ar, ar_groups, store, rank, result, timeout_s, run_dir)
         mark("allreduce")
+        if plan.get(PHASE):  # last: the engine's own costs on these hosts (Note [Overheads on the hosts])
+            ranks = plan[PHASE]["ranks"]
+            if rank in ranks:
+                result["bench"] = run_phase(plan[PHASE], rank, ranks, store, timeout_s)
+            _phase(store, PHASE, rank, ranks, timeout_s)
+            if rank == 0:
+                note(run_dir, rank, PHASE)
+            mark(PHASE)
         # Rank 0 hosts the store: everyone leaves together, so no rank loses it while waiting.
         # (On an error a rank just exits; the parent then stops the others.)
         _phase(store, "exit", rank, list(range(world)), timeout_s)
@@ -165,7 +177,8 @@ def run(
         if run_dir is not None:
             _write_result(run_dir, rank, result)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # the overheads phase ends its own world
+            dist.destroy_process_group()
     return result
 
 

@@ -109,15 +109,19 @@ def sync_costs(
 
     A ring that never leaves one host uses the intra link (latency, bandwidth) in the ring
     formula; otherwise the calibration's fitted model with k = :func:`allreduce_concurrency`.
+    Parameters several stages hold (``cal.model.shared_params``: tied embeddings) leave the
+    replicas' ring and are summed after it over every rank of those stages, as the runtime does
+    (Note [Shared gradients]).
     """
     c = config
     P, D = c.num_stages, c.num_replicas
-    concurrency = allreduce_concurrency(host_of_ranks(c), P, D)
+    host = host_of_ranks(c)
+    concurrency = allreduce_concurrency(host, P, D)
     out = []
     for k in range(P):
         ar = 0.0
+        nbytes, shared = _stage_grad_bytes(cal, device_segments, k)
         if c.allreduce and D > 1:
-            nbytes = cal.grad_bytes(device_segments[k])
             if concurrency[k] == 0:
                 ar = (
                     2.0 * (D - 1) / D * nbytes / cal.intra.bandwidth_bytes_per_s
@@ -125,6 +129,10 @@ def sync_costs(
                 )
             else:
                 ar = cal.allreduce_s(nbytes, D, concurrency[k])
+        if c.allreduce:
+            for stages, shared_bytes in shared:
+                ranks = [d * P + j for j in stages for d in range(D)]
+                ar += _ring_s(cal, shared_bytes, [host[r] for r in ranks])
         opt = cal.optimizer_s(cal.param_bytes(device_segments[k])) if c.optimizer else 0.0
         if c.shard_optimizer and D > 1:
             # Each replica steps 1/D of the state, then the updated weights are all-gathered: half
@@ -133,6 +141,56 @@ def sync_costs(
             opt /= D
         out.append((ar, opt))
     return out
+
+
+# Note [Shared gradients]: a parameter several segments read (tied input/output embeddings) is
+# counted in each of those segments' grad_bytes (the profiler times segments alone). The runtime
+# holds it once per stage: within one stage it is one parameter, summed with the stage's other
+# gradients over the replicas; held by several stages, it leaves the replicas' ring and is summed,
+# after it, over every rank of those stages in a group of its own (varuna/runtime/grad_sync.py,
+# groups.py) -- across the pipeline, so over the inter-host link when the stages are on different
+# hosts, and also when D = 1.
+
+
+def _stage_grad_bytes(cal: Calibration, device_segments: Sequence[Sequence[int]], k: int
+                      ) -> tuple[int, list[tuple[list[int], int]]]:
+    """Device ``k``'s gradient bytes summed over its replicas, and the shared parameters it sums
+    with other devices: (those devices, bytes) each (Note [Shared gradients]).
+
+    >>> from varuna.core.calibration import Calibration, SharedParams
+    >>> cal = Calibration.synthetic(0.01, num_segments=3)
+    >>> cal.model.shared_params = [SharedParams(segments=(0, 2), grad_bytes=100)]
+    >>> whole = cal.grad_bytes([0, 1, 2])
+    >>> _stage_grad_bytes(cal, [[0, 1, 2]], 0) == (whole - 100, [])
+    True
+    >>> _stage_grad_bytes(cal, [[0], [1, 2]], 1) == (cal.grad_bytes([1, 2]) - 100, [([0, 1], 100)])
+    True
+    """
+    mine = set(device_segments[k])
+    nbytes = cal.grad_bytes(device_segments[k])
+    shared = []
+    for sp in cal.model.shared_params:
+        held = [s for s in sp.segments if s in mine]
+        if not held:
+            continue
+        holders = [j for j, segs in enumerate(device_segments) if set(sp.segments) & set(segs)]
+        if len(holders) == 1:
+            nbytes -= sp.grad_bytes * (len(held) - 1)  # one parameter, counted once per segment
+        else:
+            nbytes -= sp.grad_bytes * len(held)  # summed in its own group
+            shared.append((holders, sp.grad_bytes))
+    return max(nbytes, 0), shared
+
+
+def _ring_s(cal: Calibration, nbytes: int, hosts: Sequence[int]) -> float:
+    """One ring all-reduce of ``nbytes`` over ranks on ``hosts`` (the intra link when they share
+    one host, else the calibration's all-reduce model, one ring per NIC)."""
+    n = len(hosts)
+    if n < 2 or nbytes <= 0:
+        return 0.0
+    if len(set(hosts)) == 1:
+        return 2.0 * (n - 1) / n * nbytes / cal.intra.bandwidth_bytes_per_s + (n - 1) * cal.intra.latency_s
+    return cal.allreduce_s(nbytes, n, 1)
 
 
 def allreduce_concurrency(host: Sequence[int], P: int, D: int) -> list[int]:

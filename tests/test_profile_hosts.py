@@ -3,10 +3,13 @@
 command's quoting. Slow (root): the profiler on two hosts in network namespaces whose links
 ``tbf`` caps, the calibrated bandwidths bounded by the cap (a loaded machine only slows a link
 down: the cap is a bound no measurement may exceed by more than the bucket; each measures at
-least 90 % of it, the match scripts/calibrate_hosts.py checks, docs/profiling.md)."""
+least 90 % of it, the match scripts/calibrate_hosts.py checks, docs/profiling.md), and the
+file's runtime_overheads measured by the workers on those hosts (Note [Overheads on the hosts] in
+profiler/overhead_phase.py)."""
 
 from __future__ import annotations
 
+import doctest
 import json
 import os
 import shlex
@@ -16,7 +19,12 @@ from pathlib import Path
 
 import pytest
 
+import profiler.overhead_phase
+from profiler.cli import build_parser
 from profiler.hosts import RemoteHost
+from profiler.overhead_phase import reduce_overheads
+from profiler.overheads import RuntimeConstants
+from profiler.runner import ProfileOptions
 from varuna.testing.netns import NetHosts, netns_unavailable
 from varuna.testing.sshd import sshd_unavailable
 
@@ -29,6 +37,41 @@ def test_a_bad_host_list_entry_is_one_line(bad):
     with pytest.raises(ValueError) as err:
         RemoteHost.parse(bad)
     assert "is not [user@]host[:port]" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_overhead_phase_docstring_examples():
+    failures, tried = doctest.testmod(profiler.overhead_phase)
+    assert failures == 0 and tried >= 2
+
+
+def test_the_overheads_phase_reduces_every_workers_rounds(monkeypatch):
+    seen = []
+
+    def fake_constants(ranks):
+        seen.append(ranks)
+        return RuntimeConstants(handoff_s=1e-4, handoff_netem_s=1e-4, probe_handoff_s=1e-4,
+                                task_overhead_s=5e-4, segment_overhead_s=1e-4, placeholder_s=4e-5,
+                                step_overhead_s=2e-3, allreduce_s=1e-3)
+
+    monkeypatch.setattr(profiler.overhead_phase, "runtime_constants", fake_constants)
+    results = [{"rank": r, "bench": [{"round": r}]} for r in range(4)]  # the phase's ranks
+    section, rc = reduce_overheads(results, "2 hosts over ssh (a, b, real links)")
+    assert seen == [[{"bench": [{"round": r}]} for r in range(4)]]
+    assert (section.task_overhead_s, section.placeholder_s, section.step_overhead_s) == (5e-4, 4e-5, 2e-3)
+    assert section.source == ("varuna-profile runtime-overheads phase, W=4 on 2 hosts over ssh (a, b, "
+                              "real links)")
+    # A worker without its measurements (an old worker, a plan without the phase): one line.
+    with pytest.raises(RuntimeError) as err:
+        reduce_overheads([*results[:3], {"rank": 3}], "x")
+    assert "no runtime-overhead measurements" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_overheads_phase_is_on_by_default_only_over_ssh():
+    assert ProfileOptions().runtime_overheads is None
+    assert build_parser().parse_args(["--model", "m:f", "--micro-batch-sizes", "2", "--out", "x",
+                                      "--no-runtime-overheads"]).runtime_overheads is False
+    with pytest.raises(ValueError, match="--overhead-steps must be >= 1"):
+        ProfileOptions(overhead_steps=0).validate()
 
 
 def test_the_remote_command_quotes_every_word_but_ppid():
@@ -73,3 +116,9 @@ def test_host_list_calibrates_real_links_bounded_by_their_cap(tmp_path: Path):
         assert 0.9 * rate <= bw < 1.15 * rate, (what, bw / rate)
     # The intra-host link is loopback inside one namespace: not capped.
     assert cal["links"]["intra"]["bandwidth_bytes_per_s"] > 2 * rate
+    # The engine's own costs, measured by the workers on those hosts (Note [Overheads on the
+    # hosts]): without the phase the file has no section and the simulator adds nothing for them.
+    ro = cal.get("runtime_overheads")
+    assert ro is not None and "W=2 on 2 hosts over ssh" in ro["source"], ro  # one worker per host
+    assert ro["task_overhead_s"] > 0 and ro["step_overhead_s"] > 0, ro
+    assert cal["profiler"]["runtime_constants"]["samples"]["tasks"] > 0

@@ -47,6 +47,7 @@ from varuna.core.calibration_sections import (
     RuntimeOverheads,
     SegmentCalibration,
     SendStat,
+    SharedParams,
 )
 from varuna.core.calibration_types import SegmentCompute, VmType, for_type, with_types
 from varuna.core.memory import activation_memory_bytes
@@ -62,6 +63,7 @@ __all__ = [
     "AllReducePoint",
     "AllReduceModel",
     "ModelInfo",
+    "SharedParams",
     "HostInfo",
     "RuntimeOverheads",
     "Calibration",

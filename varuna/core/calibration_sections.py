@@ -395,6 +395,26 @@ class AllReduceModel:
         )
 
 
+@dataclass(frozen=True, kw_only=True)
+class SharedParams:
+    """Parameters that several segments read (tied input/output embeddings): which segments, and
+    their gradient bytes (counted once here, but in each of those segments' ``grad_bytes``).
+
+    The runtime sums such a parameter's gradient over every rank of the stages holding a copy, in a
+    group of its own, instead of with the stage's replicas (varuna/runtime/groups.py); the
+    simulator prices that sum (``simulator.costs.sync_costs``).
+
+    >>> SharedParams(segments=(0, 2), grad_bytes=65536).to_dict()
+    {'segments': [0, 2], 'grad_bytes': 65536}
+    """
+
+    segments: tuple[int, ...]
+    grad_bytes: int
+
+    def to_dict(self) -> dict:
+        return {"segments": list(self.segments), "grad_bytes": self.grad_bytes}
+
+
 @dataclass(kw_only=True)
 class ModelInfo:
     """What was profiled: the model's name, its cut-point names (K) and its segments (K+1)."""
@@ -406,6 +426,9 @@ class ModelInfo:
     """Optional: each segment's forward FLOPs per example (the dry run's ``FlopCounterMode``
     count); what TFLOP/s and MFU predictions (``varuna-simulate``) and the dashboard need. None:
     not counted (a file written before the field existed)."""
+    shared_params: list[SharedParams] = field(default_factory=list)
+    """Optional: parameters several segments read, grouped by their segments (empty: none, or a
+    file written before the field existed)."""
 
     def to_dict(self) -> dict:
         out: dict[str, Any] = {
@@ -415,6 +438,8 @@ class ModelInfo:
         }
         if self.fwd_flops_per_example is not None:
             out["fwd_flops_per_example"] = list(self.fwd_flops_per_example)
+        if self.shared_params:
+            out["shared_params"] = [sp.to_dict() for sp in self.shared_params]
         return out
 
     @classmethod
@@ -436,7 +461,25 @@ class ModelInfo:
             cutpoint_names=names,
             num_segments=num_segments,
             fwd_flops_per_example=flops,
+            shared_params=cls._read_shared(r, obj, path, num_segments),
         )
+
+    @staticmethod
+    def _read_shared(r: FieldReader, obj: Any, path: str, num_segments: int) -> list[SharedParams]:
+        if "shared_params" not in obj:
+            return []
+        out = []
+        for j, sp in enumerate(r.get(obj, "shared_params", path, "list")):
+            where = f"{path}.shared_params[{j}]"
+            r.check(sp, where, "dict")
+            segs = [r.check(x, f"{where}.segments[{i}]", "int")
+                    for i, x in enumerate(r.get(sp, "segments", where, "list"))]
+            grad_bytes = r.get(sp, "grad_bytes", where, "int")
+            if len(set(segs)) < 2 or not all(0 <= x < num_segments for x in segs) or grad_bytes < 0:
+                raise r.fail(f"field '{where}' must name >= 2 distinct segments in 0..{num_segments - 1} "
+                             f"and grad_bytes >= 0, got {sp!r} — {REPROFILE_FIX}")
+            out.append(SharedParams(segments=tuple(sorted(set(segs))), grad_bytes=grad_bytes))
+        return out
 
 
 @dataclass(kw_only=True)
@@ -471,8 +514,9 @@ class RuntimeOverheads:
     """The runtime's own costs beyond the calibrated compute, sends, all-reduce and optimizer step.
 
     All in seconds. The simulator adds them to every simulated mini-batch unless its ``SimConfig``
-    sets the same-named field (``docs/simulator.md``). ``varuna-profile`` does not measure them:
-    they need the engine itself running a pipeline (see ``docs/calibration.md``).
+    sets the same-named field (``docs/simulator.md``). ``varuna-profile --host-list`` measures
+    them on the hosts by running the engine itself (its runtime-overheads phase,
+    ``docs/calibration.md``).
 
     >>> RuntimeOverheads(task_overhead_s=5e-4, step_overhead_s=2e-3).to_dict()["placeholder_s"]
     0.0
