@@ -13,8 +13,9 @@ cores of a small machine:
    when the plan gives a netem string); one pair at a time.
 3. **allreduce** — for each configuration (ring size, concurrent rings), its ranks run
    :func:`profiler.network.allreduce_session`; one configuration at a time.
-4. **overheads** (when the plan has it) — every rank runs the engine's micro-benchmarks
-   (:mod:`profiler.overhead_phase`, Note [Overheads on the hosts]).
+4. **overheads** (when the plan has it) — the first rank of each host runs the engine's
+   micro-benchmarks in a world of its own (:mod:`profiler.overhead_phase`, Note [Overheads on the
+   hosts]); the others wait on the store.
 
 Idle ranks wait on the rendezvous store (a blocking socket read), not in a gloo barrier, which
 spins and would steal a core from the ranks being timed. Each rank writes
