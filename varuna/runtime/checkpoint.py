@@ -42,8 +42,6 @@ import hashlib
 import json
 import logging
 import secrets
-import shutil
-import tempfile
 import threading
 import time
 import weakref
@@ -64,6 +62,7 @@ from varuna.runtime.checkpoint_format import CheckpointFormat, LoadedShare, Load
 from varuna.runtime.checkpoint_manifest import MANIFEST, read_manifest, read_shard
 from varuna.runtime.checkpoint_registry import checkpoint_format, format_of, register_format
 from varuna.runtime.checkpoint_shards import Shard, plan_shards
+from varuna.runtime.checkpoint_staging import create_staging
 from varuna.runtime.checkpoint_store import (
     CheckpointInfo,
     list_checkpoints,
@@ -399,9 +398,12 @@ class Checkpointer:
                 self._local_root = self._local_base / f"rank{self.rank}"
                 self._local_root.mkdir(parents=True, exist_ok=True)
             else:
-                self._local_root = Path(tempfile.mkdtemp(prefix=f"varuna-ckpt-rank{self.rank}-"))
+                # Locked for this process's life; the leftovers of killed ones are swept first
+                # (Note [Staging leftovers] in checkpoint_staging.py).
+                staging = create_staging(self.rank)
+                self._local_root = staging.path
                 # At interpreter exit (after non-daemon copy threads were joined) or on GC.
-                weakref.finalize(self, shutil.rmtree, str(self._local_root), True)
+                weakref.finalize(self, staging.close)
         return self._local_root
 
     # ---- save
