@@ -9,7 +9,7 @@ gRPC client, so that it is tested on a fake clock with a fake prober.
 
 from __future__ import annotations
 
-from manager.common.reachability import ANSWERED, SILENT, Prober
+from manager.common.reachability import Prober, silent_since
 
 __all__ = ["PROBE_SLACK_S", "FenceRule", "manager_target"]
 
@@ -86,15 +86,13 @@ class FenceRule:
         if self._target is None or self._prober is None or quiet <= self.probe_after_s + PROBE_SLACK_S:
             return None
         host, port = self._target
-        result = self._prober.result(host, port)
-        fresh = result is not None and result.started >= self.last_heard
-        if fresh and result is not None and result.outcome == SILENT:
+        result, started = silent_since(self._prober, host, port, since=self.last_heard, now=now,
+                                       timeout_s=self._prober.timeout_s)
+        if result is not None:
             return (f"no answer from the manager for {quiet:.1f} s and its host {host}:{port} does not "
                     f"answer (TCP probe {result.detail})")
-        timeout_s = self._prober.timeout_s
-        if not fresh or result is None or (result.outcome == ANSWERED and now - result.started > timeout_s):
-            if self._prober.probe(host, port):
-                self._probe_due = now + timeout_s
+        if started:
+            self._probe_due = now + self._prober.timeout_s
         return None
 
     def rpc_timeout(self, now: float, timeout_s: float) -> float:

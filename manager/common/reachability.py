@@ -38,8 +38,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["ANSWERED", "SILENT", "SILENT_ERRNOS", "UNKNOWN", "ProbeResult", "Prober", "classify"]
+__all__ = ["ANSWERED", "SILENT", "SILENT_ERRNOS", "UNKNOWN", "ProbeResult", "Prober", "classify",
+           "silent_since"]
 
 #: The host's kernel answered (a connection, or a reset of a closed port): the host is there.
 ANSWERED = "answered"
@@ -168,3 +170,19 @@ class Prober:
             self._results.move_to_end(target)
             while len(self._results) > MAX_RESULTS:
                 self._results.popitem(last=False)
+
+
+def silent_since(reach: Any, address: str, port: int, *, since: float, now: float,
+                 timeout_s: float) -> tuple[ProbeResult | None, bool]:
+    """The rule both ends of the manager's link share: ``(result, started)`` where ``result`` is
+    the latest probe of ``address:port`` when it began after ``since`` (the last sign of life) and
+    found the host silent, else None; ``started``: whether a new probe was started because none
+    began after ``since`` or the latest answer is older than ``timeout_s`` (the host may have gone
+    silent since). ``reach``: a :class:`Prober` or anything with its ``probe`` and ``result``."""
+    result = reach.result(address, port)
+    fresh = result is not None and result.started >= since
+    if fresh and result is not None and result.outcome == SILENT:
+        return result, False
+    if not fresh or result is None or (result.outcome == ANSWERED and now - result.started > timeout_s):
+        return None, bool(reach.probe(address, port))
+    return None, False

@@ -29,7 +29,7 @@ shorter than that which hides a VM's heartbeats and its kernel loses the VM (it 
 
 from __future__ import annotations
 
-from manager.common.reachability import ANSWERED, SILENT
+from manager.common.reachability import ANSWERED, silent_since
 from manager.domain.context import ManagerContext
 from manager.domain.records import VMRecord
 
@@ -67,18 +67,13 @@ class SilenceProbes:
             return None
         if age_s <= after_s:
             return None
-        reach, port = self.ctx.reach, vm.free_port
-        result = reach.result(vm.address, port)
-        heard = now - age_s  # the last heartbeat (or the restart grace: Note [Restart grace])
-        fresh = result is not None and result.started >= heard
-        if fresh and result is not None and result.outcome == SILENT:
+        # Probe again when none began after its last heartbeat (or the restart grace: Note [Restart
+        # grace]), or the latest answer is getting old (the host may have gone silent since).
+        result, _ = silent_since(self.ctx.reach, vm.address, vm.free_port, since=now - age_s, now=now,
+                                 timeout_s=self.ctx.config.probe_timeout_s)
+        if result is not None:
             return (f"no heartbeat for {age_s:.1f} s and its host does not answer "
                     f"(TCP probe {result.detail})")
-        # Probe again: none yet, one from before it went quiet, or an answer that is getting old
-        # (the host may have gone silent since; the prober runs one connect per target at a time).
-        timeout_s = self.ctx.config.probe_timeout_s
-        if not fresh or result is None or (result.outcome == ANSWERED and now - result.started > timeout_s):
-            reach.probe(vm.address, port)
         return None
 
     def _ask_baseline(self, vm: VMRecord, now: float) -> None:
