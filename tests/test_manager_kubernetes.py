@@ -23,6 +23,7 @@ import json
 import re
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -324,7 +325,7 @@ def _provider(tmp_path, server, **options) -> tuple[KubernetesProvider, list[str
             "image": "i",
             "namespace": "ml",
             "kubeconfig": str(kubeconfig),
-            "api_timeout_s": 1,
+            "api_timeout_s": 5,
             "grace_period_s": 30,
             **options,
         }
@@ -490,6 +491,22 @@ def test_a_stale_pod_of_the_same_name_is_replaced_on_the_next_request(tmp_path, 
     finally:
         provider.close()
         api.api_client.close()
+
+
+def test_close_cuts_the_watches_reads_at_once(tmp_path, server):
+    """Note [Prompt close]: quiet watches sit in a read that ends only after api_timeout_s;
+    close() must not wait for it (a manager stopping would hang up to a minute here)."""
+    provider, _ = _provider(tmp_path, server, api_timeout_s=60)
+    try:
+        provider.create_vms("job-1", ["job-1-vm1"], 1, created_so_far=0)
+        _wait(lambda: provider._cache.listed_at is not None and len(provider._streams) == 2, "watches open")
+        threads = list(provider._threads)
+    finally:
+        started = time.monotonic()
+        provider.close()
+        took = time.monotonic() - started
+    assert not any(t.is_alive() for t in threads)
+    assert took < 30, f"close() waited {took:.1f} s for the watches' reads"
 
 
 def test_an_unreachable_or_unusable_api_server_is_one_line(tmp_path):

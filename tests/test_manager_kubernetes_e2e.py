@@ -138,7 +138,7 @@ def test_gpt_on_kubernetes_pods_notice_loss_growth_and_cleanup(tmp_path):
             "python": sys.executable,
             "node_selector": {"pool": "spot"},
             "grace_period_s": 60,
-            "api_timeout_s": 2,
+            "api_timeout_s": 5,
         },
     }
     (tmp_path / "job.json").write_text(json.dumps(spec))

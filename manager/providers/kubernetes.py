@@ -33,6 +33,7 @@ each pod's command as a local process group (docs/manager.md, "kubernetes").
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -169,6 +170,9 @@ class KubernetesProvider:
         self._job_id = ""
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        # The watches' open responses, so close() can cut a read that would block up to
+        # api_timeout_s (Note [Prompt close]).
+        self._streams: dict[str, Any] = {}
         self._last_sweep = time.monotonic()
         self._said: set[str] = set()
 
@@ -365,6 +369,18 @@ class KubernetesProvider:
     def close(self) -> None:
         """Stop the watches (the pods stay: Note [Kubernetes labels])."""
         self._stop.set()
+        with self._lock:
+            streams = list(self._streams.values())
+        for resp in streams:
+            # Note [Prompt close]: a watch thread sits in a socket read until the server sends
+            # an event or api_timeout_s passes; shutting the socket down wakes it now, so a
+            # manager stopping does not wait up to api_timeout_s per watch.
+            shutdown = getattr(resp, "shutdown", None)  # urllib3 >= 2.3
+            if shutdown is not None:
+                try:
+                    shutdown()
+                except OSError:
+                    pass
         for t in self._threads:
             t.join(timeout=2 * self.options.api_timeout_s)
         self._threads = []
@@ -404,7 +420,7 @@ class KubernetesProvider:
                 failures = 0
                 w = watch.Watch()
                 for event in w.stream(
-                    self._list_call(kind),
+                    self._recording(kind, self._list_call(kind)),
                     **self._list_kwargs(kind),
                     resource_version=rv,
                     deserialize=False,
@@ -432,6 +448,21 @@ class KubernetesProvider:
                 if failures in (1, 10) or failures % 100 == 0:
                     self._say(api_error(exc, f"watching {kind} (attempt {failures})"))
                 self._stop.wait(min(5.0, 0.2 * 2 ** min(failures, 5)))
+
+    def _recording(self, kind: str, call: Any) -> Any:
+        """``call``, keeping the response it returns in ``_streams`` for close(). The wrapper
+        keeps ``call``'s docstring: the client's Watch reads the argument names there."""
+
+        @functools.wraps(call)
+        def opened(*args: Any, **kwargs: Any) -> Any:
+            resp = call(*args, **kwargs)
+            with self._lock:
+                self._streams[kind] = resp
+            if self._stop.is_set() and hasattr(resp, "shutdown"):  # close() ran meanwhile
+                resp.shutdown()
+            return resp
+
+        return opened
 
     def _list_call(self, kind: str) -> Any:
         return self.core.list_namespaced_pod if kind == "pods" else self.core.list_node
