@@ -240,6 +240,59 @@ def test_namespace_hosts_faults_and_cleanup(net: NetHosts):
     assert all(p.poll() is not None for p in sshd)
 
 
+_PACED = textwrap.dedent("""
+    import socket, sys, time
+    role, addr, n = sys.argv[1], sys.argv[2], 256 << 10
+    if role == "recv":
+        srv = socket.create_server((addr, 29661))
+        print("ready", flush=True)
+        conn, _ = srv.accept()
+        while True:
+            got = 0
+            while got < n:
+                chunk = conn.recv(n - got)
+                if not chunk:
+                    sys.exit(0)
+                got += len(chunk)
+            conn.sendall(b"k")
+    s = socket.create_connection((addr, 29661), timeout=30)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    times = []
+    for _ in range(6):
+        time.sleep(0.3)  # the pause under test: a token bucket refills meanwhile
+        t = time.perf_counter()
+        s.sendall(bytes(n))
+        s.recv(1)
+        times.append(time.perf_counter() - t)
+    print(min(times), flush=True)
+""")
+
+
+@needs_net
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_message_after_a_pause_crosses_a_capped_link_at_its_cap(net: NetHosts):
+    """Note [Link bucket]: a link capped at R carries a pipeline's message (256 KiB, sent after a
+    pause) in about bytes / R, as the profiler's back-to-back fit says, not half of it at line rate
+    out of a large bucket (128 KiB: 12 ms at 100 Mbit/s, where bytes / R is 21 ms). Load only
+    makes the transfer slower, so the fastest of six is held to a floor."""
+    rate = 12.5e6
+    net.set_rate(1, rate)
+    receiver = subprocess.Popen(net.run_in(1, [sys.executable, "-c", _PACED, "recv", net.address(1)]),
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        assert receiver.stdout.readline().strip() == "ready"
+        sender = subprocess.run(net.run_in(0, [sys.executable, "-c", _PACED, "send", net.address(1)]),
+                                capture_output=True, text=True, timeout=60)
+        assert sender.returncode == 0, sender.stderr
+        fastest = float(sender.stdout.strip())
+    finally:
+        receiver.kill()
+        receiver.wait()
+    floor = 0.75 * (256 << 10) / rate
+    assert fastest >= floor, f"256 KiB crossed a {rate / 1e6:g} MB/s link in {fastest * 1e3:.1f} ms"
+
+
 @needs_net
 @pytest.mark.slow
 @pytest.mark.timeout(120)

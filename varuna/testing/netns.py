@@ -19,6 +19,15 @@ Note [Hosts in namespaces]
   host's ``eth0`` and the bridge port towards it) caps each direction, as a full-duplex NIC.
   ``net.ipv4.tcp_slow_start_after_idle`` is 0 in every namespace (as in profiler/hosts.py).
   (``netem`` does not exist in this kernel; latency is :mod:`varuna.testing.netem`'s business.)
+- Note [Link bucket]: the ``tbf`` bucket is 1 ms of traffic, at least 32 KiB. A link is meant to
+  be a NIC of rate R, and a bucket lets its first bytes after a pause pass at line rate instead:
+  with 128 KiB (this set's bucket until 2026-11), a 256 KiB message after 0.2 s idle crossed a
+  100 Mbit/s link in 12.0 ms, an all-reduce of 256 KiB in 13.8 ms, against 21.3 / 22.2 ms with a
+  16 KiB bucket and 21.4 ms from the latency + bytes / bandwidth line the profiler fits to
+  back-to-back sends -- a pipeline's activations, sent once per task, then ran ~2x faster than
+  any calibration says (docs/profiling.md, "Calibrating real links"). 32 KiB: 21.4 / 20.6 ms.
+  Back-to-back traffic hardly moves: 4 MiB sends 349 / 350 ms (32 / 128 KiB), a 4 MiB all-reduce
+  of 2 ranks 365 / 345 ms and of 4 ranks (2 per host) 477 / 525 ms.
 - **Faults.** :meth:`NetHosts.blackhole` sets the host's bridge port down: its packets, in both
   directions, vanish, no reset ever arrives, its processes keep running; :meth:`NetHosts.heal`
   sets it up again (TCP connections that did not time out meanwhile resume). :meth:`NetHosts.kill`
@@ -372,8 +381,8 @@ def _package_root() -> str:
 
 def _shape(ns: str, dev: str, rate_bytes_per_s: float) -> None:
     bits = max(8, int(rate_bytes_per_s * 8))
-    # Bucket: 1 ms of traffic, at least 128 KiB (profiler/hosts.py measured why); queue: 100 ms.
-    burst = max(128 << 10, int(rate_bytes_per_s * 0.001))
+    # Note [Link bucket]: 1 ms of traffic, at least 32 KiB; queue: 100 ms.
+    burst = max(32 << 10, int(rate_bytes_per_s * 0.001))
     _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{bits}bit",
           "burst", str(burst), "latency", "100ms"])
 
