@@ -496,7 +496,7 @@ def test_a_stale_pod_of_the_same_name_is_replaced_on_the_next_request(tmp_path, 
 def test_close_cuts_the_watches_reads_at_once(tmp_path, server):
     """Note [Prompt close]: quiet watches sit in a read that ends only after api_timeout_s;
     close() must not wait for it (a manager stopping would hang up to a minute here)."""
-    provider, _ = _provider(tmp_path, server, api_timeout_s=60)
+    provider, said = _provider(tmp_path, server, api_timeout_s=60)
     try:
         provider.create_vms("job-1", ["job-1-vm1"], 1, created_so_far=0)
         _wait(lambda: provider._cache.listed_at is not None and len(provider._streams) == 2, "watches open")
@@ -507,6 +507,7 @@ def test_close_cuts_the_watches_reads_at_once(tmp_path, server):
         took = time.monotonic() - started
     assert not any(t.is_alive() for t in threads)
     assert took < 30, f"close() waited {took:.1f} s for the watches' reads"
+    assert said == []  # a read cut by close() is no failure of the API server
 
 
 def test_an_unreachable_or_unusable_api_server_is_one_line(tmp_path):

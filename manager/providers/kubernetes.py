@@ -431,6 +431,8 @@ class KubernetesProvider:
                         break
                     rv = self._on_event(kind, event) or rv
             except Exception as exc:  # the thread must outlive any failure of the API server
+                if self._stop.is_set():  # close() cut the read (Note [Prompt close]): no failure
+                    break
                 if "timed out" in str(exc).lower():
                     continue
                 if getattr(exc, "status", None) == 403 and kind == "nodes":
