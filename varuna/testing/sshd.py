@@ -136,12 +136,18 @@ def start_sshd(
     Its log is ``keys.directory / f"sshd-{name}.log"``. The caller waits until it listens."""
     path = keys.directory / f"sshd-{name}.conf"
     path.write_text(_config(keys, port=port, listen=listen, name=name))
+    argv = [*wrap, SSHD, "-D", "-e", "-f", str(path)]
+    # A killed test takes its sshd with it (parent-death signal). setpriv sets it without Python
+    # between fork and exec: a preexec_fn in a test process that used the manager's gRPC client
+    # can crash the child in gRPC's fork handler (varuna/core/process.py; seen: "sshd of host 2
+    # did not start: ... epoll_wait error: Bad file descriptor").
+    setpriv = shutil.which("setpriv")
     with open(keys.directory / f"sshd-{name}.log", "wb") as log:
-        return subprocess.Popen(
-            [*wrap, SSHD, "-D", "-e", "-f", str(path)],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-            preexec_fn=_die_with_parent,  # a killed test takes its sshd with it
-        )
+        if setpriv is not None:
+            return subprocess.Popen([setpriv, "--pdeathsig", "KILL", *argv], stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=log)
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                preexec_fn=_die_with_parent)
 
 
 def stop_sshd(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
