@@ -19,11 +19,11 @@ The GPT example (deterministic mode, P = 2, checkpoint every 2 steps) on 4 pods,
    Secret the manager created is deleted, and no process is left.
 
 The workers are paused (SIGSTOP) while the new nodes come up, so the short steps cannot end
-before the grow morph; the manager's STOP order continues them (SIGCONT). 80 steps, not 40: on a
-loaded machine (stress-ng beside the suite) the job ran 11 steps in the 1.3 s the test took to see
-the first morph's two steps, and finished before the loss (phases 1-2 cannot pause the workers:
-the notice's graceful stop needs them running). Every wait is on an observable state, with a
-timeout.
+before the grow morph; the manager's STOP order continues them (SIGCONT). 200 steps, not 40: on
+a loaded machine (stress-ng beside the suite) the job ran 7-8 steps/s while the test took up to
+5 s to act on a morph, and finished before the loss (with 40 and with 80 steps); phases 1-2
+cannot pause the workers (the notice's graceful stop needs them running). With 200, a stressed
+run used 76 steps for the three phases. Every wait is on an observable state, with a timeout.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from manager.transport.convert import spec_to_pb  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "gpt2" / "train.py"
-STEPS = 80
+STEPS = 200
 EVERY = 2
 MODEL_ARGS = [
     "--n-layer",
