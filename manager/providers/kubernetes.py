@@ -33,6 +33,7 @@ each pod's command as a local process group (docs/manager.md, "kubernetes").
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -142,6 +143,16 @@ class _PodCache:
     type_options=TYPE_OPTION_KEYS,
     notice_source=POD_NOTICE_SOURCE,
 )
+def _cut(resp: Any) -> None:
+    """Note [Prompt close]: a watch thread sits in a socket read until the server sends an event
+    or api_timeout_s passes; shutting the response's socket down wakes it now, so a manager
+    stopping does not wait up to api_timeout_s per watch (``shutdown``: urllib3 >= 2.3)."""
+    shutdown = getattr(resp, "shutdown", None)
+    if shutdown is not None:
+        with contextlib.suppress(OSError):
+            shutdown()
+
+
 class KubernetesProvider:
     """See the module docstring. ``client`` (a ``kubernetes.client.ApiClient``) is for tests and
     special set-ups; by default :func:`api_client` makes one from the options."""
@@ -372,15 +383,7 @@ class KubernetesProvider:
         with self._lock:
             streams = list(self._streams.values())
         for resp in streams:
-            # Note [Prompt close]: a watch thread sits in a socket read until the server sends
-            # an event or api_timeout_s passes; shutting the socket down wakes it now, so a
-            # manager stopping does not wait up to api_timeout_s per watch.
-            shutdown = getattr(resp, "shutdown", None)  # urllib3 >= 2.3
-            if shutdown is not None:
-                try:
-                    shutdown()
-                except OSError:
-                    pass
+            _cut(resp)
         for t in self._threads:
             t.join(timeout=2 * self.options.api_timeout_s)
         self._threads = []
@@ -460,8 +463,8 @@ class KubernetesProvider:
             resp = call(*args, **kwargs)
             with self._lock:
                 self._streams[kind] = resp
-            if self._stop.is_set() and hasattr(resp, "shutdown"):  # close() ran meanwhile
-                resp.shutdown()
+            if self._stop.is_set():  # close() ran meanwhile
+                _cut(resp)
             return resp
 
         return opened

@@ -142,12 +142,10 @@ def start_sshd(
     # can crash the child in gRPC's fork handler (varuna/core/process.py; seen: "sshd of host 2
     # did not start: ... epoll_wait error: Bad file descriptor").
     setpriv = shutil.which("setpriv")
+    prefix = [setpriv, "--pdeathsig", "KILL"] if setpriv is not None else []
     with open(keys.directory / f"sshd-{name}.log", "wb") as log:
-        if setpriv is not None:
-            return subprocess.Popen([setpriv, "--pdeathsig", "KILL", *argv], stdin=subprocess.DEVNULL,
-                                    stdout=log, stderr=log)
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                preexec_fn=_die_with_parent)
+        return subprocess.Popen([*prefix, *argv], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                preexec_fn=None if prefix else _die_with_parent)
 
 
 def stop_sshd(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
