@@ -71,6 +71,21 @@ def test_a_second_provider_of_the_same_name_is_refused():
     assert provider_entry("gadget").factory is GadgetProvider  # the first one stands
 
 
+def test_the_decorator_takes_only_a_class():
+    """A helper function left between ``@register_provider(...)`` and the class was registered
+    as the provider and failed only when a job first asked for it (a CI failure)."""
+
+    def helper(resp):
+        return resp
+
+    with pytest.raises(TypeError, match=r"^register_provider\('stray'\) decorates .*helper, not a class$"):
+        register_provider(name="stray", options=GadgetOptions)(helper)
+    assert "stray" not in provider_names()
+    for name in BUILTIN:
+        factory = provider_entry(name).factory
+        assert isinstance(factory, type) and factory.name == name, (name, factory)
+
+
 def test_its_job_specs_are_judged_by_its_own_rules(tmp_path):
     spec = gadget_spec()
     assert spec_from_pb(spec_to_pb(spec)).provider_options == {"flavour": "small"}

@@ -136,13 +136,6 @@ class _PodCache:
     """Pods this provider deleted because their node is going (once each)."""
 
 
-@register_provider(
-    name="kubernetes",
-    options=KubernetesProviderOptions,
-    extra=KUBERNETES_EXTRA,
-    type_options=TYPE_OPTION_KEYS,
-    notice_source=POD_NOTICE_SOURCE,
-)
 def _cut(resp: Any) -> None:
     """Note [Prompt close]: a watch thread sits in a socket read until the server sends an event
     or api_timeout_s passes; shutting the response's socket down wakes it now, so a manager
@@ -153,6 +146,13 @@ def _cut(resp: Any) -> None:
             shutdown()
 
 
+@register_provider(
+    name="kubernetes",
+    options=KubernetesProviderOptions,
+    extra=KUBERNETES_EXTRA,
+    type_options=TYPE_OPTION_KEYS,
+    notice_source=POD_NOTICE_SOURCE,
+)
 class KubernetesProvider:
     """See the module docstring. ``client`` (a ``kubernetes.client.ApiClient``) is for tests and
     special set-ups; by default :func:`api_client` makes one from the options."""

@@ -213,6 +213,10 @@ def register_provider(
     the class is called as ``cls(parsed_options, context)``. Returns the class unchanged."""
 
     def register(cls: Any) -> Any:
+        if not isinstance(cls, type):
+            # A function left between the decorator and the class would be registered instead and
+            # fail only when a job first asks for the provider.
+            raise TypeError(f"register_provider({name!r}) decorates {_qualname(cls)}, not a class")
         _REGISTRY.add(ProviderEntry(name=name, factory=cls, options=options, extra=extra,
                                     type_options=tuple(type_options), notice_source=notice_source,
                                     check_job=check_job, module=cls.__module__))
