@@ -37,6 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from varuna.core.process import pdeathsig_prefix  # noqa: E402
 from varuna.launch.procs import pdeathsig_preexec  # noqa: E402
 
 NODES = ("n1", "n2")
@@ -195,9 +196,14 @@ class SlurmCluster:
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.base / f"{name}.out", "wb")  # noqa: SIM115 - owned by the daemon's life
         try:
+            # The parent-death signal from setpriv, not a preexec_fn: Python between fork and exec
+            # in a test process that used the manager's gRPC client can crash the child
+            # (varuna/core/process.py).
+            prefix = pdeathsig_prefix()
             self._daemons[name] = subprocess.Popen(
-                argv, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=pdeathsig_preexec(), close_fds=True,
+                [*prefix, *argv], env=self.env, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
+                preexec_fn=None if prefix else pdeathsig_preexec(),
             )
         finally:
             log.close()

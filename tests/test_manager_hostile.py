@@ -23,6 +23,7 @@ import queue
 import resource
 import secrets
 import select
+import shutil
 import signal
 import socket
 import sqlite3
@@ -197,6 +198,17 @@ def _closed_by_peer(sock: socket.socket, received: dict[socket.socket, bytes] | 
             received[sock] = received.get(sock, b"") + data
 
 
+def _with_nofile(soft: int, hard: int, argv: list[str]) -> list[str]:
+    """``argv`` run with descriptor limits ``soft``/``hard``, set by util-linux's prlimit, which
+    then execs it: a ``preexec_fn`` would run Python between fork and exec, and in this test
+    process, which used the manager's gRPC client, gRPC's fork handler can crash the child
+    ("epoll_wait error: Bad file descriptor", exit -6: varuna/core/process.py)."""
+    prlimit = shutil.which("prlimit")
+    if prlimit is None:
+        pytest.skip("needs util-linux's prlimit to start a process with a lower descriptor limit")
+    return [prlimit, f"--nofile={soft}:{hard}", "--", *argv]
+
+
 @pytest.mark.slow
 def test_half_open_dashboard_connections_do_not_cut_the_manager_off(tmp_path):
     """1,100 connections that send half a request, against a manager whose descriptor limit is
@@ -214,9 +226,10 @@ def test_half_open_dashboard_connections_do_not_cut_the_manager_off(tmp_path):
             "--listen", "127.0.0.1:0", "--token-file", str(token), "--dashboard", "127.0.0.1:0",
             "--dashboard-timeout", "300"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # The limit from prlimit, not a preexec_fn (_with_nofile).
     proc = subprocess.Popen(
-        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)),
+        _with_nofile(limit, limit, argv), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
     )  # fmt: skip
     socks: list[socket.socket] = []
     try:
@@ -316,9 +329,8 @@ def test_serve_raises_its_soft_descriptor_limit(tmp_path):
     """``raise_soft_limit`` (what ``serve`` runs first) takes the soft limit up to the hard one."""
     code = "from manager.common.descriptors import raise_soft_limit; print(raise_soft_limit())"
     out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 2048)),
+        _with_nofile(256, 2048, [sys.executable, "-c", code]), cwd=ROOT, capture_output=True, text=True,
+        timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip() == "2048", out.stderr
 

@@ -19,11 +19,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import shutil
 import signal
 import sys
 from collections.abc import Callable
 
-__all__ = ["PARENT_PID_VAR", "PR_SET_PDEATHSIG", "die_with_parent", "libc_prctl"]
+__all__ = ["PARENT_PID_VAR", "PR_SET_PDEATHSIG", "die_with_parent", "libc_prctl", "pdeathsig_prefix"]
 
 #: Environment variable a parent sets to its pid for a child that calls :func:`die_with_parent`.
 PARENT_PID_VAR = "VARUNA_PARENT_PID"
@@ -71,3 +72,19 @@ def die_with_parent(expected_parent: int) -> bool:
     if os.getppid() != expected_parent:
         os.kill(os.getpid(), signal.SIGKILL)
     return True
+
+
+def pdeathsig_prefix() -> list[str]:
+    """Words to put before a command that is not Python (a daemon: sshd, slurmd) so the kernel
+    SIGKILLs it when the spawning thread dies: util-linux's ``setpriv --pdeathsig KILL``, which
+    sets the signal and execs the command, with no Python between fork and exec. Empty where
+    setpriv is missing (then a ``preexec_fn`` is the fallback, with the hazard above).
+
+    Example::
+
+        >>> import subprocess
+        >>> subprocess.run([*pdeathsig_prefix(), "true"]).returncode
+        0
+    """
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL"] if setpriv is not None else []

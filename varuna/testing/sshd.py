@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from varuna.core.process import PR_SET_PDEATHSIG, libc_prctl
+from varuna.core.process import PR_SET_PDEATHSIG, libc_prctl, pdeathsig_prefix
 
 __all__ = ["SSHD", "SshKeys", "sshd_unavailable", "start_sshd", "stop_sshd"]
 
@@ -141,8 +141,7 @@ def start_sshd(
     # between fork and exec: a preexec_fn in a test process that used the manager's gRPC client
     # can crash the child in gRPC's fork handler (varuna/core/process.py; seen: "sshd of host 2
     # did not start: ... epoll_wait error: Bad file descriptor").
-    setpriv = shutil.which("setpriv")
-    prefix = [setpriv, "--pdeathsig", "KILL"] if setpriv is not None else []
+    prefix = pdeathsig_prefix()
     with open(keys.directory / f"sshd-{name}.log", "wb") as log:
         return subprocess.Popen([*prefix, *argv], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                 preexec_fn=None if prefix else _die_with_parent)
