@@ -195,3 +195,55 @@ def test_the_engine_announces_its_phases_when_asked(capfd, monkeypatch):
     monkeypatch.setenv(LIFECYCLE_VAR, "1")
     lines = [x for x in build_and_close().splitlines() if x.startswith("VARUNA_LIFECYCLE")]
     assert lines == [marker_line(p).strip() for p in PHASES]
+
+
+#: Note [Echoes of an exit] (varuna/launch/supervisor.py): rank 0 prints what c10d prints when a
+#: peer's socket closes, then tells rank 1 (a file) it has; rank 1 then refuses its configuration
+#: (argv[1] == "refuse") or exits 0 after printing nothing. Rank 0's line thus always reaches the
+#: launcher first, the order a loaded machine produced.
+ECHO_WORKER = """
+import os, pathlib, sys, time
+from varuna.core.config_error import CONFIG_EXIT_CODE, ERROR_PREFIX
+said = pathlib.Path(sys.argv[2])
+if os.environ["RANK"] == "0":
+    print("[E1129 19:14:30.574705783 ProcessGroupGloo.cpp:67] Gloo connectFullMesh failed with "
+          "Connection closed by peer [127.0.0.1]:9114", file=sys.stderr, flush=True)
+    said.touch()
+    sys.exit(0)
+deadline = time.monotonic() + 30
+while not said.exists() and time.monotonic() < deadline:
+    time.sleep(0.01)
+if sys.argv[1] == "refuse":
+    print(f"{ERROR_PREFIX}pipeline depth 3 exceeds the 2 segments", file=sys.stderr, flush=True)
+    sys.exit(CONFIG_EXIT_CODE)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("rank1", ["refuse", "exit"])
+def test_a_peers_echo_of_a_refused_configuration_is_only_logged(tmp_path, rank1):
+    """A refused configuration is the job's one line even when another rank's c10d error line
+    (the echo of the refusing rank's exit) reached the launcher first; without a refusal (the
+    negative control) that line is shown as it is."""
+    cfg = LaunchConfig(script="-c", script_args=(ECHO_WORKER, rank1, str(tmp_path / "said")),
+                       pipeline_depth=2, data_parallel=1)
+    hosts = [LocalHost(slots=2)]
+    out, err = io.StringIO(), io.StringIO()
+    sup = Supervisor(plan_workers(cfg, hosts, master_port=1), hosts, stop_timeout_s=30.0, stdout=out,
+                     stderr=err, log_dir=str(tmp_path / "logs"))
+    try:
+        sup.start()
+        code = sup.wait()
+    finally:
+        sup.close()
+    echo = "Gloo connectFullMesh failed with Connection closed by peer"
+    if rank1 == "refuse":
+        assert code == 2 and err.getvalue().splitlines() == [
+            "varuna-launch: job failed: rank 1 stage 1 replica 0: pipeline depth 3 exceeds the 2 segments"
+        ], err.getvalue()
+        assert echo in (tmp_path / "logs" / "rank0.log").read_text(), "the echo is kept in the log"
+    else:
+        assert code == 0, err.getvalue()
+        shown = "[rank 0 stage 0 replica 0] [E1129 19:14:30.574705783 ProcessGroupGloo.cpp:67] "
+        assert [line for line in err.getvalue().splitlines() if echo in line] == [
+            f"{shown}{echo} [127.0.0.1]:9114"]

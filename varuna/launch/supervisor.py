@@ -64,6 +64,7 @@ import collections
 import contextlib
 import itertools
 import os
+import re
 import select
 import signal
 import subprocess
@@ -109,6 +110,14 @@ LAST_WORDS_TIMEOUT_S = 2.0
 #: Note [Blame]: how long an exit with PEER_LOST_EXIT_CODE waits for a primary cause (a kill -9
 #: seen by the agent and the survivor's own report of it race by milliseconds).
 BLAME_WINDOW_S = 1.0
+
+#: Note [Echoes of an exit]: how long a c10d error line waits to learn whether the job is ending
+#: on another rank's configuration error (then it is only logged). A worker that refuses its
+#: configuration prints its line and exits; the others' gloo sockets see the close within
+#: milliseconds and log "Connection closed by peer", which under load reached the terminal
+#: before the refusal's own line was read (a stressed test run).
+ECHO_HOLD_S = 1.0
+_C10_ERROR = re.compile(r"\[[EF]\d{4} \d{2}:\d{2}:\d{2}\.\d+ ")
 
 #: How often the supervisor polls worker exits. Signals wake it at once (self-pipe), so this
 #: only bounds how late a worker exit is noticed.
@@ -245,7 +254,8 @@ class Supervisor:
         self._config_lines: dict[int, str] = {}  # rank -> its "varuna: error: ..." line
         #: a worker refused its configuration (exit 78): the job ends with its line, exit 2
         self.config_error = False
-        self._quiet = False  # after a configuration error: the others' output goes to the logs only
+        # After a configuration error (or an early exit): the others' output goes to the logs only.
+        self._quiet = threading.Event()
         self._suspects = _Suspects()  # Note [Blame]
         self._readers_of: dict[int, list[threading.Thread]] = {}
         self._progress = progress  # a bar while the workers start (varuna.core.progress)
@@ -436,7 +446,7 @@ class Supervisor:
         line = self._config_lines.get(rank) or (f"exited with code {CONFIG_EXIT_CODE} (a configuration "
                                                 "error; see its log)")
         self.config_error = True
-        self._quiet = True
+        self._quiet.set()
         self._cause = ("failed", f"{_where(worker)}: {line}")
         self._begin_stop(signal.SIGTERM)
 
@@ -456,7 +466,7 @@ class Supervisor:
             return
         worker = next(w for w in self.workers if w.spec.env.rank == rank)
         self.early_exit = True
-        self._quiet = True
+        self._quiet.set()
         line = early_exit_line(_where(worker), self._exit_codes[rank], waiting=self._lifecycle.waiting(ranks))
         self._cause = ("failed", line)
         self._begin_stop(signal.SIGTERM)
@@ -503,7 +513,7 @@ class Supervisor:
                                    "script does not use varuna.runtime.live_trainer.LiveTrainer (or "
                                    "LiveWorld.join), so the others cannot regroup")
             self._cause = ("restart", self.restart_reason)
-            self._quiet = True
+            self._quiet.set()
             self._begin_stop(signal.SIGTERM)
             return
         self.lost.append(rank)
@@ -630,6 +640,7 @@ class Supervisor:
         prefix = f"[{_where(worker)}] "
         rank = worker.spec.env.rank
         frames = _CppFrames()
+        hold_until = 0.0  # Note [Echoes of an exit]
         try:
             for raw in iter(stream.readline, b""):
                 text = raw.decode("utf-8", errors="replace")
@@ -639,15 +650,23 @@ class Supervisor:
                 if phase is not None:  # Note [Lifecycle lines]: for the launcher and the log only
                     self._lifecycle.saw(rank, phase)
                     self._log_line(rank, text)
-                    if head and not self._quiet:  # the script's unfinished line, shown as its own
+                    if head and not self._quiet.is_set():  # the script's unfinished line, shown as its own
                         with self._out_lock:
                             self._write(sink, prefix + head + "\n")
                     continue
                 if text.startswith(ERROR_PREFIX):  # the job's last line quotes it (_config_error)
                     self._config_lines[rank] = text.strip().removeprefix(ERROR_PREFIX)
+                    self._quiet.set()  # now, not when its exit is polled: Note [Echoes of an exit]
                 elif text.startswith("varuna: "):
                     self._last_note[rank] = text.strip()
-                shown = not (frames.swallow(text) or self._quiet or text.startswith(ERROR_PREFIX))
+                shown = not (frames.swallow(text) or self._quiet.is_set() or text.startswith(ERROR_PREFIX))
+                if shown and _C10_ERROR.match(text):
+                    # Note [Echoes of an exit]: c10d's error line in this rank is most often the
+                    # echo of another rank's exit (its sockets closed); if that exit was a refused
+                    # configuration, the job's answer is its one line, and this one is noise.
+                    # Held once per rank: a survivor's many lines do not add up to a long stall.
+                    hold_until = hold_until or time.monotonic() + ECHO_HOLD_S
+                    shown = not self._quiet.wait(max(0.0, hold_until - time.monotonic()))
                 with self._out_lock:
                     if shown:
                         self._write(sink, prefix + text)
