@@ -170,6 +170,23 @@ class _CppFrames:
         return False
 
 
+class _Echoes:
+    """Note [Echoes of an exit]: c10d's error line in a rank is most often the echo of another
+    rank's exit (its sockets closed); if that exit was a refused configuration, the job's answer
+    is that one line, and the echo is noise. A c10d line waits up to ECHO_HOLD_S for the refusal
+    to be read (``quiet`` set), once per rank: a survivor's many lines do not add up to a stall."""
+
+    def __init__(self, quiet: threading.Event) -> None:
+        self._quiet, self._until = quiet, 0.0
+
+    def hidden(self, line: str) -> bool:
+        """Whether ``line`` is a c10d error line and the job went quiet within the hold."""
+        if not _C10_ERROR.match(line):
+            return False
+        self._until = self._until or time.monotonic() + ECHO_HOLD_S
+        return self._quiet.wait(max(0.0, self._until - time.monotonic()))
+
+
 def _joined(threads: Sequence[threading.Thread], timeout_s: float) -> bool:
     """Join ``threads`` within ``timeout_s`` in all; whether they all ended."""
     deadline = time.monotonic() + timeout_s
@@ -640,7 +657,7 @@ class Supervisor:
         prefix = f"[{_where(worker)}] "
         rank = worker.spec.env.rank
         frames = _CppFrames()
-        hold_until = 0.0  # Note [Echoes of an exit]
+        echoes = _Echoes(self._quiet)
         try:
             for raw in iter(stream.readline, b""):
                 text = raw.decode("utf-8", errors="replace")
@@ -660,13 +677,7 @@ class Supervisor:
                 elif text.startswith("varuna: "):
                     self._last_note[rank] = text.strip()
                 shown = not (frames.swallow(text) or self._quiet.is_set() or text.startswith(ERROR_PREFIX))
-                if shown and _C10_ERROR.match(text):
-                    # Note [Echoes of an exit]: c10d's error line in this rank is most often the
-                    # echo of another rank's exit (its sockets closed); if that exit was a refused
-                    # configuration, the job's answer is its one line, and this one is noise.
-                    # Held once per rank: a survivor's many lines do not add up to a long stall.
-                    hold_until = hold_until or time.monotonic() + ECHO_HOLD_S
-                    shown = not self._quiet.wait(max(0.0, hold_until - time.monotonic()))
+                shown = shown and not echoes.hidden(text)
                 with self._out_lock:
                     if shown:
                         self._write(sink, prefix + text)
